@@ -1,0 +1,3 @@
+from omni_dp.cli import main
+
+main()

@@ -1,0 +1,174 @@
+"""`omni-dp serve` options in, a validated plan (or every problem at once) out.
+
+Planning reads facts (is CUDA there, how much memory is free, the model directory's config) but
+creates nothing: a bad command line exits 2 before a socket is bound or a byte allocated.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+from omni_dp.engine.config import ModelConfig, ModelConfigError, resolve_model
+from omni_dp.engine.kv_cache import DEFAULT_PAGE_SIZE, KVCacheSpec, KVSizingError, plan_kv_cache
+from omni_dp.sizes import format_size
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+# Weights, activations and allocator slack on top of the KV pool; used only to refuse a plan
+# that cannot fit, never to size anything.
+_OVERHEAD_BYTES = 256 * 1024**2
+
+
+class ServePlanError(ValueError):
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8100
+    model: str = "tiny"
+    weight_seed: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int | None = None
+    kv_cache_bytes: int | None = None
+    max_total_tokens: int | None = None
+    page_size: int = DEFAULT_PAGE_SIZE
+    max_running_requests: int = 32
+    max_queued_requests: int = 256
+    max_input_chars: int = 2000
+    max_body_bytes: int = 64 * 1024
+    drain_timeout: float = 30.0
+    served_model_name: str | None = None
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    options: ServeOptions
+    cfg: ModelConfig
+    model_dir: str | None
+    device: torch.device
+    dtype: torch.dtype
+    threads: int
+    kv: KVCacheSpec
+    served_model_name: str
+    notes: list[str] = field(default_factory=list)
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def plan_serve(options: ServeOptions) -> ServePlan:
+    problems: list[str] = []
+    notes: list[str] = []
+
+    cfg: ModelConfig | None = None
+    model_dir = None
+    try:
+        cfg, path = resolve_model(options.model)
+        model_dir = str(path) if path else None
+    except ModelConfigError as exc:
+        problems.append(str(exc))
+
+    device = _resolve_device(options.device, problems)
+    dtype = _resolve_dtype(options.dtype, device, problems)
+    threads = options.threads if options.threads is not None else available_cpus()
+    if threads < 1:
+        problems.append(f"--threads must be at least 1, got {threads}")
+    for name in ("max_running_requests", "max_input_chars", "max_body_bytes"):
+        if getattr(options, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be at least 1")
+    if options.max_queued_requests < 0:
+        problems.append("--max-queued-requests must not be negative")
+    if options.drain_timeout < 0:
+        problems.append("--drain-timeout must not be negative")
+    if not 0 <= options.port <= 65535:
+        problems.append(f"--port must be 0-65535, got {options.port}")
+
+    kv = None
+    if cfg is not None and dtype is not None:
+        try:
+            kv = plan_kv_cache(
+                num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                dtype=dtype, page_size=options.page_size,
+                kv_cache_bytes=options.kv_cache_bytes, max_total_tokens=options.max_total_tokens,
+            )
+        except KVSizingError as exc:
+            problems.append(str(exc))
+    if kv is not None and device is not None:
+        _check_memory(kv, device, problems)
+    if problems:
+        raise ServePlanError(problems)
+    assert cfg is not None and kv is not None and device is not None and dtype is not None
+    return ServePlan(
+        options=options, cfg=cfg, model_dir=model_dir, device=device, dtype=dtype,
+        threads=threads, kv=kv, served_model_name=options.served_model_name or f"omni-dp-{cfg.name}",
+        notes=notes,
+    )
+
+
+def _resolve_device(name: str, problems: list[str]) -> torch.device | None:
+    if name == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        problems.append(f"--device {name!r} is not a device; use auto, cpu, cuda or cuda:N")
+        return None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            problems.append(
+                f"--device {name}: CUDA is not available here (no GPU, no driver, or a CPU-only "
+                "torch build); use --device cpu"
+            )
+            return None
+        index = device.index or 0
+        if index >= torch.cuda.device_count():
+            problems.append(f"--device {name}: only {torch.cuda.device_count()} GPU(s) visible")
+            return None
+        return torch.device("cuda", index)
+    if device.type != "cpu":
+        problems.append(f"--device {name!r} is not supported; use auto, cpu, cuda or cuda:N")
+        return None
+    return device
+
+
+def _resolve_dtype(
+    name: str, device: torch.device | None, problems: list[str]
+) -> torch.dtype | None:
+    if name == "auto":
+        # float64 on CPU: batch composition then changes logits by ~1e-13 instead of ~1e-5,
+        # so a request's samples do not depend on what it was batched with.
+        if device is None or device.type == "cpu":
+            return torch.float64
+        return torch.bfloat16
+    if name not in DTYPES:
+        problems.append(f"--dtype {name!r} is not supported; use auto, {', '.join(DTYPES)}")
+        return None
+    return DTYPES[name]
+
+
+def _check_memory(kv: KVCacheSpec, device: torch.device, problems: list[str]) -> None:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        where = f"free memory on {device}"
+    else:
+        free = psutil.virtual_memory().available
+        where = "available host memory"
+    if kv.cache_bytes + _OVERHEAD_BYTES > free:
+        problems.append(
+            f"the KV pool needs {format_size(kv.cache_bytes)} (+{format_size(_OVERHEAD_BYTES)} "
+            f"overhead) but {where} is {format_size(free)}; lower --kv-cache-bytes or "
+            "--max-total-tokens"
+        )

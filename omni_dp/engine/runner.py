@@ -1,0 +1,68 @@
+"""The model runner: turns a scheduler output into one talker call and sampled codes.
+
+It sees token ids, positions and page ids only; it never touches the queues or the allocator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from omni_dp.engine.kv_cache import KVCache
+from omni_dp.engine.model import FlatBatch, SequenceSlice, Talker
+from omni_dp.engine.sampling import sample, uniform_for
+from omni_dp.engine.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, talker: Talker, kv_cache: KVCache, device: torch.device) -> None:
+        self.talker = talker
+        self.kv_cache = kv_cache
+        self.device = device
+        self.page_size = kv_cache.spec.page_size
+        self.temperature = talker.cfg.temperature
+
+    def build_batch(self, output: SchedulerOutput) -> FlatBatch:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_pages: list[int] = []
+        slot_offsets: list[int] = []
+        sequences: list[SequenceSlice] = []
+        for item in output.scheduled:
+            request = item.request
+            start_pos = request.num_computed_tokens
+            end_pos = start_pos + item.num_new_tokens
+            row = len(input_ids)
+            input_ids += request.token_ids(start_pos, end_pos)
+            for pos in range(start_pos, end_pos):
+                positions.append(pos)
+                slot_pages.append(request.pages[pos // self.page_size])
+                slot_offsets.append(pos % self.page_size)
+            sequences.append(
+                SequenceSlice(
+                    start=row,
+                    end=row + item.num_new_tokens,
+                    context_len=end_pos,
+                    page_table=torch.tensor(request.pages, dtype=torch.long, device=self.device),
+                )
+            )
+
+        def as_tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        return FlatBatch(
+            input_ids=as_tensor(input_ids),
+            positions=as_tensor(positions),
+            slot_pages=as_tensor(slot_pages),
+            slot_offsets=as_tensor(slot_offsets),
+            sequences=sequences,
+        )
+
+    def execute(self, output: SchedulerOutput) -> list[int]:
+        """Run the talker on every scheduled request and sample its next code."""
+        batch = self.build_batch(output)
+        logits = self.talker(batch, self.kv_cache.k, self.kv_cache.v)
+        uniforms = [
+            uniform_for(item.request.seed, len(item.request.output_codes))
+            for item in output.scheduled
+        ]
+        return sample(logits, self.temperature, uniforms)

@@ -1,0 +1,369 @@
+"""The replica's HTTP server: the contract in DESIGN.md, served by aiohttp.
+
+Lifecycle: bind the port (so /health answers 503 "starting" at once), load weights and allocate
+the KV pool off the event loop, then serve. SIGTERM/SIGINT: /health and new requests turn 503,
+in-flight requests finish (up to --drain-timeout), exit 0. A dead stage worker: exit 3.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import signal
+import socket
+import time
+from enum import Enum
+
+import torch
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from omni_dp import __version__
+from omni_dp.engine.api import ApiError, SpeechParams, parse_speech_body
+from omni_dp.engine.audio import sse_audio_delta, sse_audio_done, sse_error, wav_header
+from omni_dp.engine.kv_cache import KVCache
+from omni_dp.engine.metrics import ReplicaMetrics
+from omni_dp.engine.pipeline import EngineFailed, Pipeline
+from omni_dp.engine.plan import ServePlan
+from omni_dp.engine.preprocess import PreprocessError, build_prompt, default_max_new_tokens
+from omni_dp.engine.sampling import derive_seed
+from omni_dp.engine.scheduler import AdmissionError
+from omni_dp.engine.weights import PipelineModels, load_models, seeded_models
+
+log = logging.getLogger("omni_dp.serve")
+
+EXIT_OK, EXIT_USAGE, EXIT_RUNTIME = 0, 2, 3
+_CONTENT_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
+
+
+class State(str, Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    FAILED = "failed"
+
+
+class PortInUse(OSError):
+    pass
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before anything is loaded, so a taken port is a usage error (exit 2), not a crash."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUse(f"{host}:{port} is already in use; pick another --port") from None
+        raise
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+def build_models(plan: ServePlan) -> PipelineModels:
+    if plan.model_dir is None:
+        models = seeded_models(plan.cfg, plan.options.weight_seed)
+    else:
+        from pathlib import Path
+
+        models = load_models(plan.cfg, Path(plan.model_dir))
+    models.talker.to(device=plan.device, dtype=plan.dtype)
+    models.vocoder.to(device=plan.device)  # float32: audio is quantised to 16 bits anyway
+    return models
+
+
+class ReplicaServer:
+    def __init__(self, plan: ServePlan) -> None:
+        self.plan = plan
+        self.options = plan.options
+        self.state = State.STARTING
+        self.pipeline: Pipeline | None = None
+        self.models: PipelineModels | None = None
+        self.exit_code = EXIT_OK
+        self._stop = asyncio.Event()
+        self._signals = 0
+        self._drain_deadline = 0.0
+        self._started_at = time.time()
+        self.metrics = ReplicaMetrics(lambda: self.pipeline.stats() if self.pipeline else None)
+        self.app = web.Application(client_max_size=self.options.max_body_bytes)
+        self.app.add_routes([
+            web.get("/health", self.health),
+            web.get("/get_server_info", self.server_info),
+            web.get("/v1/models", self.list_models),
+            web.get("/metrics", self.prometheus),
+            web.post("/v1/audio/speech", self.speech),
+        ])
+
+    # --- lifecycle ---------------------------------------------------------------------
+    async def run(self, sock: socket.socket) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        # handler_cancellation: a client that hangs up cancels its handler at once, which
+        # aborts its request and frees its KV pages.
+        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+        host, port = sock.getsockname()[:2]
+        log.info("listening on http://%s:%d (state: starting)", host, port)
+        try:
+            await self._load()
+            if self.state == State.STARTING:
+                self.state = State.READY
+                log.info("ready: %s", self._summary())
+            await self._stop.wait()
+            await self._drain()
+        finally:
+            await runner.cleanup()
+            if self.pipeline is not None:
+                self.pipeline.stop()
+        return self.exit_code
+
+    async def _load(self) -> None:
+        plan = self.plan
+        try:
+            self.models = await asyncio.to_thread(build_models, plan)
+            kv_cache = await asyncio.to_thread(KVCache, plan.kv, plan.device)
+        except Exception as exc:  # weights or pool that cannot be had: report, exit 3
+            log.error("start-up failed: %s", exc)
+            self.state = State.FAILED
+            self.exit_code = EXIT_RUNTIME
+            self._stop.set()
+            return
+        self.pipeline = Pipeline(
+            self.models, kv_cache, plan.device,
+            max_running_requests=self.options.max_running_requests, on_fatal=self._on_fatal,
+        )
+        self.pipeline.start()
+
+    def _summary(self) -> str:
+        kv = self.plan.kv
+        return (
+            f"model {self.plan.cfg.name} on {self.plan.device} ({str(self.plan.dtype)[6:]}), "
+            f"KV {kv.max_total_tokens} tokens = {kv.num_pages} pages × {kv.page_size}, "
+            f"{kv.cache_bytes} bytes, {self.plan.threads} threads"
+        )
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            log.info("%s: draining (up to %.0fs)", sig.name, self.options.drain_timeout)
+            if self.state != State.FAILED:
+                self.state = State.DRAINING
+            self._stop.set()
+        else:
+            log.info("%s again: stopping without waiting for in-flight requests", sig.name)
+            self._drain_deadline = 0.0
+
+    def _on_fatal(self, reason: str) -> None:
+        self.state = State.FAILED
+        self.exit_code = EXIT_RUNTIME
+        self._stop.set()
+
+    async def _drain(self) -> None:
+        if self.pipeline is None:
+            return
+        self._drain_deadline = time.monotonic() + self.options.drain_timeout
+        while self.pipeline.num_in_flight and time.monotonic() < self._drain_deadline:
+            await asyncio.sleep(0.05)
+        if self.pipeline.num_in_flight:
+            log.warning("drain timeout: %d request(s) cut off", self.pipeline.num_in_flight)
+
+    # --- routes ------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        status = 200 if self.state == State.READY else 503
+        return web.json_response({"status": self.state.value}, status=status)
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        if self.pipeline is None or self.models is None:
+            return web.json_response({"status": self.state.value}, status=503)
+        plan, kv = self.plan, self.plan.kv
+        return web.json_response({
+            "version": __version__,
+            "state": self.state.value,
+            "max_total_num_tokens": kv.max_total_tokens,
+            "kv_cache_bytes": kv.cache_bytes,
+            "kv_bytes_per_token": kv.bytes_per_token,
+            "page_size": kv.page_size,
+            "num_pages": kv.num_pages,
+            "max_running_requests": self.options.max_running_requests,
+            "max_queued_requests": self.options.max_queued_requests,
+            "device": str(plan.device),
+            "dtype": str(plan.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(),
+            "processes": self.pipeline.processes(),
+            "model": {
+                "name": plan.cfg.name,
+                "served_name": plan.served_model_name,
+                "source": self.models.source,
+                "parameters": self.models.num_parameters,
+                "sample_rate": plan.cfg.sample_rate,
+                "frame_rate_hz": plan.cfg.frame_rate_hz,
+                "max_new_tokens": plan.cfg.max_new_tokens,
+            },
+            "started_at": self._started_at,
+        })
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.plan.served_model_name, "object": "model",
+            "created": int(self._started_at), "owned_by": "omni-dp",
+        }]})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.metrics.registry),
+            headers={"Content-Type": CONTENT_TYPE_LATEST},
+        )
+
+    async def speech(self, request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        try:
+            params, prompt, max_new_tokens, seed = await self._admit(request)
+        except ApiError as exc:
+            outcome = "rejected" if exc.status == 503 else "bad_request"
+            self.metrics.requests.labels(outcome).inc()
+            headers = {"Retry-After": "1"} if exc.status == 503 else None
+            return web.json_response(exc.body(), status=exc.status, headers=headers)
+        assert self.pipeline is not None
+        chunks = self.pipeline.synthesize(prompt, max_new_tokens=max_new_tokens, seed=seed)
+        if params.stream:
+            return await self._stream(request, params, seed, chunks, started)
+        return await self._whole(params, seed, chunks, started)
+
+    async def _admit(self, request: web.Request):
+        if self.state != State.READY:
+            raise ApiError(503, f"replica is {self.state.value}; retry on another replica")
+        assert self.pipeline is not None
+        limit = self.options.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise ApiError(413, f"body is {request.content_length} bytes; the limit is {limit}")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(413, f"body exceeds the limit of {limit} bytes") from None
+        cfg = self.plan.cfg
+        params = parse_speech_body(raw, max_new_tokens_limit=cfg.max_new_tokens)
+        try:
+            prompt = build_prompt(cfg, params.input, params.voice, self.options.max_input_chars)
+        except PreprocessError as exc:
+            raise ApiError(400, str(exc), exc.field) from None
+        max_new_tokens = params.max_new_tokens or default_max_new_tokens(cfg, prompt)
+        if len(prompt.token_ids) + max_new_tokens > cfg.max_position:
+            raise ApiError(
+                400, f"input and max_new_tokens need {len(prompt.token_ids) + max_new_tokens} "
+                f"positions; the model has {cfg.max_position}", "input",
+            )
+        try:
+            self.pipeline.check_admissible(prompt, max_new_tokens)
+        except AdmissionError as exc:
+            raise ApiError(400, str(exc), "input") from None
+        capacity = self.options.max_running_requests + self.options.max_queued_requests
+        if self.pipeline.num_in_flight >= capacity:
+            raise ApiError(503, f"replica is full ({capacity} requests in flight); retry shortly")
+        seed = params.seed
+        if seed is None:
+            seed = derive_seed({"input": prompt.text, "voice": params.voice,
+                                "max_new_tokens": max_new_tokens})
+        return params, prompt, max_new_tokens, seed
+
+    async def _whole(self, params: SpeechParams, seed: int, chunks, started: float) -> web.Response:
+        pcm = bytearray()
+        first = None
+        try:
+            async for chunk in chunks:
+                first = first or time.perf_counter()
+                pcm += chunk
+        except EngineFailed as exc:
+            self.metrics.requests.labels("failed").inc()
+            return web.json_response(ApiError(500, f"engine failed: {exc}").body(), status=500)
+        except asyncio.CancelledError:
+            self.metrics.requests.labels("client_disconnected").inc()
+            raise
+        self._record(started, first, len(pcm))
+        body = bytes(pcm)
+        if params.response_format == "wav":
+            body = wav_header(self.plan.cfg.sample_rate, len(pcm)) + body
+        return web.Response(body=body, headers=self._audio_headers(params, seed))
+
+    async def _stream(self, request, params: SpeechParams, seed: int, chunks, started: float):
+        sse = params.stream_format == "sse"
+        response = web.StreamResponse(headers=self._audio_headers(params, seed))
+        if sse:
+            response.content_type = "text/event-stream"
+            response.headers["Cache-Control"] = "no-cache"
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        first = None
+        num_bytes = 0
+        try:
+            if params.response_format == "wav":
+                header = wav_header(self.plan.cfg.sample_rate, None)
+                await response.write(sse_audio_delta(header) if sse else header)
+            async for chunk in chunks:
+                first = first or time.perf_counter()
+                num_bytes += len(chunk)
+                await response.write(sse_audio_delta(chunk) if sse else chunk)
+            if sse:
+                await response.write(sse_audio_done(self._usage(num_bytes)))
+        except EngineFailed as exc:
+            self.metrics.requests.labels("failed").inc()
+            if sse:
+                await response.write(sse_error(f"engine failed: {exc}"))
+            # No terminating chunk: the client sees a broken stream, not a short success.
+            request.transport.close()
+            return response
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.metrics.requests.labels("client_disconnected").inc()
+            raise
+        await response.write_eof()
+        self._record(started, first, num_bytes)
+        return response
+
+    def _audio_headers(self, params: SpeechParams, seed: int) -> dict[str, str]:
+        return {
+            "Content-Type": _CONTENT_TYPES[params.response_format],
+            "X-Sample-Rate": str(self.plan.cfg.sample_rate),
+            "X-Seed": str(seed),  # send it back as `seed` to reproduce this audio anywhere
+        }
+
+    def _usage(self, num_bytes: int) -> dict:
+        return {"audio_seconds": num_bytes / 2 / self.plan.cfg.sample_rate}
+
+    def _record(self, started: float, first: float | None, num_bytes: int) -> None:
+        now = time.perf_counter()
+        self.metrics.requests.labels("ok").inc()
+        self.metrics.audio_seconds.inc(num_bytes / 2 / self.plan.cfg.sample_rate)
+        self.metrics.latency.observe(now - started)
+        if first is not None:
+            self.metrics.first_audio.observe(first - started)
+
+
+def serve(plan: ServePlan) -> int:
+    """Run one replica until it is told to stop; return the process exit code."""
+    torch.set_num_threads(plan.threads)
+    try:
+        sock = bind_socket(plan.options.host, plan.options.port)
+    except PortInUse as exc:
+        log.error("%s", exc)
+        return EXIT_USAGE
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", plan.options.host, plan.options.port, exc)
+        return EXIT_USAGE
+    for note in plan.notes:
+        log.info("note: %s", note)
+    with contextlib.suppress(ImportError):
+        import uvloop  # optional: faster event loop when installed
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+    async def main() -> int:
+        return await ReplicaServer(plan).run(sock)
+
+    return asyncio.run(main())
