@@ -109,7 +109,7 @@ class ModelConfig:
             if int(getattr(self, name)) <= 0:
                 problems.append(f"{name} must be positive")
         if self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads:
-            problems.append("num_heads must be a multiple of num_kv_heads (grouped-query attention)")
+            problems.append("num_heads must be a multiple of num_kv_heads (grouped queries)")
         if self.head_dim % 2:
             problems.append("head_dim must be even (rotary positions rotate pairs)")
         if self.temperature <= 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from omni_dp.engine.scheduler import SchedulerStats
 
@@ -27,10 +27,16 @@ class _SchedulerCollector:
             ("omni_dp_requests_waiting", "Requests queued for admission.", stats.num_waiting),
             ("omni_dp_kv_pages_used", "KV pages held by requests.", stats.num_pages_used),
             ("omni_dp_kv_pages_total", "KV pages in the pool.", stats.num_pages_total),
-            ("omni_dp_preemptions", "Preemptions since start (a count).",
-             stats.num_preemptions_total),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily(
+            "omni_dp_preemptions", "Running requests sent back to the queue for lack of KV pages.",
+            value=stats.num_preemptions_total,
+        )
+        yield CounterMetricFamily(
+            "omni_dp_generated_tokens", "Codec tokens sampled by the talker (end tokens included).",
+            value=stats.num_generated_tokens_total,
+        )
 
 
 class ReplicaMetrics:

@@ -113,8 +113,8 @@ def plan_serve(options: ServeOptions) -> ServePlan:
     assert cfg is not None and kv is not None and device is not None and dtype is not None
     return ServePlan(
         options=options, cfg=cfg, model_dir=model_dir, device=device, dtype=dtype,
-        threads=threads, kv=kv, served_model_name=options.served_model_name or f"omni-dp-{cfg.name}",
-        notes=notes,
+        threads=threads, kv=kv, notes=notes,
+        served_model_name=options.served_model_name or f"omni-dp-{cfg.name}",
     )
 
 

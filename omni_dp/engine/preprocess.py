@@ -42,10 +42,10 @@ def normalize_text(text: str) -> str:
 
 
 def build_prompt(cfg: ModelConfig, text: str, voice: str, max_input_chars: int) -> TalkerPrompt:
-    if voice not in VOICES[: cfg.num_speakers]:
-        raise PreprocessError(
-            "voice", f"unknown voice {voice!r}; choose one of {', '.join(VOICES[:cfg.num_speakers])}"
-        )
+    voices = VOICES[: cfg.num_speakers]
+    if voice not in voices:
+        choices = ", ".join(voices)
+        raise PreprocessError("voice", f"unknown voice {voice!r}; choose one of {choices}")
     normalized = normalize_text(text)
     if not normalized:
         raise PreprocessError("input", "input is empty after normalisation; send some text")

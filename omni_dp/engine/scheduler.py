@@ -105,6 +105,7 @@ class SchedulerStats:
     num_pages_used: int
     num_pages_total: int
     num_preemptions_total: int
+    num_generated_tokens_total: int
 
 
 class Scheduler:
@@ -125,6 +126,7 @@ class Scheduler:
         self.running: list[TalkerRequest] = []  # kept in arrival order: oldest first
         self.requests: dict[str, TalkerRequest] = {}
         self.num_preemptions_total = 0
+        self.num_generated_tokens_total = 0
 
     # --- requests in and out -----------------------------------------------------------
     def check_admissible(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
@@ -164,6 +166,7 @@ class Scheduler:
             num_pages_used=self.allocator.num_used,
             num_pages_total=self.allocator.num_pages,
             num_preemptions_total=self.num_preemptions_total,
+            num_generated_tokens_total=self.num_generated_tokens_total,
         )
 
     # --- one step ----------------------------------------------------------------------
@@ -212,6 +215,7 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += item.num_new_tokens
+            self.num_generated_tokens_total += 1
             if code == self.end_of_audio:
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
                 results.append(RequestOutput(request.request_id, None, request.status))
