@@ -81,7 +81,8 @@ def cli() -> None:
 @click.option("--served-model-name", default=None,
               help="Model id shown by /v1/models. [default: omni-dp-<preset>]")
 @click.option("--log-level", default="info", show_default=True,
-              type=click.Choice(["debug", "info", "warning", "error"]))
+              type=click.Choice(["debug", "info", "warning", "error"]),
+              help="Least severe log messages written to stderr.")
 def serve(log_level: str, **kwargs) -> None:
     """Serve ONE replica of the built-in TTS pipeline over HTTP.
 

@@ -33,9 +33,14 @@ class EngineFailed(RuntimeError):
     """The pipeline's workers died; the replica must be restarted."""
 
 
+class RequestCutOff(RuntimeError):
+    """The replica is stopping and its drain time ran out before this request finished."""
+
+
 @dataclass
 class _Failure:
     reason: str
+    error: type[RuntimeError] = EngineFailed
 
 
 class Pipeline:
@@ -120,13 +125,18 @@ class Pipeline:
                     finished = True
                     return
                 if isinstance(item, _Failure):
-                    raise EngineFailed(item.reason)
+                    raise item.error(item.reason)
                 yield item
         finally:
             del self._queues[request_id]
             if not finished:
                 # Client gone, or the consumer stopped early: free its pages now.
                 self.talker_worker.inbox.put(Abort(request_id))
+
+    def cut_off_all(self, reason: str) -> None:
+        """End every in-flight request with RequestCutOff (drain time is up)."""
+        for chunks in self._queues.values():
+            chunks.put_nowait(_Failure(reason, RequestCutOff))
 
     # --- called from worker threads ----------------------------------------------------
     def _deliver_threadsafe(self, request_id: str, chunk: bytes | None, done: bool) -> None:

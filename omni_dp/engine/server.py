@@ -25,7 +25,7 @@ from omni_dp.engine.api import ApiError, SpeechParams, parse_speech_body
 from omni_dp.engine.audio import sse_audio_delta, sse_audio_done, sse_error, wav_header
 from omni_dp.engine.kv_cache import KVCache
 from omni_dp.engine.metrics import ReplicaMetrics
-from omni_dp.engine.pipeline import EngineFailed, Pipeline
+from omni_dp.engine.pipeline import EngineFailed, Pipeline, RequestCutOff
 from omni_dp.engine.plan import ServePlan
 from omni_dp.engine.preprocess import PreprocessError, build_prompt, default_max_new_tokens
 from omni_dp.engine.sampling import derive_seed
@@ -107,7 +107,10 @@ class ReplicaServer:
             loop.add_signal_handler(sig, self._on_signal, sig)
         # handler_cancellation: a client that hangs up cancels its handler at once, which
         # aborts its request and frees its KV pages.
-        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        # shutdown_timeout: by cleanup time our own drain has already waited.
+        runner = web.AppRunner(
+            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0
+        )
         await runner.setup()
         await web.SockSite(runner, sock).start()
         host, port = sock.getsockname()[:2]
@@ -174,6 +177,10 @@ class ReplicaServer:
             await asyncio.sleep(0.05)
         if self.pipeline.num_in_flight:
             log.warning("drain timeout: %d request(s) cut off", self.pipeline.num_in_flight)
+            self.pipeline.cut_off_all("the replica stopped before this request finished")
+            deadline = time.monotonic() + 2.0
+            while self.pipeline.num_in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)  # let the handlers send their terminal errors
 
     # --- routes ------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -283,6 +290,10 @@ class ReplicaServer:
         except EngineFailed as exc:
             self.metrics.requests.labels("failed").inc()
             return web.json_response(ApiError(500, f"engine failed: {exc}").body(), status=500)
+        except RequestCutOff as exc:
+            self.metrics.requests.labels("cut_off").inc()
+            error = ApiError(503, f"{exc}; retry on another replica")
+            return web.json_response(error.body(), status=503, headers={"Retry-After": "1"})
         except asyncio.CancelledError:
             self.metrics.requests.labels("client_disconnected").inc()
             raise
@@ -312,10 +323,11 @@ class ReplicaServer:
                 await response.write(sse_audio_delta(chunk) if sse else chunk)
             if sse:
                 await response.write(sse_audio_done(self._usage(num_bytes)))
-        except EngineFailed as exc:
-            self.metrics.requests.labels("failed").inc()
+        except (EngineFailed, RequestCutOff) as exc:
+            outcome = "failed" if isinstance(exc, EngineFailed) else "cut_off"
+            self.metrics.requests.labels(outcome).inc()
             if sse:
-                await response.write(sse_error(f"engine failed: {exc}"))
+                await response.write(sse_error(str(exc)))
             # No terminating chunk: the client sees a broken stream, not a short success.
             request.transport.close()
             return response

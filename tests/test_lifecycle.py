@@ -1,0 +1,112 @@
+"""Replica lifecycle over real processes: drain on SIGTERM, client disconnects, engine state."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+
+import aiohttp
+
+from conftest import get, post_json
+
+SPEECH = "/v1/audio/speech"
+
+
+def wait_for(predicate, timeout: float = 30, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_sigterm_drains_in_flight_request_then_exits_0(start_replica):
+    replica = start_replica()
+    long_body = {"input": "Finish me.", "max_new_tokens": 500, "seed": 3, "response_format": "pcm"}
+    expected = post_json(replica.url + SPEECH, long_body)[2]  # its full output, served alone
+
+    result = {}
+    worker = threading.Thread(
+        target=lambda: result.update(response=post_json(replica.url + SPEECH, long_body))
+    )
+    worker.start()
+    wait_for(lambda: replica.metric("omni_dp_requests_running") == 1, what="request running")
+    replica.proc.send_signal(signal.SIGTERM)
+
+    wait_for(lambda: get(replica.url + "/health")[0] == 503, what="health 503 while draining")
+    status, headers, body = post_json(replica.url + SPEECH, {"input": "Too late."})
+    assert status == 503
+    assert headers["Retry-After"] == "1"
+    assert b"draining" in body
+
+    worker.join(120)
+    status, _, body = result["response"]
+    assert status == 200
+    assert body == expected  # finished in full, not cut off
+    assert replica.proc.wait(60) == 0
+    assert "SIGTERM: draining" in replica.log_text()
+
+
+def test_drain_timeout_bounds_the_wait(start_replica):
+    replica = start_replica("--drain-timeout", "0.5")
+    body = {"input": "Never finishes in time.", "max_new_tokens": 1024, "stream": True}
+
+    async def hold_stream():
+        async with aiohttp.ClientSession() as session, \
+                session.post(replica.url + SPEECH, json=body) as resp:
+            await resp.content.readany()  # the stream has started
+            replica.proc.send_signal(signal.SIGTERM)
+            try:
+                await resp.read()
+            except aiohttp.ClientPayloadError:
+                return "cut"
+            return "complete"
+
+    assert asyncio.run(hold_stream()) == "cut"  # a truncated stream is an error, not a success
+    assert replica.proc.wait(60) == 0
+    assert "drain timeout" in replica.log_text()
+
+
+def test_client_disconnect_frees_pages_at_once(start_replica):
+    replica = start_replica()
+    max_new_tokens = 1024
+    before = replica.metric("omni_dp_generated_tokens_total")
+
+    async def disconnect_mid_stream():
+        body = {"input": "Hang up on me.", "max_new_tokens": max_new_tokens, "seed": 1,
+                "stream": True}
+        async with aiohttp.ClientSession() as session, \
+                session.post(replica.url + SPEECH, json=body) as resp:
+            await resp.content.readany()
+            assert replica.metric("omni_dp_kv_pages_used") > 0
+        # leaving the block closes the connection with the response unread
+
+    asyncio.run(disconnect_mid_stream())
+    wait_for(lambda: replica.metric("omni_dp_kv_pages_used") == 0, what="pages freed")
+    assert replica.metric("omni_dp_requests_running") == 0
+    generated = replica.metric("omni_dp_generated_tokens_total") - before
+    assert 0 < generated < max_new_tokens  # stopped early, not run to completion
+    disconnected = 'omni_dp_speech_requests_total{outcome="client_disconnected"}'
+    wait_for(lambda: replica.metric(disconnected) == 1, what="disconnect counted")
+    assert get(replica.url + "/health")[0] == 200
+
+
+def test_non_streamed_client_disconnect_also_aborts(start_replica):
+    replica = start_replica()
+
+    async def give_up():
+        body = {"input": "Hang up before the answer.", "max_new_tokens": 1024, "seed": 2}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as session:
+            try:
+                async with session.post(replica.url + SPEECH, json=body) as resp:
+                    await resp.read()
+            except TimeoutError:
+                return
+        raise AssertionError("the request finished before the client gave up")
+
+    asyncio.run(give_up())
+    wait_for(lambda: replica.metric("omni_dp_kv_pages_used") == 0, what="pages freed")
+    assert replica.metric("omni_dp_generated_tokens_total") < 1024
