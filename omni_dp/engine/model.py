@@ -28,6 +28,15 @@ class SequenceSlice:
 
 
 @dataclass
+class DecodeGroup:
+    """Sequences with exactly one new token, attended in one padded call instead of a loop."""
+
+    rows: torch.Tensor  # int64 [B] their rows in the flat batch
+    slots: torch.Tensor  # int64 [B, L] cache slots (page × page_size + offset) of their context
+    mask: torch.Tensor  # bool [B, 1, 1, L] True where a slot is real context, False for padding
+
+
+@dataclass
 class FlatBatch:
     """Everything the talker needs for one step; built by the model runner."""
 
@@ -35,7 +44,8 @@ class FlatBatch:
     positions: torch.Tensor  # int64 [T]
     slot_pages: torch.Tensor  # int64 [T] page each new token's K/V is written to
     slot_offsets: torch.Tensor  # int64 [T] row within that page
-    sequences: list[SequenceSlice]
+    sequences: list[SequenceSlice]  # every sequence, in row order
+    decode: DecodeGroup | None = None  # the one-token sequences, when there are several
 
 
 class RMSNorm(nn.Module):
@@ -103,7 +113,21 @@ class Attention(nn.Module):
 
         out = torch.empty_like(q)
         page_size = k_cache.shape[1]
+        decode = batch.decode
+        if decode is not None:
+            keys = k_cache.flatten(0, 1)[decode.slots].to(q.dtype)  # [B, L, kvh, d]
+            values = v_cache.flatten(0, 1)[decode.slots].to(q.dtype)
+            attended = F.scaled_dot_product_attention(
+                q[decode.rows].unsqueeze(2),  # [B, H, 1, d]
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                attn_mask=decode.mask,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+            out[decode.rows] = attended.squeeze(2)
         for seq in batch.sequences:
+            if decode is not None and seq.end - seq.start == 1:
+                continue  # done above
             n_pages = -(-seq.context_len // page_size)
             pages = seq.page_table[:n_pages]
             keys = k_cache[pages].flatten(0, 1)[: seq.context_len].to(q.dtype)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from omni_dp.engine.kv_cache import KVCache
-from omni_dp.engine.model import FlatBatch, SequenceSlice, Talker
+from omni_dp.engine.model import DecodeGroup, FlatBatch, SequenceSlice, Talker
 from omni_dp.engine.sampling import sample, uniform_for
 from omni_dp.engine.scheduler import SchedulerOutput
 
@@ -55,6 +55,33 @@ class ModelRunner:
             slot_pages=as_tensor(slot_pages),
             slot_offsets=as_tensor(slot_offsets),
             sequences=sequences,
+            decode=self._decode_group(output, sequences),
+        )
+
+    def _decode_group(
+        self, output: SchedulerOutput, sequences: list[SequenceSlice]
+    ) -> DecodeGroup | None:
+        """Gather indices for all one-token sequences, padded to the longest context."""
+        members = [
+            (item.request, seq)
+            for item, seq in zip(output.scheduled, sequences, strict=True)
+            if item.num_new_tokens == 1
+        ]
+        if len(members) < 2:
+            return None
+        longest = max(seq.context_len for _, seq in members)
+        positions = torch.arange(longest, device=self.device)
+        slots, lengths = [], []
+        for request, seq in members:
+            pages = torch.tensor(request.pages, dtype=torch.long, device=self.device)
+            page_of = pages[(positions // self.page_size).clamp(max=len(request.pages) - 1)]
+            slots.append(page_of * self.page_size + positions % self.page_size)
+            lengths.append(seq.context_len)
+        mask = positions.unsqueeze(0) < torch.tensor(lengths, device=self.device).unsqueeze(1)
+        return DecodeGroup(
+            rows=torch.tensor([seq.start for _, seq in members], device=self.device),
+            slots=torch.stack(slots),
+            mask=mask[:, None, None, :],
         )
 
     def execute(self, output: SchedulerOutput) -> list[int]:
