@@ -110,3 +110,15 @@ def test_non_streamed_client_disconnect_also_aborts(start_replica):
     asyncio.run(give_up())
     wait_for(lambda: replica.metric("omni_dp_kv_pages_used") == 0, what="pages freed")
     assert replica.metric("omni_dp_generated_tokens_total") < 1024
+
+
+def test_health_is_503_until_weights_and_pool_are_ready(start_replica):
+    # `small` takes a while to initialise its ~80M parameters: /health must say so meanwhile.
+    replica = start_replica("--model", "small", "--max-total-tokens", "1024", ready=False)
+    replica.wait_listening()
+    status, _, body = get(replica.url + "/health")
+    assert (status, body) == (503, b'{"status": "starting"}')
+    assert get(replica.url + "/get_server_info")[0] == 503
+    assert post_json(replica.url + SPEECH, {"input": "Too early."})[0] == 503
+    replica.wait_ready()
+    assert replica.info()["max_total_num_tokens"] == 1024
