@@ -7,6 +7,7 @@ memory fit), so that `2GiB` means the same number everywhere.
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 _UNITS = {
     "": 1,
@@ -44,7 +45,8 @@ def parse_size(text: str | int) -> int:
             f"{text!r} is not a size; write a number of bytes with an optional unit, "
             "e.g. 4096, 512MiB, 2GiB or 1.5GB"
         )
-    return int(float(match.group(1)) * _UNITS[unit])
+    # Decimal, not float: 2.01K is 2010 bytes, not 2009.999… truncated to 2009.
+    return int(Decimal(match.group(1)) * _UNITS[unit])
 
 
 def format_size(num_bytes: int) -> str:

@@ -112,11 +112,6 @@ def test_default_when_neither_knob_given():
     assert spec.max_total_tokens == DEFAULT_MAX_TOTAL_TOKENS
 
 
-@pytest.mark.xfail(
-    reason="with neither knob, a --page-size that does not divide the default 16384 tokens "
-    "fails with an error about --max-total-tokens, a flag the user never gave",
-    strict=True,
-)
 def test_default_works_for_a_page_size_that_does_not_divide_the_default():
     spec = plan(page_size=24)
     assert spec.num_pages > 0
@@ -184,12 +179,6 @@ def test_double_free_asserts():
         allocator.free(pages[:1])
 
 
-@pytest.mark.xfail(
-    reason="PageAllocator.free only detects a double free when the free list overflows: "
-    "freeing a page twice while other pages are in use goes unnoticed and the page is then "
-    "handed out twice",
-    strict=True,
-)
 def test_double_free_is_detected_while_other_pages_are_in_use():
     allocator = PageAllocator(4)
     pages = allocator.allocate(2)

@@ -228,7 +228,7 @@ def test_preempted_request_goes_back_ahead_of_later_arrivals():
     assert ids(scheduler.waiting) == ["d", "late"]
 
 
-def test_no_admission_in_a_step_that_preempted():
+def test_step_that_preempted_admits_nobody_not_even_a_small_later_arrival():
     scheduler = make_scheduler(4)
     scheduler.add_request(make_request("a", 4))
     scheduler.add_request(make_request("b", 8))
@@ -361,3 +361,15 @@ def test_stats_reflect_queues_and_pages():
     stats = scheduler.stats()
     assert (stats.num_running, stats.num_waiting) == (2, 1)
     assert (stats.num_pages_used, stats.num_pages_total) == (4, 10)
+
+
+def test_generated_token_count_includes_end_tokens_but_not_aborted_steps():
+    scheduler = make_scheduler(16)
+    for name in ("a", "b", "c"):
+        scheduler.add_request(make_request(name, 5))
+    step(scheduler)  # 3 codes
+    step(scheduler, codes={"a": CFG.end_of_audio})  # 2 codes + 1 end token
+    output = scheduler.schedule()
+    scheduler.abort_request("b")
+    scheduler.update_from_output(output, [1, 2])  # only c's code counts
+    assert scheduler.stats().num_generated_tokens_total == 3 + 3 + 1

@@ -72,10 +72,6 @@ def test_fractional_bytes_round_down():
     assert parse_size("0.0001K") == 0
 
 
-@pytest.mark.xfail(
-    reason="parse_size multiplies a binary float: '2.01K' (exactly 2010 bytes) parses as 2009",
-    strict=True,
-)
 def test_exact_decimal_fraction_is_not_rounded_below_its_value():
     assert parse_size("2.01K") == 2010
     assert parse_size("4.02K") == 4020

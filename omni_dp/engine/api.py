@@ -46,7 +46,9 @@ class SpeechParams:
 def parse_speech_body(raw: bytes, *, max_new_tokens_limit: int) -> SpeechParams:
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:
+        raise ApiError(400, "body is not valid JSON: nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, over-long integers
         raise ApiError(400, f"body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "body must be a JSON object")

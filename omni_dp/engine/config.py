@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -129,17 +130,45 @@ class ModelConfig:
         if arch != ARCHITECTURE:
             raise ModelConfigError(f"architecture is {arch!r}, expected {ARCHITECTURE!r}")
         vocoder = data.pop("vocoder", {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ModelConfigError(f"unknown config fields: {', '.join(unknown)}")
-        try:
-            voc_fields = {k: tuple(v) if isinstance(v, list) else v for k, v in vocoder.items()}
-            cfg = cls(**data, vocoder=VocoderConfig(**voc_fields))
-        except TypeError as exc:
-            raise ModelConfigError(f"bad config: {exc}") from None
+        if not isinstance(vocoder, dict):
+            raise ModelConfigError("vocoder must be a JSON object")
+        problems = _type_problems(cls, data, "")
+        problems += _type_problems(VocoderConfig, vocoder, "vocoder.")
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.name not in data and f.name != "vocoder"
+                   and f.default is dataclasses.MISSING]
+        problems += [f"{name} is missing" for name in missing]
+        if problems:
+            raise ModelConfigError("; ".join(problems))
+        voc_fields = {k: tuple(v) if isinstance(v, list) else v for k, v in vocoder.items()}
+        cfg = cls(**data, vocoder=VocoderConfig(**voc_fields))
         cfg.validate()
         return cfg
+
+
+def _type_problems(cls: type, data: dict, prefix: str) -> list[str]:
+    """Unknown fields and values of the wrong JSON type, each named."""
+    hints = typing.get_type_hints(cls)
+    problems = []
+    for name, value in data.items():
+        expected = hints.get(name)
+        if expected is None or name == "vocoder":
+            if expected is None:
+                problems.append(f"unknown field {prefix}{name}")
+            continue
+        if expected is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif expected is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        elif expected is str:
+            ok = isinstance(value, str)
+        else:  # tuple[int, ...]
+            ok = isinstance(value, (list, tuple)) and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value
+            )
+        if not ok:
+            problems.append(f"{prefix}{name} must be {getattr(expected, '__name__', expected)}")
+    return problems
 
 
 PRESETS: dict[str, ModelConfig] = {

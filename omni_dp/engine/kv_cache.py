@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_PAGE_SIZE = 16
-# Used when neither --kv-cache-bytes nor --max-total-tokens is given: room for 16 requests of
-# the longest default generation (1024 tokens) — 128 MiB for `tiny` in float64.
+# Used when neither --kv-cache-bytes nor --max-total-tokens is given (rounded down to whole
+# pages): room for 16 requests of the longest generation (1024 tokens), 128 MiB for `tiny`.
 DEFAULT_MAX_TOTAL_TOKENS = 16384
 
 
@@ -77,15 +77,18 @@ def plan_kv_cache(
                 f"--kv-cache-bytes {kv_cache_bytes} holds no whole page: one page is "
                 f"{page_size} tokens × {spec.bytes_per_token} bytes = {spec.bytes_per_page} bytes"
             )
+    elif max_total_tokens is None:
+        num_pages = max(1, DEFAULT_MAX_TOTAL_TOKENS // page_size)
     else:
-        tokens = DEFAULT_MAX_TOTAL_TOKENS if max_total_tokens is None else max_total_tokens
+        tokens = max_total_tokens
         if tokens <= 0:
             raise KVSizingError(f"--max-total-tokens must be positive, got {tokens}")
         if tokens % page_size:
             lower = tokens // page_size * page_size
+            choices = f"{lower} or {lower + page_size}" if lower else f"{page_size}"
             raise KVSizingError(
                 f"--max-total-tokens {tokens} is not a whole number of {page_size}-token pages; "
-                f"use {lower or page_size} or {lower + page_size}"
+                f"use {choices}"
             )
         num_pages = tokens // page_size
     return KVCacheSpec(num_layers, num_kv_heads, head_dim, dtype, page_size, num_pages)
@@ -98,6 +101,7 @@ class PageAllocator:
         self.num_pages = num_pages
         # Pop from the end: low page ids are handed out first, which keeps traces readable.
         self._free = list(range(num_pages - 1, -1, -1))
+        self._is_free = bytearray(b"\x01" * num_pages)
 
     @property
     def num_free(self) -> int:
@@ -114,11 +118,15 @@ class PageAllocator:
             return []
         pages = self._free[-n:]
         del self._free[-n:]
+        for page in pages:
+            self._is_free[page] = 0
         return pages[::-1]
 
     def free(self, pages: list[int]) -> None:
+        for page in pages:
+            assert not self._is_free[page], f"page {page} freed twice"
+            self._is_free[page] = 1
         self._free.extend(reversed(pages))
-        assert len(self._free) <= self.num_pages, "a page was freed twice"
 
 
 class KVCache:

@@ -37,7 +37,8 @@ class TalkerPrompt:
 def normalize_text(text: str) -> str:
     """NFC, control characters dropped, runs of whitespace collapsed, ends stripped."""
     text = unicodedata.normalize("NFC", text)
-    text = "".join(ch for ch in text if ch in "\t\n" or unicodedata.category(ch)[0] != "C")
+    # \r, \f, \v are control characters too, but they separate words: keep them as spaces.
+    text = "".join(ch for ch in text if ch.isspace() or unicodedata.category(ch)[0] != "C")
     return _WHITESPACE.sub(" ", text).strip()
 
 

@@ -1,0 +1,218 @@
+import json
+
+import pytest
+
+from omni_dp.engine.api import MAX_SEED, ApiError, parse_speech_body
+from omni_dp.engine.config import PRESETS
+from omni_dp.engine.preprocess import (
+    VOICES,
+    PreprocessError,
+    build_prompt,
+    default_max_new_tokens,
+    normalize_text,
+)
+
+CFG = PRESETS["tiny"]
+LIMIT = 1024
+
+
+def parse(body):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return parse_speech_body(raw, max_new_tokens_limit=LIMIT)
+
+
+def rejected(body):
+    with pytest.raises(ApiError) as info:
+        parse(body)
+    assert info.value.status == 400
+    return info.value
+
+
+# --- request bodies ----------------------------------------------------------------------
+
+
+def test_minimal_body_gets_defaults():
+    params = parse({"input": "Hello"})
+    assert params.input == "Hello"
+    assert params.voice == "alloy"
+    assert params.response_format == "wav"
+    assert params.stream is False
+    assert params.stream_format == "audio"
+    assert params.seed is None
+    assert params.max_new_tokens is None
+
+
+def test_full_body_is_read():
+    params = parse({
+        "input": "Hi", "voice": "echo", "response_format": "pcm", "stream": True,
+        "stream_format": "sse", "seed": 7, "max_new_tokens": LIMIT,
+        "model": "anything", "instructions": "calmly",
+    })
+    assert (params.voice, params.response_format, params.stream) == ("echo", "pcm", True)
+    assert (params.stream_format, params.seed, params.max_new_tokens) == ("sse", 7, LIMIT)
+
+
+def test_seed_bounds_are_inclusive():
+    assert parse({"input": "x", "seed": 0}).seed == 0
+    assert parse({"input": "x", "seed": MAX_SEED}).seed == MAX_SEED
+    assert parse({"input": "x", "max_new_tokens": 1}).max_new_tokens == 1
+
+
+@pytest.mark.parametrize("raw", [b"{", b"", b"not json", b'{"input": "a",}', b"\xff\xfe\x00"])
+def test_invalid_json_is_400(raw):
+    error = rejected(raw)
+    assert "JSON" in error.message
+    assert error.field is None
+
+
+@pytest.mark.parametrize("body", [[], "text", 3, None, [{"input": "a"}]])
+def test_non_object_body_is_400(body):
+    error = rejected(body)
+    assert error.field is None
+    assert "object" in error.message
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({}, "input"),
+        ({"voice": "alloy"}, "input"),
+        ({"input": None}, "input"),
+        ({"input": 5}, "input"),
+        ({"input": ["a"]}, "input"),
+        ({"input": "a", "speed": 1.0}, "speed"),
+        ({"input": "a", "zzz": 1, "aaa": 2}, "aaa"),
+        ({"input": "a", "voice": 3}, "voice"),
+        ({"input": "a", "model": 1}, "model"),
+        ({"input": "a", "instructions": None}, "instructions"),
+        ({"input": "a", "response_format": "mp3"}, "response_format"),
+        ({"input": "a", "response_format": "WAV"}, "response_format"),
+        ({"input": "a", "stream_format": "chunked"}, "stream_format"),
+        ({"input": "a", "stream": "true"}, "stream"),
+        ({"input": "a", "stream": 1}, "stream"),
+        ({"input": "a", "seed": True}, "seed"),
+        ({"input": "a", "seed": 1.0}, "seed"),
+        ({"input": "a", "seed": "1"}, "seed"),
+        ({"input": "a", "seed": -1}, "seed"),
+        ({"input": "a", "seed": MAX_SEED + 1}, "seed"),
+        ({"input": "a", "max_new_tokens": 0}, "max_new_tokens"),
+        ({"input": "a", "max_new_tokens": LIMIT + 1}, "max_new_tokens"),
+        ({"input": "a", "max_new_tokens": 10.5}, "max_new_tokens"),
+    ],
+)
+def test_invalid_field_is_400_naming_the_field(body, field):
+    error = rejected(body)
+    assert error.field == field
+    assert field in error.message
+
+
+def test_unknown_field_message_lists_accepted_fields():
+    message = rejected({"input": "a", "speed": 1.0}).message
+    for name in ("input", "voice", "response_format", "stream", "seed", "max_new_tokens"):
+        assert name in message
+
+
+def test_bad_choice_message_lists_allowed_values():
+    message = rejected({"input": "a", "response_format": "mp3"}).message
+    assert "wav" in message and "pcm" in message
+
+
+def test_error_body_is_openai_shaped():
+    body = ApiError(400, "bad seed", "seed").body()
+    assert body == {"error": {"message": "bad seed", "type": "invalid_request_error",
+                              "param": "seed"}}
+    assert ApiError(503, "busy").body()["error"]["type"] == "server_error"
+
+
+def test_deeply_nested_json_is_400():
+    rejected(b"[" * 100_000)
+
+
+def test_integer_too_long_to_parse_is_400():
+    rejected(b'{"input": "a", "seed": 1' + b"0" * 5000 + b"}")
+
+
+# --- preprocess --------------------------------------------------------------------------
+
+
+def test_build_prompt_layout():
+    prompt = build_prompt(CFG, "Hi é", "echo", 100)
+    speaker = VOICES.index("echo")
+    assert prompt.speaker_id == speaker
+    assert prompt.text == "Hi é"
+    assert prompt.token_ids == [
+        CFG.first_speaker_id + speaker, CFG.bos_text_id, *"Hi é".encode(),
+        CFG.eos_text_id, CFG.bos_audio_id,
+    ]
+    assert all(0 <= t < CFG.vocab_size for t in prompt.token_ids)
+
+
+@pytest.mark.parametrize("text", ["", " ", "\n\t  \n", "\x00\x07"])
+def test_build_prompt_rejects_empty_text(text):
+    with pytest.raises(PreprocessError) as info:
+        build_prompt(CFG, text, "alloy", 100)
+    assert info.value.field == "input"
+
+
+def test_build_prompt_rejects_text_over_the_limit():
+    assert build_prompt(CFG, "x" * 10, "alloy", 10).text == "x" * 10
+    with pytest.raises(PreprocessError) as info:
+        build_prompt(CFG, "x" * 11, "alloy", 10)
+    assert info.value.field == "input"
+    assert "10" in str(info.value) and "11" in str(info.value)
+
+
+def test_limit_counts_characters_after_normalisation():
+    assert build_prompt(CFG, "  a    b  ", "alloy", 3).text == "a b"
+    assert build_prompt(CFG, "ééé", "alloy", 3).text == "ééé"  # 6 bytes, 3 characters
+
+
+@pytest.mark.parametrize("voice", ["Alloy", "nobody", ""])
+def test_build_prompt_rejects_unknown_voice(voice):
+    with pytest.raises(PreprocessError) as info:
+        build_prompt(CFG, "hello", voice, 100)
+    assert info.value.field == "voice"
+    assert "alloy" in str(info.value)
+
+
+def test_every_voice_is_a_distinct_speaker():
+    ids = {build_prompt(CFG, "hi", voice, 100).token_ids[0] for voice in VOICES}
+    assert len(ids) == len(VOICES)
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("  hello   world  ", "hello world"),
+        ("line one\nline two\t end", "line one line two end"),
+        ("bell\x07 and\x00 null", "bell and null"),
+        ("zero\u200bwidth", "zerowidth"),
+        ("cafe\u0301", "café"),  # NFC
+    ],
+)
+def test_normalize_text(raw, expected):
+    assert normalize_text(raw) == expected
+
+
+@pytest.mark.parametrize("separator", ["\r", "\x0c", "\x0b"])
+def test_whitespace_control_characters_separate_words(separator):
+    assert normalize_text(f"one{separator}two") == "one two"
+
+
+def test_default_max_new_tokens_grows_with_text_and_is_bounded():
+    def default_for(n):
+        return default_max_new_tokens(CFG, build_prompt(CFG, "a" * n, "alloy", 10**6))
+
+    values = [default_for(n) for n in (1, 2, 10, 50, 100, 200, 255, 256, 1000, 5000)]
+    assert values == sorted(values)
+    assert values[0] == CFG.min_new_tokens_default
+    assert default_for(50) > default_for(10)
+    assert default_for(50) == 50 * CFG.new_tokens_per_input_byte
+    assert values[-1] == CFG.max_new_tokens
+    assert all(CFG.min_new_tokens_default <= v <= CFG.max_new_tokens for v in values)
+
+
+def test_default_max_new_tokens_counts_bytes_not_characters():
+    ascii_prompt = build_prompt(CFG, "aaaaaaaaaa", "alloy", 100)
+    accented = build_prompt(CFG, "éééééééééé", "alloy", 100)
+    assert default_max_new_tokens(CFG, accented) == 2 * default_max_new_tokens(CFG, ascii_prompt)
