@@ -42,8 +42,7 @@ class FlatBatch:
 
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
-    slot_pages: torch.Tensor  # int64 [T] page each new token's K/V is written to
-    slot_offsets: torch.Tensor  # int64 [T] row within that page
+    slots: torch.Tensor  # int64 [T] cache slot (page × page_size + offset) of each new token
     sequences: list[SequenceSlice]  # every sequence, in row order
     decode: DecodeGroup | None = None  # the one-token sequences, when there are several
 
@@ -71,12 +70,20 @@ class RotaryEmbedding(nn.Module):
         self.cos = angles.cos()
         self.sin = angles.sin()
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]."""
-        if self.cos.device != x.device:
-            self.cos, self.sin = self.cos.to(x.device), self.sin.to(x.device)
-        cos = self.cos[positions].to(x.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(x.dtype).unsqueeze(1)
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for these positions, [T, 1, head_dim]; looked up once per step."""
+        if self.cos.device != positions.device:
+            self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
+        cos = self.cos[positions].to(dtype).unsqueeze(1)
+        sin = self.sin[positions].to(dtype).unsqueeze(1)
+        return cos, sin
+
+    @staticmethod
+    def apply(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [T, heads, head_dim], rotated by the positions the tables were made for."""
+        cos, sin = tables
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
@@ -98,18 +105,18 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         batch: FlatBatch,
-        rope: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = rope(q.view(-1, self.num_heads, self.head_dim), batch.positions)
-        k = rope(k.view(-1, self.num_kv_heads, self.head_dim), batch.positions)
+        q = RotaryEmbedding.apply(q.view(-1, self.num_heads, self.head_dim), rope)
+        k = RotaryEmbedding.apply(k.view(-1, self.num_kv_heads, self.head_dim), rope)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         # Write this step's keys/values into their pages before reading: a sequence's new
         # tokens attend to themselves too.
-        k_cache[batch.slot_pages, batch.slot_offsets] = k.to(k_cache.dtype)
-        v_cache[batch.slot_pages, batch.slot_offsets] = v.to(v_cache.dtype)
+        k_cache.flatten(0, 1)[batch.slots] = k.to(k_cache.dtype)
+        v_cache.flatten(0, 1)[batch.slots] = v.to(v_cache.dtype)
 
         out = torch.empty_like(q)
         page_size = k_cache.shape[1]
@@ -193,7 +200,8 @@ class Talker(nn.Module):
     ) -> torch.Tensor:
         """Return logits [num_sequences, codebook_size + 1] at each sequence's last new token."""
         x = self.embed(batch.input_ids)
+        rope = self.rope.tables(batch.positions, x.dtype)
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
-            x = layer(x, batch, self.rope, k_cache, v_cache)
+            x = layer(x, batch, rope, k_cache, v_cache)
         last_rows = torch.tensor([seq.end - 1 for seq in batch.sequences], device=x.device)
         return self.lm_head(self.norm(x[last_rows]))

@@ -24,8 +24,7 @@ class ModelRunner:
     def build_batch(self, output: SchedulerOutput) -> FlatBatch:
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_pages: list[int] = []
-        slot_offsets: list[int] = []
+        slots: list[int] = []
         sequences: list[SequenceSlice] = []
         for item in output.scheduled:
             request = item.request
@@ -35,8 +34,8 @@ class ModelRunner:
             input_ids += request.token_ids(start_pos, end_pos)
             for pos in range(start_pos, end_pos):
                 positions.append(pos)
-                slot_pages.append(request.pages[pos // self.page_size])
-                slot_offsets.append(pos % self.page_size)
+                slots.append(request.pages[pos // self.page_size] * self.page_size
+                             + pos % self.page_size)
             sequences.append(
                 SequenceSlice(
                     start=row,
@@ -52,8 +51,7 @@ class ModelRunner:
         return FlatBatch(
             input_ids=as_tensor(input_ids),
             positions=as_tensor(positions),
-            slot_pages=as_tensor(slot_pages),
-            slot_offsets=as_tensor(slot_offsets),
+            slots=as_tensor(slots),
             sequences=sequences,
             decode=self._decode_group(output, sequences),
         )
