@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
+import psutil
 
 # Short texts of varied length, like a TTS service's traffic of prompts and replies.
 TEXTS = [
@@ -53,6 +54,13 @@ class LevelResult:
     latency_p99_ms: float
     ttfa_p50_ms: float
     ttfa_p99_ms: float
+    replica_cpu_ms_per_req: float = 0.0  # user+system CPU of the replica process
+    client_cpu_ms_per_req: float = 0.0  # ... and of this load generator
+
+
+def cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -140,14 +148,15 @@ def markdown(results: list[LevelResult], header: dict) -> str:
         f"requests per level: {header['requests']} · client: aiohttp on the same machine",
         "",
         "| concurrency | requests | errors | req/s | audio s/s | p50 ms | p99 ms "
-        "| TTFA p50 ms | TTFA p99 ms |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| TTFA p50 ms | TTFA p99 ms | replica CPU ms/req | client CPU ms/req |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
             f"| {r.concurrency} | {r.requests} | {r.errors} | {r.requests_per_s} | "
             f"{r.audio_s_per_s} | {r.latency_p50_ms} | {r.latency_p99_ms} | "
-            f"{r.ttfa_p50_ms} | {r.ttfa_p99_ms} |"
+            f"{r.ttfa_p50_ms} | {r.ttfa_p99_ms} | {r.replica_cpu_ms_per_req} | "
+            f"{r.client_cpu_ms_per_req} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -170,9 +179,18 @@ def main() -> None:
                 sample_rate = json.load(resp)["model"]["sample_rate"]
             asyncio.run(drive(url, 2, 8, sample_rate))  # warm-up, not reported
             results = []
+            replica = psutil.Process(proc.pid)
+            client = psutil.Process()
             for level in (int(c) for c in args.concurrency.split(",")):
-                results.append(asyncio.run(drive(url, level, args.requests, sample_rate)))
-                print(f"concurrency {level}: {results[-1].requests_per_s} req/s", file=sys.stderr)
+                replica_before, client_before = cpu_seconds(replica), cpu_seconds(client)
+                result = asyncio.run(drive(url, level, args.requests, sample_rate))
+                done = max(result.requests, 1)
+                result.replica_cpu_ms_per_req = round(
+                    (cpu_seconds(replica) - replica_before) / done * 1000, 1)
+                result.client_cpu_ms_per_req = round(
+                    (cpu_seconds(client) - client_before) / done * 1000, 1)
+                results.append(result)
+                print(f"concurrency {level}: {result.requests_per_s} req/s", file=sys.stderr)
         finally:
             os.kill(proc.pid, signal.SIGTERM)
             proc.wait(60)

@@ -24,12 +24,14 @@ class SequenceSlice:
     start: int  # first row of the sequence's new tokens in the flat batch
     end: int  # one past its last row
     context_len: int  # tokens in the cache once this step's tokens are written
-    page_table: torch.Tensor  # int64 [num_pages] pages holding positions 0..context_len-1
+    # int64 [num_pages] pages holding positions 0..context_len-1; None for one-token sequences,
+    # which the decode group covers.
+    page_table: torch.Tensor | None
 
 
 @dataclass
 class DecodeGroup:
-    """Sequences with exactly one new token, attended in one padded call instead of a loop."""
+    """Sequences with exactly one new token, attended in one padded call rather than a loop."""
 
     rows: torch.Tensor  # int64 [B] their rows in the flat batch
     slots: torch.Tensor  # int64 [B, L] cache slots (page × page_size + offset) of their context
@@ -44,7 +46,7 @@ class FlatBatch:
     positions: torch.Tensor  # int64 [T]
     slots: torch.Tensor  # int64 [T] cache slot (page × page_size + offset) of each new token
     sequences: list[SequenceSlice]  # every sequence, in row order
-    decode: DecodeGroup | None = None  # the one-token sequences, when there are several
+    decode: DecodeGroup | None = None  # the one-token sequences, if any
 
 
 class RMSNorm(nn.Module):
@@ -54,8 +56,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        variance = x.pow(2).mean(-1, keepdim=True)
-        return x * torch.rsqrt(variance + self.eps) * self.weight
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -109,10 +110,12 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = RotaryEmbedding.apply(q.view(-1, self.num_heads, self.head_dim), rope)
-        k = RotaryEmbedding.apply(k.view(-1, self.num_kv_heads, self.head_dim), rope)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        q_size, kv_size, _ = self.split
+        # q and k are adjacent in the projection: rotate them in one go.
+        qk = qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = RotaryEmbedding.apply(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         # Write this step's keys/values into their pages before reading: a sequence's new
         # tokens attend to themselves too.
         k_cache.flatten(0, 1)[batch.slots] = k.to(k_cache.dtype)
@@ -133,8 +136,8 @@ class Attention(nn.Module):
             )
             out[decode.rows] = attended.squeeze(2)
         for seq in batch.sequences:
-            if decode is not None and seq.end - seq.start == 1:
-                continue  # done above
+            if seq.page_table is None:
+                continue  # a one-token sequence: attended above, with the decode group
             n_pages = -(-seq.context_len // page_size)
             pages = seq.page_table[:n_pages]
             keys = k_cache[pages].flatten(0, 1)[: seq.context_len].to(q.dtype)

@@ -36,12 +36,15 @@ class ModelRunner:
                 positions.append(pos)
                 slots.append(request.pages[pos // self.page_size] * self.page_size
                              + pos % self.page_size)
+            page_table = None
+            if item.num_new_tokens > 1:
+                page_table = torch.tensor(request.pages, dtype=torch.long, device=self.device)
             sequences.append(
                 SequenceSlice(
                     start=row,
                     end=row + item.num_new_tokens,
                     context_len=end_pos,
-                    page_table=torch.tensor(request.pages, dtype=torch.long, device=self.device),
+                    page_table=page_table,
                 )
             )
 
@@ -59,27 +62,27 @@ class ModelRunner:
     def _decode_group(
         self, output: SchedulerOutput, sequences: list[SequenceSlice]
     ) -> DecodeGroup | None:
-        """Gather indices for all one-token sequences, padded to the longest context."""
+        """Cache slots of every one-token sequence's context, padded to the longest."""
         members = [
             (item.request, seq)
             for item, seq in zip(output.scheduled, sequences, strict=True)
-            if item.num_new_tokens == 1
+            if seq.page_table is None
         ]
-        if len(members) < 2:
+        if not members:
             return None
+        widest = max(len(request.pages) for request, _ in members)
+        table = torch.tensor(
+            [request.pages + [0] * (widest - len(request.pages)) for request, _ in members],
+            dtype=torch.long, device=self.device,
+        )
         longest = max(seq.context_len for _, seq in members)
         positions = torch.arange(longest, device=self.device)
-        slots, lengths = [], []
-        for request, seq in members:
-            pages = torch.tensor(request.pages, dtype=torch.long, device=self.device)
-            page_of = pages[(positions // self.page_size).clamp(max=len(request.pages) - 1)]
-            slots.append(page_of * self.page_size + positions % self.page_size)
-            lengths.append(seq.context_len)
-        mask = positions.unsqueeze(0) < torch.tensor(lengths, device=self.device).unsqueeze(1)
+        slots = table[:, positions // self.page_size] * self.page_size + positions % self.page_size
+        lengths = torch.tensor([seq.context_len for _, seq in members], device=self.device)
         return DecodeGroup(
             rows=torch.tensor([seq.start for _, seq in members], device=self.device),
-            slots=torch.stack(slots),
-            mask=mask[:, None, None, :],
+            slots=slots,
+            mask=(positions.unsqueeze(0) < lengths.unsqueeze(1))[:, None, None, :],
         )
 
     def execute(self, output: SchedulerOutput) -> list[int]:
