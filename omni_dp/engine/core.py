@@ -42,23 +42,18 @@ class StepOutputs:
     outputs: list[RequestOutput]
 
 
-class TalkerWorker:
-    """schedule → execute → update, for as long as there are requests."""
+class StageWorker:
+    """A thread that serves one stage from its inbox until it receives Stop.
 
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        runner: ModelRunner,
-        emit: Callable[[StepOutputs], None],
-        on_fatal: Callable[[str], None],
-    ) -> None:
-        self.scheduler = scheduler
-        self.runner = runner
-        self.emit = emit
+    An exception is fatal to the replica: `on_fatal` gets the traceback and the thread ends.
+    """
+
+    name = "stage"
+
+    def __init__(self, on_fatal: Callable[[str], None]) -> None:
         self.on_fatal = on_fatal
-        self.inbox: queue.SimpleQueue[Add | Abort | Stop] = queue.SimpleQueue()
-        self.num_steps = 0
-        self._thread = threading.Thread(target=self._run, name="talker", daemon=True)
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -69,10 +64,35 @@ class TalkerWorker:
 
     def _run(self) -> None:
         try:
-            while self._drain_inbox(block=not self.scheduler.has_requests()):
-                self.step()
+            self.serve()
         except Exception:
-            self.on_fatal(f"talker stage failed:\n{traceback.format_exc()}")
+            self.on_fatal(f"{self.name} stage failed:\n{traceback.format_exc()}")
+
+    def serve(self) -> None:
+        raise NotImplementedError
+
+
+class TalkerWorker(StageWorker):
+    """schedule → execute → update, for as long as there are requests. Inbox: Add, Abort."""
+
+    name = "talker"
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        emit: Callable[[StepOutputs], None],
+        on_fatal: Callable[[str], None],
+    ) -> None:
+        super().__init__(on_fatal)
+        self.scheduler = scheduler
+        self.runner = runner
+        self.emit = emit
+        self.num_steps = 0
+
+    def serve(self) -> None:
+        while self._drain_inbox(block=not self.scheduler.has_requests()):
+            self.step()
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply pending adds/aborts; wait for one if idle. False once told to stop."""
@@ -102,8 +122,13 @@ class TalkerWorker:
             self.emit(StepOutputs(results))
 
 
-class VocoderWorker:
-    """Codes in, PCM chunks out (through `deliver(request_id, chunk, finished)`)."""
+class VocoderWorker(StageWorker):
+    """Codes in, PCM chunks out through `deliver(request_id, chunk, finished)`.
+
+    Inbox: StepOutputs, in the order the talker produced them.
+    """
+
+    name = "vocoder"
 
     def __init__(
         self,
@@ -112,30 +137,15 @@ class VocoderWorker:
         deliver: Callable[[str, bytes | None, bool], None],
         on_fatal: Callable[[str], None],
     ) -> None:
+        super().__init__(on_fatal)
         self.vocoder = vocoder
         self.schedule = schedule
         self.deliver = deliver
-        self.on_fatal = on_fatal
-        self.inbox: queue.SimpleQueue[StepOutputs | Stop] = queue.SimpleQueue()
         self.streams: dict[str, VocoderStream] = {}
-        self._thread = threading.Thread(target=self._run, name="vocoder", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self.inbox.put(Stop())
-        self._thread.join(timeout)
-
-    def _run(self) -> None:
-        try:
-            while True:
-                message = self.inbox.get()
-                if isinstance(message, Stop):
-                    return
-                self._handle(message)
-        except Exception:
-            self.on_fatal(f"vocoder stage failed:\n{traceback.format_exc()}")
+    def serve(self) -> None:
+        while not isinstance(message := self.inbox.get(), Stop):
+            self._handle(message)
 
     def _handle(self, step: StepOutputs) -> None:
         # Merge consecutive steps already queued: fewer, larger decodes when the talker is ahead.
