@@ -8,6 +8,7 @@ import threading
 import time
 
 import aiohttp
+import pytest
 
 from conftest import get, post_json
 
@@ -23,7 +24,8 @@ def wait_for(predicate, timeout: float = 30, what: str = "condition") -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_sigterm_drains_in_flight_request_then_exits_0(start_replica):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_drains_in_flight_request_then_exits_0(start_replica, sig):
     replica = start_replica()
     long_body = {"input": "Finish me.", "max_new_tokens": 500, "seed": 3, "response_format": "pcm"}
     expected = post_json(replica.url + SPEECH, long_body)[2]  # its full output, served alone
@@ -34,7 +36,7 @@ def test_sigterm_drains_in_flight_request_then_exits_0(start_replica):
     )
     worker.start()
     wait_for(lambda: replica.metric("omni_dp_requests_running") == 1, what="request running")
-    replica.proc.send_signal(signal.SIGTERM)
+    replica.proc.send_signal(sig)
 
     wait_for(lambda: get(replica.url + "/health")[0] == 503, what="health 503 while draining")
     status, headers, body = post_json(replica.url + SPEECH, {"input": "Too late."})
@@ -47,18 +49,28 @@ def test_sigterm_drains_in_flight_request_then_exits_0(start_replica):
     assert status == 200
     assert body == expected  # finished in full, not cut off
     assert replica.proc.wait(60) == 0
-    assert "SIGTERM: draining" in replica.log_text()
+    assert f"{sig.name}: draining" in replica.log_text()
 
 
-def test_drain_timeout_bounds_the_wait(start_replica):
-    replica = start_replica("--drain-timeout", "0.5")
+@pytest.mark.parametrize(
+    ("flags", "signals", "log_line"),
+    [
+        (["--drain-timeout", "0.5"], [signal.SIGTERM], "drain timeout"),
+        ([], [signal.SIGTERM, signal.SIGTERM], "again: stopping without waiting"),
+    ],
+    ids=["drain-timeout", "second-signal"],
+)
+def test_draining_is_bounded(start_replica, flags, signals, log_line):
+    replica = start_replica(*flags)
     body = {"input": "Never finishes in time.", "max_new_tokens": 1024, "stream": True}
 
     async def hold_stream():
         async with aiohttp.ClientSession() as session, \
                 session.post(replica.url + SPEECH, json=body) as resp:
             await resp.content.readany()  # the stream has started
-            replica.proc.send_signal(signal.SIGTERM)
+            for sig in signals:
+                replica.proc.send_signal(sig)
+                await asyncio.sleep(0.1)
             try:
                 await resp.read()
             except aiohttp.ClientPayloadError:
@@ -67,7 +79,7 @@ def test_drain_timeout_bounds_the_wait(start_replica):
 
     assert asyncio.run(hold_stream()) == "cut"  # a truncated stream is an error, not a success
     assert replica.proc.wait(60) == 0
-    assert "drain timeout" in replica.log_text()
+    assert log_line in replica.log_text()
 
 
 def test_client_disconnect_frees_pages_at_once(start_replica):

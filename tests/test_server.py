@@ -14,7 +14,7 @@ import pytest
 
 from omni_dp.engine.config import PRESETS
 
-from conftest import get, post_json
+from conftest import get, post_json, request
 
 SPEECH = "/v1/audio/speech"
 TINY = PRESETS["tiny"]
@@ -268,3 +268,14 @@ def test_bad_requests_are_counted_and_leave_no_state(replica):
     after = replica.metric('omni_dp_speech_requests_total{outcome="bad_request"}')
     assert after == before + 1
     assert replica.metric("omni_dp_requests_waiting") == 0
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [("GET", "/v1/audio/speech", 405), ("POST", "/v1/audio/nonsense", 404)],
+)
+def test_unknown_routes_get_json_errors(replica, method, path, status):
+    got, headers, body = request(method, replica.url + path, b"{}")
+    assert got == status
+    assert headers["Content-Type"].startswith("application/json")
+    assert path in json.loads(body)["error"]["message"]

@@ -82,6 +82,20 @@ def build_models(plan: ServePlan) -> PipelineModels:
     return models
 
 
+@web.middleware
+async def json_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own 404/405/413 pages as the same JSON error body every other error has."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = f"{request.method} {request.path}: {exc.reason}"
+        if exc.status == 405:
+            message += f"; allowed: {exc.headers.get('Allow', '')}"
+        return web.json_response(ApiError(exc.status, message).body(), status=exc.status)
+
+
 class ReplicaServer:
     def __init__(self, plan: ServePlan) -> None:
         self.plan = plan
@@ -95,7 +109,9 @@ class ReplicaServer:
         self._drain_deadline = 0.0
         self._started_at = time.time()
         self.metrics = ReplicaMetrics(lambda: self.pipeline.stats() if self.pipeline else None)
-        self.app = web.Application(client_max_size=self.options.max_body_bytes)
+        self.app = web.Application(
+            client_max_size=self.options.max_body_bytes, middlewares=[json_errors]
+        )
         self.app.add_routes([
             web.get("/health", self.health),
             web.get("/get_server_info", self.server_info),
