@@ -34,8 +34,8 @@ class DecodeGroup:
     """Sequences with exactly one new token, attended in one padded call rather than a loop."""
 
     rows: torch.Tensor  # int64 [B] their rows in the flat batch
-    slots: torch.Tensor  # int64 [B, L] cache slots (page × page_size + offset) of their context
-    mask: torch.Tensor  # bool [B, 1, 1, L] True where a slot is real context, False for padding
+    page_table: torch.Tensor  # int64 [B, P] each one's pages, padded with page 0
+    mask: torch.Tensor  # bool [B, 1, 1, P × page_size] True for real context, False for padding
 
 
 @dataclass
@@ -125,8 +125,9 @@ class Attention(nn.Module):
         page_size = k_cache.shape[1]
         decode = batch.decode
         if decode is not None:
-            keys = k_cache.flatten(0, 1)[decode.slots].to(q.dtype)  # [B, L, kvh, d]
-            values = v_cache.flatten(0, 1)[decode.slots].to(q.dtype)
+            # Whole pages at a time: [B, P, page, kvh, d] → [B, P × page, kvh, d].
+            keys = k_cache[decode.page_table].flatten(1, 2).to(q.dtype)
+            values = v_cache[decode.page_table].flatten(1, 2).to(q.dtype)
             attended = F.scaled_dot_product_attention(
                 q[decode.rows].unsqueeze(2),  # [B, H, 1, d]
                 keys.transpose(1, 2),

@@ -62,7 +62,7 @@ class ModelRunner:
     def _decode_group(
         self, output: SchedulerOutput, sequences: list[SequenceSlice]
     ) -> DecodeGroup | None:
-        """Cache slots of every one-token sequence's context, padded to the longest."""
+        """Page tables of every one-token sequence, padded to the widest."""
         members = [
             (item.request, seq)
             for item, seq in zip(output.scheduled, sequences, strict=True)
@@ -75,13 +75,11 @@ class ModelRunner:
             [request.pages + [0] * (widest - len(request.pages)) for request, _ in members],
             dtype=torch.long, device=self.device,
         )
-        longest = max(seq.context_len for _, seq in members)
-        positions = torch.arange(longest, device=self.device)
-        slots = table[:, positions // self.page_size] * self.page_size + positions % self.page_size
+        positions = torch.arange(widest * self.page_size, device=self.device)
         lengths = torch.tensor([seq.context_len for _, seq in members], device=self.device)
         return DecodeGroup(
             rows=torch.tensor([seq.start for _, seq in members], device=self.device),
-            slots=slots,
+            page_table=table,
             mask=(positions.unsqueeze(0) < lengths.unsqueeze(1))[:, None, None, :],
         )
 
