@@ -106,7 +106,7 @@ class ReplicaServer:
         self.exit_code = EXIT_OK
         self._stop = asyncio.Event()
         self._signals = 0
-        self._drain_deadline = 0.0
+        self._hurry = False  # a second signal: stop without waiting for in-flight requests
         self._started_at = time.time()
         self.metrics = ReplicaMetrics(lambda: self.pipeline.stats() if self.pipeline else None)
         self.app = web.Application(
@@ -168,7 +168,8 @@ class ReplicaServer:
     def _summary(self) -> str:
         kv = self.plan.kv
         return (
-            f"model {self.plan.cfg.name} on {self.plan.device} ({str(self.plan.dtype)[6:]}), "
+            f"model {self.plan.cfg.name} on {self.plan.device} "
+            f"({str(self.plan.dtype).removeprefix('torch.')}), "
             f"KV {kv.max_total_tokens} tokens = {kv.num_pages} pages × {kv.page_size}, "
             f"{kv.cache_bytes} bytes, {self.plan.threads} threads"
         )
@@ -182,7 +183,7 @@ class ReplicaServer:
             self._stop.set()
         else:
             log.info("%s again: stopping without waiting for in-flight requests", sig.name)
-            self._drain_deadline = 0.0
+            self._hurry = True
 
     def _on_fatal(self, reason: str) -> None:
         self.state = State.FAILED
@@ -192,11 +193,12 @@ class ReplicaServer:
     async def _drain(self) -> None:
         if self.pipeline is None:
             return
-        self._drain_deadline = time.monotonic() + self.options.drain_timeout
-        while self.pipeline.num_in_flight and time.monotonic() < self._drain_deadline:
+        deadline = time.monotonic() + self.options.drain_timeout
+        while self.pipeline.num_in_flight and time.monotonic() < deadline and not self._hurry:
             await asyncio.sleep(0.05)
         if self.pipeline.num_in_flight:
-            log.warning("drain timeout: %d request(s) cut off", self.pipeline.num_in_flight)
+            reason = "second signal" if self._hurry else "drain timeout"
+            log.warning("%s: %d request(s) cut off", reason, self.pipeline.num_in_flight)
             self.pipeline.cut_off_all("the replica stopped before this request finished")
             deadline = time.monotonic() + 2.0
             while self.pipeline.num_in_flight and time.monotonic() < deadline:
