@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from enum import Enum
 
 import torch
@@ -28,7 +29,12 @@ from omni_dp.engine.kv_cache import KVCache
 from omni_dp.engine.metrics import ReplicaMetrics
 from omni_dp.engine.pipeline import EngineFailed, Pipeline, RequestCutOff
 from omni_dp.engine.plan import ServePlan
-from omni_dp.engine.preprocess import PreprocessError, build_prompt, default_max_new_tokens
+from omni_dp.engine.preprocess import (
+    PreprocessError,
+    TalkerPrompt,
+    build_prompt,
+    default_max_new_tokens,
+)
 from omni_dp.engine.sampling import derive_seed
 from omni_dp.engine.scheduler import AdmissionError
 from omni_dp.engine.weights import PipelineModels, load_models, seeded_models
@@ -94,6 +100,16 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
         if exc.status == 405:
             message += f"; allowed: {exc.headers.get('Allow', '')}"
         return web.json_response(ApiError(exc.status, message).body(), status=exc.status)
+
+
+@dataclass(frozen=True)
+class AdmittedSpeech:
+    """A speech request that passed every check and can go to the pipeline."""
+
+    params: SpeechParams
+    prompt: TalkerPrompt
+    max_new_tokens: int
+    seed: int
 
 
 class ReplicaServer:
@@ -254,22 +270,24 @@ class ReplicaServer:
     async def speech(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
         try:
-            params, prompt, max_new_tokens, seed = await self._admit(request)
+            job = await self._admit(request)
         except ApiError as exc:
             outcome = "rejected" if exc.status == 503 else "bad_request"
             self.metrics.requests.labels(outcome).inc()
             headers = {"Retry-After": "1"} if exc.status == 503 else None
             return web.json_response(exc.body(), status=exc.status, headers=headers)
         assert self.pipeline is not None
-        synthesis = self.pipeline.synthesize(prompt, max_new_tokens=max_new_tokens, seed=seed)
+        synthesis = self.pipeline.synthesize(
+            job.prompt, max_new_tokens=job.max_new_tokens, seed=job.seed
+        )
         # aclosing: a handler cancelled while writing (client gone) closes the generator at
         # once, which aborts the request and frees its pages — not whenever GC gets to it.
         async with contextlib.aclosing(synthesis) as chunks:
-            if params.stream:
-                return await self._stream(request, params, seed, chunks, started)
-            return await self._whole(params, seed, chunks, started)
+            if job.params.stream:
+                return await self._stream(request, job, chunks, started)
+            return await self._whole(job, chunks, started)
 
-    async def _admit(self, request: web.Request):
+    async def _admit(self, request: web.Request) -> AdmittedSpeech:
         if self.state != State.READY:
             raise ApiError(503, f"replica is {self.state.value}; retry on another replica")
         assert self.pipeline is not None
@@ -303,9 +321,10 @@ class ReplicaServer:
         if seed is None:
             seed = derive_seed({"input": prompt.text, "voice": params.voice,
                                 "max_new_tokens": max_new_tokens})
-        return params, prompt, max_new_tokens, seed
+        return AdmittedSpeech(params, prompt, max_new_tokens, seed)
 
-    async def _whole(self, params: SpeechParams, seed: int, chunks, started: float) -> web.Response:
+    async def _whole(self, job: AdmittedSpeech, chunks, started: float) -> web.Response:
+        params = job.params
         pcm = bytearray()
         first = None
         try:
@@ -326,11 +345,12 @@ class ReplicaServer:
         body = bytes(pcm)
         if params.response_format == "wav":
             body = wav_header(self.plan.cfg.sample_rate, len(pcm)) + body
-        return web.Response(body=body, headers=self._audio_headers(params, seed))
+        return web.Response(body=body, headers=self._audio_headers(params, job.seed))
 
-    async def _stream(self, request, params: SpeechParams, seed: int, chunks, started: float):
+    async def _stream(self, request, job: AdmittedSpeech, chunks, started: float):
+        params = job.params
         sse = params.stream_format == "sse"
-        response = web.StreamResponse(headers=self._audio_headers(params, seed))
+        response = web.StreamResponse(headers=self._audio_headers(params, job.seed))
         if sse:
             response.content_type = "text/event-stream"
             response.headers["Cache-Control"] = "no-cache"
