@@ -139,5 +139,85 @@ def save_weights(directory: str, model: str, weight_seed: int, force: bool) -> N
     click.echo(f"wrote {model} (seed {weight_seed}, {params:,} parameters) to {path}")
 
 
+@cli.command()
+@click.option("--replica", "replicas", multiple=True, metavar="[ID=]URL",
+              help="A replica to route to, e.g. http://127.0.0.1:8101 or 0=http://…; repeat "
+                   "for each. The id defaults to the position. More can be added at runtime "
+                   "with POST /workers.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, type=int, help="TCP port to listen on.")
+@click.option("--policy", default="least_request", show_default=True,
+              type=click.Choice(["least_request", "round_robin", "power_of_two", "random"]),
+              help="How a replica is chosen among the routable ones with room.")
+@click.option("--workers", default=1, show_default=True, type=int,
+              help="Router processes sharing the port (SO_REUSEPORT), for when one core is the "
+                   "limit. Bounds are split between them.")
+@click.option("--api-key", default=None, envvar="OMNI_DP_API_KEY",
+              help="Require `Authorization: Bearer KEY` (or X-API-Key) on every route but "
+                   "/health, /ready, /live and /metrics. Also read from OMNI_DP_API_KEY.")
+@click.option("--admin-allow-remote", is_flag=True,
+              help="Let non-loopback clients use /workers (loopback only by default).")
+@click.option("--max-inflight", type=int, default=None,
+              help="Requests in flight through the router; more get 503 + Retry-After at once. "
+                   "[default: --max-inflight-per-replica × replicas]")
+@click.option("--max-inflight-per-replica", default=256, show_default=True, type=int,
+              help="Requests in flight to one replica; also its upstream connection pool size.")
+@click.option("--max-body-bytes", default="64MiB", show_default=True, type=SIZE,
+              help="Largest accepted request body (413 beyond).")
+@click.option("--connect-timeout", default=5.0, show_default=True, type=float,
+              help="Seconds to connect to a replica.")
+@click.option("--request-timeout", default=1800.0, show_default=True, type=float,
+              help="Seconds a whole proxied request may take.")
+@click.option("--no-retry", is_flag=True,
+              help="Never retry, not even a request whose connection failed before any byte "
+                   "was sent (retried once on another replica by default).")
+@click.option("--health-interval", default=5.0, show_default=True, type=float,
+              help="Seconds between active /health checks of each replica.")
+@click.option("--health-timeout", default=2.0, show_default=True, type=float,
+              help="Seconds a /health check may take.")
+@click.option("--health-failures", default=3, show_default=True, type=int,
+              help="Consecutive failures (checks, connection errors, 502/504) that eject.")
+@click.option("--health-successes", default=2, show_default=True, type=int,
+              help="Consecutive passing checks that re-admit an ejected replica.")
+@click.option("--health-jitter", default=0.2, show_default=True, type=float,
+              help="Each check interval is scaled by a random factor in [1-J, 1+J].")
+@click.option("--drain-timeout", default=30.0, show_default=True, type=float,
+              help="Seconds in-flight requests may take to finish after SIGTERM.")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]),
+              help="Least severe log messages written to stderr (route lines are info).")
+def router(replicas, log_level, drain_timeout, no_retry, health_interval, health_timeout,
+           health_failures, health_successes, health_jitter, connect_timeout,
+           request_timeout, **options) -> None:
+    """Route HTTP traffic over replicas: one endpoint that keeps every replica driven.
+
+    Any path is forwarded byte for byte to one replica and the answer streamed back. Ops:
+    GET /health, /ready, /live, /metrics. Admin (loopback): GET/POST /workers,
+    PUT/DELETE /workers/ID.
+
+    Exit codes: 0 stopped by SIGTERM/SIGINT, 2 bad options or port taken (nothing started),
+    3 a router worker process died.
+    """
+    from omni_dp.router.config import HealthConfig, RouterConfigError, plan_router
+
+    health = HealthConfig(
+        interval_s=health_interval, timeout_s=health_timeout, failure_threshold=health_failures,
+        success_threshold=health_successes, jitter=health_jitter,
+    )
+    try:
+        config = plan_router(
+            list(replicas), health=health, retry_connect_failures=not no_retry,
+            connect_timeout_s=connect_timeout, request_timeout_s=request_timeout, **options,
+        )
+    except RouterConfigError as exc:
+        for problem in exc.problems:
+            click.echo(f"omni-dp router: {problem}", err=True)
+        sys.exit(2)
+    _setup_logging(log_level)
+    from omni_dp.router.workers import run_router
+
+    sys.exit(run_router(config, drain_s=drain_timeout))
+
+
 def main() -> None:
     cli(prog_name="omni-dp")

@@ -1,1 +1,1 @@
-"""Not built yet: see the project's issues."""
+"""The aiohttp router in front of the replicas: forwarding, policies, health, admission."""

@@ -1,0 +1,315 @@
+"""One router process: the Router object, its aiohttp application, and its lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import logging
+import random
+import signal
+import socket
+from collections.abc import Callable, Iterator
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from omni_dp.router.config import RouterConfig
+from omni_dp.router.health import HealthChecker, probe
+from omni_dp.router.metrics import RouterMetrics
+from omni_dp.router.policies import Policy, RequestContext, make_policy
+from omni_dp.router.proxy import Forwarder, json_error
+from omni_dp.router.replicas import Replica, ReplicaError, ReplicaSet, validate_id, validate_url
+
+log = logging.getLogger("omni_dp.router")
+
+OPS_PATHS = frozenset({"/health", "/ready", "/live", "/metrics"})
+ADMIN_PREFIX = "/workers"
+
+
+class Router:
+    """Owns the replica set, the policy, the upstream session and the counters."""
+
+    def __init__(self, config: RouterConfig, policy: Policy | None = None) -> None:
+        self.config = config
+        self.replicas = ReplicaSet([Replica(rid, url) for rid, url in config.replicas])
+        self.policy = policy or make_policy(config.policy, config.seed)
+        self.metrics = RouterMetrics(lambda: self.replicas)
+        self.num_admitted = 0  # requests past admission and not yet answered
+        self.session: aiohttp.ClientSession | None = None
+        self.health: HealthChecker | None = None
+        self.stopping = False
+        # Called with each admin change made here, so sibling router processes can apply it.
+        self.on_change: Callable[[dict], None] = lambda change: None
+
+    # --- admission and selection -------------------------------------------------------
+    def admission_problem(self) -> tuple[str, str] | None:
+        """(reason, message) when a new request must be refused now; None to admit it."""
+        if self.stopping:
+            return "stopping", "the router is shutting down; retry"
+        bound = self.config.inflight_bound(len(self.replicas))
+        if self.num_admitted >= bound:
+            return "router_full", f"the router has {bound} requests in flight; retry shortly"
+        routable = self.replicas.routable()
+        if not routable:
+            return "no_routable_replica", "no healthy, enabled replica; retry shortly"
+        cap = self.config.max_inflight_per_replica
+        if all(r.in_flight >= cap for r in routable):
+            return "replicas_full", f"every replica has {cap} requests in flight; retry shortly"
+        return None
+
+    @contextlib.contextmanager
+    def admitted(self) -> Iterator[None]:
+        self.num_admitted += 1
+        try:
+            yield
+        finally:
+            self.num_admitted -= 1
+
+    def select(self, ctx: RequestContext, exclude: set[str]) -> Replica | None:
+        cap = self.config.max_inflight_per_replica
+        candidates = [
+            r for r in self.replicas.routable() if r.in_flight < cap and r.id not in exclude
+        ]
+        return self.policy.select(candidates, ctx)
+
+    # --- the replica set (admin API and the launcher) ----------------------------------
+    async def add_replica(self, url: str, replica_id: str | None, disabled: bool) -> Replica:
+        replica = Replica(
+            validate_id(replica_id) if replica_id is not None else self.replicas.next_id(),
+            validate_url(url), disabled=disabled,
+        )
+        self.replicas.add(replica)
+        self.policy.on_replica_added(replica)
+        self.on_change({"op": "add", "id": replica.id, "url": replica.url, "disabled": disabled})
+        if self.session is not None:
+            await probe(self.session, replica, self.config.health)
+        return replica
+
+    def set_disabled(self, replica: Replica, disabled: bool) -> None:
+        replica.disabled = disabled
+        self.on_change({"op": "update", "id": replica.id, "disabled": disabled})
+        log.info("replica %s %s", replica.id, "disabled" if disabled else "enabled")
+
+    def remove_replica(self, replica_id: str) -> Replica:
+        replica = self.replicas.remove(replica_id)
+        self.policy.on_replica_removed(replica)
+        self.metrics.forget(replica_id)
+        self.on_change({"op": "remove", "id": replica_id})
+        return replica
+
+    async def apply_change(self, change: dict) -> None:
+        """Apply a change a sibling process made, without announcing it again."""
+        announce, self.on_change = self.on_change, lambda change: None
+        try:
+            if change["op"] == "add":
+                await self.add_replica(change["url"], change["id"], change["disabled"])
+            elif change["op"] == "update" and (replica := self.replicas.get(change["id"])):
+                self.set_disabled(replica, change["disabled"])
+            elif change["op"] == "remove" and self.replicas.get(change["id"]):
+                self.remove_replica(change["id"])
+        except ReplicaError as exc:
+            log.warning("could not apply %s from a sibling: %s", change, exc)
+        finally:
+            self.on_change = announce
+
+    # --- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        # The pool is never the limit: admission bounds the total, and each replica gets as
+        # many connections as it may have requests in flight (aiohttp's default is 100 total).
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=self.config.max_inflight_per_replica,
+        )
+        self.session = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,  # relay bytes exactly as the replica sent them
+            timeout=aiohttp.ClientTimeout(
+                total=self.config.request_timeout_s, connect=self.config.connect_timeout_s,
+            ),
+        )
+        self.health = HealthChecker(
+            self.session, lambda: self.replicas, self.config.health,
+            rng=random.Random(self.config.seed),
+        )
+        await self.health.check_all()  # route as soon as the first probes pass
+        self.health.start()
+
+    async def stop(self) -> None:
+        if self.health is not None:
+            await self.health.stop()
+        if self.session is not None:
+            await self.session.close()
+
+
+# --- the application -----------------------------------------------------------------
+
+
+def _is_loopback(remote: str | None) -> bool:
+    try:
+        return remote is not None and ipaddress.ip_address(remote).is_loopback
+    except ValueError:
+        return False
+
+
+def build_app(router: Router) -> web.Application:
+    config = router.config
+    forwarder = Forwarder(router)
+
+    @web.middleware
+    async def guard(request: web.Request, handler):
+        if request.path in OPS_PATHS:
+            return await handler(request)
+        if config.api_key is not None and not _key_ok(request, config.api_key):
+            return json_error(401, "missing or wrong API key: send Authorization: Bearer KEY",
+                              "unauthorized")
+        is_admin = request.path == ADMIN_PREFIX or request.path.startswith(ADMIN_PREFIX + "/")
+        if is_admin and not config.admin_allow_remote and not _is_loopback(request.remote):
+            return json_error(403, "the admin API answers loopback clients only", "forbidden")
+        return await handler(request)
+
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[guard])
+    app.router.add_get("/live", lambda r: web.json_response({"status": "alive"}))
+    app.router.add_get("/ready", lambda r: _readiness(router))
+    app.router.add_get("/health", lambda r: _readiness(router))
+    app.router.add_get("/metrics", lambda r: web.Response(
+        body=generate_latest(router.metrics.registry),
+        headers={"Content-Type": CONTENT_TYPE_LATEST}))
+    app.router.add_get(ADMIN_PREFIX, lambda r: _list_workers(router))
+    app.router.add_post(ADMIN_PREFIX, lambda r: _add_worker(router, r))
+    app.router.add_put(ADMIN_PREFIX + "/{id}", lambda r: _update_worker(router, r))
+    app.router.add_delete(ADMIN_PREFIX + "/{id}", lambda r: _remove_worker(router, r))
+    app.router.add_route("*", "/{tail:.*}", forwarder.handle)
+    return app
+
+
+def _key_ok(request: web.Request, key: str) -> bool:
+    auth = request.headers.get("Authorization", "")
+    given = auth[7:] if auth.startswith("Bearer ") else request.headers.get("X-API-Key", "")
+    return hmac.compare_digest(given.encode(), key.encode())
+
+
+async def _readiness(router: Router) -> web.Response:
+    routable = len(router.replicas.routable())
+    ready = routable > 0 and not router.stopping
+    body = {"status": "ready" if ready else "not_ready", "routable_replicas": routable,
+            "total_replicas": len(router.replicas)}
+    return web.json_response(body, status=200 if ready else 503)
+
+
+async def _list_workers(router: Router) -> web.Response:
+    return web.json_response({
+        "policy": router.policy.name,
+        "in_flight": router.num_admitted,
+        "workers": [r.describe() for r in router.replicas],
+    })
+
+
+async def _json_object(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError):
+        raise ReplicaError("body must be a JSON object") from None
+    if not isinstance(body, dict):
+        raise ReplicaError("body must be a JSON object")
+    return body
+
+
+async def _add_worker(router: Router, request: web.Request) -> web.Response:
+    try:
+        body = await _json_object(request)
+        unknown = sorted(set(body) - {"url", "id", "disabled"})
+        if unknown:
+            accepted = "url, id, disabled"
+            raise ReplicaError(f"unknown field(s): {', '.join(unknown)}; accepted: {accepted}")
+        if not isinstance(body.get("url"), str):
+            raise ReplicaError("url is required and must be a string")
+        if "id" in body and not isinstance(body["id"], str):
+            raise ReplicaError("id must be a string")
+        disabled = body.get("disabled", False)
+        if not isinstance(disabled, bool):
+            raise ReplicaError("disabled must be true or false")
+        replica = await router.add_replica(body["url"], body.get("id"), disabled)
+    except ReplicaError as exc:
+        status = 409 if "already" in str(exc) else 400
+        return json_error(status, str(exc), "conflict" if status == 409 else "invalid_request")
+    return web.json_response(replica.describe(), status=201)
+
+
+async def _update_worker(router: Router, request: web.Request) -> web.Response:
+    replica = router.replicas.get(request.match_info["id"])
+    if replica is None:
+        return json_error(404, f"no replica with id {request.match_info['id']!r}", "not_found")
+    try:
+        body = await _json_object(request)
+        if set(body) != {"disabled"} or not isinstance(body["disabled"], bool):
+            raise ReplicaError('send exactly {"disabled": true|false}')
+    except ReplicaError as exc:
+        return json_error(400, str(exc), "invalid_request")
+    router.set_disabled(replica, body["disabled"])
+    return web.json_response(replica.describe())
+
+
+async def _remove_worker(router: Router, request: web.Request) -> web.Response:
+    try:
+        replica = router.remove_replica(request.match_info["id"])
+    except KeyError:
+        return json_error(404, f"no replica with id {request.match_info['id']!r}", "not_found")
+    log.info("replica %s removed (%d in flight finish normally)", replica.id, replica.in_flight)
+    return web.json_response(replica.describe())
+
+
+# --- running one process -------------------------------------------------------------
+
+
+def make_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(4096)
+    sock.setblocking(False)
+    return sock
+
+
+async def serve_router(
+    config: RouterConfig,
+    sock: socket.socket,
+    drain_s: float = 30.0,
+    attach: Callable[[Router], None] | None = None,
+) -> None:
+    """Serve on `sock` until SIGTERM/SIGINT, then drain in-flight requests (bounded).
+
+    `attach` connects the router to its siblings when several processes share the port.
+    """
+    router = Router(config)
+    if attach is not None:
+        attach(router)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await router.start()
+    runner = web.AppRunner(
+        build_app(router), handler_cancellation=True, access_log=None, shutdown_timeout=drain_s,
+    )
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    host, port = sock.getsockname()[:2]
+    routable = len(router.replicas.routable())
+    log.info("router listening on http://%s:%d (policy %s, %d/%d replicas routable)",
+             host, port, router.policy.name, routable, len(router.replicas))
+    try:
+        await stop.wait()
+        router.stopping = True
+        log.info("stopping: draining %d request(s)", router.num_admitted)
+    finally:
+        await runner.cleanup()
+        await router.stop()

@@ -1,0 +1,243 @@
+"""Forwarding one request to one replica, byte for byte, and streaming the answer back.
+
+Rules that matter for a fleet of same-GPU replicas:
+- admission is decided before the body is read: over the bound → 503 + Retry-After at once;
+- the body and end-to-end headers go upstream untouched; nothing is re-serialised;
+- the response is relayed chunk by chunk as it arrives (aiohttp sets TCP_NODELAY both ways);
+- one retry, on another replica, only when the connection failed before any byte was sent;
+- a replica failing mid-stream ends the response with an error (SSE error event, or a chunked
+  stream without its terminator), never a short "success";
+- a client that hangs up cancels the upstream request at once (the connection is closed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from omni_dp.router.health import record_failure, record_success
+from omni_dp.router.policies import RequestContext
+from omni_dp.router.replicas import Replica
+
+log = logging.getLogger("omni_dp.router.access")
+
+REQUEST_ID = "X-Request-ID"
+REPLICA_HEADER = "X-Omni-DP-Replica"
+# RFC 9110 §7.6.1 hop-by-hop headers, plus the ones aiohttp recomputes for the new hop.
+_HOP_BY_HOP = frozenset(h.lower() for h in (
+    "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer",
+    "Transfer-Encoding", "Upgrade", "Proxy-Connection", "Host", "Content-Length",
+))
+# Headers aiohttp's client adds on its own; skipped unless the client sent them.
+_CLIENT_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
+_UPSTREAM_FAILURE_STATUSES = (502, 504)
+
+
+def end_to_end(headers) -> CIMultiDict:
+    """Copy headers minus hop-by-hop ones, including any the Connection header names."""
+    named = {
+        token.strip().lower()
+        for value in headers.getall("Connection", [])
+        for token in value.split(",")
+    }
+    return CIMultiDict(
+        (k, v) for k, v in headers.items() if k.lower() not in _HOP_BY_HOP | named
+    )
+
+
+def json_error(status: int, message: str, code: str, request_id: str | None = None,
+               retry_after: bool = False) -> web.Response:
+    headers = {REQUEST_ID: request_id} if request_id else {}
+    if retry_after:
+        headers["Retry-After"] = "1"
+    body = {"error": {"message": message, "type": code, "code": status}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+@dataclass
+class RouteRecord:
+    """Everything the completion log line says about one request."""
+
+    request_id: str
+    method: str
+    path: str
+    replica: str | None = None
+    status: int = 0
+    outcome: str = "ok"
+    attempts: int = 0
+    bytes: int = 0
+    ttfb_s: float | None = None
+    duration_s: float = 0.0
+    client_disconnected: bool = False
+
+    def log(self) -> None:
+        log.info("%s", json.dumps({"event": "route", **self.__dict__}, separators=(",", ":")))
+
+
+class _UpstreamFailed(Exception):
+    """The replica broke the exchange; `retryable` only if no request byte left the router."""
+
+    def __init__(self, kind: str, detail: str, retryable: bool) -> None:
+        super().__init__(detail)
+        self.kind = kind
+        self.retryable = retryable
+
+
+class Forwarder:
+    def __init__(self, router) -> None:
+        self.router = router  # omni_dp.router.app.Router: replicas, policy, session, metrics
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        router = self.router
+        started = time.perf_counter()
+        request_id = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
+        record = RouteRecord(request_id, request.method, request.path)
+        try:
+            return await self._route(request, record, started)
+        except asyncio.CancelledError:
+            record.client_disconnected = True
+            record.outcome = "client_disconnected"
+            router.metrics.client_disconnects.inc()
+            raise
+        finally:
+            record.duration_s = round(time.perf_counter() - started, 6)
+            router.metrics.duration.observe(record.duration_s)
+            record.log()
+
+    async def _route(self, request: web.Request, record: RouteRecord, started: float):
+        router = self.router
+        rejection = router.admission_problem()
+        if rejection is not None:
+            reason, message = rejection
+            router.metrics.rejections.labels(reason).inc()
+            record.status, record.outcome = 503, reason
+            return json_error(503, message, reason, record.request_id, retry_after=True)
+
+        with router.admitted():
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge as exc:
+                record.status, record.outcome = 413, "body_too_large"
+                return json_error(413, exc.text or "request body too large",
+                                  "body_too_large", record.request_id)
+            headers = end_to_end(request.headers)
+            headers[REQUEST_ID] = record.request_id
+            skip = [h for h in _CLIENT_AUTO_HEADERS if h not in request.headers]
+            ctx = RequestContext(path=request.path, request_id=record.request_id)
+            tried: set[str] = set()
+            while True:
+                replica = router.select(ctx, exclude=tried)
+                if replica is None:
+                    reason = "no_routable_replica" if not tried else "retry_exhausted"
+                    router.metrics.rejections.labels(reason).inc()
+                    record.status, record.outcome = 503, reason
+                    return json_error(503, "no replica can take this request now", reason,
+                                      record.request_id, retry_after=True)
+                tried.add(replica.id)
+                record.replica, record.attempts = replica.id, record.attempts + 1
+                try:
+                    return await self._exchange(
+                        request, replica, body, headers, skip, record, started)
+                except _UpstreamFailed as exc:
+                    router.metrics.upstream_errors.labels(replica.id, exc.kind).inc()
+                    record_failure(replica, router.config.health, f"{exc.kind}: {exc}")
+                    retry = exc.retryable and router.config.retry_connect_failures
+                    if retry and record.attempts == 1:
+                        router.metrics.retries.inc()
+                        continue
+                    record.status, record.outcome = 502, exc.kind
+                    router.metrics.requests.labels(replica.id, "502").inc()
+                    return json_error(502, f"replica {replica.id} failed: {exc}", exc.kind,
+                                      record.request_id)
+
+    async def _exchange(self, request, replica: Replica, body: bytes, headers, skip,
+                        record: RouteRecord, started: float) -> web.StreamResponse:
+        router = self.router
+        with replica.dispatched():
+            try:
+                upstream = await router.session.request(
+                    request.method, replica.url + request.rel_url.raw_path_qs,
+                    data=body, headers=headers, skip_auto_headers=skip, allow_redirects=False,
+                )
+            except aiohttp.ClientConnectorError as exc:
+                raise _UpstreamFailed("connect_error", str(exc), retryable=True) from None
+            except asyncio.TimeoutError:
+                raise _UpstreamFailed("timeout", "no response in time", retryable=False) from None
+            except aiohttp.ClientError as exc:
+                raise _UpstreamFailed("upstream_error", f"{type(exc).__name__}: {exc}",
+                                      retryable=False) from None
+            try:
+                return await self._relay(request, replica, upstream, record, started)
+            finally:
+                upstream.close()  # no-op after a full read; cuts the replica off otherwise
+
+    async def _relay(self, request, replica: Replica, upstream: aiohttp.ClientResponse,
+                     record: RouteRecord, started: float) -> web.StreamResponse:
+        router = self.router
+        status = upstream.status
+        record.status = status
+        router.metrics.requests.labels(replica.id, str(status)).inc()
+        if status in _UPSTREAM_FAILURE_STATUSES:
+            record_failure(replica, router.config.health, f"answered {status}")
+        else:
+            record_success(replica, router.config.health, probe=False)
+
+        headers = end_to_end(upstream.headers)
+        headers[REQUEST_ID] = record.request_id
+        headers[REPLICA_HEADER] = replica.id
+        response = web.StreamResponse(status=status, reason=upstream.reason, headers=headers)
+        bodiless = request.method == "HEAD" or status in (204, 304) or 100 <= status < 200
+        if upstream.content_length is not None:
+            response.content_length = upstream.content_length
+        elif request.version >= aiohttp.HttpVersion11 and not bodiless:
+            response.enable_chunked_encoding()
+        is_sse = upstream.content_type == "text/event-stream"
+        await response.prepare(request)
+        try:
+            async for chunk in upstream.content.iter_any():
+                if record.ttfb_s is None:
+                    record.ttfb_s = round(time.perf_counter() - started, 6)
+                    router.metrics.ttfb.observe(record.ttfb_s)
+                await response.write(chunk)
+                record.bytes += len(chunk)
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError,
+                asyncio.TimeoutError) as exc:
+            return await self._fail_midstream(request, response, replica, record, is_sse, exc)
+        except ConnectionResetError:
+            record.client_disconnected = True
+            record.outcome = "client_disconnected"
+            router.metrics.client_disconnects.inc()
+            raise
+        await response.write_eof()
+        return response
+
+    async def _fail_midstream(self, request, response, replica, record, is_sse, exc):
+        router = self.router
+        detail = f"replica {replica.id} failed mid-stream: {type(exc).__name__}"
+        router.metrics.upstream_errors.labels(replica.id, "midstream").inc()
+        record_failure(replica, router.config.health, detail)
+        record.outcome = "upstream_failed_midstream"
+        if is_sse:
+            event = {"error": {"message": detail, "type": "upstream_failed", "code": 502}}
+            with _suppress_disconnect():
+                await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        # No terminating chunk: the client sees a broken response, not a short success.
+        if request.transport is not None:
+            request.transport.close()
+        return response
+
+
+class _suppress_disconnect:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        return exc_type is not None and issubclass(exc_type, (ConnectionResetError, OSError))

@@ -1,0 +1,133 @@
+"""What the router knows about each replica: identity, health, and its in-flight count.
+
+The in-flight count lives on the record, not in a policy, and changes only through
+`Replica.dispatched()`, a context manager that decrements exactly once whatever happens to the
+request (finished, failed, streamed, cancelled).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+from urllib.parse import urlsplit
+
+
+class Health(str, Enum):
+    UNKNOWN = "unknown"  # not yet checked: not routable
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"  # ejected: routable again after enough successful checks
+
+
+class ReplicaError(ValueError):
+    """A replica definition or update that cannot be applied; the message says why."""
+
+
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def validate_url(url: str) -> str:
+    """An http(s) origin without path, query or credentials; returned without a trailing /."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ReplicaError(f"replica URL {url!r} must look like http://HOST:PORT")
+    if parts.username or parts.password:
+        raise ReplicaError(f"replica URL {url!r} must not carry credentials")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ReplicaError(f"replica URL {url!r} must not have a path, query or fragment")
+    try:
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        raise ReplicaError(f"replica URL {url!r} has an invalid port") from None
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def validate_id(replica_id: str) -> str:
+    if not _ID.match(replica_id):
+        raise ReplicaError(
+            f"replica id {replica_id!r} must be 1-64 letters, digits, '_', '.' or '-'"
+        )
+    return replica_id
+
+
+@dataclass(eq=False)
+class Replica:
+    id: str
+    url: str
+    disabled: bool = False
+    health: Health = Health.UNKNOWN
+    in_flight: int = 0
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    num_requests: int = 0
+    num_ejections: int = 0
+    last_error: str | None = None
+    removed: bool = False  # set when taken out of the set; in-flight requests still finish
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def routable(self) -> bool:
+        return self.health == Health.HEALTHY and not self.disabled and not self.removed
+
+    @contextlib.contextmanager
+    def dispatched(self) -> Iterator[None]:
+        self.in_flight += 1
+        self.num_requests += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+    def describe(self) -> dict:
+        return {
+            "id": self.id,
+            "url": self.url,
+            "disabled": self.disabled,
+            "health": self.health.value,
+            "routable": self.routable,
+            "in_flight": self.in_flight,
+            "requests": self.num_requests,
+            "ejections": self.num_ejections,
+            "consecutive_failures": self.consecutive_failures,
+            "last_error": self.last_error,
+        }
+
+
+class ReplicaSet:
+    """The replicas, replaced as a whole on every change so readers never see half an update."""
+
+    def __init__(self, replicas: list[Replica] | None = None) -> None:
+        self._replicas: tuple[Replica, ...] = tuple(replicas or ())
+
+    def __iter__(self) -> Iterator[Replica]:
+        return iter(self._replicas)
+
+    def __len__(self) -> int:
+        return len(self._replicas)
+
+    def get(self, replica_id: str) -> Replica | None:
+        return next((r for r in self._replicas if r.id == replica_id), None)
+
+    def routable(self) -> list[Replica]:
+        return [r for r in self._replicas if r.routable]
+
+    def add(self, replica: Replica) -> None:
+        if self.get(replica.id) is not None:
+            raise ReplicaError(f"replica id {replica.id!r} already exists")
+        if any(r.url == replica.url for r in self._replicas):
+            raise ReplicaError(f"replica URL {replica.url} is already in the set")
+        self._replicas = (*self._replicas, replica)
+
+    def remove(self, replica_id: str) -> Replica:
+        replica = self.get(replica_id)
+        if replica is None:
+            raise KeyError(replica_id)
+        replica.removed = True
+        self._replicas = tuple(r for r in self._replicas if r is not replica)
+        return replica
+
+    def next_id(self) -> str:
+        taken = {r.id for r in self._replicas}
+        return next(str(i) for i in range(len(taken) + 1) if str(i) not in taken)

@@ -1,0 +1,151 @@
+"""Running the router: one process, or K processes on one port (SO_REUSEPORT).
+
+With K > 1 a small parent owns the children (gunicorn-style: it only spawns, relays and stops)
+and relays admin changes: a `/workers` change lands on whichever child accepted the
+connection; that child applies it, answers, and tells the parent, which passes it to every
+other child over their pipes (milliseconds). Each child checks health and counts its own
+in-flight requests; the in-flight bounds are split evenly between the children.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import multiprocessing
+import os
+import signal
+import sys
+from multiprocessing.connection import Connection, wait
+
+from omni_dp.router.app import Router, make_socket, serve_router
+from omni_dp.router.config import RouterConfig
+
+log = logging.getLogger("omni_dp.router")
+
+EXIT_OK, EXIT_USAGE, EXIT_RUNTIME = 0, 2, 3
+
+
+def use_uvloop() -> None:
+    with contextlib.suppress(ImportError):
+        import uvloop  # optional: faster event loop when installed
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def run_router(config: RouterConfig, drain_s: float = 30.0) -> int:
+    """Serve until SIGTERM/SIGINT; return the exit code."""
+    try:
+        sock = make_socket(config.host, config.port, reuse_port=config.workers > 1)
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s; pick another --port",
+                  config.host, config.port, exc.strerror or exc)
+        return EXIT_USAGE
+    if config.workers == 1:
+        use_uvloop()
+        asyncio.run(serve_router(config, sock, drain_s))
+        return EXIT_OK
+    sock.close()  # proved the port is free; each child binds its own SO_REUSEPORT socket
+    return _run_children(config, drain_s)
+
+
+def child_config(config: RouterConfig, workers: int) -> RouterConfig:
+    """One child's share of the bounds (rounded up, so the sum is at least the whole)."""
+    bound = config.max_inflight
+    return dataclasses.replace(
+        config,
+        workers=1,
+        max_inflight=None if bound is None else math.ceil(bound / workers),
+        max_inflight_per_replica=math.ceil(config.max_inflight_per_replica / workers),
+    )
+
+
+def _child_main(config: RouterConfig, conn: Connection, index: int, drain_s: float,
+                log_level: int) -> None:
+    logging.basicConfig(level=log_level, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s %(name)s[{index}]: %(message)s")
+    use_uvloop()
+    sock = make_socket(config.host, config.port, reuse_port=True)
+
+    def attach(router: Router) -> None:
+        router.on_change = conn.send
+        loop = asyncio.get_running_loop()
+        pending: set[asyncio.Task] = set()  # strong references until each change is applied
+
+        def receive() -> None:
+            try:
+                change = conn.recv()
+            except EOFError:  # the parent is gone: stop serving
+                loop.remove_reader(conn.fileno())
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            task = loop.create_task(router.apply_change(change))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+
+        loop.add_reader(conn.fileno(), receive)
+
+    asyncio.run(serve_router(config, sock, drain_s, attach=attach))
+
+
+def _run_children(config: RouterConfig, drain_s: float) -> int:
+    ctx = multiprocessing.get_context("spawn")
+    share = child_config(config, config.workers)
+    children: list[tuple[multiprocessing.process.BaseProcess, Connection]] = []
+    for index in range(config.workers):
+        parent_end, child_end = ctx.Pipe()
+        process = ctx.Process(
+            target=_child_main, name=f"omni-dp-router-{index}",
+            args=(share, child_end, index, drain_s, logging.getLogger().level),
+        )
+        process.start()
+        child_end.close()
+        children.append((process, parent_end))
+    log.info("router: %d worker processes on %s:%d (pids %s)", config.workers, config.host,
+             config.port, ", ".join(str(p.pid) for p, _ in children))
+
+    stopping = False
+
+    def on_signal(signum, frame) -> None:
+        nonlocal stopping
+        stopping = True
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    exit_code = EXIT_OK
+    try:
+        while not stopping:
+            ready = wait([c for _, c in children] + [p.sentinel for p, _ in children], 0.5)
+            for item in ready:
+                dead = next((p for p, _ in children if p.sentinel == item), None)
+                if dead is not None:
+                    log.error("router worker %s (pid %d) exited with %s; stopping the router",
+                              dead.name, dead.pid, dead.exitcode)
+                    stopping, exit_code = True, EXIT_RUNTIME
+                    break
+                _relay(item, children)
+    finally:
+        for process, _ in children:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGTERM)  # our own child: pid from Process
+        for process, conn in children:
+            process.join(drain_s + 5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+            conn.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return exit_code
+
+
+def _relay(source: Connection, children) -> None:
+    try:
+        change = source.recv()
+    except EOFError:
+        return  # that child is exiting; its sentinel reports it
+    for _, conn in children:
+        if conn is not source:
+            with contextlib.suppress(BrokenPipeError, OSError):
+                conn.send(change)
