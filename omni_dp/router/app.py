@@ -21,11 +21,19 @@ from omni_dp.router.health import HealthChecker, probe
 from omni_dp.router.metrics import RouterMetrics
 from omni_dp.router.policies import Policy, RequestContext, make_policy
 from omni_dp.router.proxy import Forwarder, json_error
-from omni_dp.router.replicas import Replica, ReplicaError, ReplicaSet, validate_id, validate_url
+from omni_dp.router.replicas import (
+    DuplicateReplica,
+    Replica,
+    ReplicaError,
+    ReplicaSet,
+    validate_id,
+    validate_url,
+)
 
 log = logging.getLogger("omni_dp.router")
 
 OPS_PATHS = frozenset({"/health", "/ready", "/live", "/metrics"})
+ROUTER_KEY: web.AppKey[Router] = web.AppKey("router")
 ADMIN_PREFIX = "/workers"
 
 
@@ -39,6 +47,7 @@ class Router:
         self.metrics = RouterMetrics(lambda: self.replicas)
         self.num_admitted = 0  # requests past admission and not yet answered
         self.session: aiohttp.ClientSession | None = None
+        self.probe_session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None
         self.stopping = False
         # Called with each admin change made here, so sibling router processes can apply it.
@@ -84,8 +93,8 @@ class Router:
         self.replicas.add(replica)
         self.policy.on_replica_added(replica)
         self.on_change({"op": "add", "id": replica.id, "url": replica.url, "disabled": disabled})
-        if self.session is not None:
-            await probe(self.session, replica, self.config.health)
+        if self.probe_session is not None:
+            await probe(self.probe_session, replica, self.config.health)
         return replica
 
     def set_disabled(self, replica: Replica, disabled: bool) -> None:
@@ -129,8 +138,11 @@ class Router:
                 total=self.config.request_timeout_s, connect=self.config.connect_timeout_s,
             ),
         )
+        # Probes get a session of their own: a replica busy at its in-flight cap must still
+        # be checkable, or being busy would look like being dead.
+        self.probe_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         self.health = HealthChecker(
-            self.session, lambda: self.replicas, self.config.health,
+            self.probe_session, lambda: self.replicas, self.config.health,
             rng=random.Random(self.config.seed),
         )
         await self.health.check_all()  # route as soon as the first probes pass
@@ -139,8 +151,9 @@ class Router:
     async def stop(self) -> None:
         if self.health is not None:
             await self.health.stop()
-        if self.session is not None:
-            await self.session.close()
+        for session in (self.session, self.probe_session):
+            if session is not None:
+                await session.close()
 
 
 # --- the application -----------------------------------------------------------------
@@ -170,16 +183,15 @@ def build_app(router: Router) -> web.Application:
         return await handler(request)
 
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[guard])
-    app.router.add_get("/live", lambda r: web.json_response({"status": "alive"}))
-    app.router.add_get("/ready", lambda r: _readiness(router))
-    app.router.add_get("/health", lambda r: _readiness(router))
-    app.router.add_get("/metrics", lambda r: web.Response(
-        body=generate_latest(router.metrics.registry),
-        headers={"Content-Type": CONTENT_TYPE_LATEST}))
-    app.router.add_get(ADMIN_PREFIX, lambda r: _list_workers(router))
-    app.router.add_post(ADMIN_PREFIX, lambda r: _add_worker(router, r))
-    app.router.add_put(ADMIN_PREFIX + "/{id}", lambda r: _update_worker(router, r))
-    app.router.add_delete(ADMIN_PREFIX + "/{id}", lambda r: _remove_worker(router, r))
+    app[ROUTER_KEY] = router
+    app.router.add_get("/live", _live)
+    app.router.add_get("/ready", _readiness)
+    app.router.add_get("/health", _readiness)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get(ADMIN_PREFIX, _list_workers)
+    app.router.add_post(ADMIN_PREFIX, _add_worker)
+    app.router.add_put(ADMIN_PREFIX + "/{id}", _update_worker)
+    app.router.add_delete(ADMIN_PREFIX + "/{id}", _remove_worker)
     app.router.add_route("*", "/{tail:.*}", forwarder.handle)
     return app
 
@@ -190,7 +202,18 @@ def _key_ok(request: web.Request, key: str) -> bool:
     return hmac.compare_digest(given.encode(), key.encode())
 
 
-async def _readiness(router: Router) -> web.Response:
+async def _live(request: web.Request) -> web.Response:
+    return web.json_response({"status": "alive"})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    registry = request.app[ROUTER_KEY].metrics.registry
+    return web.Response(body=generate_latest(registry),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _readiness(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
     routable = len(router.replicas.routable())
     ready = routable > 0 and not router.stopping
     body = {"status": "ready" if ready else "not_ready", "routable_replicas": routable,
@@ -198,7 +221,8 @@ async def _readiness(router: Router) -> web.Response:
     return web.json_response(body, status=200 if ready else 503)
 
 
-async def _list_workers(router: Router) -> web.Response:
+async def _list_workers(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
     return web.json_response({
         "policy": router.policy.name,
         "in_flight": router.num_admitted,
@@ -216,7 +240,8 @@ async def _json_object(request: web.Request) -> dict:
     return body
 
 
-async def _add_worker(router: Router, request: web.Request) -> web.Response:
+async def _add_worker(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
     try:
         body = await _json_object(request)
         unknown = sorted(set(body) - {"url", "id", "disabled"})
@@ -231,13 +256,15 @@ async def _add_worker(router: Router, request: web.Request) -> web.Response:
         if not isinstance(disabled, bool):
             raise ReplicaError("disabled must be true or false")
         replica = await router.add_replica(body["url"], body.get("id"), disabled)
+    except DuplicateReplica as exc:
+        return json_error(409, str(exc), "conflict")
     except ReplicaError as exc:
-        status = 409 if "already" in str(exc) else 400
-        return json_error(status, str(exc), "conflict" if status == 409 else "invalid_request")
+        return json_error(400, str(exc), "invalid_request")
     return web.json_response(replica.describe(), status=201)
 
 
-async def _update_worker(router: Router, request: web.Request) -> web.Response:
+async def _update_worker(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
     replica = router.replicas.get(request.match_info["id"])
     if replica is None:
         return json_error(404, f"no replica with id {request.match_info['id']!r}", "not_found")
@@ -251,7 +278,8 @@ async def _update_worker(router: Router, request: web.Request) -> web.Response:
     return web.json_response(replica.describe())
 
 
-async def _remove_worker(router: Router, request: web.Request) -> web.Response:
+async def _remove_worker(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
     try:
         replica = router.remove_replica(request.match_info["id"])
     except KeyError:

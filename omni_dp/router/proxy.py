@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
+from yarl import URL
 
 from omni_dp.router.health import record_failure, record_success
 from omni_dp.router.policies import RequestContext
@@ -163,12 +164,18 @@ class Forwarder:
         router = self.router
         with replica.dispatched():
             try:
+                # encoded=True: the path and query go upstream exactly as the client wrote them
+                # (no requoting, no dot-segment resolution).
+                target = URL(replica.url + request.raw_path, encoded=True)
                 upstream = await router.session.request(
-                    request.method, replica.url + request.rel_url.raw_path_qs,
+                    request.method, target,
                     data=body, headers=headers, skip_auto_headers=skip, allow_redirects=False,
                 )
             except aiohttp.ClientConnectorError as exc:
                 raise _UpstreamFailed("connect_error", str(exc), retryable=True) from None
+            except aiohttp.ConnectionTimeoutError:  # before asyncio.TimeoutError: a subclass
+                raise _UpstreamFailed("connect_timeout", "no connection in time",
+                                      retryable=True) from None
             except asyncio.TimeoutError:
                 raise _UpstreamFailed("timeout", "no response in time", retryable=False) from None
             except aiohttp.ClientError as exc:
@@ -201,21 +208,28 @@ class Forwarder:
             response.enable_chunked_encoding()
         is_sse = upstream.content_type == "text/event-stream"
         await response.prepare(request)
-        try:
-            async for chunk in upstream.content.iter_any():
-                if record.ttfb_s is None:
-                    record.ttfb_s = round(time.perf_counter() - started, 6)
-                    router.metrics.ttfb.observe(record.ttfb_s)
+        while True:
+            # Reading from the replica and writing to the client fail for different reasons
+            # and mean different things: keep them in separate try blocks.
+            try:
+                chunk = await upstream.content.readany()
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError,
+                    asyncio.TimeoutError) as exc:
+                return await self._fail_midstream(request, response, replica, record, is_sse,
+                                                  exc)
+            if not chunk:
+                break
+            if record.ttfb_s is None:
+                record.ttfb_s = round(time.perf_counter() - started, 6)
+                router.metrics.ttfb.observe(record.ttfb_s)
+            try:
                 await response.write(chunk)
-                record.bytes += len(chunk)
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError,
-                asyncio.TimeoutError) as exc:
-            return await self._fail_midstream(request, response, replica, record, is_sse, exc)
-        except ConnectionResetError:
-            record.client_disconnected = True
-            record.outcome = "client_disconnected"
-            router.metrics.client_disconnects.inc()
-            raise
+            except ConnectionResetError:  # the client left (aiohttp's subclass included)
+                record.client_disconnected = True
+                record.outcome = "client_disconnected"
+                router.metrics.client_disconnects.inc()
+                return response  # `finally` in _exchange closes the upstream connection
+            record.bytes += len(chunk)
         await response.write_eof()
         return response
 

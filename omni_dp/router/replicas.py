@@ -25,6 +25,10 @@ class ReplicaError(ValueError):
     """A replica definition or update that cannot be applied; the message says why."""
 
 
+class DuplicateReplica(ReplicaError):
+    """The id or URL is already in the set (HTTP 409)."""
+
+
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -115,9 +119,9 @@ class ReplicaSet:
 
     def add(self, replica: Replica) -> None:
         if self.get(replica.id) is not None:
-            raise ReplicaError(f"replica id {replica.id!r} already exists")
+            raise DuplicateReplica(f"replica id {replica.id!r} already exists")
         if any(r.url == replica.url for r in self._replicas):
-            raise ReplicaError(f"replica URL {replica.url} is already in the set")
+            raise DuplicateReplica(f"replica URL {replica.url} is already in the set")
         self._replicas = (*self._replicas, replica)
 
     def remove(self, replica_id: str) -> Replica:
