@@ -85,44 +85,50 @@ class Router:
         return self.policy.select(candidates, ctx)
 
     # --- the replica set (admin API and the launcher) ----------------------------------
-    async def add_replica(self, url: str, replica_id: str | None, disabled: bool) -> Replica:
+    async def add_replica(
+        self, url: str, replica_id: str | None, disabled: bool, *, announce: bool = True
+    ) -> Replica:
         replica = Replica(
             validate_id(replica_id) if replica_id is not None else self.replicas.next_id(),
             validate_url(url), disabled=disabled,
         )
         self.replicas.add(replica)
         self.policy.on_replica_added(replica)
-        self.on_change({"op": "add", "id": replica.id, "url": replica.url, "disabled": disabled})
+        if announce:
+            self.on_change(
+                {"op": "add", "id": replica.id, "url": replica.url, "disabled": disabled}
+            )
         if self.probe_session is not None:
             await probe(self.probe_session, replica, self.config.health)
         return replica
 
-    def set_disabled(self, replica: Replica, disabled: bool) -> None:
+    def set_disabled(self, replica: Replica, disabled: bool, *, announce: bool = True) -> None:
         replica.disabled = disabled
-        self.on_change({"op": "update", "id": replica.id, "disabled": disabled})
+        if announce:
+            self.on_change({"op": "update", "id": replica.id, "disabled": disabled})
         log.info("replica %s %s", replica.id, "disabled" if disabled else "enabled")
 
-    def remove_replica(self, replica_id: str) -> Replica:
+    def remove_replica(self, replica_id: str, *, announce: bool = True) -> Replica:
         replica = self.replicas.remove(replica_id)
         self.policy.on_replica_removed(replica)
         self.metrics.forget(replica_id)
-        self.on_change({"op": "remove", "id": replica_id})
+        if announce:
+            self.on_change({"op": "remove", "id": replica_id})
         return replica
 
     async def apply_change(self, change: dict) -> None:
         """Apply a change a sibling process made, without announcing it again."""
-        announce, self.on_change = self.on_change, lambda change: None
         try:
             if change["op"] == "add":
-                await self.add_replica(change["url"], change["id"], change["disabled"])
+                await self.add_replica(
+                    change["url"], change["id"], change["disabled"], announce=False
+                )
             elif change["op"] == "update" and (replica := self.replicas.get(change["id"])):
-                self.set_disabled(replica, change["disabled"])
+                self.set_disabled(replica, change["disabled"], announce=False)
             elif change["op"] == "remove" and self.replicas.get(change["id"]):
-                self.remove_replica(change["id"])
+                self.remove_replica(change["id"], announce=False)
         except ReplicaError as exc:
             log.warning("could not apply %s from a sibling: %s", change, exc)
-        finally:
-            self.on_change = announce
 
     # --- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
