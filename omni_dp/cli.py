@@ -6,6 +6,7 @@ do not compute never import torch.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 
@@ -217,6 +218,166 @@ def router(replicas, log_level, drain_timeout, no_retry, health_interval, health
     from omni_dp.router.workers import run_router
 
     sys.exit(run_router(config, drain_s=drain_timeout))
+
+
+def _emit(data: dict, text: str, as_json: bool) -> None:
+    click.echo(json.dumps(data, indent=2) if as_json else text.rstrip("\n"))
+
+
+@cli.command("verify-mps")
+@click.argument("run_id", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--no-nvml", is_flag=True, help="Skip the NVML cross-check of GPU processes.")
+def verify_mps(run_id: str | None, as_json: bool, no_nvml: bool) -> None:
+    """Re-prove that every GPU process of every replica of a live run is an MPS client.
+
+    Reads the run's state (OMNI_DP_STATE_DIR, default $XDG_RUNTIME_DIR or /tmp /omni-dp-UID),
+    queries the run's private MPS daemon, rewrites mps_attach.txt/.json in the run directory and
+    prints the map. With no RUN_ID it takes the only live run.
+
+    Exit codes: 0 PASS, 1 FAIL, 2 cannot check (the message says why).
+    """
+    from omni_dp.mps.attach import format_text
+    from omni_dp.mps.runs import CannotCheck, pick_run, verify_run
+
+    try:
+        run = pick_run(run_id)
+        report = verify_run(run, use_nvml=not no_nvml)
+    except CannotCheck as exc:
+        if as_json:
+            click.echo(json.dumps({"result": "CANNOT_CHECK", "reason": str(exc)}, indent=2))
+        else:
+            click.echo(f"omni-dp verify-mps: cannot check: {exc}", err=True)
+        sys.exit(2)
+    _emit({"run_id": run.run_id, **report.to_json()},
+          f"run {run.run_id}\n{format_text(report)}", as_json)
+    sys.exit(0 if report.passed else 1)
+
+
+@cli.group()
+def mps() -> None:
+    """Manage a private MPS control daemon on its own (the launcher does this for a run)."""
+
+
+_STATE_DIR = click.option(
+    "--state-dir", required=True, type=click.Path(file_okay=False),
+    help="Directory that holds mps/pipe, mps/log and mps/daemon.json (keep its path short: "
+         "the control socket path must fit in 107 bytes).")
+_MPS_CONTROL = click.option(
+    "--mps-control", default=None, metavar="PATH",
+    help="The nvidia-cuda-mps-control binary. [default: $OMNI_DP_MPS_CONTROL, then PATH]")
+
+
+def _mps_paths(state_dir: str):
+    from pathlib import Path
+
+    base = Path(state_dir).absolute() / "mps"
+    return base / "pipe", base / "log", base / "daemon.json"
+
+
+def _fail(command: str, message: str, code: int = 2) -> None:
+    click.echo(f"omni-dp {command}: {message}", err=True)
+    sys.exit(code)
+
+
+@mps.command("start")
+@_STATE_DIR
+@_MPS_CONTROL
+@click.option("--gpu", default="0", show_default=True, metavar="INDEX|UUID",
+              help="The GPU the daemon serves (its UUID goes into CUDA_VISIBLE_DEVICES).")
+@click.option("--mps-thread-percentage", type=click.FloatRange(0, 100, min_open=True),
+              default=None, help="Default active thread percentage for the MPS server.")
+@click.option("--mps-memory-limit", type=SIZE, default=None,
+              help="Default pinned device memory limit per client, e.g. 20GiB.")
+@click.option("--no-gpu-check", is_flag=True,
+              help="Start even where NVML sees no usable GPU (to test the daemon itself; no "
+                   "client can attach there).")
+@click.option("--json", "as_json", is_flag=True, help="Print the daemon record as JSON.")
+def mps_start(state_dir, mps_control, gpu, mps_thread_percentage, mps_memory_limit,
+              no_gpu_check, as_json) -> None:
+    """Start a private MPS control daemon under --state-dir and record it."""
+    from omni_dp.mps.control import MpsControl, MpsControlError, find_control_binary
+    from omni_dp.mps.daemon import MpsDaemon, MpsDaemonError
+    from omni_dp.mps.preflight import format_report, run_preflight
+
+    pipe, log_dir, record_path = _mps_paths(state_dir)
+    report = run_preflight(control_binary=mps_control, gpu=gpu, pipe_dir=str(pipe),
+                           num_client_processes=0)
+    blocking = [p for p in report.problems
+                if not (no_gpu_check and p.check in ("nvml", "gpu", "compute_mode", "mig",
+                                                     "capability"))]
+    if blocking:
+        _fail("mps start", "cannot start the MPS daemon:\n" + format_report(report))
+    if record_path.exists():
+        _fail("mps start", f"{record_path} exists: a daemon was started here; run "
+                           f"`omni-dp mps stop --state-dir {state_dir}` first")
+    try:
+        control = MpsControl(find_control_binary(mps_control), str(pipe), str(log_dir))
+        record = MpsDaemon(control).start(
+            gpu_uuid=report.gpu.uuid if report.gpu else None,
+            thread_percentage=mps_thread_percentage, memory_limit_bytes=mps_memory_limit,
+        )
+    except (MpsControlError, MpsDaemonError) as exc:
+        _fail("mps start", str(exc), code=3)
+    record_path.write_text(json.dumps(record.to_json(), indent=2) + "\n")
+    _emit(record.to_json(), f"MPS control daemon pid {record.identity.pid} serving "
+          f"CUDA_MPS_PIPE_DIRECTORY={record.pipe_dir}", as_json)
+
+
+def _load_record(state_dir: str, command: str):
+    from omni_dp.mps.daemon import DaemonRecord
+
+    record_path = _mps_paths(state_dir)[2]
+    try:
+        return DaemonRecord.from_json(json.loads(record_path.read_text())), record_path
+    except FileNotFoundError:
+        _fail(command, f"no daemon recorded under {state_dir} ({record_path} is missing)")
+    except (OSError, ValueError, KeyError) as exc:
+        _fail(command, f"cannot read {record_path}: {exc!r}")
+
+
+@mps.command("stop")
+@_STATE_DIR
+@click.option("--force", is_flag=True, help="Quit even while MPS clients are attached.")
+def mps_stop(state_dir, force) -> None:
+    """Stop the daemon recorded under --state-dir: quit, then wait for its pid to exit."""
+    from omni_dp.mps.control import MpsControl
+    from omni_dp.mps.daemon import MpsDaemon, MpsDaemonError
+
+    record, record_path = _load_record(state_dir, "mps stop")
+    control = MpsControl(record.binary, record.pipe_dir, record.log_dir)
+    try:
+        MpsDaemon(control).stop(record, force=force)
+    except MpsDaemonError as exc:
+        _fail("mps stop", str(exc), code=1)
+    record_path.unlink()
+    click.echo(f"MPS control daemon pid {record.identity.pid} stopped")
+
+
+@mps.command("status")
+@_STATE_DIR
+@click.option("--json", "as_json", is_flag=True, help="Print the health as JSON.")
+def mps_status(state_dir, as_json) -> None:
+    """Is the recorded daemon alive, answering, which servers, any MPS faults in its logs.
+
+    Exit codes: 0 healthy, 1 not (dead, unreachable or faults logged), 2 nothing recorded.
+    """
+    from omni_dp.mps.control import MpsControl
+    from omni_dp.mps.daemon import MpsDaemon
+
+    record, _ = _load_record(state_dir, "mps status")
+    control = MpsControl(record.binary, record.pipe_dir, record.log_dir)
+    health = MpsDaemon(control).health(record)
+    lines = [
+        f"daemon pid {record.identity.pid}: {'alive' if health.alive else 'NOT RUNNING'}, "
+        f"{'answering' if health.reachable else 'not answering'}",
+        f"servers: {', '.join(map(str, health.servers)) or 'none'}",
+        *[f"fault: {line}" for line in health.faults],
+    ]
+    if health.error:
+        lines.append(f"error: {health.error}")
+    _emit({"daemon": record.to_json(), **health.to_json()}, "\n".join(lines), as_json)
+    sys.exit(0 if health.ok else 1)
 
 
 def main() -> None:

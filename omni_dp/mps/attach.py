@@ -1,0 +1,231 @@
+"""Proof that every GPU process of every replica is a client of the run's one MPS server.
+
+A replica process that misses the pipe directory silently time-slices instead of sharing the
+GPU, so "one attached process per replica" is not enough. PASS needs all of:
+- exactly one MPS server on the run's daemon;
+- every declared process of every replica whose device is CUDA is a client of it;
+- every client belongs to a replica (run token + replica index in /proc/PID/environ);
+- no declared process uses the GPU without being a client (NVML cross-check, when NVML works).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from omni_dp.mps.control import MpsControl, MpsControlError
+from omni_dp.procs import read_environ
+
+TOKEN_ENV = "OMNI_DP_RUN_TOKEN"
+REPLICA_ENV = "OMNI_DP_REPLICA"
+TEXT_ARTIFACT = "mps_attach.txt"
+JSON_ARTIFACT = "mps_attach.json"
+
+
+@dataclass(frozen=True)
+class DeclaredProcess:
+    pid: int
+    role: str
+    device: str  # "cpu" or "cuda:N"
+
+    @property
+    def uses_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+
+@dataclass(frozen=True)
+class ReplicaProcesses:
+    index: int
+    processes: tuple[DeclaredProcess, ...]
+
+
+@dataclass
+class ClientMatch:
+    server: int
+    pid: int
+    replica: int | None  # None: UNMATCHED
+    role: str | None
+    why: str
+
+
+@dataclass
+class ReplicaVerdict:
+    index: int
+    passed: bool
+    attached: list[int] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class AttachReport:
+    passed: bool
+    servers: list[int]
+    clients: list[ClientMatch]
+    replicas: list[ReplicaVerdict]
+    problems: list[str]  # run-wide: daemon unreachable, server count, unmatched clients
+    nvml: str  # "checked" or why the cross-check could not run
+
+    @property
+    def result(self) -> str:
+        return "PASS" if self.passed else "FAIL"
+
+    def to_json(self) -> dict:
+        return {"result": self.result, **asdict(self)}
+
+
+# NVML's compute + MPS process lists of the run's GPU: (pids, None) or (None, why not).
+GpuPids = Callable[[], tuple[set[int] | None, str | None]]
+
+
+def verify_attachment(
+    replicas: list[ReplicaProcesses],
+    run_token: str,
+    control: MpsControl,
+    *,
+    gpu_pids: GpuPids | None = None,
+    environ: Callable[[int], dict[str, str] | None] = read_environ,
+) -> AttachReport:
+    problems: list[str] = []
+    try:
+        servers = control.server_list()
+        clients_of = {server: control.client_list(server) for server in servers}
+    except MpsControlError as exc:
+        return AttachReport(False, [], [], [ReplicaVerdict(r.index, False, [],
+                            ["not checked: the daemon gave no answer"]) for r in replicas],
+                            [f"MPS control query failed: {exc}"], "not checked")
+    if len(servers) != 1:
+        problems.append(
+            f"expected exactly one MPS server, found {len(servers)}"
+            + ("" if servers else ": no replica process ever reached the daemon")
+        )
+
+    declared = {p.pid: (r.index, p) for r in replicas for p in r.processes}
+    matches = []
+    for server, pids in clients_of.items():
+        for pid in pids:
+            matches.append(_match(server, pid, run_token, declared, environ))
+    unmatched = [m for m in matches if m.replica is None]
+    if unmatched:
+        problems.append(
+            f"{len(unmatched)} MPS client(s) belong to no replica of this run: "
+            + ", ".join(f"{m.pid} ({m.why})" for m in unmatched)
+        )
+
+    nvml_pids, nvml_why = gpu_pids() if gpu_pids else (None, "NVML cross-check not requested")
+    only_server = servers[0] if len(servers) == 1 else None
+    attached_pids = set(clients_of.get(only_server, [])) if only_server is not None else set()
+    verdicts = []
+    for replica in replicas:
+        verdict = ReplicaVerdict(replica.index, True)
+        for process in replica.processes:
+            is_client = process.pid in attached_pids
+            if is_client:
+                verdict.attached.append(process.pid)
+            elif process.uses_cuda:
+                verdict.problems.append(
+                    f"{process.role} (pid {process.pid}, {process.device}) is not a client of "
+                    "the run's MPS server: it would time-slice the GPU"
+                )
+            if nvml_pids is not None and process.pid in nvml_pids and not is_client:
+                verdict.problems.append(
+                    f"{process.role} (pid {process.pid}) uses the GPU (NVML) without being an "
+                    "MPS client"
+                )
+        if not any(p.uses_cuda for p in replica.processes):
+            verdict.problems.append("declares no CUDA process: nothing to prove")
+        verdict.passed = not verdict.problems
+        verdicts.append(verdict)
+
+    passed = not problems and all(v.passed for v in verdicts)
+    nvml = "checked" if nvml_pids is not None else f"not checked: {nvml_why}"
+    return AttachReport(passed, servers, matches, verdicts, problems, nvml)
+
+
+def _match(server, pid, run_token, declared, environ) -> ClientMatch:
+    env = environ(pid)
+    if env is None:
+        return ClientMatch(server, pid, None, None, "environment unreadable (gone or not ours)")
+    if env.get(TOKEN_ENV) != run_token:
+        return ClientMatch(server, pid, None, None, "no run token of this run")
+    try:
+        index = int(env.get(REPLICA_ENV, ""))
+    except ValueError:
+        return ClientMatch(server, pid, None, None, f"{REPLICA_ENV} missing or not a number")
+    if pid in declared and declared[pid][0] != index:
+        return ClientMatch(server, pid, None, None,
+                           f"claims replica {index} but replica {declared[pid][0]} declared it")
+    role = declared[pid][1].role if pid in declared else "undeclared"
+    return ClientMatch(server, pid, index, role, "run token")
+
+
+def nvml_gpu_pids(gpu: str, nvml=None) -> tuple[set[int] | None, str | None]:
+    """PIDs NVML sees on the GPU (compute and MPS lists), or (None, why NVML cannot say)."""
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError:
+            return None, "pynvml is not installed"
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as exc:
+        return None, f"NVML unavailable ({exc})"
+    try:
+        handle = (nvml.nvmlDeviceGetHandleByUUID(gpu) if gpu.startswith(("GPU-", "MIG-"))
+                  else nvml.nvmlDeviceGetHandleByIndex(int(gpu)))
+        pids = {p.pid for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+        with contextlib.suppress(nvml.NVMLError):  # older drivers: the compute list alone
+            pids |= {p.pid for p in nvml.nvmlDeviceGetMPSComputeRunningProcesses(handle)}
+        return pids, None
+    except (nvml.NVMLError, ValueError) as exc:
+        return None, f"NVML could not list GPU processes ({exc})"
+    finally:
+        nvml.nvmlShutdown()
+
+
+def format_text(report: AttachReport) -> str:
+    lines = []
+    if not report.servers:
+        lines.append("no MPS server")
+    for server in report.servers:
+        lines.append(f"mps_server {server}")
+        for match in (m for m in report.clients if m.server == server):
+            if match.replica is None:
+                lines.append(f"  client {match.pid} -> UNMATCHED ({match.why})")
+            else:
+                lines.append(f"  client {match.pid} -> replica {match.replica} ({match.role})")
+    lines.append("")
+    for verdict in report.replicas:
+        state = "attached" if verdict.passed else "NOT PROVEN"
+        pids = ", ".join(map(str, verdict.attached)) or "none"
+        lines.append(f"replica {verdict.index}: {state}; clients: {pids}")
+        lines += [f"  - {problem}" for problem in verdict.problems]
+    lines += [f"problem: {problem}" for problem in report.problems]
+    lines.append(f"nvml: {report.nvml}")
+    lines.append(f"RESULT: {report.result}")
+    return "\n".join(lines) + "\n"
+
+
+def write_artifacts(report: AttachReport, directory: str | Path) -> None:
+    """mps_attach.txt and mps_attach.json, each replaced atomically."""
+    directory = Path(directory)
+    _atomic_write(directory / TEXT_ARTIFACT, format_text(report))
+    _atomic_write(directory / JSON_ARTIFACT, json.dumps(report.to_json(), indent=2) + "\n")
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

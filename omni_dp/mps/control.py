@@ -1,0 +1,169 @@
+"""The MPS control protocol: one command per call of `nvidia-cuda-mps-control`, parsed strictly.
+
+The front end's exit status only says whether the daemon was reachable (1 and "Cannot find MPS
+control daemon process" on stderr when not); a rejected command still exits 0 with its message
+on stdout. So every reply is parsed against what the command must return, and anything else is
+an error rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+BINARY_NAME = "nvidia-cuda-mps-control"
+BINARY_ENV = "OMNI_DP_MPS_CONTROL"
+PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
+LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
+# Inherited limits that would silently apply to the run's daemon; set through the protocol
+# instead, and only when asked for.
+LIMIT_ENVS = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
+
+_REJECTIONS = (
+    re.compile(r"^Unknown command"),
+    re.compile(r"^Server \d+ not found"),
+    re.compile(r"^A user id \(UID\) is required"),
+    re.compile(r"^An instance of this daemon is already running"),
+)
+_PID = re.compile(r"^\d+$")
+_PERCENT = re.compile(r"^\d+(\.\d+)?$")
+_MEM_LIMIT = re.compile(r"^(\d+)([MG]?)$")
+
+
+class MpsControlError(Exception):
+    """Base of every failure to get an answer from the control daemon."""
+
+
+class BinaryNotFound(MpsControlError):
+    pass
+
+
+class DaemonUnreachable(MpsControlError):
+    pass
+
+
+class CommandRejected(MpsControlError):
+    pass
+
+
+class ControlTimeout(MpsControlError):
+    pass
+
+
+class MalformedOutput(MpsControlError):
+    pass
+
+
+def find_control_binary(path: str | None = None) -> str:
+    """`path`, else $OMNI_DP_MPS_CONTROL, else `nvidia-cuda-mps-control` on PATH."""
+    candidate = path or os.environ.get(BINARY_ENV)
+    where = candidate or f"{BINARY_NAME} on PATH"
+    found = shutil.which(candidate or BINARY_NAME)
+    if found is None:
+        raise BinaryNotFound(
+            f"MPS control binary not found ({where}); install the NVIDIA driver's "
+            f"{BINARY_NAME} (Debian: package nvidia-cuda-mps, component non-free) or point "
+            f"--mps-control / {BINARY_ENV} at it"
+        )
+    return os.path.abspath(found)
+
+
+def parse_pid_list(text: str) -> list[int]:
+    """PIDs, one per line; an empty reply is an empty list; any other line is an error."""
+    pids = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        if not _PID.match(line):
+            raise MalformedOutput(f"expected one PID per line, got {line!r}")
+        pids.append(int(line))
+    return pids
+
+
+def parse_percentage(text: str) -> float:
+    value = text.strip()
+    if not _PERCENT.match(value) or not 0 < float(value) <= 100:
+        raise MalformedOutput(f"expected a thread percentage in (0, 100], got {value!r}")
+    return float(value)
+
+
+def parse_mem_limit(text: str) -> int:
+    """`2G`, `512M` or plain bytes → bytes. The daemon rounds ≥ 1 GiB down to whole GiB."""
+    match = _MEM_LIMIT.match(text.strip())
+    if match is None:
+        raise MalformedOutput(f"expected a memory limit like 512M or 2G, got {text.strip()!r}")
+    unit = {"": 1, "M": 1024**2, "G": 1024**3}[match.group(2)]
+    return int(match.group(1)) * unit
+
+
+@dataclass(frozen=True)
+class MpsControl:
+    """Talks to the daemon that serves `pipe_dir`."""
+
+    binary: str
+    pipe_dir: str
+    log_dir: str
+    timeout_s: float = 10.0
+
+    def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ if base is None else base)
+        for name in LIMIT_ENVS:
+            env.pop(name, None)
+        env[PIPE_ENV] = self.pipe_dir
+        env[LOG_ENV] = self.log_dir
+        return env
+
+    def run(self, command: str) -> str:
+        """Send one command; return its stdout. Raises a typed MpsControlError."""
+        try:
+            done = subprocess.run(
+                [self.binary], input=command + "\n", capture_output=True, text=True,
+                env=self.env(), timeout=self.timeout_s, check=False,
+            )
+        except subprocess.TimeoutExpired:
+            raise ControlTimeout(
+                f"{command!r} got no answer in {self.timeout_s:.0f}s from the daemon on "
+                f"{self.pipe_dir}"
+            ) from None
+        except OSError as exc:
+            raise BinaryNotFound(f"cannot run {self.binary}: {exc}") from None
+        out = done.stdout.strip()
+        if done.returncode != 0:
+            detail = (done.stderr.strip() or out or f"exit status {done.returncode}")
+            raise DaemonUnreachable(f"no MPS control daemon answers on {self.pipe_dir}: {detail}")
+        first = out.splitlines()[0] if out else ""
+        if any(pattern.match(first) for pattern in _REJECTIONS):
+            raise CommandRejected(f"{command!r} rejected: {out}")
+        return out
+
+    # --- queries with strict replies ----------------------------------------------------
+    def server_list(self) -> list[int]:
+        return parse_pid_list(self.run("get_server_list"))
+
+    def client_list(self, server_pid: int) -> list[int]:
+        return parse_pid_list(self.run(f"get_client_list {server_pid}"))
+
+    def default_thread_percentage(self) -> float:
+        return parse_percentage(self.run("get_default_active_thread_percentage"))
+
+    def set_default_thread_percentage(self, percent: float) -> None:
+        echoed = parse_percentage(self.run(f"set_default_active_thread_percentage {percent:g}"))
+        if abs(echoed - percent) > 1e-6:
+            raise MalformedOutput(f"asked for {percent:g}% threads, daemon answered {echoed:g}")
+
+    def default_pinned_mem_limit(self, device: int = 0) -> int:
+        return parse_mem_limit(self.run(f"get_default_device_pinned_mem_limit {device}"))
+
+    def set_default_pinned_mem_limit(self, num_bytes: int, device: int = 0) -> None:
+        mib = max(1, num_bytes // 1024**2)
+        reply = self.run(f"set_default_device_pinned_mem_limit {device} {mib}M")
+        if reply:
+            raise MalformedOutput(f"unexpected reply to setting the memory limit: {reply!r}")
+
+    def quit(self) -> None:
+        """Ask the daemon to exit; its exit status is unreliable, so callers watch the pid."""
+        self.run("quit")

@@ -1,0 +1,261 @@
+"""A private MPS control daemon for one run and one GPU: start, prove, watch, stop.
+
+Private means: pipe and log directories of its own (0700, inside the run's state dir), never a
+daemon someone else started (one already answering on the pipe is refused, not adopted), and
+only its recorded pid + create time is ever waited on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import stat
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from omni_dp.mps.control import (
+    PIPE_ENV,
+    DaemonUnreachable,
+    MpsControl,
+    MpsControlError,
+)
+from omni_dp.procs import ProcessIdentity, identify, is_alive, read_environ
+
+SOCKET_NAME = "control"
+MAX_SOCKET_PATH_BYTES = 107  # sizeof(sun_path) - 1 on Linux
+PID_FILE = "nvidia-cuda-mps-control.pid"  # documented; Debian's 535 build writes none
+CONTROL_LOG = "control.log"
+_FAULT = re.compile(r"MpsRpc|cudaErrorMps\w*|exited with status [1-9]\d*|FAULT")
+
+
+class MpsDaemonError(Exception):
+    """The daemon could not be started, proved or stopped; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class DaemonRecord:
+    """What run.json keeps about the daemon."""
+
+    identity: ProcessIdentity
+    binary: str
+    pipe_dir: str
+    log_dir: str
+    gpu_uuid: str | None
+
+    def to_json(self) -> dict:
+        return {**self.identity.to_json(), "binary": self.binary, "pipe_dir": self.pipe_dir,
+                "log_dir": self.log_dir, "gpu_uuid": self.gpu_uuid}
+
+    @classmethod
+    def from_json(cls, data: dict) -> DaemonRecord:
+        return cls(ProcessIdentity.from_json(data), data["binary"], data["pipe_dir"],
+                   data["log_dir"], data.get("gpu_uuid"))
+
+
+@dataclass
+class DaemonHealth:
+    alive: bool
+    reachable: bool
+    servers: list[int] = field(default_factory=list)
+    faults: list[str] = field(default_factory=list)  # log lines that show MPS trouble
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.alive and self.reachable and not self.faults
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "alive": self.alive, "reachable": self.reachable,
+                "servers": self.servers, "faults": self.faults, "error": self.error}
+
+
+def private_dir_problem(path: Path) -> str | None:
+    """Why an existing directory cannot be the run's private pipe/log dir (None if it can)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(info.st_mode):
+        return f"{path} is a symlink; the MPS directories must be real, private directories"
+    if not stat.S_ISDIR(info.st_mode):
+        return f"{path} exists and is not a directory"
+    if info.st_uid != os.getuid():
+        return f"{path} belongs to uid {info.st_uid}, not to you (uid {os.getuid()})"
+    if info.st_mode & 0o077:
+        return (f"{path} has mode {stat.S_IMODE(info.st_mode):o}; it must not be group- or "
+                "world-accessible (0700)")
+    return None
+
+
+def make_private_dir(path: Path) -> None:
+    problem = private_dir_problem(path)
+    if problem:
+        raise MpsDaemonError(problem)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
+
+
+def log_tail(log_dir: str, lines: int = 20) -> str:
+    try:
+        text = Path(log_dir, CONTROL_LOG).read_text(errors="replace")
+    except OSError:
+        return "(no control.log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def find_daemon_pid(control: MpsControl) -> ProcessIdentity | None:
+    """The daemon serving this exact pipe dir: its pid file if live, else /proc's word."""
+    pid_file = Path(control.pipe_dir, PID_FILE)
+    try:
+        pid = int(pid_file.read_text().strip())
+        identity = identify(pid)
+        if identity is not None and is_alive(identity):
+            return identity
+    except (OSError, ValueError):
+        pass
+    binary = os.path.realpath(control.binary)
+    pipe = os.path.realpath(control.pipe_dir)
+    for process in psutil.process_iter(["pid", "exe", "cmdline", "create_time"]):
+        info = process.info
+        argv0 = (info.get("cmdline") or [""])[0]
+        exe = info.get("exe") or ""
+        if binary not in (os.path.realpath(exe) if exe else "", os.path.realpath(argv0)):
+            continue
+        env = read_environ(info["pid"]) or {}
+        if os.path.realpath(env.get(PIPE_ENV, "")) == pipe:
+            return ProcessIdentity(info["pid"], info["create_time"])
+    return None
+
+
+class MpsDaemon:
+    def __init__(self, control: MpsControl) -> None:
+        self.control = control
+
+    def answers(self) -> bool:
+        try:
+            self.control.server_list()
+            return True
+        except DaemonUnreachable:
+            return False
+
+    def start(
+        self,
+        *,
+        gpu_uuid: str | None,
+        thread_percentage: float | None = None,
+        memory_limit_bytes: int | None = None,
+        ready_timeout_s: float = 10.0,
+    ) -> DaemonRecord:
+        control = self.control
+        from omni_dp.mps.preflight import check_socket_path  # preflight imports this module
+
+        problems = check_socket_path(control.pipe_dir)
+        if problems:
+            raise MpsDaemonError("; ".join(p.message for p in problems))
+        for directory in (control.pipe_dir, control.log_dir):
+            make_private_dir(Path(directory))
+        if self.answers():
+            raise MpsDaemonError(
+                f"an MPS control daemon already answers on {control.pipe_dir}; omni-dp never "
+                "adopts a daemon it did not start — stop that run first (omni-dp down)"
+            )
+        env = control.env()
+        if gpu_uuid:
+            env["CUDA_VISIBLE_DEVICES"] = gpu_uuid
+        done = subprocess.run(
+            [control.binary, "-d"], env=env, capture_output=True, text=True,
+            timeout=control.timeout_s, check=False,
+        )
+        if done.returncode != 0:
+            raise MpsDaemonError(
+                f"{control.binary} -d failed ({done.returncode}): "
+                f"{(done.stdout + done.stderr).strip()}"
+            )
+        self._wait_ready(ready_timeout_s)
+        identity = find_daemon_pid(control)
+        if identity is None:
+            raise MpsDaemonError(
+                "the daemon answers but no process of its binary holds this pipe directory; "
+                f"control.log:\n{log_tail(control.log_dir)}"
+            )
+        record = DaemonRecord(identity, control.binary, control.pipe_dir, control.log_dir,
+                              gpu_uuid)
+        try:
+            if thread_percentage is not None:
+                control.set_default_thread_percentage(thread_percentage)
+            if memory_limit_bytes is not None:
+                control.set_default_pinned_mem_limit(memory_limit_bytes)
+        except MpsControlError as exc:
+            self.stop(record, force=True)
+            raise MpsDaemonError(f"could not apply the MPS limits: {exc}") from None
+        return record
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        """`-d` returns before the socket accepts: poll a harmless query (bounded)."""
+        deadline = time.monotonic() + timeout_s
+        delay = 0.02
+        while True:
+            try:
+                self.control.default_thread_percentage()
+                return
+            except DaemonUnreachable as exc:
+                if time.monotonic() > deadline:
+                    raise MpsDaemonError(
+                        f"the daemon did not answer within {timeout_s:.0f}s ({exc}); "
+                        f"control.log:\n{log_tail(self.control.log_dir)}"
+                    ) from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
+
+    def clients(self) -> dict[int, list[int]]:
+        return {server: self.control.client_list(server) for server in self.control.server_list()}
+
+    def stop(self, record: DaemonRecord, *, force: bool = False, timeout_s: float = 10.0) -> None:
+        """`quit`, then wait for the recorded process to exit (quit's status is unreliable)."""
+        if not is_alive(record.identity):
+            return
+        if not force:
+            try:
+                attached = {s: c for s, c in self.clients().items() if c}
+            except DaemonUnreachable:
+                attached = {}
+            if attached:
+                pids = sorted(p for c in attached.values() for p in c)
+                raise MpsDaemonError(
+                    f"{len(pids)} MPS client(s) still attached ({', '.join(map(str, pids))}): "
+                    "stop the replicas first; quitting under live clients can wedge the server"
+                )
+        with contextlib.suppress(DaemonUnreachable):  # socket gone: the pid tells the rest
+            self.control.quit()
+        deadline = time.monotonic() + timeout_s
+        while is_alive(record.identity):
+            if time.monotonic() > deadline:
+                raise MpsDaemonError(
+                    f"the MPS daemon (pid {record.identity.pid}) is still running "
+                    f"{timeout_s:.0f}s after quit; control.log:\n{log_tail(record.log_dir)}"
+                )
+            time.sleep(0.05)
+
+    def health(self, record: DaemonRecord, extra_logs: tuple[str, ...] = ()) -> DaemonHealth:
+        health = DaemonHealth(alive=is_alive(record.identity), reachable=False)
+        try:
+            health.servers = self.control.server_list()
+            health.reachable = True
+        except MpsControlError as exc:
+            health.error = str(exc)
+        for path in (os.path.join(record.log_dir, CONTROL_LOG), *extra_logs):
+            try:
+                text = Path(path).read_text(errors="replace")
+            except OSError:
+                continue
+            health.faults += [
+                f"{os.path.basename(path)}: {line.strip()}"
+                for line in text.splitlines() if _FAULT.search(line)
+            ]
+        return health

@@ -1,0 +1,135 @@
+"""Reading a run's state for `omni-dp verify-mps`, and re-proving its attachment.
+
+The launcher writes the run state (DESIGN.md: `<state dir>/runs/<run-id>/`). What this module
+reads of it, and therefore what the launcher must write:
+
+    run.json   {"schema": 1, "run_id": str, "gpu": "GPU-<uuid>" | "<index>",
+                "mps": {"daemon": {"pid", "create_time", "binary", "pipe_dir", "log_dir",
+                                   "gpu_uuid"}} | null,
+                "replicas": [{"index": int,
+                              "processes": [{"pid": int, "role": str, "device": str}]}]}
+    run_token  the run token, mode 0600 (also in each replica's environment)
+
+verify-mps writes `mps_attach.txt` and `mps_attach.json` into the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from omni_dp.mps.attach import (
+    AttachReport,
+    DeclaredProcess,
+    ReplicaProcesses,
+    nvml_gpu_pids,
+    verify_attachment,
+    write_artifacts,
+)
+from omni_dp.mps.control import MpsControl
+from omni_dp.mps.daemon import DaemonRecord
+from omni_dp.procs import is_alive
+
+SCHEMA = 1
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class CannotCheck(Exception):
+    """verify-mps cannot give a verdict (exit 2); the message says why."""
+
+
+def state_dir() -> Path:
+    explicit = os.environ.get("OMNI_DP_STATE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return Path(base) / f"omni-dp-{os.getuid()}"
+
+
+@dataclass(frozen=True)
+class RunState:
+    run_id: str
+    directory: Path
+    gpu: str
+    daemon: DaemonRecord | None
+    replicas: list[ReplicaProcesses]
+    run_token: str
+
+    @property
+    def live(self) -> bool:
+        return self.daemon is not None and is_alive(self.daemon.identity)
+
+
+def load_run(directory: Path) -> RunState:
+    try:
+        data = json.loads((directory / "run.json").read_text())
+        token = (directory / "run_token").read_text().strip()
+    except FileNotFoundError as exc:
+        raise CannotCheck(f"{exc.filename} is missing: is {directory} a run directory?") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CannotCheck(f"cannot read the state of {directory}: {exc}") from None
+    try:
+        if data.get("schema") != SCHEMA:
+            raise CannotCheck(f"{directory}/run.json has schema {data.get('schema')!r}; this "
+                              f"omni-dp reads schema {SCHEMA}")
+        mps = data.get("mps")
+        daemon = DaemonRecord.from_json(mps["daemon"]) if mps else None
+        replicas = [
+            ReplicaProcesses(int(r["index"]), tuple(
+                DeclaredProcess(int(p["pid"]), str(p["role"]), str(p["device"]))
+                for p in r["processes"]
+            ))
+            for r in data["replicas"]
+        ]
+        return RunState(str(data["run_id"]), directory, str(data["gpu"]), daemon, replicas,
+                        token)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CannotCheck(f"{directory}/run.json is malformed: {exc!r}") from None
+
+
+def list_runs(root: Path | None = None) -> list[RunState]:
+    runs_dir = (root or state_dir()) / "runs"
+    runs = []
+    for directory in sorted(runs_dir.glob("*")) if runs_dir.is_dir() else []:
+        try:
+            runs.append(load_run(directory))
+        except CannotCheck:
+            continue  # not a run (or a broken one): listed by `omni-dp status`, not here
+    return runs
+
+
+def pick_run(run_id: str | None, root: Path | None = None) -> RunState:
+    root = root or state_dir()
+    if run_id is not None:
+        if not RUN_ID.match(run_id):
+            raise CannotCheck(f"{run_id!r} is not a run id (letters, digits, '_', '.', '-')")
+        directory = root / "runs" / run_id
+        if not directory.is_dir():
+            raise CannotCheck(f"no run {run_id!r} under {root / 'runs'}")
+        return load_run(directory)
+    live = [run for run in list_runs(root) if run.live]
+    if len(live) == 1:
+        return live[0]
+    if not live:
+        raise CannotCheck(f"no live run with an MPS daemon under {root / 'runs'}")
+    names = ", ".join(run.run_id for run in live)
+    raise CannotCheck(f"{len(live)} live runs ({names}): name one, e.g. omni-dp verify-mps "
+                      f"{live[0].run_id}")
+
+
+def verify_run(run: RunState, *, use_nvml: bool = True) -> AttachReport:
+    """Re-prove a live run's attachment and rewrite its artifacts."""
+    if run.daemon is None:
+        raise CannotCheck(f"run {run.run_id} was started without --mps: nothing to verify")
+    if not is_alive(run.daemon.identity):
+        raise CannotCheck(
+            f"the MPS daemon of run {run.run_id} (pid {run.daemon.identity.pid}) is not running"
+        )
+    control = MpsControl(run.daemon.binary, run.daemon.pipe_dir, run.daemon.log_dir)
+    gpu_pids = (lambda: nvml_gpu_pids(run.gpu)) if use_nvml else None
+    report = verify_attachment(run.replicas, run.run_token, control, gpu_pids=gpu_pids)
+    write_artifacts(report, run.directory)
+    return report
