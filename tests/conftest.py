@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["mps_fixtures"]  # standin, spawn: fixtures of the MPS tests
+
 _LISTENING = re.compile(r"listening on http://([\d.]+):(\d+)")
 
 
