@@ -111,7 +111,7 @@ def test_too_long_socket_path_is_refused_before_starting(daemons, tmp_path):
     assert not long_pipe.exists()  # refused before anything was created
 
 
-@pytest.mark.parametrize("problem", ["symlink", "mode", "file"])
+@pytest.mark.parametrize("problem", ["symlink", "mode", "file", "owner"])
 def test_unsafe_pipe_directory_is_refused(daemons, tmp_path, problem):
     control, daemon = daemons()
     pipe = Path(control.pipe_dir)
@@ -123,10 +123,16 @@ def test_unsafe_pipe_directory_is_refused(daemons, tmp_path, problem):
     elif problem == "mode":
         pipe.mkdir(mode=0o755)
         os.chmod(pipe, 0o755)
-    else:
+    elif problem == "file":
         pipe.write_text("")
+    else:
+        if os.getuid() != 0:
+            pytest.skip("only root can give a directory to another user")
+        pipe.mkdir(mode=0o700)
+        os.chown(pipe, 65534, 65534)
     with pytest.raises(MpsDaemonError, match={"symlink": "symlink", "mode": "755",
-                                              "file": "not a directory"}[problem]):
+                                              "file": "not a directory",
+                                              "owner": "not to you"}[problem]):
         daemon.start(gpu_uuid=None)
     assert find_daemon_pid(control) is None
 
