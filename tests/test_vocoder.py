@@ -112,11 +112,14 @@ def test_chunked_stream_matches_whole_decode_within_one_lsb(vocoder):
 
 
 def test_chunks_follow_the_schedule_and_end_with_the_tail(vocoder):
-    codes = random_codes(63, seed=2)
-    chunks = stream_chunks(vocoder, codes, [4, 9])
     first, every = CFG.vocoder.first_chunk_tokens, CFG.vocoder.chunk_tokens
-    tail = (63 - first) % every
-    assert [len(c) // 2 // SPT for c in chunks] == [first, every, every, tail]
+    n = first + 2 * every + every // 2  # a first chunk, two full chunks, a short tail
+    codes = random_codes(n, seed=2)
+    chunks = stream_chunks(vocoder, codes, [4, 9])
+    full, tail = divmod(n - first, every)
+    expected = [first] + [every] * full + ([tail] if tail else [])
+    assert tail and full >= 2  # the case covers a first chunk, full chunks and a short tail
+    assert [len(c) // 2 // SPT for c in chunks] == expected
 
 
 def test_same_codes_in_different_batches_give_identical_bytes(vocoder):

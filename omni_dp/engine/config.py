@@ -28,11 +28,13 @@ class VocoderConfig:
 
     embed_dim: int = 128
     channels: tuple[int, ...] = (64, 32, 16)
-    upsample_factors: tuple[int, ...] = (8, 6, 10)
+    # 8 × 12 × 10 = 960 samples per token: a 25 Hz codec at 24 kHz, like current TTS codecs
+    # (12.5–25 Hz), which keep the autoregressive steps per second of audio few.
+    upsample_factors: tuple[int, ...] = (8, 12, 10)
     kernel_size: int = 7
     # Streaming: the first chunk is short for a low time-to-first-audio, later ones longer.
-    first_chunk_tokens: int = 5
-    chunk_tokens: int = 25
+    first_chunk_tokens: int = 3
+    chunk_tokens: int = 12
 
     @property
     def samples_per_token(self) -> int:
@@ -63,9 +65,10 @@ class ModelConfig:
     sample_rate: int = 24000
     temperature: float = 0.8
     max_new_tokens: int = 1024
-    # Default generation length when a request gives none: a duration prior per input byte.
-    new_tokens_per_input_byte: float = 4.0
-    min_new_tokens_default: int = 16
+    # Default generation length when a request gives none: a duration prior per input byte
+    # (2 tokens = 80 ms of audio per character, ~12.5 characters per second of speech).
+    new_tokens_per_input_byte: float = 2.0
+    min_new_tokens_default: int = 8
     vocoder: VocoderConfig = field(default_factory=VocoderConfig)
 
     # --- token layout -------------------------------------------------------------------
