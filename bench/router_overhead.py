@@ -531,7 +531,7 @@ Values separated by "/" are the repetitions, in order; runs were interleaved (ta
 rotated per scenario and repetition). "log info" is `--workers 1` with the per-request JSON route
 line written to stderr (a file here), to show what that line costs. sglang-router's unpaced
 SSE at c=1 and its TTFB are dominated by a ~40 ms delayed-ACK stall (it does not set TCP_NODELAY
-on client sockets; see /work/shared/notes/router-facts.md §4), not by CPU."""
+on client sockets; see router-facts.md §4 in the project's shared notes), not by CPU."""
 
 
 def markdown(summary: dict, header: dict, goal_lines: list[str]) -> str:

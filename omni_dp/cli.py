@@ -31,6 +31,13 @@ class SizeParam(click.ParamType):
 SIZE = SizeParam()
 
 
+def _exit_with_problems(command: str, problems: list[str]) -> None:
+    """Every problem of a plan, one per line, then exit 2: nothing was started."""
+    for problem in problems:
+        click.echo(f"omni-dp {command}: {problem}", err=True)
+    sys.exit(2)
+
+
 def _setup_logging(level: str) -> None:
     logging.basicConfig(
         level=level.upper(),
@@ -100,9 +107,7 @@ def serve(log_level: str, **kwargs) -> None:
     try:
         plan = plan_serve(options)
     except ServePlanError as exc:
-        for problem in exc.problems:
-            click.echo(f"omni-dp serve: {problem}", err=True)
-        sys.exit(2)
+        _exit_with_problems("serve", exc.problems)
     _setup_logging(log_level)
     from omni_dp.engine.server import serve as run_server
 
@@ -211,9 +216,7 @@ def router(replicas, log_level, drain_timeout, no_retry, health_interval, health
             connect_timeout_s=connect_timeout, request_timeout_s=request_timeout, **options,
         )
     except RouterConfigError as exc:
-        for problem in exc.problems:
-            click.echo(f"omni-dp router: {problem}", err=True)
-        sys.exit(2)
+        _exit_with_problems("router", exc.problems)
     _setup_logging(log_level)
     from omni_dp.router.workers import run_router
 

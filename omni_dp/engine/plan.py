@@ -7,7 +7,7 @@ creates nothing: a bad command line exits 2 before a socket is bound or a byte a
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import psutil
 import torch
@@ -59,7 +59,6 @@ class ServePlan:
     threads: int
     kv: KVCacheSpec
     served_model_name: str
-    notes: list[str] = field(default_factory=list)
 
 
 def available_cpus() -> int:
@@ -71,7 +70,6 @@ def available_cpus() -> int:
 
 def plan_serve(options: ServeOptions) -> ServePlan:
     problems: list[str] = []
-    notes: list[str] = []
 
     cfg: ModelConfig | None = None
     model_dir = None
@@ -113,7 +111,7 @@ def plan_serve(options: ServeOptions) -> ServePlan:
     assert cfg is not None and kv is not None and device is not None and dtype is not None
     return ServePlan(
         options=options, cfg=cfg, model_dir=model_dir, device=device, dtype=dtype,
-        threads=threads, kv=kv, notes=notes,
+        threads=threads, kv=kv,
         served_model_name=options.served_model_name or f"omni-dp-{cfg.name}",
     )
 

@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 
 import torch
 from aiohttp import web
@@ -80,8 +81,6 @@ def build_models(plan: ServePlan) -> PipelineModels:
     if plan.model_dir is None:
         models = seeded_models(plan.cfg, plan.options.weight_seed)
     else:
-        from pathlib import Path
-
         models = load_models(plan.cfg, Path(plan.model_dir))
     models.talker.to(device=plan.device, dtype=plan.dtype)
     models.vocoder.to(device=plan.device)  # float32: audio is quantised to 16 bits anyway
@@ -417,8 +416,6 @@ def serve(plan: ServePlan) -> int:
     except OSError as exc:
         log.error("cannot listen on %s:%d: %s", plan.options.host, plan.options.port, exc)
         return EXIT_USAGE
-    for note in plan.notes:
-        log.info("note: %s", note)
     with contextlib.suppress(ImportError):
         import uvloop  # optional: faster event loop when installed
 

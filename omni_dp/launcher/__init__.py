@@ -1,1 +1,1 @@
-"""Not built yet: see the project's issues."""
+"""The launcher (issue 5). Built so far: CPU topology and per-replica CPU blocks."""

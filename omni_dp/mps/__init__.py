@@ -1,1 +1,2 @@
-"""Not built yet: see the project's issues."""
+"""CUDA MPS: control client, private daemon, attachment proof, preflight (no other omni_dp
+package is imported here)."""

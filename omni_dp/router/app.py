@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import ipaddress
 import logging
 import random
 import signal
@@ -17,6 +16,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from omni_dp.router.config import RouterConfig
+from omni_dp.router.config import is_loopback_address as _is_loopback
 from omni_dp.router.health import HealthChecker, probe
 from omni_dp.router.metrics import RouterMetrics
 from omni_dp.router.policies import Policy, RequestContext, make_policy
@@ -163,13 +163,6 @@ class Router:
 
 
 # --- the application -----------------------------------------------------------------
-
-
-def _is_loopback(remote: str | None) -> bool:
-    try:
-        return remote is not None and ipaddress.ip_address(remote).is_loopback
-    except ValueError:
-        return False
 
 
 def build_app(router: Router) -> web.Application:

@@ -107,10 +107,13 @@ def plan_router(
     return config
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
+def is_loopback_address(address: str | None) -> bool:
+    """An IP address in 127.0.0.0/8 or ::1 (a name is not an address)."""
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return address is not None and ipaddress.ip_address(address).is_loopback
     except ValueError:
         return False
+
+
+def _is_loopback(host: str) -> bool:
+    return host == "localhost" or is_loopback_address(host)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from urllib.parse import urlsplit
 
@@ -69,7 +69,6 @@ class Replica:
     num_ejections: int = 0
     last_error: str | None = None
     removed: bool = False  # set when taken out of the set; in-flight requests still finish
-    extra: dict = field(default_factory=dict)
 
     @property
     def routable(self) -> bool:
