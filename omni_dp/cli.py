@@ -88,10 +88,12 @@ def cli() -> None:
               help="Seconds in-flight requests may take to finish after SIGTERM.")
 @click.option("--served-model-name", default=None,
               help="Model id shown by /v1/models. [default: omni-dp-<preset>]")
+@click.option("--dry-run", is_flag=True,
+              help="Validate the options, print the plan as JSON (weights, KV) and exit.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]),
               help="Least severe log messages written to stderr.")
-def serve(log_level: str, **kwargs) -> None:
+def serve(log_level: str, dry_run: bool, **kwargs) -> None:
     """Serve ONE replica of the built-in TTS pipeline over HTTP.
 
     The pipeline is preprocess → talker (a decoder-only transformer over a paged KV cache,
@@ -108,6 +110,11 @@ def serve(log_level: str, **kwargs) -> None:
         plan = plan_serve(options)
     except ServePlanError as exc:
         _exit_with_problems("serve", exc.problems)
+    if dry_run:
+        from omni_dp.engine.plan import plan_summary
+
+        click.echo(json.dumps(plan_summary(plan)))
+        return
     _setup_logging(log_level)
     from omni_dp.engine.server import serve as run_server
 
@@ -381,6 +388,243 @@ def mps_status(state_dir, as_json) -> None:
         lines.append(f"error: {health.error}")
     _emit({"daemon": record.to_json(), **health.to_json()}, "\n".join(lines), as_json)
     sys.exit(0 if health.ok else 1)
+
+
+# --- a run: launch, status, list, logs, down -----------------------------------------------
+
+
+@cli.command(context_settings={"ignore_unknown_options": False})
+@click.option("--replicas", "-n", type=int, default=1, show_default=True,
+              help="How many complete replicas of the pipeline to run.")
+@click.option("--mps", is_flag=True,
+              help="Run the replicas under a private CUDA MPS daemon and prove every GPU "
+                   "process attached.")
+@click.option("--gpu", default="auto", show_default=True, metavar="auto|none|INDEX|UUID",
+              help="The one GPU (auto: GPU 0 when there is one; none: run on CPU).")
+@click.option("--cpu-blocks", default="auto", show_default=True, metavar='auto|none|"0-3 4-7"',
+              help="CPU cores per replica: auto (disjoint whole cores, GPU's NUMA node first), "
+                   "none (unpinned) or one CPU list per replica.")
+@click.option("--kv-cache-bytes", type=SIZE, default=None,
+              help="Pin every replica's KV pool to this many bytes, e.g. 2GiB.")
+@click.option("--max-total-tokens", type=int, default=None,
+              help="Pin every replica's KV pool to this many tokens.")
+@click.option("--start", type=click.Choice(["sequential", "parallel"]), default=None,
+              help="Start the replicas one after another, or together.  [default: parallel "
+                   "(every replica's KV is a fixed size)]")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address the router listens on (replicas always listen on 127.0.0.1).")
+@click.option("--router-port", type=int, default=8000, show_default=True)
+@click.option("--base-port", type=int, default=8100, show_default=True,
+              help="Replica i listens on BASE_PORT + i.")
+@click.option("--policy", default="least_request", show_default=True,
+              type=click.Choice(["least_request", "round_robin", "power_of_two", "random"]),
+              help="The router's load-balancing policy.")
+@click.option("--router-workers", type=int, default=1, show_default=True,
+              help="Router processes sharing the port (SO_REUSEPORT).")
+@click.option("--run-id", default=None, help="Name the run (default: run-DATE-TIME-XXXX).")
+@click.option("--detach", is_flag=True,
+              help="Return once the run is verified; a background supervisor keeps it up.")
+@click.option("--config", "config_file", default=None, metavar="FILE",
+              help="A YAML file with these settings (dashes or underscores); flags win.")
+@click.option("--mps-control", default=None, metavar="PATH",
+              help="The nvidia-cuda-mps-control binary. [default: $OMNI_DP_MPS_CONTROL, PATH]")
+@click.option("--no-gpu-check", is_flag=True,
+              help="With --mps where NVML sees no GPU: start the daemon anyway (exercises the "
+                   "machinery; attach verification cannot pass without GPU clients).")
+@click.option("--health-timeout", type=float, default=300.0, show_default=True,
+              help="Seconds a replica may take to become healthy.")
+@click.option("--drain-timeout", type=float, default=30.0, show_default=True,
+              help="Seconds in-flight requests get when a replica or the router stops.")
+@click.option("--check-interval", type=float, default=2.0, show_default=True,
+              help="Seconds between supervision sweeps.")
+@click.option("--health-failures", type=int, default=3, show_default=True,
+              help="Consecutive failed /health checks before a replica is restarted.")
+@click.option("--restart-budget", type=int, default=5, show_default=True,
+              help="Restarts per replica within --restart-window before it is marked failed.")
+@click.option("--restart-window", type=float, default=600.0, show_default=True)
+@click.option("--on-mps-fault", type=click.Choice(["restart", "fail"]), default="restart",
+              show_default=True,
+              help="If the MPS daemon dies or logs a fault: restart it and every replica, or "
+                   "stop the run.")
+@click.option("--memory-headroom", type=float, default=0.05, show_default=True,
+              help="Fraction of GPU memory the fit check keeps free.")
+@click.option("--dry-run", is_flag=True, help="Print the plan and exit; start nothing.")
+@click.option("--json", "as_json", is_flag=True, help="With --dry-run: the plan as JSON.")
+@click.argument("engine_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- ENGINE ARGS]")
+@click.pass_context
+def launch(ctx, config_file, dry_run, as_json, engine_args, **flags) -> None:
+    """Run N replicas on one GPU behind one router, verified, and supervise them.
+
+    Preflight checks everything first and exits 2 with every problem before anything exists.
+    Then: state dir, (--mps) private MPS daemon, replicas pinned to CPU blocks, health, equal
+    KV, (--mps) attachment of every CUDA process, router. Arguments after `--` go to every
+    replica's engine (e.g. -- --model small).
+
+    Exit codes: 0 stopped cleanly (or detached), 2 bad options/machine (nothing created),
+    3 a failure after start (torn down; state kept for diagnosis).
+    """
+    from click.core import ParameterSource
+
+    from omni_dp.launcher.facts import gather_facts
+    from omni_dp.launcher.options import load_config_file, merge_options
+    from omni_dp.launcher.plan import LaunchPlanError, check_options, plan_launch
+
+    problems: list[str] = []
+    file_values = load_config_file(config_file, problems) if config_file else {}
+    given = {name: value for name, value in flags.items()
+             if ctx.get_parameter_source(name) != ParameterSource.DEFAULT}
+    if engine_args:
+        given["engine_args"] = tuple(engine_args)
+    defaults = {name: value for name, value in flags.items() if name not in given}
+    options = merge_options({**defaults, **file_values}, given, config_file)
+    if problems:
+        _exit_with_problems("launch", problems)
+    click.echo("omni-dp launch: preflight (CPU topology, GPU, ports, engine dry run)…",
+               err=True)
+    facts = gather_facts(options, option_problems=check_options(options))
+    try:
+        plan = plan_launch(options, facts)
+    except LaunchPlanError as exc:
+        _exit_with_problems("launch", exc.problems)
+    if dry_run:
+        _emit({"run_id": plan.run_id, **plan.to_json(),
+               "replica_plans": [{"index": r.index, "port": r.port, "cpus": r.cpus,
+                                  "argv": list(r.argv)} for r in plan.replicas]},
+              "\n".join(plan.describe()), as_json)
+        return
+    click.echo("\n".join(plan.describe()))
+    from omni_dp.launcher.launch import launch as run_launch
+
+    sys.exit(run_launch(plan, say=lambda line: click.echo(f"omni-dp: {line}")))
+
+
+def _pick_run(run_id: str | None, command: str):
+    from omni_dp.launcher.state import StateError
+    from omni_dp.launcher.status import NoSuchRun, pick
+
+    try:
+        return pick(run_id, command)
+    except (NoSuchRun, StateError) as exc:
+        _fail(command, str(exc))
+
+
+@cli.command()
+@click.argument("run_id", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+def status(run_id: str | None, as_json: bool) -> None:
+    """A run's replicas (pid, CPU block, port, health, KV, MPS, restarts), router, daemon.
+
+    With no RUN_ID: the only live run. Exit codes: 0 every replica healthy, 1 not, 2 no such run.
+    """
+    from omni_dp.launcher.status import collect, format_status
+
+    state = _pick_run(run_id, "status")
+    report = collect(state)
+    _emit(report, format_status(report), as_json)
+    healthy = report["replicas"] and all(r["health"] == "healthy" for r in report["replicas"])
+    sys.exit(0 if healthy else 1)
+
+
+@cli.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print the runs as JSON.")
+def list_runs(as_json: bool) -> None:
+    """Every run under the state directory, live or kept after a failure."""
+    from omni_dp.launcher.state import RunState, StateError
+    from omni_dp.launcher.status import collect, run_dirs
+
+    rows = []
+    for directory in run_dirs():
+        try:
+            report = collect(RunState.load(directory), probe=False)
+        except StateError as exc:
+            rows.append({"run_id": directory.name, "state": "unreadable", "error": str(exc)})
+            continue
+        rows.append({"run_id": report["run_id"], "state": report["state"],
+                     "replicas": len(report["replicas"]), "router": report["router"]["url"],
+                     "gpu": report["gpu"], "directory": report["directory"]})
+    text = "\n".join(
+        f"{r['run_id']}  {r['state']}  " + (f"{r['replicas']} replica(s)  {r['router']}  "
+                                            f"{r['gpu']}" if "replicas" in r else r["error"])
+        for r in rows) or "no runs"
+    _emit({"runs": rows}, text, as_json)
+
+
+@cli.command()
+@click.argument("run_id", required=False)
+@click.option("--replica", type=int, default=None, help="Only this replica's log.")
+@click.option("--router", "router_log", is_flag=True, help="Only the router's log.")
+@click.option("--supervisor", "supervisor_log", is_flag=True, help="Only the supervisor's log.")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines (Ctrl-C stops).")
+@click.option("-n", "--lines", type=int, default=50, show_default=True,
+              help="How many last lines to print first.")
+def logs(run_id, replica, router_log, supervisor_log, follow, lines) -> None:
+    """Print a run's logs (replicas, router, supervisor), optionally following them."""
+    import time
+
+    state = _pick_run(run_id, "logs")
+    names = sorted(p.name for p in state.logs.glob("*.log"))
+    if replica is not None:
+        names = [f"replica_{replica}.log"]
+    elif router_log:
+        names = ["router.log"]
+    elif supervisor_log:
+        names = ["supervisor.log"]
+    paths = [state.logs / n for n in names]
+    missing = [p.name for p in paths if not p.exists()]
+    if missing:
+        _fail("logs", f"no {', '.join(missing)} in {state.logs}")
+    offsets = {}
+    for path in paths:
+        text = path.read_text(errors="replace")
+        prefix = f"[{path.stem}] " if len(paths) > 1 else ""
+        for line in text.splitlines()[-lines:]:
+            click.echo(prefix + line)
+        offsets[path] = len(text.encode())
+    try:
+        while follow and state.directory.exists():
+            time.sleep(0.5)
+            for path in paths:
+                try:
+                    with open(path, "rb") as f:
+                        f.seek(offsets[path])
+                        chunk = f.read()
+                except OSError:
+                    continue
+                offsets[path] += len(chunk)
+                prefix = f"[{path.stem}] " if len(paths) > 1 else ""
+                for line in chunk.decode(errors="replace").splitlines():
+                    click.echo(prefix + line)
+    except KeyboardInterrupt:
+        pass
+
+
+@cli.command()
+@click.argument("run_id", required=False)
+@click.option("--drain-timeout", type=float, default=None,
+              help="Seconds in-flight requests get. [default: the run's]")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def down(run_id: str | None, drain_timeout: float | None, as_json: bool) -> None:
+    """Stop a run and everything it started, and nothing else; remove its state.
+
+    Order: supervisor, router (drains), replicas (drain, then SIGKILL of proven processes
+    only), MPS daemon (after its clients are gone). A run already down just has its state
+    removed. Exit codes: 0 nothing left, 2 no such run, 3 something could not be stopped (its
+    state is kept and the leftovers named).
+    """
+    from omni_dp.launcher.teardown import teardown
+
+    state = _pick_run(run_id, "down")
+    drain = drain_timeout if drain_timeout is not None else \
+        state.plan["supervision"]["drain_timeout"]
+    say = (lambda line: None) if as_json else (lambda line: click.echo(f"omni-dp: {line}"))
+    result = teardown(state, drain_timeout=drain, say=say)
+    data = {"run_id": state.run_id, "clean": result.clean, "removed": result.removed,
+            "leftovers": result.leftovers}
+    text = (f"run {state.run_id} is down; nothing left behind" if result.clean else
+            f"run {state.run_id}: could not confirm everything stopped; state kept in "
+            f"{state.directory}\n" + "\n".join(f"  {line}" for line in result.leftovers))
+    _emit(data, text, as_json)
+    sys.exit(0 if result.clean else 3)
 
 
 def main() -> None:

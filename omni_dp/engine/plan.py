@@ -61,6 +61,28 @@ class ServePlan:
     served_model_name: str
 
 
+def plan_summary(plan: ServePlan) -> dict:
+    """What `serve --dry-run --json` prints: the numbers a launcher needs before starting."""
+    from omni_dp.engine.model import Talker
+    from omni_dp.engine.vocoder import Vocoder
+
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        params = sum(p.numel() for m in (Talker(plan.cfg), Vocoder(plan.cfg))
+                     for p in m.parameters())
+    return {
+        "model": plan.cfg.name,
+        "device": str(plan.device),
+        "dtype": str(plan.dtype).removeprefix("torch."),
+        "threads": plan.threads,
+        "weights_bytes": params * plan.dtype.itemsize,
+        "max_total_num_tokens": plan.kv.max_total_tokens,
+        "kv_cache_bytes": plan.kv.cache_bytes,
+        "kv_bytes_per_token": plan.kv.bytes_per_token,
+        "page_size": plan.kv.page_size,
+        "overhead_bytes": _OVERHEAD_BYTES,
+    }
+
+
 def available_cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))

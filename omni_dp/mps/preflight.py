@@ -64,6 +64,8 @@ class GpuFacts:
     mig_enabled: bool | None
     capability: tuple[int, int] | None
     memory_total_bytes: int | None
+    memory_used_bytes: int | None = None  # by every process, at the time of the query
+    pci_bus_id: str | None = None  # e.g. 00000000:18:00.0: leads to the GPU's NUMA node
 
 
 @dataclass(frozen=True)
@@ -414,6 +416,12 @@ def _inspect_gpu(nvml: Any, handle: Any, index: int | None, gpu: str, error: Any
 
     memory, exc = read("nvmlDeviceGetMemoryInfo")
     memory_total = int(memory.total) if exc is None and memory is not None else None
+    memory_used = int(memory.used) if exc is None and memory is not None else None
+    pci_bus_id = None
+    if hasattr(nvml, "nvmlDeviceGetPciInfo"):
+        pci, exc = read("nvmlDeviceGetPciInfo")
+        if exc is None and pci is not None:
+            pci_bus_id = _text(getattr(pci, "busId", "")) or None
 
     facts = GpuFacts(
         index=index if index is not None else -1,
@@ -423,6 +431,8 @@ def _inspect_gpu(nvml: Any, handle: Any, index: int | None, gpu: str, error: Any
         mig_enabled=mig_enabled,
         capability=capability,
         memory_total_bytes=memory_total,
+        memory_used_bytes=memory_used,
+        pci_bus_id=pci_bus_id,
     )
     return facts, problems
 

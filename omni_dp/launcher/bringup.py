@@ -1,0 +1,121 @@
+"""Bring a planned run up, step by step, recording every step in run.json and events.jsonl.
+
+state dir → (--mps) private daemon → replicas pinned to their blocks → health → equal KV →
+(--mps) attachment of every CUDA process → router → ready. Raises BringUpFailed on the first
+failure; the caller tears down what was started and keeps the state for diagnosis.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from omni_dp.launcher.gates import GateFailed, http_json, log_tail
+from omni_dp.launcher.plan import LaunchPlan
+from omni_dp.launcher.processes import Started, child_env, spawn
+from omni_dp.launcher.replicas import ReplicaSet
+from omni_dp.launcher.state import RunState
+from omni_dp.mps.attach import format_text
+from omni_dp.mps.control import MpsControl, MpsControlError
+from omni_dp.mps.daemon import MpsDaemon, MpsDaemonError
+from omni_dp.procs import is_alive
+
+ROUTER_READY_TIMEOUT_S = 30.0
+
+
+class BringUpFailed(Exception):
+    """A step failed after something was created; the message says which and why."""
+
+
+def start_daemon(state: RunState, binary: str, gpu_uuid: str | None) -> None:
+    control = MpsControl(binary, str(state.directory / "mps" / "pipe"),
+                         str(state.directory / "mps" / "log"))
+    try:
+        record = MpsDaemon(control).start(gpu_uuid=gpu_uuid)
+    except (MpsDaemonError, MpsControlError) as exc:
+        raise BringUpFailed(f"the MPS daemon did not start: {exc}") from None
+    state.update(mps={"daemon": record.to_json()})
+    state.event("mps_daemon_started", pid=record.identity.pid, pipe_dir=record.pipe_dir)
+
+
+def start_router(state: RunState) -> Started:
+    router = state.plan["router"]
+    log = state.logs / "router.log"
+    started = spawn(router["argv"], child_env({"OMNI_DP_RUN_ID": state.run_id}, state.token),
+                    log)
+    state.update(router={**started.identity.to_json(), "pgid": started.pid,
+                         "url": router["url"], "argv": router["argv"], "log": "router.log"})
+    deadline = time.monotonic() + ROUTER_READY_TIMEOUT_S
+    while True:
+        code = started.popen.poll()
+        if code is not None or not is_alive(started.identity):
+            raise BringUpFailed(f"the router exited (code {code}) before it was ready; last "
+                                f"lines of {log}:\n{log_tail(log)}")
+        status, _ = http_json("GET", router["url"] + "/ready", timeout=2.0)
+        if status == 200:
+            state.event("router_ready", pid=started.pid, url=router["url"])
+            return started
+        if time.monotonic() > deadline:
+            raise BringUpFailed(f"the router was not ready within {ROUTER_READY_TIMEOUT_S:.0f} s"
+                                f" (last /ready: {status or 'no answer'}); last lines of {log}:"
+                                f"\n{log_tail(log)}")
+        time.sleep(0.1)
+
+
+def start_replicas(state: RunState, replicas: ReplicaSet, indices: list[int], *,
+                   sequential: bool, timeout_s: float, say: Callable[[str], None]) -> None:
+    """Start these replicas and pass them through health and KV (not attachment)."""
+    def healthy(i: int) -> None:
+        try:
+            replicas.wait_healthy(i, timeout_s)
+        except GateFailed as exc:
+            state.update_replica(i, state="failed", last_error=str(exc).splitlines()[0])
+            raise BringUpFailed(f"replica {i} {exc}") from None
+        say(f"replica {i} healthy on {replicas.url(i)}")
+
+    if sequential:
+        for i in indices:
+            replicas.start(i)
+            healthy(i)
+    else:
+        for i in indices:
+            replicas.start(i)
+        say(f"started {len(indices)} replica(s) in parallel; waiting for /health")
+        for i in indices:
+            healthy(i)
+    try:
+        replicas.check_kv(indices)
+    except GateFailed as exc:
+        raise BringUpFailed(str(exc)) from None
+    for i in indices:
+        state.update_replica(i, state="healthy")
+
+
+def verify_attachment(state: RunState, replicas: ReplicaSet) -> str:
+    report = replicas.verify_attachment()
+    text = format_text(report)
+    if not report.passed:
+        raise BringUpFailed(f"MPS attachment verification FAILED (mps_attach.txt):\n{text}")
+    return text
+
+
+def bring_up(plan: LaunchPlan, state: RunState, replicas: ReplicaSet,
+             say: Callable[[str], None]) -> Started:
+    """Returns the router process (a child of this process, to reap)."""
+    o = plan.options
+    if o.mps:
+        say("starting the private MPS control daemon")
+        start_daemon(state, plan.mps_binary or "nvidia-cuda-mps-control",
+                     plan.gpu_label if plan.device == "cuda" else None)
+    say(f"starting {len(plan.replicas)} replica(s), {plan.start}")
+    start_replicas(state, replicas, [r.index for r in plan.replicas],
+                   sequential=plan.start == "sequential", timeout_s=o.health_timeout, say=say)
+    say(f"KV capacity equal: {plan.expected_kv_tokens} tokens on every replica")
+    if o.mps:
+        verify_attachment(state, replicas)
+        say("MPS: every CUDA process of every replica is a client of the run's one server")
+    say(f"starting the router on {plan.router_url}")
+    router = start_router(state)
+    state.update(state="running")
+    state.event("run_ready")
+    return router

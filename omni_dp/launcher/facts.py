@@ -1,0 +1,165 @@
+"""Everything the launch plan depends on that must be read from the machine, read in one place.
+
+Reading creates nothing: ports are probed by binding and closing at once, the engine's dry run
+is a child process that allocates nothing, NVML is only queried. The plan (plan.py) is then a
+pure function of the options and these facts, so tests can plan any machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from omni_dp.launcher.engines import ENGINES, EngineSizing, ReplicaLaunch
+from omni_dp.launcher.options import LaunchOptions
+from omni_dp.launcher.topology import CpuTopology, gpu_numa_node, read_topology
+from omni_dp.mps.preflight import GpuFacts, query_gpu, run_preflight
+from omni_dp.mps.runs import state_dir
+from omni_dp.procs import ProcessIdentity, is_alive
+
+# Checks of the MPS preflight that need a GPU; --no-gpu-check skips them (daemon only).
+GPU_CHECKS = ("nvml", "gpu", "compute_mode", "mig", "capability")
+
+
+@dataclass(frozen=True)
+class KnownRun:
+    """A run directory found under the state root."""
+
+    run_id: str
+    directory: Path
+    gpu: str | None
+    live: bool  # some recorded process of it is still running
+
+
+@dataclass(frozen=True)
+class LaunchFacts:
+    state_root: Path
+    new_run_id: str  # used when --run-id is not given
+    topology: CpuTopology
+    gpu: GpuFacts | None
+    gpu_problems: tuple[str, ...]
+    nvml_available: bool
+    gpu_numa_node: int | None
+    mps_binary: str | None
+    mps_problems: tuple[str, ...]
+    taken_ports: frozenset[int]
+    runs: tuple[KnownRun, ...]
+    sizing: EngineSizing | None
+    engine_problems: tuple[str, ...]
+    host_memory_available: int
+    numactl: str | None
+
+
+def new_run_id() -> str:
+    return time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+
+
+def port_taken(host: str, port: int) -> bool:
+    """Can a server bind host:port now? Same SO_REUSEADDR as aiohttp, so TIME_WAIT is fine."""
+    if not 0 < port < 65536:
+        return False  # the plan reports the range itself
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def known_runs(root: Path) -> tuple[KnownRun, ...]:
+    runs = []
+    runs_dir = root / "runs"
+    for directory in sorted(runs_dir.iterdir()) if runs_dir.is_dir() else []:
+        try:
+            data = json.loads((directory / "run.json").read_text())
+        except (OSError, ValueError):
+            runs.append(KnownRun(directory.name, directory, None, live=False))
+            continue
+        runs.append(KnownRun(directory.name, directory, data.get("gpu"), _any_alive(data)))
+    return tuple(runs)
+
+
+def _any_alive(data: dict) -> bool:
+    records = [data.get("supervisor"), data.get("router"),
+               (data.get("mps") or {}).get("daemon")]
+    records += [r.get("process") for r in data.get("replicas", [])]
+    for record in records:
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            if record and is_alive(ProcessIdentity.from_json(record)):
+                return True
+    return False
+
+
+def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> LaunchFacts:
+    """Read the machine for this launch. The engine dry run is skipped when the options alone
+    are already wrong (its complaints would only repeat them)."""
+    root = state_dir()
+    run_id = options.run_id or new_run_id()
+
+    gpu, gpu_problems, nvml_available = None, [], False
+    if options.gpu != "none":
+        wanted = "0" if options.gpu == "auto" else options.gpu
+        gpu, problems, nvml_available = query_gpu(wanted)
+        # Only "is there such a GPU"; what MPS needs of it is the MPS preflight's, below.
+        gpu_problems = [p.message for p in problems if p.check in ("gpu", "nvml")]
+    numa = gpu_numa_node(gpu.pci_bus_id) if gpu is not None and gpu.pci_bus_id else None
+
+    mps_binary, mps_problems = None, []
+    if options.mps:
+        pipe_dir = root / "runs" / run_id / "mps" / "pipe"
+        report = run_preflight(control_binary=options.mps_control,
+                               gpu=gpu.uuid if gpu is not None and gpu.uuid else "0",
+                               pipe_dir=str(pipe_dir), num_client_processes=options.replicas)
+        mps_problems = [f"--mps: {p.message}" for p in report.problems
+                        if p.check not in ("gpu", "nvml")  # reported once, as GPU problems
+                        and not (options.no_gpu_check and p.check in GPU_CHECKS)]
+        from omni_dp.mps.control import BinaryNotFound, find_control_binary
+
+        with contextlib.suppress(BinaryNotFound):
+            mps_binary = find_control_binary(options.mps_control)
+
+    ports = [options.base_port + i for i in range(max(options.replicas, 0))]
+    taken = {p for p in ports if port_taken("127.0.0.1", p)}
+    if port_taken(options.host, options.router_port):
+        taken.add(options.router_port)
+
+    sizing, engine_problems = None, []
+    engine = ENGINES.get(options.engine)
+    if engine is not None and not option_problems:
+        device = "cuda" if gpu is not None else "cpu"
+        env = dict(os.environ)
+        env["CUDA_VISIBLE_DEVICES"] = gpu.uuid if gpu is not None and gpu.uuid else ""
+        sizing, engine_problems = engine.dry_run(
+            ReplicaLaunch(port=options.base_port, device=device, threads=1,
+                          kv_cache_bytes=options.kv_cache_bytes,
+                          max_total_tokens=options.max_total_tokens),
+            options.engine_args, env)
+
+    return LaunchFacts(
+        state_root=root,
+        new_run_id=run_id,
+        topology=read_topology(),
+        gpu=gpu,
+        gpu_problems=tuple(gpu_problems),
+        nvml_available=nvml_available,
+        gpu_numa_node=numa,
+        mps_binary=mps_binary,
+        mps_problems=tuple(mps_problems),
+        taken_ports=frozenset(taken),
+        runs=known_runs(root),
+        sizing=sizing,
+        engine_problems=tuple(engine_problems),
+        host_memory_available=psutil.virtual_memory().available,
+        numactl=shutil.which("numactl"),
+    )

@@ -1,0 +1,124 @@
+"""The gates a replica passes before it takes traffic: health, equal KV, MPS attachment.
+
+Bring-up and every restart use the same gates, so a restarted replica is held to exactly the
+standard the first one was. Talks to replicas and the router over HTTP only.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from omni_dp.mps.attach import (
+    AttachReport,
+    DeclaredProcess,
+    ReplicaProcesses,
+    nvml_gpu_pids,
+    verify_attachment,
+    write_artifacts,
+)
+from omni_dp.mps.control import MpsControl
+from omni_dp.mps.daemon import DaemonRecord
+from omni_dp.procs import ProcessIdentity, is_alive
+
+# Loopback only: an http_proxy in the environment must never see these requests.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class GateFailed(Exception):
+    """A replica did not pass a gate; the message says which and why (with its log tail)."""
+
+
+def http_json(method: str, url: str, body: dict | None = None, timeout: float = 3.0
+              ) -> tuple[int, dict | None]:
+    """(status, parsed JSON body or None); status 0 when nothing answered.
+
+    Blocking urllib on purpose: the launcher makes a handful of calls per second from plain
+    threads, and needs no event loop for that."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with _OPENER.open(request, timeout=timeout) as response:
+            status, raw = response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    except (OSError, ValueError):  # refused, reset, timed out
+        return 0, None
+    try:
+        return status, json.loads(raw) if raw else None
+    except ValueError:
+        return status, None
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join("    " + line for line in text.splitlines()[-lines:])
+
+
+def wait_healthy(url: str, identity: ProcessIdentity, log: Path, timeout_s: float,
+                 exit_code: Callable[[], int | None] = lambda: None) -> float:
+    """Poll GET /health until 200: fast at first, backing off to 1 s. Early death is reported
+    at once with the log tail. Returns the seconds it took."""
+    started = time.monotonic()
+    delay = 0.05
+    while True:
+        code = exit_code()
+        if code is not None or not is_alive(identity):
+            how = f"exited with code {code}" if code is not None else "died"
+            raise GateFailed(f"{how} before it was healthy; last lines of {log}:\n"
+                             f"{log_tail(log)}")
+        status, _ = http_json("GET", url + "/health", timeout=2.0)
+        if status == 200:
+            return time.monotonic() - started
+        if time.monotonic() - started > timeout_s:
+            raise GateFailed(f"not healthy within {timeout_s:.0f} s (last /health: "
+                             f"{status or 'no answer'}); last lines of {log}:\n{log_tail(log)}")
+        time.sleep(delay)
+        delay = min(delay * 1.5, 1.0)
+
+
+def server_info(url: str) -> dict:
+    status, info = http_json("GET", url + "/get_server_info", timeout=5.0)
+    if status != 200 or not isinstance(info, dict):
+        raise GateFailed(f"GET {url}/get_server_info answered {status or 'nothing'}")
+    for key in ("max_total_num_tokens", "processes"):
+        if key not in info:
+            raise GateFailed(f"GET {url}/get_server_info has no {key!r}: the engine does not "
+                             "follow the replica contract (DESIGN.md)")
+    return info
+
+
+def kv_problems(tokens: dict[int, int], expected: int) -> list[str]:
+    """Every replica must hold exactly the planned KV capacity; a table when one does not."""
+    if all(value == expected for value in tokens.values()):
+        return []
+    rows = [f"    replica {i}: {value} tokens" + ("" if value == expected else "  ← differs")
+            for i, value in sorted(tokens.items())]
+    return [f"KV capacity differs between replicas (expected {expected} tokens each):\n"
+            + "\n".join(rows)]
+
+
+def declared_processes(index: int, info: dict) -> ReplicaProcesses:
+    return ReplicaProcesses(index, tuple(
+        DeclaredProcess(int(p["pid"]), str(p["role"]), str(p["device"]))
+        for p in info["processes"]
+    ))
+
+
+def verify_mps(daemon: dict, replicas: list[ReplicaProcesses], token: str, gpu: str,
+               run_dir: Path) -> AttachReport:
+    """The MPS package's verdict over these replicas; artifacts written into the run dir."""
+    record = DaemonRecord.from_json(daemon)
+    control = MpsControl(record.binary, record.pipe_dir, record.log_dir)
+    gpu_pids = (lambda: nvml_gpu_pids(gpu)) if gpu != "cpu" else None
+    report = verify_attachment(replicas, token, control, gpu_pids=gpu_pids)
+    write_artifacts(report, run_dir)
+    return report

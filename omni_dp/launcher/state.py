@@ -1,0 +1,182 @@
+"""A run's state directory: run.json (written atomically at every step), events.jsonl, logs/.
+
+    <state dir>/runs/<run-id>/      mode 0700
+      run.json      schema 1 (below); the fields omni_dp.mps.runs reads keep their meaning
+      run_token     the run's secret, mode 0600; also in every child's environment
+      events.jsonl  one JSON object per line: {"ts", "event", ...}
+      logs/         replica_<i>.log, router.log, supervisor.log
+      mps/pipe, mps/log, mps_attach.txt, mps_attach.json   (with --mps)
+
+run.json:
+    {"schema": 1, "run_id", "created_at", "state", "gpu", "device", "plan": {...},
+     "supervisor": {"pid", "create_time", "detached"} | null,
+     "router": {"pid", "create_time", "pgid", "port", "url", "argv", "log"} | null,
+     "mps": {"daemon": {"pid", "create_time", "binary", "pipe_dir", "log_dir", "gpu_uuid"}} | null,
+     "replicas": [{"index", "port", "url", "cpus", "argv", "env", "log",
+                   "pid", "create_time", "pgid",          # null until started
+                   "processes": [{"pid", "role", "device"}],  # from /get_server_info
+                   "state", "kv_tokens", "mps_attached", "restarts", "last_error"}]}
+
+Exactly one process writes run.json at a time: `omni-dp launch` until the supervisor is up, then
+the supervisor; `omni-dp down` only once the supervisor is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from omni_dp.launcher.plan import LaunchPlan
+from omni_dp.launcher.topology import format_cpu_list
+from omni_dp.mps.daemon import make_private_dir
+from omni_dp.procs import ProcessIdentity
+
+SCHEMA = 1
+RUN_FILE = "run.json"
+TOKEN_FILE = "run_token"
+EVENTS_FILE = "events.jsonl"
+
+
+class StateError(Exception):
+    """The run directory cannot be read or written; the message names it."""
+
+
+def _atomic_write(path: Path, text: str, mode: int = 0o600) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def identity_of(record: dict | None) -> ProcessIdentity | None:
+    """The process identity stored in a run.json record, if it has one."""
+    if not record or record.get("pid") is None or record.get("create_time") is None:
+        return None
+    return ProcessIdentity(int(record["pid"]), float(record["create_time"]))
+
+
+class RunState:
+    """One run's directory. Thread-safe: the supervisor's threads share one instance."""
+
+    def __init__(self, directory: Path, data: dict, token: str) -> None:
+        self.directory = directory
+        self.data = data
+        self.token = token
+        self._lock = threading.RLock()
+
+    # --- creating and loading -------------------------------------------------------------
+
+    @classmethod
+    def create(cls, plan: LaunchPlan) -> RunState:
+        make_private_dir(plan.run_dir.parent.parent)  # the state root, 0700
+        make_private_dir(plan.run_dir.parent)
+        plan.run_dir.mkdir(mode=0o700)  # fails if it exists: never reuse a run's directory
+        os.chmod(plan.run_dir, 0o700)
+        (plan.run_dir / "logs").mkdir(mode=0o700)
+        token = secrets.token_hex(16)
+        _atomic_write(plan.run_dir / TOKEN_FILE, token + "\n")
+        data = {
+            "schema": SCHEMA,
+            "run_id": plan.run_id,
+            "created_at": time.time(),
+            "state": "starting",
+            "gpu": plan.gpu_label,
+            "device": plan.device,
+            "plan": plan.to_json(),
+            "supervisor": None,
+            "router": None,
+            "mps": None,
+            "replicas": [
+                {"index": r.index, "port": r.port, "url": r.url,
+                 "cpus": format_cpu_list(r.cpus) if r.cpus else None,
+                 "argv": list(r.argv), "env": r.env, "log": r.log_name,
+                 "pid": None, "create_time": None, "pgid": None, "processes": [],
+                 "state": "planned", "kv_tokens": None, "mps_attached": None,
+                 "restarts": [], "last_error": None}
+                for r in plan.replicas
+            ],
+        }
+        state = cls(plan.run_dir, data, token)
+        state.save()
+        return state
+
+    @classmethod
+    def load(cls, directory: Path) -> RunState:
+        try:
+            data = json.loads((directory / RUN_FILE).read_text())
+            token = (directory / TOKEN_FILE).read_text().strip()
+        except FileNotFoundError as exc:
+            raise StateError(f"{exc.filename} is missing: is {directory} a run directory?") \
+                from None
+        except (OSError, ValueError) as exc:
+            raise StateError(f"cannot read the state of {directory}: {exc}") from None
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            raise StateError(f"{directory / RUN_FILE} is not a schema-{SCHEMA} run file")
+        return cls(directory, data, token)
+
+    # --- reading --------------------------------------------------------------------------
+
+    @property
+    def run_id(self) -> str:
+        return self.data["run_id"]
+
+    @property
+    def replicas(self) -> list[dict]:
+        return self.data["replicas"]
+
+    def replica(self, index: int) -> dict:
+        return self.data["replicas"][index]
+
+    @property
+    def plan(self) -> dict:
+        return self.data["plan"]
+
+    @property
+    def logs(self) -> Path:
+        return self.directory / "logs"
+
+    # --- writing --------------------------------------------------------------------------
+
+    def save(self) -> None:
+        with self._lock:
+            _atomic_write(self.directory / RUN_FILE, json.dumps(self.data, indent=1) + "\n")
+
+    def update(self, **fields) -> None:
+        with self._lock:
+            self.data.update(fields)
+            self.save()
+
+    def update_replica(self, index: int, **fields) -> None:
+        with self._lock:
+            self.data["replicas"][index].update(fields)
+            self.save()
+
+    def event(self, name: str, **fields) -> None:
+        line = json.dumps({"ts": round(time.time(), 3), "event": name, **fields})
+        with self._lock, open(self.directory / EVENTS_FILE, "a") as f:
+            f.write(line + "\n")
+
+    def events(self) -> list[dict]:
+        try:
+            lines = (self.directory / EVENTS_FILE).read_text().splitlines()
+        except OSError:
+            return []
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def remove(self) -> None:
+        shutil.rmtree(self.directory)

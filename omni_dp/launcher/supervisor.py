@@ -1,0 +1,317 @@
+"""The supervisor: one object owns the supervision loop and its signals (gunicorn's arbiter).
+
+Every sweep it checks each replica (process alive by pid + create time, GET /health), the router
+and, with --mps, the daemon. A dead replica, or one failing /health K sweeps in a row, is
+restarted through the same gates as bring-up, in its own thread so the others stay watched:
+router disables it → its group is stopped → its port is free → started again with the same
+block and environment → health → KV equal to the plan → (--mps) attachment → router enables it.
+Attempts back off exponentially and are budgeted (N within a window); past the budget the
+replica is marked failed and stays out of the router. SIGTERM/SIGINT: orderly teardown.
+
+Run in the foreground by `omni-dp launch`, or detached as
+`python -m omni_dp.launcher.supervisor RUN_DIR` (what `launch --detach` leaves behind).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from omni_dp.launcher.bringup import (
+    BringUpFailed,
+    start_daemon,
+    start_replicas,
+    start_router,
+)
+from omni_dp.launcher.facts import port_taken
+from omni_dp.launcher.gates import GateFailed, http_json
+from omni_dp.launcher.processes import stop_processes
+from omni_dp.launcher.replicas import ReplicaSet
+from omni_dp.launcher.state import RunState, StateError, identity_of
+from omni_dp.launcher.teardown import teardown
+from omni_dp.mps.control import MpsControl
+from omni_dp.mps.daemon import CONTROL_LOG, DaemonRecord, MpsDaemon, MpsDaemonError
+from omni_dp.procs import identify, is_alive
+
+WATCHED = ("healthy", "unhealthy", "down")  # states the sweep checks (not restarting/failed)
+
+
+def _stamped(line: str) -> None:
+    print(f"{time.strftime('%F %T')} {line}", flush=True)
+
+
+class Supervisor:
+    def __init__(self, state: RunState, replicas: ReplicaSet, *, detached: bool,
+                 say: Callable[[str], None] = _stamped, reap: list | None = None) -> None:
+        self.state = state
+        self.replicas = replicas
+        self.detached = detached
+        self.say = say
+        self.reap = reap if reap is not None else []
+        s = state.plan["supervision"]
+        self.interval = float(s["check_interval"])
+        self.failure_threshold = int(s["health_failures"])
+        self.budget = int(s["restart_budget"])
+        self.window = float(s["restart_window"])
+        self.on_mps_fault = s["on_mps_fault"]
+        self.health_timeout = float(s["health_timeout"])
+        self.drain_timeout = float(s["drain_timeout"])
+        self.failures: dict[int, int] = {}
+        self.busy: dict[int, threading.Thread] = {}  # replica index (-1: the whole run)
+        self.stop_requested = threading.Event()
+        self.exit_code = 0
+        # Held while spawning; teardown takes it so no replica starts after teardown began.
+        self.spawn_lock = threading.Lock()
+        self.stopping = False
+
+    # --- the loop -------------------------------------------------------------------------
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop_requested.set())
+        me = identify(os.getpid())
+        assert me is not None
+        self.state.update(supervisor={**me.to_json(), "detached": self.detached})
+        self.state.event("supervisor_started", pid=me.pid, detached=self.detached)
+        while not self.stop_requested.wait(self.interval):
+            try:
+                self.sweep()
+            except Exception as exc:  # a sweep must never take the supervisor down
+                self.state.event("supervisor_check_failed", error=repr(exc))
+        return self.shutdown()
+
+    def shutdown(self) -> int:
+        self.say("tearing the run down")
+        with self.spawn_lock:
+            self.stopping = True
+        result = teardown(self.state, drain_timeout=self.drain_timeout, say=self.say,
+                          reap=self.reap + list(self.replicas.popens.values()))
+        for line in result.leftovers:
+            self.say(f"left behind: {line}")
+        if result.clean:
+            self.say("run stopped; nothing left behind")
+        return self.exit_code if result.clean else 3
+
+    def sweep(self) -> None:
+        if -1 not in self.busy:
+            for record in self.state.replicas:
+                if record["index"] not in self.busy and record["state"] in WATCHED:
+                    self._check_replica(record)
+            self._check_router()
+            self._check_daemon()
+        states = {r["state"] for r in self.state.replicas}
+        run_state = "running" if states == {"healthy"} else "degraded"
+        if self.state.data["state"] != run_state:
+            self.state.update(state=run_state)
+
+    def _check_replica(self, record: dict) -> None:
+        i = record["index"]
+        identity = identity_of(record)
+        if identity is None or not is_alive(identity):
+            popen = self.replicas.popens.get(i)
+            code = popen.poll() if popen else None
+            self._begin_restart(i, "process exited" + (f" with code {code}" if code is not None
+                                                       else ""))
+            return
+        status, _ = http_json("GET", record["url"] + "/health", timeout=min(2.0, self.interval))
+        if status == 200:
+            self.failures[i] = 0
+            if record["state"] != "healthy":
+                self.state.update_replica(i, state="healthy")
+            return
+        self.failures[i] = self.failures.get(i, 0) + 1
+        error = f"/health answered {status or 'nothing'} ({self.failures[i]} in a row)"
+        self.state.update_replica(i, state="unhealthy", last_error=error)
+        if self.failures[i] >= self.failure_threshold:
+            self._begin_restart(i, error)
+
+    # --- restarting one replica -------------------------------------------------------------
+
+    def _begin_restart(self, index: int, reason: str) -> None:
+        self.say(f"replica {index}: {reason}; restarting")
+        self.state.update_replica(index, state="restarting", last_error=reason)
+        thread = threading.Thread(target=self._restart, args=(index, reason),
+                                  name=f"restart-{index}", daemon=True)
+        self.busy[index] = thread
+        thread.start()
+
+    def _restart(self, index: int, reason: str) -> None:
+        try:
+            self._restart_through_gates(index, reason)
+        finally:
+            self.busy.pop(index, None)
+
+    def _restart_through_gates(self, index: int, reason: str) -> None:
+        record = self.state.replica(index)
+        now = time.time()
+        recent = [t for t in record["restarts"] if now - t < self.window]
+        self._set_disabled(index, True)
+        if len(recent) >= self.budget:
+            why = (f"restart budget exhausted ({len(recent)} restarts within "
+                   f"{self.window:.0f} s); last: {reason}")
+            self.replicas.stop([index], self.drain_timeout)
+            self.state.update_replica(index, state="failed", last_error=why)
+            self.state.event("replica_failed", replica=index, reason=why)
+            self.say(f"replica {index}: {why}; it stays out of the router")
+            return
+        delay = min(2.0 ** (len(recent) - 1), 30.0) if recent else 0.0
+        self.state.update_replica(index, restarts=[*recent, now])
+        self.state.event("restart_started", replica=index, reason=reason,
+                         attempt=len(recent) + 1, backoff_s=delay)
+        if self.stop_requested.wait(delay):
+            return
+        self.replicas.stop([index], self.drain_timeout)
+        if not self._wait_port_free(record["port"], 60.0):
+            self._restart_failed(index, f"port {record['port']} still busy after 60 s")
+            return
+        with self.spawn_lock:
+            if self.stopping:
+                return
+            self.replicas.start(index)
+        try:
+            self.replicas.wait_healthy(index, self.health_timeout)
+            self.replicas.check_kv([index])
+            if self.state.data["mps"]:
+                report = self.replicas.verify_attachment()
+                if not report.passed:
+                    raise GateFailed("MPS attachment FAILED: " + "; ".join(
+                        report.problems + [p for v in report.replicas for p in v.problems]))
+        except GateFailed as exc:
+            self.replicas.stop([index], self.drain_timeout)
+            self._restart_failed(index, str(exc))
+            return
+        self.failures[index] = 0
+        self.state.update_replica(index, state="healthy")
+        self._set_disabled(index, False)
+        self.state.event("restart_completed", replica=index,
+                         pid=self.state.replica(index)["pid"])
+        self.say(f"replica {index}: restarted (pid {self.state.replica(index)['pid']}), "
+                 "passed health and KV checks, back in the router")
+
+    def _restart_failed(self, index: int, error: str) -> None:
+        first = error.splitlines()[0]
+        self.state.update_replica(index, state="down", last_error=first)
+        self.state.event("restart_failed", replica=index, error=error)
+        self.say(f"replica {index}: restart failed: {first}")
+
+    def _wait_port_free(self, port: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while port_taken("127.0.0.1", port):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    def _set_disabled(self, index: int, disabled: bool) -> None:
+        router = self.state.data.get("router")
+        if not router:
+            return
+        status, _ = http_json("PUT", f"{router['url']}/workers/{index}",
+                                 {"disabled": disabled})
+        self.state.event("router_" + ("disabled" if disabled else "enabled"), replica=index,
+                         status=status)
+
+    # --- the router and the MPS daemon ------------------------------------------------------
+
+    def _check_router(self) -> None:
+        identity = identity_of(self.state.data.get("router"))
+        if identity is None or is_alive(identity):
+            return
+        self.say("the router died; restarting it")
+        self.state.event("router_died", pid=identity.pid)
+        with self.spawn_lock:
+            if self.stopping:
+                return
+            try:
+                router = start_router(self.state)
+            except BringUpFailed as exc:
+                self.state.event("router_restart_failed", error=str(exc))
+                return
+        self.reap.append(router.popen)
+        for record in self.state.replicas:  # a new router starts with every replica enabled
+            if record["state"] != "healthy":
+                self._set_disabled(record["index"], True)
+
+    def _check_daemon(self) -> None:
+        mps = self.state.data.get("mps")
+        if not mps:
+            return
+        record = DaemonRecord.from_json(mps["daemon"])
+        daemon = MpsDaemon(MpsControl(record.binary, record.pipe_dir, record.log_dir))
+        logs = tuple(str(self.state.logs / r["log"]) for r in self.state.replicas)
+        health = daemon.health(record, extra_logs=logs)
+        if health.ok:
+            return
+        fault = ("the MPS daemon is gone" if not health.alive else
+                 f"the MPS daemon does not answer ({health.error})" if not health.reachable else
+                 "MPS faults in the logs: " + "; ".join(health.faults[:3]))
+        self.state.event("mps_fault", detail=fault, action=self.on_mps_fault)
+        self.say(f"{fault}: every replica is suspect")
+        if self.on_mps_fault == "fail":
+            self.exit_code = 3
+            self.stop_requested.set()
+            return
+        thread = threading.Thread(target=self._restart_all, args=(daemon, record, fault),
+                                  name="mps-restart", daemon=True)
+        self.busy[-1] = thread
+        thread.start()
+
+    def _restart_all(self, daemon: MpsDaemon, record: DaemonRecord, fault: str) -> None:
+        """A daemon fault taints every client: new daemon, every replica through the gates."""
+        try:
+            indices = [r["index"] for r in self.state.replicas]
+            for i in indices:
+                self._set_disabled(i, True)
+                self.state.update_replica(i, state="restarting", last_error=fault)
+            self.replicas.stop(indices, self.drain_timeout)
+            try:
+                daemon.stop(record, force=True)
+            except MpsDaemonError:
+                stop_processes([record.identity], None, 5.0)
+            log = Path(record.log_dir, CONTROL_LOG)
+            if log.exists():  # old faults must not condemn the new daemon
+                log.rename(log.with_name(f"{CONTROL_LOG}.{int(time.time())}"))
+            for r in self.state.replicas:
+                r_log = self.state.logs / r["log"]
+                if r_log.exists():
+                    r_log.rename(r_log.with_name(f"{r_log.name}.{int(time.time())}"))
+            with self.spawn_lock:
+                if self.stopping:
+                    return
+                start_daemon(self.state, record.binary, record.gpu_uuid)
+            start_replicas(self.state, self.replicas, indices,
+                           sequential=self.state.plan["start"] == "sequential",
+                           timeout_s=self.health_timeout, say=self.say)
+            report = self.replicas.verify_attachment()
+            if not report.passed:
+                raise BringUpFailed("MPS attachment FAILED after the daemon restart")
+            for i in indices:
+                self._set_disabled(i, False)
+            self.state.event("mps_restarted")
+            self.say("MPS daemon and every replica restarted and verified")
+        except (BringUpFailed, GateFailed, MpsDaemonError) as exc:
+            self.state.event("mps_restart_failed", error=str(exc))
+            self.say(f"restarting after the MPS fault failed: {exc}; stopping the run")
+            self.exit_code = 3
+            self.stop_requested.set()
+        finally:
+            self.busy.pop(-1, None)
+
+
+def main(argv: list[str]) -> int:
+    """Entry of the detached supervisor: `python -m omni_dp.launcher.supervisor RUN_DIR`."""
+    try:
+        state = RunState.load(Path(argv[0]))
+    except (IndexError, StateError) as exc:
+        print(f"omni-dp supervisor: {exc}", file=sys.stderr)
+        return 2
+    return Supervisor(state, ReplicaSet(state), detached=True).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

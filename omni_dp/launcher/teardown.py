@@ -1,0 +1,128 @@
+"""Take a run down completely, touching nothing that is not the run's.
+
+Order: supervisor (so no restart races the teardown) → router (stops accepting, drains) →
+replica groups (SIGTERM drains, SIGKILL after the bound) → any process still carrying the run
+token (a replacement a SIGKILLed supervisor never recorded) → MPS: wait until no client is left,
+then `quit` the daemon and wait for its exit → remove the state directory. Whatever could not be
+confirmed gone is named, with commands to inspect it, and the state directory is kept.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from omni_dp.launcher.processes import stop_processes, token_carriers, wait_gone
+from omni_dp.launcher.state import RunState, identity_of
+from omni_dp.mps.control import MpsControl, MpsControlError
+from omni_dp.mps.daemon import DaemonRecord, MpsDaemon, MpsDaemonError
+from omni_dp.procs import ProcessIdentity, is_alive
+
+
+@dataclass
+class TeardownResult:
+    leftovers: list[str] = field(default_factory=list)  # what could not be confirmed gone
+    removed: bool = False
+
+    @property
+    def clean(self) -> bool:
+        return not self.leftovers
+
+
+def teardown(state: RunState, *, drain_timeout: float, keep_state: bool = False,
+             say: Callable[[str], None] = lambda line: None,
+             reap: list = ()) -> TeardownResult:
+    result = TeardownResult()
+    me = os.getpid()
+    state.event("teardown_started", by_pid=me)
+    if state.data.get("state") != "failed":
+        state.update(state="stopping")
+
+    supervisor = identity_of(state.data.get("supervisor"))
+    if supervisor is not None and supervisor.pid != me and is_alive(supervisor):
+        say(f"stopping the supervisor (pid {supervisor.pid})")
+        os.kill(supervisor.pid, signal.SIGTERM)
+        # It tears the run down itself; wait for that, then finish whatever it left.
+        if wait_gone([supervisor], drain_timeout + 60):
+            stop_processes([supervisor], state.token, 0)
+        if not state.directory.exists():
+            result.removed = True
+            return result
+        state = RunState.load(state.directory)
+
+    router = identity_of(state.data.get("router"))
+    if router is not None and is_alive(router):
+        say(f"stopping the router (pid {router.pid}); in-flight requests drain "
+            f"(≤ {drain_timeout:.0f} s)")
+        _note(result, stop_processes([router], state.token, drain_timeout + 5, reap=reap),
+              "router")
+
+    replicas = [(r["index"], identity_of(r)) for r in state.replicas]
+    live = [(i, ident) for i, ident in replicas if ident is not None and is_alive(ident)]
+    if live:
+        say(f"stopping {len(live)} replica(s): {', '.join(str(i) for i, _ in live)} "
+            f"(drain ≤ {drain_timeout:.0f} s)")
+        _note(result, stop_processes([ident for _, ident in live], state.token,
+                                     drain_timeout + 10, reap=reap), "replica")
+        for i, _ in live:
+            state.update_replica(i, state="stopped")
+
+    strays = token_carriers(state.token, exclude={me})
+    if strays:
+        say(f"stopping {len(strays)} unrecorded process(es) carrying the run token: "
+            + ", ".join(str(s.pid) for s in strays))
+        _note(result, stop_processes(strays, state.token, 10.0), "token carrier")
+
+    mps = state.data.get("mps")
+    if mps and mps.get("daemon"):
+        _stop_daemon(state, DaemonRecord.from_json(mps["daemon"]), result, say)
+
+    if result.clean and not keep_state:
+        state.remove()
+        result.removed = True
+    else:
+        state.event("teardown_finished", leftovers=result.leftovers)
+        if state.data.get("state") != "failed":
+            state.update(state="stopped" if result.clean else "stopping")
+    return result
+
+
+def _note(result: TeardownResult, survivors: list[ProcessIdentity], what: str) -> None:
+    for s in survivors:
+        result.leftovers.append(
+            f"{what} pid {s.pid} is still running (inspect: ps -o pid,pgid,lstart,args -p "
+            f"{s.pid})")
+
+
+def _stop_daemon(state: RunState, record: DaemonRecord, result: TeardownResult,
+                 say: Callable[[str], None]) -> None:
+    if not is_alive(record.identity):
+        return
+    daemon = MpsDaemon(MpsControl(record.binary, record.pipe_dir, record.log_dir))
+    deadline = time.monotonic() + 30
+    clients: list[int] = []
+    while time.monotonic() < deadline:  # the server lets go of a client shortly after it exits
+        try:
+            clients = sorted(p for c in daemon.clients().values() for p in c)
+        except MpsControlError:
+            clients = []
+            break
+        if not clients:
+            break
+        time.sleep(0.2)
+    if clients:
+        result.leftovers.append(
+            f"MPS client(s) {', '.join(map(str, clients))} are still attached to the run's "
+            f"daemon (pid {record.identity.pid}); they are not the run's processes, so they "
+            f"were left alone (inspect: ps -o pid,args -p {','.join(map(str, clients))})")
+        return
+    say(f"stopping the MPS daemon (pid {record.identity.pid})")
+    try:
+        daemon.stop(record)
+    except MpsDaemonError as exc:
+        result.leftovers.append(f"MPS daemon pid {record.identity.pid}: {exc}")
+    else:
+        state.event("mps_daemon_stopped", pid=record.identity.pid)
