@@ -211,7 +211,7 @@ def test_good_h100_passes_and_reports_its_facts() -> None:
     assert available is True
     assert facts == GpuFacts(
         index=0, uuid=H100_UUID, name="NVIDIA H100 80GB HBM3", compute_mode="DEFAULT",
-        mig_enabled=False, capability=(9, 0), memory_total_bytes=80 * GIB,
+        mig_enabled=False, capability=(9, 0), memory_total_bytes=80 * GIB, memory_used_bytes=0,
     )
     assert nvml.calls[0] == "nvmlInit"
     assert nvml.calls[-1] == "nvmlShutdown"

@@ -14,7 +14,9 @@ Run in the foreground by `omni-dp launch`, or detached as
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import signal
 import sys
 import threading
@@ -36,9 +38,49 @@ from omni_dp.launcher.state import RunState, StateError, identity_of
 from omni_dp.launcher.teardown import teardown
 from omni_dp.mps.control import MpsControl
 from omni_dp.mps.daemon import CONTROL_LOG, DaemonRecord, MpsDaemon, MpsDaemonError
-from omni_dp.procs import identify, is_alive
+from omni_dp.procs import ProcessIdentity, identify, is_alive
 
 WATCHED = ("healthy", "unhealthy", "down")  # states the sweep checks (not restarting/failed)
+
+
+class DeathWatch:
+    """Wakes the loop the moment a watched process exits or a signal arrives, else after the
+    sweep interval. pidfds (Linux ≥ 5.3) work for processes that are not our children, which
+    the replicas of a detached supervisor are not; without them the interval bounds detection.
+    """
+
+    def __init__(self) -> None:
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        signal.set_wakeup_fd(self._wake_w)  # the signal handlers run in the main thread
+
+    def wait(self, identities: list[ProcessIdentity], timeout_s: float) -> None:
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        fds = []
+        try:
+            for identity in identities:
+                try:
+                    fd = os.pidfd_open(identity.pid)
+                except (OSError, AttributeError):
+                    continue
+                fds.append(fd)
+                if not is_alive(identity):  # the pid was recycled before we opened it
+                    return
+                poller.register(fd, select.POLLIN)
+            poller.poll(timeout_s * 1000)
+        finally:
+            for fd in fds:
+                os.close(fd)
+            with contextlib.suppress(BlockingIOError):
+                while os.read(self._wake_r, 64):
+                    pass
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(-1)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
 
 def _stamped(line: str) -> None:
@@ -78,12 +120,28 @@ class Supervisor:
         assert me is not None
         self.state.update(supervisor={**me.to_json(), "detached": self.detached})
         self.state.event("supervisor_started", pid=me.pid, detached=self.detached)
-        while not self.stop_requested.wait(self.interval):
-            try:
-                self.sweep()
-            except Exception as exc:  # a sweep must never take the supervisor down
-                self.state.event("supervisor_check_failed", error=repr(exc))
+        watch = DeathWatch()
+        try:
+            while not self.stop_requested.is_set():
+                watch.wait(self._watched(), self.interval)
+                if self.stop_requested.is_set():
+                    break
+                try:
+                    self.sweep()
+                except Exception as exc:  # a sweep must never take the supervisor down
+                    self.state.event("supervisor_check_failed", error=repr(exc))
+        finally:
+            watch.close()
         return self.shutdown()
+
+    def _watched(self) -> list[ProcessIdentity]:
+        """The live processes whose exit should wake the loop at once."""
+        records = [r for r in self.state.replicas
+                   if r["state"] in WATCHED and r["index"] not in self.busy]
+        records += [self.state.data.get("router"), (self.state.data.get("mps") or {}).get(
+            "daemon")]
+        identities = [identity_of(r) for r in records if r]
+        return [i for i in identities if i is not None and is_alive(i)]
 
     def shutdown(self) -> int:
         self.say("tearing the run down")
