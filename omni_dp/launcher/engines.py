@@ -46,6 +46,9 @@ class EngineAdapter(Protocol):
     # Engine flags the launcher sets itself; the same flag among the user's engine args is an
     # error (it would silently fight the launcher's value).
     reserved_flags: tuple[str, ...]
+    # True when the engine's KV size without a knob is a fixed number (not profiled from the
+    # memory free at start-up): then replicas started with no knob still get equal KV.
+    fixed_default_kv: bool
 
     def argv(self, launch: ReplicaLaunch, engine_args: tuple[str, ...]) -> list[str]: ...
 
@@ -59,6 +62,7 @@ class BuiltinEngine:
     name = "builtin"
     reserved_flags = ("--host", "--port", "--device", "--threads", "--kv-cache-bytes",
                       "--max-total-tokens", "--dry-run")
+    fixed_default_kv = True  # 16384 tokens unless told otherwise
 
     def argv(self, launch: ReplicaLaunch, engine_args: tuple[str, ...]) -> list[str]:
         argv = [sys.executable, "-m", "omni_dp", "serve", "--host", "127.0.0.1",

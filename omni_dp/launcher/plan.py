@@ -81,7 +81,9 @@ class LaunchPlan:
             f"  state        {self.run_dir}",
             f"  per replica  weights {format_size(s.weights_bytes)} + KV "
             f"{format_size(s.kv_cache_bytes)} ({s.kv_tokens} tokens) + overhead "
-            f"{format_size(s.overhead_bytes)} on {s.device}",
+            f"{format_size(s.overhead_bytes)} on {s.device}"
+            + ("" if o.kv_cache_bytes or o.max_total_tokens else
+               f"; KV pinned to the engine's fixed default of {s.kv_tokens} tokens"),
             f"  start        {self.start}",
             f"  router       {self.router_url} (policy {o.policy}, {o.router_workers} "
             "worker(s))",
@@ -121,7 +123,8 @@ def check_options(o: LaunchOptions) -> list[str]:
     if o.kv_cache_bytes is not None and o.max_total_tokens is not None:
         problems.append("--kv-cache-bytes and --max-total-tokens are exclusive: pin the KV "
                         "cache by bytes OR by tokens")
-    elif o.replicas > 1 and o.kv_cache_bytes is None and o.max_total_tokens is None:
+    elif (o.replicas > 1 and o.kv_cache_bytes is None and o.max_total_tokens is None
+          and not getattr(ENGINES.get(o.engine), "fixed_default_kv", False)):
         problems.append(
             f"--replicas {o.replicas} needs a pinned KV size: give --max-total-tokens N or "
             "--kv-cache-bytes SIZE. Without one, each replica sizes its KV from the memory free "
@@ -256,8 +259,13 @@ def plan_launch(o: LaunchOptions, facts: LaunchFacts) -> LaunchPlan:
         if o.mps:
             env["CUDA_MPS_PIPE_DIRECTORY"] = str(run_dir / "mps" / "pipe")
             env["CUDA_MPS_LOG_DIRECTORY"] = str(run_dir / "mps" / "log")
-        argv = engine.argv(ReplicaLaunch(port, device, threads, o.kv_cache_bytes,
-                                         o.max_total_tokens), o.engine_args)
+        # No knob given: pin the engine's fixed default explicitly, so every replica (and every
+        # restart) is started with the very number the dry run reported.
+        tokens = o.max_total_tokens
+        if o.kv_cache_bytes is None and o.max_total_tokens is None:
+            tokens = sizing.kv_tokens
+        argv = engine.argv(ReplicaLaunch(port, device, threads, o.kv_cache_bytes, tokens),
+                           o.engine_args)
         replicas.append(ReplicaPlan(i, port, cpus, tuple(_pinned(argv, cpus, facts)), env))
 
     router_url = f"http://{_url_host(o.host)}:{o.router_port}"
