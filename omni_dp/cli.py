@@ -608,11 +608,22 @@ def down(run_id: str | None, drain_timeout: float | None, as_json: bool) -> None
 
     Order: supervisor, router (drains), replicas (drain, then SIGKILL of proven processes
     only), MPS daemon (after its clients are gone). A run already down just has its state
-    removed. Exit codes: 0 nothing left, 2 no such run, 3 something could not be stopped (its
-    state is kept and the leftovers named).
+    removed; one whose state is gone is nothing to stop. Exit codes: 0 nothing left, 2 which
+    run is ambiguous, 3 something could not be stopped (its state is kept and the leftovers
+    named).
     """
+    from omni_dp.launcher.status import run_dirs
     from omni_dp.launcher.teardown import teardown
+    from omni_dp.mps.runs import RUN_ID, state_dir
 
+    gone = (run_id is not None and RUN_ID.match(run_id)
+            and not (state_dir() / "runs" / run_id).exists()) or (run_id is None
+                                                                 and not run_dirs())
+    if gone:  # already down: nothing to stop is success
+        what = f"run {run_id}" if run_id else "any run"
+        _emit({"run_id": run_id, "clean": True, "removed": False, "leftovers": []},
+              f"no state of {what} under {state_dir() / 'runs'}: nothing to stop", as_json)
+        return
     state = _pick_run(run_id, "down")
     drain = drain_timeout if drain_timeout is not None else \
         state.plan["supervision"]["drain_timeout"]

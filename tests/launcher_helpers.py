@@ -213,7 +213,7 @@ class Run:
         self.foreground: subprocess.Popen | None = None
         self._out_file = None
         self._token: str | None = None
-        self._pids: set[int] = set()  # every pid any run.json of this run recorded
+        self._recorded: dict[int, float] = {}  # pid -> create time, from every run.json seen
 
     # --- paths and recorded state ---------------------------------------------------------
 
@@ -239,10 +239,8 @@ class Run:
 
     @property
     def token(self) -> str | None:
-        if self._token is None:
-            with contextlib.suppress(OSError):
-                self._token = (self.run_dir / "run_token").read_text().strip() or None
-        return self._token
+        """The run's token (read once from run_token, so still known after `down`)."""
+        return self._read_token()
 
     def run_json(self) -> dict:
         data = json.loads((self.run_dir / "run.json").read_text())
@@ -263,19 +261,31 @@ class Run:
             return []
         return [json.loads(line) for line in lines if line.strip()]
 
-    def recorded_pids(self) -> set[int]:
-        """Every pid run.json recorded so far (as seen by this helper)."""
+    def recorded(self) -> dict[int, float]:
+        """pid -> create time of every process any run.json of this run recorded (as seen by
+        this helper: it reads run.json at every command)."""
         with contextlib.suppress(OSError, ValueError):
             self.run_json()
-        return set(self._pids)
+        return dict(self._recorded)
+
+    def recorded_alive(self) -> list[int]:
+        """Recorded processes still running as themselves (a recycled pid does not count)."""
+        return sorted(pid for pid, created in self._recorded.items()
+                      if alive_as(pid, created))
 
     def _remember(self, data: dict) -> None:
         records = [data.get("supervisor"), data.get("router"),
                    (data.get("mps") or {}).get("daemon"), *data.get("replicas", [])]
         for record in records:
-            if record and record.get("pid"):
-                self._pids.add(int(record["pid"]))
-        self.token  # noqa: B018 - cache it while the directory exists
+            if record and record.get("pid") and record.get("create_time"):
+                self._recorded.setdefault(int(record["pid"]), float(record["create_time"]))
+        self._read_token()
+
+    def _read_token(self) -> str | None:
+        if self._token is None:
+            with contextlib.suppress(OSError):
+                self._token = (self.run_dir / "run_token").read_text().strip() or None
+        return self._token
 
     # --- commands -------------------------------------------------------------------------
 
@@ -361,7 +371,7 @@ class Run:
                 self.foreground.kill()
                 self.foreground.wait(10)
         if self.run_dir.exists():
-            self.token  # noqa: B018 - read it before down removes it
+            self._read_token()  # before down removes it
             with contextlib.suppress(subprocess.TimeoutExpired, OSError):
                 self.down(timeout=90)
         killed = self.leftover_pids()

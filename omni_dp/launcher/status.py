@@ -83,13 +83,20 @@ def collect(state: RunState, *, probe: bool = True) -> dict:
             "kv_tokens": r["kv_tokens"], "mps_attached": r["mps_attached"],
             "restarts": len(r["restarts"]), "last_error": r["last_error"],
         })
+    live = run_is_live(state)
+    run_state = data["state"]
+    if not live and run_state != "failed":
+        run_state = "stopped"
+    elif live and run_state in ("running", "degraded") and not (supervisor
+                                                                 and is_alive(supervisor)):
+        run_state = "unsupervised"  # its supervisor died: `omni-dp down` still cleans it
     attached = None
     if mps:
         flags = [r["mps_attached"] for r in replicas]
         attached = None if any(f is None for f in flags) else all(flags)
     return {
         "run_id": state.run_id,
-        "state": data["state"] if run_is_live(state) or data["state"] == "failed" else "stopped",
+        "state": run_state,
         "directory": str(state.directory),
         "gpu": data["gpu"],
         "supervisor": {"pid": supervisor.pid if supervisor else None,
