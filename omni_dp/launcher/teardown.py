@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from omni_dp.launcher.processes import stop_processes, token_carriers, wait_gone
+from omni_dp.launcher.processes import signal_ours, stop_processes, token_carriers, wait_gone
 from omni_dp.launcher.state import RunState, identity_of
 from omni_dp.mps.control import MpsControl, MpsControlError
 from omni_dp.mps.daemon import DaemonRecord, MpsDaemon, MpsDaemonError
@@ -44,10 +44,12 @@ def teardown(state: RunState, *, drain_timeout: float, keep_state: bool = False,
     supervisor = identity_of(state.data.get("supervisor"))
     if supervisor is not None and supervisor.pid != me and is_alive(supervisor):
         say(f"stopping the supervisor (pid {supervisor.pid})")
-        os.kill(supervisor.pid, signal.SIGTERM)
-        # It tears the run down itself; wait for that, then finish whatever it left.
-        if wait_gone([supervisor], drain_timeout + 60):
-            stop_processes([supervisor], state.token, 0)
+        signal_ours(supervisor, signal.SIGTERM)
+        # It tears the run down itself (router and replicas drain one after the other, then
+        # the daemon); wait for that, then finish whatever it left.
+        if wait_gone([supervisor], 2 * drain_timeout + 60):
+            signal_ours(supervisor, signal.SIGKILL)
+            wait_gone([supervisor], 5.0)
         if not state.directory.exists():
             result.removed = True
             return result
