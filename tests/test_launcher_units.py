@@ -1,0 +1,123 @@
+"""Launcher parts on their own: run state files, the pinning wrapper, child environments, the
+KV gate's verdict, the supervisor's death watch."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from omni_dp.launcher.engines import EngineSizing
+from omni_dp.launcher.facts import LaunchFacts
+from omni_dp.launcher.gates import kv_problems
+from omni_dp.launcher.options import LaunchOptions
+from omni_dp.launcher.plan import plan_launch
+from omni_dp.launcher.processes import TOKEN_ENV, child_env
+from omni_dp.launcher.state import RunState, StateError
+from omni_dp.launcher.supervisor import DeathWatch
+from omni_dp.launcher.topology import Core, CpuTopology
+from omni_dp.procs import identify
+
+
+def _plan(tmp_path, **options):
+    facts = LaunchFacts(
+        state_root=tmp_path / "state", new_run_id="run-test", topology=CpuTopology(
+            (Core((0,), 0), Core((1,), 0)), frozenset({0, 1})),
+        gpu=None, gpu_problems=(), nvml_available=False, gpu_numa_node=None, mps_binary=None,
+        mps_problems=(), taken_ports=frozenset(), runs=(),
+        sizing=EngineSizing(weights_bytes=1, kv_cache_bytes=8192 * 1024, kv_tokens=1024,
+                            overhead_bytes=1, device="cpu"),
+        engine_problems=(), host_memory_available=1 << 34, numactl=None,
+    )
+    return plan_launch(LaunchOptions(**{"replicas": 2, "max_total_tokens": 1024, **options}),
+                       facts)
+
+
+def test_run_state_is_private_and_written_atomically(tmp_path) -> None:
+    state = RunState.create(_plan(tmp_path))
+    assert stat.S_IMODE(os.stat(state.directory).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(state.directory.parent.parent).st_mode) == 0o700
+    for name in ("run.json", "run_token"):
+        assert stat.S_IMODE(os.stat(state.directory / name).st_mode) == 0o600
+    assert len(state.token) == 32 and state.token not in (state.directory / "run.json").read_text()
+    state.update_replica(1, kv_tokens=1024)
+    state.event("kv_checked", ok=True)
+    again = RunState.load(state.directory)
+    assert again.replica(1)["kv_tokens"] == 1024 and again.token == state.token
+    assert [e["event"] for e in again.events()] == ["kv_checked"]
+    assert not [p for p in state.directory.iterdir() if p.name.startswith(".")]  # no temp files
+    with pytest.raises(FileExistsError):  # a run directory is never reused
+        RunState.create(_plan(tmp_path))
+
+
+def test_run_state_is_readable_by_verify_mps(tmp_path) -> None:
+    from omni_dp.mps.runs import load_run
+
+    state = RunState.create(_plan(tmp_path))
+    state.update_replica(0, processes=[{"pid": 123, "role": "main", "device": "cuda:0"}])
+    run = load_run(state.directory)
+    assert run.run_id == "run-test" and run.run_token == state.token
+    assert run.replicas[0].processes[0].pid == 123 and run.replicas[1].processes == ()
+
+
+def test_load_refuses_other_schemas(tmp_path) -> None:
+    state = RunState.create(_plan(tmp_path))
+    (state.directory / "run.json").write_text(json.dumps({"schema": 99}))
+    with pytest.raises(StateError, match="schema"):
+        RunState.load(state.directory)
+
+
+def test_pin_wrapper_pins_before_exec() -> None:
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    done = subprocess.run(
+        [sys.executable, "-m", "omni_dp.launcher.pin", str(cpu), "--", sys.executable, "-c",
+         "import os; print(sorted(os.sched_getaffinity(0)))"],
+        capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == f"[{cpu}]"
+
+
+@pytest.mark.parametrize("cpus", ["x-1", "99999"])
+def test_pin_wrapper_refuses_bad_cpus(cpus: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "omni_dp.launcher.pin", cpus, "--", "true"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and "cannot pin" in done.stderr
+
+
+def test_child_env_drops_inherited_run_and_mps_variables(monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/someone/elses/pipe")
+    monkeypatch.setenv(TOKEN_ENV, "old-token")
+    monkeypatch.setenv("OMP_NUM_THREADS", "64")
+    env = child_env({"OMNI_DP_REPLICA": "1", "OMP_NUM_THREADS": "2"}, "new-token")
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in env
+    assert env[TOKEN_ENV] == "new-token" and env["OMP_NUM_THREADS"] == "2"
+    assert env["OMNI_DP_REPLICA"] == "1" and env["PATH"] == os.environ["PATH"]
+
+
+def test_kv_gate_names_the_replica_that_differs() -> None:
+    assert kv_problems({0: 1024, 1: 1024}, 1024) == []
+    [problem] = kv_problems({0: 1024, 1: 512, 2: 1024}, 1024)
+    assert "replica 1: 512 tokens  ← differs" in problem
+    assert "replica 0: 1024 tokens\n" in problem
+    assert kv_problems({0: 512, 1: 512}, 1024)  # equal, but not what was planned
+
+
+def test_death_watch_wakes_when_a_process_that_is_not_our_child_exits() -> None:
+    # A grandchild (its parent exits at once), like a replica of a detached supervisor.
+    launcher = subprocess.run(
+        [sys.executable, "-c", "import subprocess, sys; p = subprocess.Popen(['sleep', '1']); "
+                               "print(p.pid)"],
+        capture_output=True, text=True, timeout=30, check=True)
+    identity = identify(int(launcher.stdout))
+    assert identity is not None
+    watch = DeathWatch()
+    try:
+        started = time.monotonic()
+        watch.wait([identity], timeout_s=60)
+        assert time.monotonic() - started < 30  # woken by the exit, not by the 60 s timeout
+    finally:
+        watch.close()
