@@ -477,15 +477,15 @@ def launch(ctx, config_file, dry_run, as_json, engine_args, **flags) -> None:
         given["engine_args"] = tuple(engine_args)
     defaults = {name: value for name, value in flags.items() if name not in given}
     options = merge_options({**defaults, **file_values}, given, config_file)
-    if problems:
-        _exit_with_problems("launch", problems)
     click.echo("omni-dp launch: preflight (CPU topology, GPU, ports, engine dry run)…",
                err=True)
-    facts = gather_facts(options, option_problems=check_options(options))
+    facts = gather_facts(options, option_problems=problems + check_options(options))
     try:
         plan = plan_launch(options, facts)
     except LaunchPlanError as exc:
-        _exit_with_problems("launch", exc.problems)
+        problems += exc.problems
+    if problems:  # the config file's and the plan's, all at once
+        _exit_with_problems("launch", problems)
     if dry_run:
         _emit({"run_id": plan.run_id, **plan.to_json(),
                "replica_plans": [{"index": r.index, "port": r.port, "cpus": r.cpus,

@@ -8,6 +8,7 @@ pure function of the options and these facts, so tests can plan any machine.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -57,6 +58,15 @@ class LaunchFacts:
     engine_problems: tuple[str, ...]
     host_memory_available: int
     numactl: str | None
+    host_problem: str | None = None  # the router's --host cannot be listened on
+
+
+def visible_id(gpu: GpuFacts | None) -> str:
+    """What CUDA_VISIBLE_DEVICES names the GPU by: its UUID (stable), else its index; "" for
+    none (hides every GPU)."""
+    if gpu is None:
+        return ""
+    return gpu.uuid or str(gpu.index)
 
 
 def new_run_id() -> str:
@@ -72,9 +82,23 @@ def port_taken(host: str, port: int) -> bool:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
-        except OSError:
-            return True
+        except socket.gaierror:
+            return False  # not a usable address: host_problem() says so
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE or exc.errno == errno.EACCES
     return False
+
+
+def host_problem(host: str) -> str | None:
+    """Why the router cannot listen on host (None if it can)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, 0))
+        except OSError as exc:
+            return (f"--host {host!r}: the router cannot listen there ({exc.strerror or exc}); "
+                    "use an address of this machine, e.g. 127.0.0.1 or 0.0.0.0")
+    return None
 
 
 def known_runs(root: Path) -> tuple[KnownRun, ...]:
@@ -119,7 +143,7 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
     if options.mps:
         pipe_dir = root / "runs" / run_id / "mps" / "pipe"
         report = run_preflight(control_binary=options.mps_control,
-                               gpu=gpu.uuid if gpu is not None and gpu.uuid else "0",
+                               gpu=visible_id(gpu) or "0",
                                pipe_dir=str(pipe_dir), num_client_processes=options.replicas)
         mps_problems = [f"--mps: {p.message}" for p in report.problems
                         if p.check not in ("gpu", "nvml")  # reported once, as GPU problems
@@ -139,7 +163,7 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
     if engine is not None and not option_problems:
         device = "cuda" if gpu is not None else "cpu"
         env = dict(os.environ)
-        env["CUDA_VISIBLE_DEVICES"] = gpu.uuid if gpu is not None and gpu.uuid else ""
+        env["CUDA_VISIBLE_DEVICES"] = visible_id(gpu)
         sizing, engine_problems = engine.dry_run(
             ReplicaLaunch(port=options.base_port, device=device, threads=1,
                           kv_cache_bytes=options.kv_cache_bytes,
@@ -162,4 +186,5 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
         engine_problems=tuple(engine_problems),
         host_memory_available=psutil.virtual_memory().available,
         numactl=shutil.which("numactl"),
+        host_problem=host_problem(options.host),
     )

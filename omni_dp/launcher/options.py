@@ -103,9 +103,13 @@ def load_config_file(path: str, problems: list[str]) -> dict:
     if not isinstance(data, dict):
         problems.append(f"{source}: the top level must be a mapping of settings")
         return {}
-    values = {}
+    values: dict = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
+        if name in values:
+            problems.append(f"{source}: {name.replace('_', '-')} is set twice (as "
+                            f"{name.replace('_', '-')!r} and {name!r}); keep one")
+            continue
         if name not in FIELDS:
             known = ", ".join(sorted(n.replace("_", "-") for n in FIELDS))
             problems.append(f"{source}: unknown setting {key!r} (known: {known})")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from omni_dp.launcher.engines import ENGINES, EngineSizing, ReplicaLaunch, reserved_flag_problems
-from omni_dp.launcher.facts import LaunchFacts
+from omni_dp.launcher.facts import LaunchFacts, visible_id
 from omni_dp.launcher.options import MPS_FAULT_ACTIONS, START_MODES, LaunchOptions
 from omni_dp.launcher.topology import CpuPlan, format_cpu_list, plan_auto, plan_explicit
 from omni_dp.mps.daemon import private_dir_problem
@@ -197,7 +197,7 @@ def plan_launch(o: LaunchOptions, facts: LaunchFacts) -> LaunchPlan:
         warnings.append("--no-gpu-check: no GPU, the replicas run on CPU; the MPS daemon runs "
                         "but no process can attach to it, so attach verification will fail")
     device = "cuda" if gpu is not None else "cpu"
-    gpu_label = (gpu.uuid or str(gpu.index)) if gpu is not None else "cpu"
+    gpu_label = visible_id(gpu) or "cpu"
     problems += facts.mps_problems
 
     # Run id and state.
@@ -223,6 +223,8 @@ def plan_launch(o: LaunchOptions, facts: LaunchFacts) -> LaunchPlan:
         if o.base_port + i in facts.taken_ports:
             problems.append(f"port {o.base_port + i} (replica {i}) is in use; pick another "
                             "--base-port")
+    if facts.host_problem:
+        problems.append(facts.host_problem)
     if o.router_port in facts.taken_ports:
         problems.append(f"port {o.router_port} on {o.host} (router) is in use; pick another "
                         "--router-port")
@@ -254,7 +256,7 @@ def plan_launch(o: LaunchOptions, facts: LaunchFacts) -> LaunchPlan:
         threads = len(cpus) if cpus else max(1, len(facts.topology.allowed) // o.replicas)
         port = o.base_port + i
         env = {"OMNI_DP_RUN_ID": run_id, "OMNI_DP_REPLICA": str(i),
-               "CUDA_VISIBLE_DEVICES": gpu.uuid if gpu is not None and gpu.uuid else "",
+               "CUDA_VISIBLE_DEVICES": visible_id(gpu),
                **{name: str(threads) for name in THREAD_VARIABLES}}
         if o.mps:
             env["CUDA_MPS_PIPE_DIRECTORY"] = str(run_dir / "mps" / "pipe")

@@ -34,7 +34,7 @@ from omni_dp.mps.daemon import DaemonRecord
 from omni_dp.procs import is_alive
 
 SCHEMA = 1
-RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")  # \Z: no trailing newline
 
 
 class CannotCheck(Exception):
