@@ -209,6 +209,7 @@ class Run:
         self.replicas = replicas
         self.router_port = free_ports(1)[0]
         self.base_port = free_port_block(replicas, avoid=(self.router_port,))
+        tmp_path.mkdir(parents=True, exist_ok=True)
         self.out_path = tmp_path / f"launch-{self.run_id}.out"
         self.foreground: subprocess.Popen | None = None
         self._out_file = None

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 
 from omni_dp.launcher.bringup import BringUpFailed, bring_up
 from omni_dp.launcher.gates import GateFailed
 from omni_dp.launcher.plan import LaunchPlan
-from omni_dp.launcher.processes import child_env, spawn, stop_processes
+from omni_dp.launcher.processes import child_env, spawn
 from omni_dp.launcher.replicas import ReplicaSet
 from omni_dp.launcher.state import RunState, identity_of
 from omni_dp.launcher.status import collect, replica_table
@@ -29,22 +30,30 @@ class _Interrupted(Exception):
     pass
 
 
-def _raise_interrupted(*_) -> None:
-    raise _Interrupted()
-
-
 def launch(plan: LaunchPlan, say: Callable[[str], None]) -> int:
     state = RunState.create(plan)
     state.event("run_created", plan=plan.to_json())
     replicas = ReplicaSet(state)
-    reap = list(replicas.popens.values())
-    previous = {sig: signal.signal(sig, _raise_interrupted)
-                for sig in (signal.SIGTERM, signal.SIGINT)}
+    # SIGTERM/SIGINT during bring-up interrupt it; afterwards they only set `stop`, which the
+    # supervisor (or the hand-off) acts on, so no moment is left where a signal kills this
+    # process without a teardown.
+    stop = threading.Event()
+    bringing_up = True
+
+    def on_signal(*_) -> None:
+        stop.set()
+        if bringing_up:
+            raise _Interrupted()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
     try:
         router = bring_up(plan, state, replicas, say)
+        bringing_up = False
         reap = [router.popen, *replicas.popens.values()]
     except (BringUpFailed, GateFailed, MpsDaemonError, _Interrupted, OSError) as exc:
-        for sig in previous:
+        bringing_up = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the teardown
         interrupted = isinstance(exc, _Interrupted)
         why = "interrupted" if interrupted else str(exc)
@@ -61,15 +70,13 @@ def launch(plan: LaunchPlan, say: Callable[[str], None]) -> int:
                 f"{state.directory} (logs/, events.jsonl); remove it with "
                 f"`omni-dp down {state.run_id}`")
         return 130 if interrupted and result.clean else 3
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
     say(summary(plan, state))
     if plan.options.detach:
-        return _hand_off(state, reap, say)
+        return _hand_off(state, reap, stop, say)
     say("supervising in the foreground; Ctrl-C (or SIGTERM) tears the run down")
-    return Supervisor(state, replicas, detached=False, say=say, reap=reap).run()
+    return Supervisor(state, replicas, detached=False, say=say, reap=reap,
+                      stop_requested=stop).run()
 
 
 def summary(plan: LaunchPlan, state: RunState) -> str:
@@ -92,13 +99,15 @@ def summary(plan: LaunchPlan, state: RunState) -> str:
     return "\n".join(lines)
 
 
-def _hand_off(state: RunState, reap: list, say: Callable[[str], None]) -> int:
-    """Start the detached supervisor and return once it has taken the run over."""
+def _hand_off(state: RunState, reap: list, stop: threading.Event,
+              say: Callable[[str], None]) -> int:
+    """Start the detached supervisor and return once it has taken the run over. A signal
+    before that tears the run down instead."""
     log = state.logs / "supervisor.log"
     started = spawn([sys.executable, "-m", "omni_dp.launcher.supervisor", str(state.directory)],
                     child_env({"OMNI_DP_RUN_ID": state.run_id}, state.token), log)
     deadline = time.monotonic() + SUPERVISOR_HANDOFF_S
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not stop.is_set():
         current = RunState.load(state.directory)
         if identity_of(current.data.get("supervisor")) == started.identity:
             say(f"detached: supervisor pid {started.pid} (log {log})")
@@ -106,7 +115,13 @@ def _hand_off(state: RunState, reap: list, say: Callable[[str], None]) -> int:
         if started.popen.poll() is not None:
             break
         time.sleep(0.05)
-    say(f"the detached supervisor did not take over (log {log}); tearing the run down")
-    stop_processes([started.identity], state.token, 5.0, reap=[started.popen])
-    teardown(state, drain_timeout=5.0, keep_state=True, say=say, reap=reap)
-    return 3
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)  # the teardown below must run to its end
+    interrupted = stop.is_set()
+    say("interrupted; tearing the run down" if interrupted else
+        f"the detached supervisor did not take over (log {log}); tearing the run down")
+    # The supervisor may have recorded itself meanwhile: teardown then stops it first (it
+    # tears down itself); if not, it carries the run token and goes with the other strays.
+    result = teardown(RunState.load(state.directory), drain_timeout=5.0,
+                      keep_state=not interrupted, say=say, reap=[*reap, started.popen])
+    return 130 if interrupted and result.clean else 3

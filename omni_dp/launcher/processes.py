@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 
 from omni_dp.launcher.plan import THREAD_VARIABLES
+from omni_dp.launcher.state import append_private
 from omni_dp.procs import ProcessIdentity, identify, is_alive, read_environ
 
 TOKEN_ENV = "OMNI_DP_RUN_TOKEN"
@@ -46,7 +47,7 @@ def child_env(extra: dict[str, str], token: str) -> dict[str, str]:
 
 def spawn(argv: list[str], env: dict[str, str], log_path: Path) -> Started:
     """Start argv in a session of its own (pgid = pid), output appended to log_path."""
-    with open(log_path, "ab") as log:
+    with append_private(log_path) as log:
         popen = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                  stderr=subprocess.STDOUT, start_new_session=True,
                                  close_fds=True)

@@ -18,7 +18,7 @@ from omni_dp.launcher.gates import (
     wait_healthy,
 )
 from omni_dp.launcher.processes import child_env, spawn, stop_processes
-from omni_dp.launcher.state import RunState, identity_of
+from omni_dp.launcher.state import RunState, append_private, identity_of
 from omni_dp.mps.attach import AttachReport
 
 
@@ -33,8 +33,9 @@ class ReplicaSet:
     def start(self, index: int) -> None:
         record = self.state.replica(index)
         log = self.state.logs / record["log"]
-        with open(log, "a") as f:
-            f.write(f"--- omni-dp: starting replica {index} at {time.strftime('%F %T')} ---\n")
+        with append_private(log) as f:
+            f.write(f"--- omni-dp: starting replica {index} at {time.strftime('%F %T')} ---\n"
+                    .encode())
         started = spawn(record["argv"], child_env(record["env"], self.state.token), log)
         self.popens[index] = started.popen
         self.state.update_replica(index, **started.identity.to_json(), pgid=started.pid,

@@ -63,6 +63,11 @@ def _atomic_write(path: Path, text: str, mode: int = 0o600) -> None:
         raise
 
 
+def append_private(path: Path):
+    """Open for appending; created 0600 whatever the umask (logs can hold request text)."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+
+
 def identity_of(record: dict | None) -> ProcessIdentity | None:
     """The process identity stored in a run.json record, if it has one."""
     if not record or record.get("pid") is None or record.get("create_time") is None:
@@ -168,8 +173,8 @@ class RunState:
 
     def event(self, name: str, **fields) -> None:
         line = json.dumps({"ts": round(time.time(), 3), "event": name, **fields})
-        with self._lock, open(self.directory / EVENTS_FILE, "a") as f:
-            f.write(line + "\n")
+        with self._lock, append_private(self.directory / EVENTS_FILE) as f:
+            f.write(line.encode() + b"\n")
 
     def events(self) -> list[dict]:
         try:

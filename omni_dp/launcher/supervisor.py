@@ -89,7 +89,8 @@ def _stamped(line: str) -> None:
 
 class Supervisor:
     def __init__(self, state: RunState, replicas: ReplicaSet, *, detached: bool,
-                 say: Callable[[str], None] = _stamped, reap: list | None = None) -> None:
+                 say: Callable[[str], None] = _stamped, reap: list | None = None,
+                 stop_requested: threading.Event | None = None) -> None:
         self.state = state
         self.replicas = replicas
         self.detached = detached
@@ -105,7 +106,7 @@ class Supervisor:
         self.drain_timeout = float(s["drain_timeout"])
         self.failures: dict[int, int] = {}
         self.busy: dict[int, threading.Thread] = {}  # replica index (-1: the whole run)
-        self.stop_requested = threading.Event()
+        self.stop_requested = stop_requested or threading.Event()
         self.exit_code = 0
         # Held while spawning; teardown takes it so no replica starts after teardown began.
         self.spawn_lock = threading.Lock()
