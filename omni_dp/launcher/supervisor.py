@@ -37,7 +37,13 @@ from omni_dp.launcher.replicas import ReplicaSet
 from omni_dp.launcher.state import RunState, StateError, identity_of
 from omni_dp.launcher.teardown import teardown
 from omni_dp.mps.control import MpsControl
-from omni_dp.mps.daemon import CONTROL_LOG, DaemonRecord, MpsDaemon, MpsDaemonError
+from omni_dp.mps.daemon import (
+    CONTROL_LOG,
+    FAULT_LINE,
+    DaemonRecord,
+    MpsDaemon,
+    MpsDaemonError,
+)
 from omni_dp.procs import ProcessIdentity, identify, is_alive
 
 WATCHED = ("healthy", "unhealthy", "down")  # states the sweep checks (not restarting/failed)
@@ -105,6 +111,7 @@ class Supervisor:
         self.health_timeout = float(s["health_timeout"])
         self.drain_timeout = float(s["drain_timeout"])
         self.failures: dict[int, int] = {}
+        self.log_offsets: dict[Path, int] = {}
         self.busy: dict[int, threading.Thread] = {}  # replica index (-1: the whole run)
         self.stop_requested = stop_requested or threading.Event()
         self.exit_code = 0
@@ -302,8 +309,8 @@ class Supervisor:
             return
         record = DaemonRecord.from_json(mps["daemon"])
         daemon = MpsDaemon(MpsControl(record.binary, record.pipe_dir, record.log_dir))
-        logs = tuple(str(self.state.logs / r["log"]) for r in self.state.replicas)
-        health = daemon.health(record, extra_logs=logs)
+        health = daemon.health(record)  # control.log: small, read whole
+        health.faults += self._new_fault_lines()
         if health.ok:
             return
         fault = ("the MPS daemon is gone" if not health.alive else
@@ -319,6 +326,27 @@ class Supervisor:
                                   name="mps-restart", daemon=True)
         self.busy[-1] = thread
         thread.start()
+
+    def _new_fault_lines(self) -> list[str]:
+        """MPS errors a replica logged since the last sweep (its log is read incrementally: it
+        grows with traffic)."""
+        faults = []
+        for r in self.state.replicas:
+            path = self.state.logs / r["log"]
+            try:
+                with open(path, "rb") as f:
+                    offset = self.log_offsets.get(path, 0)
+                    if os.fstat(f.fileno()).st_size < offset:
+                        offset = 0  # rotated
+                    f.seek(offset)
+                    chunk = f.read()
+            except OSError:
+                continue
+            self.log_offsets[path] = offset + len(chunk)
+            faults += [f"{path.name}: {line.strip()}"
+                       for line in chunk.decode(errors="replace").splitlines()
+                       if FAULT_LINE.search(line)]
+        return faults
 
     def _restart_all(self, daemon: MpsDaemon, record: DaemonRecord, fault: str) -> None:
         """A daemon fault taints every client: new daemon, every replica through the gates."""

@@ -30,7 +30,7 @@ SOCKET_NAME = "control"
 MAX_SOCKET_PATH_BYTES = 107  # sizeof(sun_path) - 1 on Linux
 PID_FILE = "nvidia-cuda-mps-control.pid"  # documented; Debian's 535 build writes none
 CONTROL_LOG = "control.log"
-_FAULT = re.compile(r"MpsRpc|cudaErrorMps\w*|exited with status [1-9]\d*|FAULT")
+FAULT_LINE = re.compile(r"MpsRpc|cudaErrorMps\w*|exited with status [1-9]\d*|FAULT")
 
 
 class MpsDaemonError(Exception):
@@ -256,6 +256,6 @@ class MpsDaemon:
                 continue
             health.faults += [
                 f"{os.path.basename(path)}: {line.strip()}"
-                for line in text.splitlines() if _FAULT.search(line)
+                for line in text.splitlines() if FAULT_LINE.search(line)
             ]
         return health
