@@ -116,11 +116,11 @@ def known_runs(root: Path) -> tuple[KnownRun, ...]:
 
 def _any_alive(data: dict) -> bool:
     records = [data.get("supervisor"), data.get("router"),
-               (data.get("mps") or {}).get("daemon")]
-    records += [r.get("process") for r in data.get("replicas", [])]
+               (data.get("mps") or {}).get("daemon"), *data.get("replicas", [])]
     for record in records:
         with contextlib.suppress(KeyError, TypeError, ValueError):
-            if record and is_alive(ProcessIdentity.from_json(record)):
+            if record and record.get("pid") is not None and is_alive(
+                    ProcessIdentity.from_json(record)):
                 return True
     return False
 

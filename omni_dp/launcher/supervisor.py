@@ -155,11 +155,18 @@ class Supervisor:
         self.say("tearing the run down")
         with self.spawn_lock:
             self.stopping = True
+        failed = self.exit_code != 0  # stopped by a fault: keep the state for diagnosis
+        if failed:
+            self.state.update(state="failed")
         result = teardown(self.state, drain_timeout=self.drain_timeout, say=self.say,
+                          keep_state=failed,
                           reap=self.reap + list(self.replicas.popens.values()))
         for line in result.leftovers:
             self.say(f"left behind: {line}")
-        if result.clean:
+        if failed:
+            self.say(f"run stopped after a failure; its state is kept in {self.state.directory}"
+                     f" (events.jsonl, logs/); `omni-dp down {self.state.run_id}` removes it")
+        elif result.clean:
             self.say("run stopped; nothing left behind")
         return self.exit_code if result.clean else 3
 

@@ -72,7 +72,9 @@ def teardown(state: RunState, *, drain_timeout: float, keep_state: bool = False,
         for i, _ in live:
             state.update_replica(i, state="stopped")
 
-    strays = token_carriers(state.token, exclude={me})
+    daemon = identity_of((state.data.get("mps") or {}).get("daemon"))
+    # The daemon is stopped below through `quit`, never by a signal.
+    strays = token_carriers(state.token, exclude={me} | ({daemon.pid} if daemon else set()))
     if strays:
         say(f"stopping {len(strays)} unrecorded process(es) carrying the run token: "
             + ", ".join(str(s.pid) for s in strays))

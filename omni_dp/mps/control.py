@@ -57,6 +57,9 @@ class MalformedOutput(MpsControlError):
     pass
 
 
+RUN_IDENTITY_ENVS = ("OMNI_DP_RUN_TOKEN", "OMNI_DP_REPLICA", "OMNI_DP_RUN_ID")
+
+
 def find_control_binary(path: str | None = None) -> str:
     """`path`, else $OMNI_DP_MPS_CONTROL, else `nvidia-cuda-mps-control` on PATH."""
     candidate = path or os.environ.get(BINARY_ENV)
@@ -111,7 +114,10 @@ class MpsControl:
 
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ if base is None else base)
-        for name in LIMIT_ENVS:
+        # No limit variables (they would cap the daemon itself), and no run identity: a run's
+        # teardown signals the processes carrying its token, and the daemon must only ever be
+        # stopped through `quit` once its clients are gone.
+        for name in (*LIMIT_ENVS, *RUN_IDENTITY_ENVS):
             env.pop(name, None)
         env[PIPE_ENV] = self.pipe_dir
         env[LOG_ENV] = self.log_dir

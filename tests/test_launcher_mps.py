@@ -1,0 +1,481 @@
+"""`omni-dp launch --mps` end to end on CPU: the REAL MPS control daemon, real replicas, the real
+router, loopback only.
+
+No GPU here, so nothing can attach to MPS: the control binary the launcher is given is the hybrid
+TEST STAND-IN of tests/mps_hybrid.py (the real daemon for `-d` and every other command, faked
+server/client lists), and the replicas declare their accelerator stage on "cuda:0" (through the
+stand-in's generated sitecustomize) so that the attachment proof has something to prove.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+from mps_fixtures import real_control_binary
+from mps_hybrid import Hybrid
+
+ROOT = Path(__file__).resolve().parent.parent
+INSTALLED = ROOT / ".cache" / "mps" / "usr" / "bin" / "nvidia-cuda-mps-control"
+PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
+LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
+TOKEN_ENV = "OMNI_DP_RUN_TOKEN"
+STATE_ENV = "OMNI_DP_STATE_DIR"
+# No proxy may see loopback requests.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _real_binary() -> str:
+    """scripts/install-mps-control's binary when nothing else is configured, else the shared
+    lookup (which skips, or fails under OMNI_DP_REQUIRE_MPS=1)."""
+    if not os.environ.get("OMNI_DP_MPS_CONTROL") and os.access(INSTALLED, os.X_OK):
+        return str(INSTALLED)
+    found = real_control_binary()
+    assert found is not None
+    return found
+
+
+# --- processes, looked up in /proc ----------------------------------------------------------------
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        return psutil.Process(pid).environ()
+    except psutil.Error:
+        return {}
+
+
+def _alive(pid: int | None, create_time: float | None = None) -> bool:
+    """Exists (with this create time, when given: not a recycled pid) and is not a zombie
+    (the daemon's exits wait for a late reaper)."""
+    if pid is None:
+        return False
+    try:
+        process = psutil.Process(pid)
+        return (process.status() != psutil.STATUS_ZOMBIE
+                and (create_time is None or process.create_time() == create_time))
+    except psutil.Error:
+        return False
+
+
+def _live_pids(match) -> list[int]:
+    """Live processes whose environment satisfies match(env)."""
+    found = []
+    for process in psutil.process_iter(["pid", "status"]):
+        if process.info["status"] == psutil.STATUS_ZOMBIE or process.pid == os.getpid():
+            continue
+        env = _environ(process.pid)
+        if env and match(env):
+            found.append(process.pid)
+    return found
+
+
+def _daemon_pids(real: str, pipe_dir: str) -> list[int]:
+    """Live control daemons (`-d`) of the real binary serving this pipe dir. The short-lived
+    front ends of a concurrent query (same binary, same pipe dir, no `-d`) are not counted."""
+    real = os.path.realpath(real)
+    pids = []
+    for pid in _live_pids(lambda env: env.get(PIPE_ENV) == pipe_dir):
+        with contextlib.suppress(psutil.Error):
+            process = psutil.Process(pid)
+            if os.path.realpath(process.exe()) == real and "-d" in process.cmdline()[1:]:
+                pids.append(pid)
+    return pids
+
+
+def _wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def _free_port_block(count: int) -> int:
+    """A first port such that it and the count-1 after it can be bound on loopback now."""
+    for _ in range(200):
+        first = random.randrange(20000, 60000 - count)
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(first, first + count):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError("no free block of loopback ports")
+
+
+def _post(url: str, body: dict, timeout: float = 60) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with _OPENER.open(request, timeout=timeout) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+# --- one run --------------------------------------------------------------------------------------
+
+
+class MpsRun:
+    """One `omni-dp launch --mps` run: its short state dir, ports, hybrid front end and CLI."""
+
+    def __init__(self, state_dir: Path, hybrid: Hybrid, real: str, run_id: str) -> None:
+        self.state_dir = state_dir
+        self.hybrid = hybrid
+        self.real = real
+        self.run_id = run_id
+        self.run_dir = state_dir / "runs" / run_id
+        self.pipe_dir = str(self.run_dir / "mps" / "pipe")
+        self.log_dir = str(self.run_dir / "mps" / "log")
+        self.token: str | None = None
+        self.router_url = ""
+        self.declare_cuda = True
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("OMNI_DP_", "CUDA_MPS_", "MPS_HYBRID_"))}
+        env.update(self.hybrid.env(declare_cuda=self.declare_cuda))
+        env[STATE_ENV] = str(self.state_dir)
+        return env
+
+    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "omni_dp", *args], env=self.env(),
+                              capture_output=True, text=True, timeout=timeout, check=False,
+                              stdin=subprocess.DEVNULL)
+
+    def launch(self, *extra: str, replicas: int = 2) -> subprocess.CompletedProcess:
+        base = _free_port_block(replicas + 1)
+        self.router_url = f"http://127.0.0.1:{base + replicas}"
+        done = self.cli("launch", "--replicas", str(replicas), "--max-total-tokens", "1024",
+                        "--mps", "--no-gpu-check", "--mps-control", str(self.hybrid.binary),
+                        "--detach", "--run-id", self.run_id, "--base-port", str(base),
+                        "--router-port", str(base + replicas), "--drain-timeout", "5",
+                        *extra)
+        with contextlib.suppress(OSError):
+            self.token = (self.run_dir / "run_token").read_text().strip()
+        return done
+
+    def record(self) -> dict:
+        return json.loads((self.run_dir / "run.json").read_text())
+
+    def events(self) -> list[str]:
+        path = self.run_dir / "events.jsonl"
+        return [json.loads(line)["event"] for line in path.read_text().splitlines()] \
+            if path.exists() else []
+
+    def status(self) -> dict:
+        done = self.cli("status", self.run_id, "--json")
+        assert done.stdout, done.stderr
+        return json.loads(done.stdout)
+
+    def token_carriers(self) -> list[int]:
+        token = self.token
+        return _live_pids(lambda env: token is not None and env.get(TOKEN_ENV) == token)
+
+    def daemons(self) -> list[int]:
+        return _daemon_pids(self.real, self.pipe_dir)
+
+    def leftovers(self) -> list[int]:
+        """Every live process of this run: token carriers, daemons, anything else started with
+        this state dir in its environment."""
+        state = str(self.state_dir)
+        return sorted(set(self.token_carriers()) | set(
+            _live_pids(lambda env: env.get(STATE_ENV) == state
+                       or env.get(PIPE_ENV, "").startswith(state + os.sep))))
+
+    def logs(self) -> str:
+        """For assertion messages: the run's logs and the stand-in's commands."""
+        parts = []
+        for path in sorted(self.run_dir.glob("logs/*.log*")) if self.run_dir.exists() else []:
+            parts.append(f"--- {path.name}\n{path.read_text(errors='replace')[-3000:]}")
+        parts.append(f"--- hybrid commands: {self.hybrid.commands()}")
+        return "\n".join(parts)
+
+
+@pytest.fixture
+def mps_run(tmp_path):
+    """A run with a short state dir under /tmp (the control socket path must fit 107 bytes).
+    Afterwards, always: `omni-dp down`, then SIGKILL by pid whatever of the run is still there."""
+    real = _real_binary()
+    hybrid_dir = tmp_path / "hybrid"
+    hybrid_dir.mkdir()
+    state_dir = Path(tempfile.mkdtemp(prefix="odp", dir="/tmp"))
+    run = MpsRun(state_dir, Hybrid(hybrid_dir, real), real, "t")
+    try:
+        yield run
+    finally:
+        if run.run_dir.exists():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                run.cli("down", run.run_id, timeout=90)
+        killed = run.leftovers()
+        for pid in killed:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(AssertionError):  # the next test needs the CPUs
+            _wait_for(lambda: not any(_alive(pid) for pid in killed), 10, "leftovers to exit")
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def _assert_gone(run: MpsRun, record: dict) -> None:
+    """Nothing of the run is left: daemon, replicas, router, supervisor, token carriers."""
+    records = {"daemon": (record.get("mps") or {}).get("daemon"),
+               "router": record.get("router"), "supervisor": record.get("supervisor")}
+    records.update({f"replica {r['index']}": r for r in record["replicas"]})
+    still = {what: r["pid"] for what, r in records.items()
+             if r and _alive(r.get("pid"), r.get("create_time"))}
+    assert not still, f"still running: {still}\n{run.logs()}"
+    assert run.daemons() == [], "a control daemon still serves the run's pipe dir"
+    assert run.token_carriers() == [], "processes still carry the run token"
+
+
+# --- the tests ------------------------------------------------------------------------------------
+
+
+def test_launch_under_real_daemon_proves_attachment_serves_and_down_cleans(mps_run):
+    run = mps_run
+    done = run.launch()
+    assert done.returncode == 0, done.stdout + done.stderr + run.logs()
+    assert "every CUDA process of every replica is a client" in done.stdout
+
+    status = run.status()
+    daemon_pid = status["mps"]["daemon_pid"]
+    assert status["state"] == "running"
+    assert status["mps"]["daemon_alive"] and _alive(daemon_pid)
+    assert status["mps"]["attached"] is True
+    assert [r["mps_attached"] for r in status["replicas"]] == [True, True]
+    assert [r["health"] for r in status["replicas"]] == ["healthy", "healthy"]
+    # The recorded daemon is the REAL binary (started under the stand-in's name) on the run's
+    # own pipe and log dirs.
+    daemon = psutil.Process(daemon_pid)
+    assert os.path.realpath(daemon.exe()) == os.path.realpath(run.real)
+    assert daemon.cmdline()[0] == str(run.hybrid.binary)
+    assert daemon.environ()[PIPE_ENV] == run.pipe_dir
+    assert daemon.environ()[LOG_ENV] == run.log_dir
+    assert run.daemons() == [daemon_pid]
+    for directory in (run.pipe_dir, run.log_dir):
+        info = os.lstat(directory)
+        assert stat.S_ISDIR(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o700, directory
+        assert Path(directory).is_relative_to(run.run_dir)
+    assert (Path(run.pipe_dir) / "control").is_socket()
+    assert (Path(run.log_dir) / "control.log").exists()
+
+    # Every replica carries the run's MPS dirs, token and index, and is the one client of its
+    # replica in the attachment report.
+    record = run.record()
+    replica_pids = [r["pid"] for r in record["replicas"]]
+    for r in record["replicas"]:
+        env = _environ(r["pid"])
+        assert env[PIPE_ENV] == run.pipe_dir and env[LOG_ENV] == run.log_dir
+        assert env[TOKEN_ENV] == run.token and env["OMNI_DP_REPLICA"] == str(r["index"])
+        assert [p["device"] for p in r["processes"]] == ["cuda:0"]  # the stand-in's declaration
+    text = (run.run_dir / "mps_attach.txt").read_text()
+    assert "RESULT: PASS" in text
+    report = json.loads((run.run_dir / "mps_attach.json").read_text())
+    assert report["result"] == "PASS" and len(report["servers"]) == 1
+    assert sorted(c["pid"] for c in report["clients"]) == sorted(replica_pids)
+    assert {c["pid"]: c["replica"] for c in report["clients"]} == {
+        r["pid"]: r["index"] for r in record["replicas"]}
+
+    verify = run.cli("verify-mps", run.run_id, "--json")
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert json.loads(verify.stdout)["result"] == "PASS"
+
+    code, body = _post(run.router_url + "/v1/audio/speech",
+                       {"input": "Hello there.", "max_new_tokens": 20, "seed": 1})
+    assert code == 200 and len(body) > 44, body[:200]
+
+    down = run.cli("down", run.run_id)
+    assert down.returncode == 0, down.stdout + down.stderr
+    _assert_gone(run, record)
+    assert not run.run_dir.exists()
+    assert "quit" in run.hybrid.commands()  # stopped through the protocol, not by a signal
+
+
+class _KillAfterVerdict(threading.Thread):
+    """Kill a foreign 'client' as soon as the verdict is written, so that the teardown that
+    follows (which waits for every client to leave before it quits the daemon) can finish."""
+
+    def __init__(self, run: MpsRun, process: subprocess.Popen) -> None:
+        super().__init__(daemon=True)
+        self.artifact = run.run_dir / "mps_attach.txt"
+        self.process, self.stop = process, threading.Event()
+
+    def run(self) -> None:
+        artifact = self.artifact
+        while not self.stop.is_set() and not artifact.exists():
+            time.sleep(0.02)
+        self.process.kill()
+        self.process.wait()
+
+
+@pytest.mark.parametrize("scenario", ["no_server", "two_servers", "foreign_client", "cpu_only"])
+def test_attachment_failure_stops_everything_and_keeps_state(mps_run, scenario):
+    run = mps_run
+    foreign = None
+    watcher = None
+    if scenario == "no_server":
+        run.hybrid.set_scenario(servers=0)
+        expected = "expected exactly one MPS server, found 0"
+    elif scenario == "two_servers":
+        run.hybrid.set_scenario(servers=2)
+        expected = "expected exactly one MPS server, found 2"
+    elif scenario == "foreign_client":
+        foreign = subprocess.Popen(["sleep", "600"], env={"PATH": os.environ["PATH"]})
+        run.hybrid.set_scenario(extra_clients=[foreign.pid])
+        expected = f"{foreign.pid} (no run token of this run)"
+        watcher = _KillAfterVerdict(run, foreign)
+        watcher.start()
+    else:  # the replicas run on CPU and say so: nothing to prove, so no PASS
+        run.declare_cuda = False
+        expected = "declares no CUDA process"
+    try:
+        done = run.launch()
+    finally:
+        if watcher is not None:
+            watcher.stop.set()
+            watcher.join(10)
+        if foreign is not None and foreign.poll() is None:
+            foreign.kill()
+            foreign.wait()
+    output = done.stdout + done.stderr
+    assert done.returncode == 3, output + run.logs()
+    assert "MPS attachment verification FAILED" in output
+    assert expected in output
+    assert "state is kept" in output
+
+    record = run.record()
+    assert record["state"] == "failed"
+    assert record["router"] is None  # the router starts only after the proof
+    assert "RESULT: FAIL" in (run.run_dir / "mps_attach.txt").read_text()
+    assert json.loads((run.run_dir / "mps_attach.json").read_text())["result"] == "FAIL"
+    _assert_gone(run, record)
+    events = run.events()
+    assert "bringup_failed" in events and "mps_daemon_stopped" in events
+    assert "quit" in run.hybrid.commands()
+
+    down = run.cli("down", run.run_id)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert not run.run_dir.exists()
+
+
+def _kill_daemon(run: MpsRun) -> tuple[dict, int]:
+    record = run.record()
+    old = record["mps"]["daemon"]["pid"]
+    assert run.daemons() == [old]
+    os.kill(old, signal.SIGKILL)
+    return record, old
+
+
+def _restart_after_killing_the_daemon(run: MpsRun) -> None:
+    def settled():
+        events = run.events()
+        assert "mps_restart_failed" not in events, run.logs()
+        return "mps_restarted" in events
+
+    _wait_for(settled, 60, "the supervisor to restart the daemon and the replicas")
+
+
+def test_daemon_fault_restarts_daemon_and_every_replica_through_the_gates(mps_run):
+    run = mps_run
+    done = run.launch("--check-interval", "0.5")
+    assert done.returncode == 0, done.stdout + done.stderr + run.logs()
+    before, old_daemon = _kill_daemon(run)
+    old_replicas = [r["pid"] for r in before["replicas"]]
+    _restart_after_killing_the_daemon(run)
+    events = run.events()
+    assert events.index("mps_fault") < events.index("mps_restarted")
+    assert events.count("mps_daemon_started") == 2
+
+    record = run.record()
+    new_daemon = record["mps"]["daemon"]["pid"]
+    assert new_daemon != old_daemon and _alive(new_daemon)
+    assert not _alive(old_daemon)
+    assert run.daemons() == [new_daemon]
+    new_replicas = [r["pid"] for r in record["replicas"]]
+    assert set(new_replicas).isdisjoint(old_replicas)
+    assert all(_alive(pid) for pid in new_replicas)
+    assert not any(_alive(pid) for pid in old_replicas)
+    assert "RESULT: PASS" in (run.run_dir / "mps_attach.txt").read_text()
+
+    # The sweep after the restart finds it all healthy again; the router serves.
+    status = _wait_for(lambda: (s := run.status())["state"] == "running" and s, 15,
+                       "the run to be running again")
+    assert status["mps"] == {"daemon_pid": new_daemon, "daemon_alive": True, "attached": True}
+    assert [r["health"] for r in status["replicas"]] == ["healthy", "healthy"]
+    assert [r["mps_attached"] for r in status["replicas"]] == [True, True]
+    verify = run.cli("verify-mps", run.run_id, "--json")
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    code, _ = _post(run.router_url + "/v1/audio/speech", {"input": "Again.", "max_new_tokens": 8})
+    assert code == 200
+
+    down = run.cli("down", run.run_id)
+    assert down.returncode == 0, down.stdout + down.stderr
+    _assert_gone(run, record)
+    assert not run.run_dir.exists()
+
+
+def test_daemon_fault_with_on_mps_fault_fail_tears_the_run_down(mps_run):
+    run = mps_run
+    done = run.launch("--check-interval", "0.5", "--on-mps-fault", "fail")
+    assert done.returncode == 0, done.stdout + done.stderr + run.logs()
+    record, _ = _kill_daemon(run)
+    supervisor = record["supervisor"]["pid"]
+    _wait_for(lambda: not _alive(supervisor), 30, "the supervisor to stop the run and exit")
+    _assert_gone(run, record)
+
+
+def test_daemon_restarted_by_the_supervisor_is_quit_by_down(mps_run):
+    run = mps_run
+    done = run.launch("--check-interval", "0.5")
+    assert done.returncode == 0, done.stdout + done.stderr + run.logs()
+    _kill_daemon(run)
+    _restart_after_killing_the_daemon(run)
+    record = run.record()
+    carries_token = TOKEN_ENV in _environ(record["mps"]["daemon"]["pid"])
+
+    down = run.cli("down", run.run_id)
+    assert down.returncode == 0, down.stdout + down.stderr
+    _assert_gone(run, record)
+    commands = run.hybrid.commands()
+    second_start = [i for i, c in enumerate(commands) if c == "-d"][1]
+    assert "quit" in commands[second_start:], commands
+    assert not carries_token
+
+
+def test_run_stopped_by_an_mps_fault_keeps_its_state_for_diagnosis(mps_run):
+    run = mps_run
+    done = run.launch("--check-interval", "0.5", "--on-mps-fault", "fail")
+    assert done.returncode == 0, done.stdout + done.stderr + run.logs()
+    record, _ = _kill_daemon(run)
+    _wait_for(lambda: not _alive(record["supervisor"]["pid"]), 30, "the supervisor to exit")
+    _assert_gone(run, record)
+
+    assert run.run_dir.exists(), "the state of the failed run was removed"
+    assert run.record()["state"] == "failed"
+    assert "mps_fault" in run.events()
+    status = run.cli("status", run.run_id, "--json")
+    assert json.loads(status.stdout)["state"] == "failed"
+    down = run.cli("down", run.run_id)
+    assert down.returncode == 0 and not run.run_dir.exists()
