@@ -121,3 +121,12 @@ def test_death_watch_wakes_when_a_process_that_is_not_our_child_exits() -> None:
         assert time.monotonic() - started < 30  # woken by the exit, not by the 60 s timeout
     finally:
         watch.close()
+
+
+def test_the_launcher_never_imports_torch() -> None:
+    """status/down/launch must start fast and never touch the GPU themselves."""
+    code = ("import sys, omni_dp.launcher.launch, omni_dp.launcher.supervisor, "
+            "omni_dp.launcher.status, omni_dp.launcher.facts; print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert done.stdout.strip() == "False"

@@ -1,1 +1,7 @@
-"""The launcher (issue 5). Built so far: CPU topology and per-replica CPU blocks."""
+"""A run: N replicas on one GPU behind one router, verified, supervised, torn down.
+
+Planning is pure (options.py + facts.py → plan.py); acting is thin and separate: state.py (the
+run directory), processes.py (spawn and identity-checked signals), gates.py (health, KV, MPS),
+replicas.py, bringup.py, supervisor.py, teardown.py, status.py; launch.py ties them together for
+`omni-dp launch`. Never imports torch: replicas and the router are reached over HTTP.
+"""
