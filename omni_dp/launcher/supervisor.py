@@ -216,6 +216,10 @@ class Supervisor:
     def _restart(self, index: int, reason: str) -> None:
         try:
             self._restart_through_gates(index, reason)
+        except Exception as exc:
+            if not self.stopping:  # once teardown began, a restart failing midway is expected
+                self.state.update_replica(index, state="down", last_error=repr(exc))
+                self.state.event("restart_failed", replica=index, error=repr(exc))
         finally:
             self.busy.pop(index, None)
 
