@@ -610,3 +610,46 @@ def test_port_helpers():
     assert len(set(ports)) == 3
     base = free_port_block(4)
     assert not any(port_listening(p) for p in range(base, base + 4))
+
+
+# --- the router and hung replicas are supervised too; sequential start ------------------------
+
+
+def test_a_dead_router_is_restarted_and_serves_again(runs):
+    run = runs(2)
+    run.launch(*SUPERVISION)
+    old = run.run_json()["router"]["pid"]
+    os.kill(old, signal.SIGKILL)
+    wait_for("a new router", lambda: (r := run.run_json()["router"]) and r["pid"] != old
+             and any(e["event"] == "router_ready" and e["pid"] == r["pid"]
+                     for e in run.events()), timeout=RESTART_TIMEOUT_S)
+    assert [e["event"] for e in run.events()].count("router_died") == 1
+    code, _, body = speech(run.router_url)
+    assert code == 200 and is_wav(body)
+    assert run.status()["router"]["ready"] is True
+
+
+def test_a_hung_replica_is_restarted_after_consecutive_failed_health_checks(runs):
+    run = runs(2)
+    run.launch("--health-failures", "2", *SUPERVISION)
+    hung = run.run_json()["replicas"][0]["pid"]
+    os.kill(hung, signal.SIGSTOP)  # alive, but answers nothing
+    try:
+        wait_for("the hung replica's restart", lambda: event_count(
+            run, "restart_completed", 0) == 1, timeout=RESTART_TIMEOUT_S + 10)
+    finally:
+        if alive(hung):
+            os.kill(hung, signal.SIGCONT)
+    [started] = [e for e in run.events() if e["event"] == "restart_started"]
+    assert "/health" in started["reason"] and "2 in a row" in started["reason"]
+    assert not alive(hung)  # SIGTERM cannot reach a stopped process; SIGKILL after the bound
+    r = replica_status(run, 0)
+    assert r["health"] == "healthy" and r["pid"] != hung and r["restarts"] == 1
+
+
+def test_sequential_start_waits_for_each_replica(runs):
+    run = runs(2)
+    run.launch("--start", "sequential", *SUPERVISION)
+    names = [(e["event"], e.get("replica")) for e in run.events()]
+    assert names.index(("replica_healthy", 0)) < names.index(("replica_started", 1))
+    assert run.run_json()["plan"]["start"] == "sequential"
