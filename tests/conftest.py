@@ -109,7 +109,7 @@ def request(method: str, url: str, data: bytes | None, timeout: float = 120):
             return resp.status, dict(resp.headers), resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, dict(exc.headers), exc.read()
-    except (ConnectionError, urllib.error.URLError):
+    except OSError:  # refused, reset, timed out (URLError is an OSError too)
         return 0, {}, b""
 
 

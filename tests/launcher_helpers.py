@@ -22,13 +22,15 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import psutil
+
+from omni_dp.procs import read_environ as environ
+
+from conftest import request
 
 CLI_TIMEOUT_S = 120.0
 TOKEN_ENV = "OMNI_DP_RUN_TOKEN"
@@ -94,16 +96,8 @@ def port_listening(port: int, timeout: float = 0.5) -> bool:
 def http(method: str, url: str, body: dict | None = None,
          timeout: float = 30.0) -> tuple[int, dict[str, str], bytes]:
     """(status, headers, body); status 0 when there was no HTTP answer at all."""
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, dict(resp.headers), resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, dict(exc.headers), exc.read()
-    except (OSError, urllib.error.URLError):
-        return 0, {}, b""
+    return request(method, url, json.dumps(body).encode() if body is not None else None,
+                   timeout=timeout)
 
 
 def speech(base_url: str, text: str = "Hello there.",
@@ -116,19 +110,6 @@ def is_wav(body: bytes) -> bool:
 
 
 # --- processes ------------------------------------------------------------------------------
-
-
-def environ(pid: int) -> dict[str, str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return None
-    env = {}
-    for item in raw.split(b"\0"):
-        key, sep, value = item.partition(b"=")
-        if sep:
-            env[key.decode(errors="replace")] = value.decode(errors="replace")
-    return env
 
 
 def alive(pid: int | None) -> bool:

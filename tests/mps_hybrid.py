@@ -126,6 +126,8 @@ def declare_cuda() -> None:
 
 
 def _environ(pid: int) -> dict[str, str] | None:
+    # omni_dp.procs.read_environ, repeated: the front end runs with `python -I -S` (fast, and
+    # isolated from the environment it inspects), where the editable omni_dp is not importable.
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             raw = f.read()

@@ -23,16 +23,15 @@ the supervisor; `omni-dp down` only once the supervisor is gone.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
 import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
 
+from omni_dp.files import atomic_write
 from omni_dp.launcher.plan import LaunchPlan
 from omni_dp.launcher.topology import format_cpu_list
 from omni_dp.mps.daemon import make_private_dir
@@ -46,21 +45,6 @@ EVENTS_FILE = "events.jsonl"
 
 class StateError(Exception):
     """The run directory cannot be read or written; the message names it."""
-
-
-def _atomic_write(path: Path, text: str, mode: int = 0o600) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def append_private(path: Path):
@@ -94,7 +78,7 @@ class RunState:
         os.chmod(plan.run_dir, 0o700)
         (plan.run_dir / "logs").mkdir(mode=0o700)
         token = secrets.token_hex(16)
-        _atomic_write(plan.run_dir / TOKEN_FILE, token + "\n")
+        atomic_write(plan.run_dir / TOKEN_FILE, token + "\n")
         data = {
             "schema": SCHEMA,
             "run_id": plan.run_id,
@@ -159,7 +143,7 @@ class RunState:
 
     def save(self) -> None:
         with self._lock:
-            _atomic_write(self.directory / RUN_FILE, json.dumps(self.data, indent=1) + "\n")
+            atomic_write(self.directory / RUN_FILE, json.dumps(self.data, indent=1) + "\n")
 
     def update(self, **fields) -> None:
         with self._lock:

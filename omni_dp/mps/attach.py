@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from omni_dp.files import atomic_write
 from omni_dp.mps.control import MpsControl, MpsControlError
 from omni_dp.procs import read_environ
 
@@ -213,19 +212,5 @@ def format_text(report: AttachReport) -> str:
 def write_artifacts(report: AttachReport, directory: str | Path) -> None:
     """mps_attach.txt and mps_attach.json, each replaced atomically."""
     directory = Path(directory)
-    _atomic_write(directory / TEXT_ARTIFACT, format_text(report))
-    _atomic_write(directory / JSON_ARTIFACT, json.dumps(report.to_json(), indent=2) + "\n")
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    atomic_write(directory / TEXT_ARTIFACT, format_text(report))
+    atomic_write(directory / JSON_ARTIFACT, json.dumps(report.to_json(), indent=2) + "\n")
