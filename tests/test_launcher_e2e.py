@@ -653,3 +653,41 @@ def test_sequential_start_waits_for_each_replica(runs):
     names = [(e["event"], e.get("replica")) for e in run.events()]
     assert names.index(("replica_healthy", 0)) < names.index(("replica_started", 1))
     assert run.run_json()["plan"]["start"] == "sequential"
+
+
+_SLOW_GATES = """
+import sys, time
+from omni_dp import cli
+from omni_dp.launcher import replicas
+
+def wait_healthy(self, index, timeout_s):  # bring-up stalls here, replicas running
+    time.sleep(120)
+
+replicas.ReplicaSet.wait_healthy = wait_healthy
+sys.argv = ["omni-dp", *sys.argv[1:]]
+cli.main()
+"""
+
+
+def test_down_during_bring_up_stops_the_launch_and_everything_it_started(runs):
+    run = runs(2)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_GATES, *run.launch_argv(detach=False)], env=run.env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+    try:
+        wait_for("both replicas to start", lambda: run.run_dir.exists() and all(
+            r["pid"] for r in run.run_json()["replicas"]), timeout=60)
+        replica_pids = [r["pid"] for r in run.run_json()["replicas"]]
+        assert run.run_json()["launcher"]["pid"] == launcher.pid
+        down = run.down()
+        assert down.returncode == 0, describe(down)
+        assert f"stopping the launcher (pid {launcher.pid})" in down.stdout
+        out, _ = launcher.communicate(timeout=60)
+        assert launcher.returncode == 130, out
+        assert "bring-up interrupted" in out
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(10)
+    assert not any(alive(pid) for pid in replica_pids)
+    assert_nothing_left(run)

@@ -115,7 +115,7 @@ def known_runs(root: Path) -> tuple[KnownRun, ...]:
 
 
 def _any_alive(data: dict) -> bool:
-    records = [data.get("supervisor"), data.get("router"),
+    records = [data.get("launcher"), data.get("supervisor"), data.get("router"),
                (data.get("mps") or {}).get("daemon"), *data.get("replicas", [])]
     for record in records:
         with contextlib.suppress(KeyError, TypeError, ValueError):

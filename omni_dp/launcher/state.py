@@ -9,6 +9,7 @@
 
 run.json:
     {"schema": 1, "run_id", "created_at", "state", "gpu", "device", "plan": {...},
+     "launcher": {"pid", "create_time"},  # the `omni-dp launch` process
      "supervisor": {"pid", "create_time", "detached"} | null,
      "router": {"pid", "create_time", "pgid", "port", "url", "argv", "log"} | null,
      "mps": {"daemon": {"pid", "create_time", "binary", "pipe_dir", "log_dir", "gpu_uuid"}} | null,
@@ -35,7 +36,7 @@ from omni_dp.files import atomic_write
 from omni_dp.launcher.plan import LaunchPlan
 from omni_dp.launcher.topology import format_cpu_list
 from omni_dp.mps.daemon import make_private_dir
-from omni_dp.procs import ProcessIdentity
+from omni_dp.procs import ProcessIdentity, identify
 
 SCHEMA = 1
 RUN_FILE = "run.json"
@@ -87,6 +88,7 @@ class RunState:
             "gpu": plan.gpu_label,
             "device": plan.device,
             "plan": plan.to_json(),
+            "launcher": identify(os.getpid()).to_json(),  # `omni-dp launch`, until it hands off
             "supervisor": None,
             "router": None,
             "mps": None,

@@ -53,7 +53,7 @@ def pick(run_id: str | None, command: str) -> RunState:
 
 
 def run_is_live(state: RunState) -> bool:
-    records = [state.data.get("supervisor"), state.data.get("router"),
+    records = [state.data.get("launcher"), state.data.get("supervisor"), state.data.get("router"),
                (state.data.get("mps") or {}).get("daemon"), *state.replicas]
     return any((ident := identity_of(r)) is not None and is_alive(ident) for r in records)
 

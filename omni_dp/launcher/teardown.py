@@ -41,15 +41,18 @@ def teardown(state: RunState, *, drain_timeout: float, keep_state: bool = False,
     if state.data.get("state") != "failed":
         state.update(state="stopping")
 
-    supervisor = identity_of(state.data.get("supervisor"))
-    if supervisor is not None and supervisor.pid != me and is_alive(supervisor):
-        say(f"stopping the supervisor (pid {supervisor.pid})")
-        signal_ours(supervisor, signal.SIGTERM)
-        # It tears the run down itself (router and replicas drain one after the other, then
-        # the daemon); wait for that, then finish whatever it left.
-        if wait_gone([supervisor], 2 * drain_timeout + 60):
-            signal_ours(supervisor, signal.SIGKILL)
-            wait_gone([supervisor], 5.0)
+    # The process in charge — the supervisor, or `omni-dp launch` still bringing the run up —
+    # goes first: it tears the run down itself on SIGTERM (router and replicas drain one after
+    # the other, then the daemon); wait for that, then finish whatever it left.
+    for role in ("supervisor", "launcher"):
+        owner = identity_of(state.data.get(role))
+        if owner is None or owner.pid == me or not is_alive(owner):
+            continue
+        say(f"stopping the {role} (pid {owner.pid})")
+        signal_ours(owner, signal.SIGTERM)
+        if wait_gone([owner], 2 * drain_timeout + 60):
+            signal_ours(owner, signal.SIGKILL)
+            wait_gone([owner], 5.0)
         if not state.directory.exists():
             result.removed = True
             return result
