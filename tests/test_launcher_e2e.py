@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -691,3 +692,15 @@ def test_down_during_bring_up_stops_the_launch_and_everything_it_started(runs):
             launcher.wait(10)
     assert not any(alive(pid) for pid in replica_pids)
     assert_nothing_left(run)
+
+
+def test_removing_the_run_directory_makes_the_supervisor_tear_the_run_down(runs):
+    run = runs(2)
+    run.launch(*SUPERVISION)
+    recorded = run.recorded()  # token and pids, read before the directory goes
+    assert run.token and len(recorded) >= 4  # launcher, supervisor, router, replicas
+    shutil.rmtree(run.run_dir)
+    wait_for("every process of the run to stop", lambda: not run.leftover_pids(), timeout=60)
+    assert run.recorded_alive() == []
+    wait_for("the run's ports to close", lambda: not run.listening_ports(), timeout=5)
+    assert not run.run_dir.exists()  # not recreated

@@ -143,8 +143,16 @@ class RunState:
 
     # --- writing --------------------------------------------------------------------------
 
+    @property
+    def removed(self) -> bool:
+        """Someone removed the run directory: the in-memory record is all that is left, and
+        it is still enough to tear the run down."""
+        return not self.directory.is_dir()
+
     def save(self) -> None:
         with self._lock:
+            if self.removed:
+                return  # never recreate a removed run directory
             atomic_write(self.directory / RUN_FILE, json.dumps(self.data, indent=1) + "\n")
 
     def update(self, **fields) -> None:
@@ -159,8 +167,11 @@ class RunState:
 
     def event(self, name: str, **fields) -> None:
         line = json.dumps({"ts": round(time.time(), 3), "event": name, **fields})
-        with self._lock, append_private(self.directory / EVENTS_FILE) as f:
-            f.write(line.encode() + b"\n")
+        with self._lock:
+            if self.removed:
+                return
+            with append_private(self.directory / EVENTS_FILE) as f:
+                f.write(line.encode() + b"\n")
 
     def events(self) -> list[dict]:
         try:
@@ -170,4 +181,4 @@ class RunState:
         return [json.loads(line) for line in lines if line.strip()]
 
     def remove(self) -> None:
-        shutil.rmtree(self.directory)
+        shutil.rmtree(self.directory, ignore_errors=self.removed)

@@ -171,6 +171,11 @@ class Supervisor:
         return self.exit_code if result.clean else 3
 
     def sweep(self) -> None:
+        if self.state.removed:
+            self.say(f"the run directory {self.state.directory} was removed; tearing the run "
+                     "down from memory")
+            self.stop_requested.set()
+            return
         if -1 not in self.busy:
             for record in self.state.replicas:
                 if record["index"] not in self.busy and record["state"] in WATCHED:
