@@ -80,9 +80,7 @@ def launch(plan: LaunchPlan, say: Callable[[str], None]) -> int:
 
 
 def summary(plan: LaunchPlan, state: RunState) -> str:
-    status = collect(state, probe=False)
-    for r in status["replicas"]:
-        r["health"] = "healthy"
+    status = collect(state)  # health probed again: the table shows what is, not what was
     lines = [
         "",
         replica_table(status["replicas"]),
