@@ -110,11 +110,13 @@ def known_runs(root: Path) -> tuple[KnownRun, ...]:
         except (OSError, ValueError):
             runs.append(KnownRun(directory.name, directory, None, live=False))
             continue
-        runs.append(KnownRun(directory.name, directory, data.get("gpu"), _any_alive(data)))
+        runs.append(KnownRun(directory.name, directory, data.get("gpu"),
+                             any_recorded_alive(data)))
     return tuple(runs)
 
 
-def _any_alive(data: dict) -> bool:
+def any_recorded_alive(data: dict) -> bool:
+    """Is any process a run.json records still running as itself (pid + create time)?"""
     records = [data.get("launcher"), data.get("supervisor"), data.get("router"),
                (data.get("mps") or {}).get("daemon"), *data.get("replicas", [])]
     for record in records:

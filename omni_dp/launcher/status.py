@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from omni_dp.launcher.facts import any_recorded_alive
 from omni_dp.launcher.gates import http_json
 from omni_dp.launcher.state import RunState, StateError, identity_of
 from omni_dp.mps.runs import state_dir
@@ -53,9 +54,7 @@ def pick(run_id: str | None, command: str) -> RunState:
 
 
 def run_is_live(state: RunState) -> bool:
-    records = [state.data.get("launcher"), state.data.get("supervisor"), state.data.get("router"),
-               (state.data.get("mps") or {}).get("daemon"), *state.replicas]
-    return any((ident := identity_of(r)) is not None and is_alive(ident) for r in records)
+    return any_recorded_alive(state.data)
 
 
 def collect(state: RunState, *, probe: bool = True) -> dict:
