@@ -479,3 +479,19 @@ def test_run_stopped_by_an_mps_fault_keeps_its_state_for_diagnosis(mps_run):
     assert json.loads(status.stdout)["state"] == "failed"
     down = run.cli("down", run.run_id)
     assert down.returncode == 0 and not run.run_dir.exists()
+
+
+def test_daemon_restarts_are_budgeted_then_the_run_stops(mps_run):
+    run = mps_run
+    done = run.launch("--check-interval", "0.5", "--restart-budget", "1")
+    assert done.returncode == 0, done.stdout + done.stderr + run.logs()
+    _kill_daemon(run)
+    _restart_after_killing_the_daemon(run)  # the one restart the budget allows
+    record, _ = _kill_daemon(run)
+    _wait_for(lambda: not _alive(record["supervisor"]["pid"]), 30, "the supervisor to exit")
+    _assert_gone(run, record)
+    assert run.events().count("mps_restarted") == 1
+    assert run.record()["state"] == "failed"  # kept for diagnosis
+    faults = [json.loads(line) for line in (run.run_dir / "events.jsonl").read_text()
+              .splitlines() if '"mps_fault"' in line]
+    assert [f["action"] for f in faults] == ["restart", "fail"]

@@ -111,6 +111,7 @@ class Supervisor:
         self.health_timeout = float(s["health_timeout"])
         self.drain_timeout = float(s["drain_timeout"])
         self.failures: dict[int, int] = {}
+        self.mps_restarts: list[float] = []  # times of daemon restarts, budgeted like replicas
         self.log_offsets: dict[Path, int] = {}
         self.busy: dict[int, threading.Thread] = {}  # replica index (-1: the whole run)
         self.stop_requested = stop_requested or threading.Event()
@@ -332,12 +333,21 @@ class Supervisor:
         fault = ("the MPS daemon is gone" if not health.alive else
                  f"the MPS daemon does not answer ({health.error})" if not health.reachable else
                  "MPS faults in the logs: " + "; ".join(health.faults[:3]))
-        self.state.event("mps_fault", detail=fault, action=self.on_mps_fault)
+        now = time.time()
+        self.mps_restarts = [t for t in self.mps_restarts if now - t < self.window]
+        over_budget = len(self.mps_restarts) >= self.budget
+        action = "fail" if over_budget else self.on_mps_fault
+        self.state.event("mps_fault", detail=fault, action=action,
+                         restarts_in_window=len(self.mps_restarts))
         self.say(f"{fault}: every replica is suspect")
-        if self.on_mps_fault == "fail":
+        if action == "fail":
+            if over_budget:
+                self.say(f"{len(self.mps_restarts)} MPS restarts within {self.window:.0f} s: "
+                         "the restart budget is spent; stopping the run")
             self.exit_code = 3
             self.stop_requested.set()
             return
+        self.mps_restarts.append(now)
         thread = threading.Thread(target=self._restart_all, args=(daemon, record, fault),
                                   name="mps-restart", daemon=True)
         self.busy[-1] = thread
