@@ -612,13 +612,15 @@ def down(run_id: str | None, drain_timeout: float | None, as_json: bool) -> None
     run is ambiguous, 3 something could not be stopped (its state is kept and the leftovers
     named).
     """
+    from omni_dp.launcher.layout import run_dir
     from omni_dp.launcher.status import run_dirs
     from omni_dp.launcher.teardown import teardown
     from omni_dp.mps.runs import RUN_ID, state_dir
 
-    gone = (run_id is not None and RUN_ID.match(run_id)
-            and not (state_dir() / "runs" / run_id).exists()) or (run_id is None
-                                                                 and not run_dirs())
+    if run_id is None:
+        gone = not run_dirs()
+    else:  # a malformed id is left to _pick_run, which says what is wrong with it
+        gone = bool(RUN_ID.match(run_id)) and not run_dir(state_dir(), run_id).exists()
     if gone:  # already down: nothing to stop is success
         what = f"run {run_id}" if run_id else "any run"
         _emit({"run_id": run_id, "clean": True, "removed": False, "leftovers": []},

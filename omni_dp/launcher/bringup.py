@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 from omni_dp.launcher.gates import GateFailed, http_json, log_tail
+from omni_dp.launcher.layout import mps_log_dir, mps_pipe_dir
 from omni_dp.launcher.plan import LaunchPlan
 from omni_dp.launcher.processes import Started, child_env, spawn
 from omni_dp.launcher.replicas import ReplicaSet
@@ -28,8 +29,8 @@ class BringUpFailed(Exception):
 
 
 def start_daemon(state: RunState, binary: str, gpu_uuid: str | None) -> None:
-    control = MpsControl(binary, str(state.directory / "mps" / "pipe"),
-                         str(state.directory / "mps" / "log"))
+    control = MpsControl(binary, str(mps_pipe_dir(state.directory)),
+                         str(mps_log_dir(state.directory)))
     try:
         record = MpsDaemon(control).start(gpu_uuid=gpu_uuid)
     except (MpsDaemonError, MpsControlError) as exc:

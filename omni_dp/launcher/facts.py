@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 
 from omni_dp.launcher.engines import ENGINES, EngineSizing, ReplicaLaunch
+from omni_dp.launcher.layout import mps_pipe_dir, run_dir, runs_dir
 from omni_dp.launcher.options import LaunchOptions
 from omni_dp.launcher.topology import CpuTopology, gpu_numa_node, read_topology
 from omni_dp.mps.preflight import GpuFacts, query_gpu, run_preflight
@@ -103,8 +104,8 @@ def host_problem(host: str) -> str | None:
 
 def known_runs(root: Path) -> tuple[KnownRun, ...]:
     runs = []
-    runs_dir = root / "runs"
-    for directory in sorted(runs_dir.iterdir()) if runs_dir.is_dir() else []:
+    parent = runs_dir(root)
+    for directory in sorted(parent.iterdir()) if parent.is_dir() else []:
         try:
             data = json.loads((directory / "run.json").read_text())
         except (OSError, ValueError):
@@ -143,10 +144,10 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
 
     mps_binary, mps_problems = None, []
     if options.mps:
-        pipe_dir = root / "runs" / run_id / "mps" / "pipe"
         report = run_preflight(control_binary=options.mps_control,
                                gpu=visible_id(gpu) or "0",
-                               pipe_dir=str(pipe_dir), num_client_processes=options.replicas)
+                               pipe_dir=str(mps_pipe_dir(run_dir(root, run_id))),
+                               num_client_processes=options.replicas)
         mps_problems = [f"--mps: {p.message}" for p in report.problems
                         if p.check not in ("gpu", "nvml")  # reported once, as GPU problems
                         and not (options.no_gpu_check and p.check in GPU_CHECKS)]

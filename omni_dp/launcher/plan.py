@@ -12,6 +12,7 @@ from pathlib import Path
 
 from omni_dp.launcher.engines import ENGINES, EngineSizing, ReplicaLaunch, reserved_flag_problems
 from omni_dp.launcher.facts import LaunchFacts, visible_id
+from omni_dp.launcher.layout import mps_log_dir, mps_pipe_dir, run_dir
 from omni_dp.launcher.options import MPS_FAULT_ACTIONS, START_MODES, LaunchOptions
 from omni_dp.launcher.topology import CpuPlan, format_cpu_list, plan_auto, plan_explicit
 from omni_dp.mps.daemon import private_dir_problem
@@ -62,14 +63,6 @@ class LaunchPlan:
     sizing: EngineSizing
     mps_binary: str | None
     warnings: tuple[str, ...] = field(default=())
-
-    @property
-    def pipe_dir(self) -> Path:
-        return self.run_dir / "mps" / "pipe"
-
-    @property
-    def mps_log_dir(self) -> Path:
-        return self.run_dir / "mps" / "log"
 
     def describe(self) -> list[str]:
         """The resolved plan, as printed before anything starts."""
@@ -183,7 +176,7 @@ def plan_launch(o: LaunchOptions, facts: LaunchFacts) -> LaunchPlan:
     problems = check_options(o)
     warnings: list[str] = []
     run_id = o.run_id or facts.new_run_id
-    run_dir = facts.state_root / "runs" / run_id
+    directory = run_dir(facts.state_root, run_id)
 
     # GPU: which device the replicas use.
     gpu = facts.gpu
@@ -259,8 +252,8 @@ def plan_launch(o: LaunchOptions, facts: LaunchFacts) -> LaunchPlan:
                "CUDA_VISIBLE_DEVICES": visible_id(gpu),
                **{name: str(threads) for name in THREAD_VARIABLES}}
         if o.mps:
-            env["CUDA_MPS_PIPE_DIRECTORY"] = str(run_dir / "mps" / "pipe")
-            env["CUDA_MPS_LOG_DIRECTORY"] = str(run_dir / "mps" / "log")
+            env["CUDA_MPS_PIPE_DIRECTORY"] = str(mps_pipe_dir(directory))
+            env["CUDA_MPS_LOG_DIRECTORY"] = str(mps_log_dir(directory))
         # No knob given: pin the engine's fixed default explicitly, so every replica (and every
         # restart) is started with the very number the dry run reported.
         tokens = o.max_total_tokens
@@ -277,7 +270,7 @@ def plan_launch(o: LaunchOptions, facts: LaunchFacts) -> LaunchPlan:
     for r in replicas:
         router_argv += ["--replica", f"{r.index}={r.url}"]
     return LaunchPlan(
-        options=o, run_id=run_id, run_dir=run_dir, device=device, gpu_label=gpu_label,
+        options=o, run_id=run_id, run_dir=directory, device=device, gpu_label=gpu_label,
         gpu_numa_node=facts.gpu_numa_node, start=start, replicas=tuple(replicas),
         router_argv=tuple(router_argv), router_url=router_url,
         expected_kv_tokens=sizing.kv_tokens, sizing=sizing, mps_binary=facts.mps_binary,

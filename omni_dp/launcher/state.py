@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from omni_dp.files import atomic_write
+from omni_dp.launcher.layout import logs_dir
 from omni_dp.launcher.plan import LaunchPlan
 from omni_dp.launcher.topology import format_cpu_list
 from omni_dp.mps.daemon import make_private_dir
@@ -77,7 +78,7 @@ class RunState:
         make_private_dir(plan.run_dir.parent)
         plan.run_dir.mkdir(mode=0o700)  # fails if it exists: never reuse a run's directory
         os.chmod(plan.run_dir, 0o700)
-        (plan.run_dir / "logs").mkdir(mode=0o700)
+        logs_dir(plan.run_dir).mkdir(mode=0o700)
         token = secrets.token_hex(16)
         atomic_write(plan.run_dir / TOKEN_FILE, token + "\n")
         data = {
@@ -139,7 +140,7 @@ class RunState:
 
     @property
     def logs(self) -> Path:
-        return self.directory / "logs"
+        return logs_dir(self.directory)
 
     # --- writing --------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from omni_dp.launcher.facts import any_recorded_alive
 from omni_dp.launcher.gates import http_json
+from omni_dp.launcher.layout import run_dir, runs_dir
 from omni_dp.launcher.state import RunState, StateError, identity_of
 from omni_dp.mps.runs import state_dir
 from omni_dp.procs import is_alive
@@ -19,7 +20,7 @@ class NoSuchRun(Exception):
 
 
 def run_dirs(root: Path | None = None) -> list[Path]:
-    runs = (root or state_dir()) / "runs"
+    runs = runs_dir(root or state_dir())
     return sorted(p for p in runs.iterdir() if p.is_dir()) if runs.is_dir() else []
 
 
@@ -31,7 +32,7 @@ def pick(run_id: str | None, command: str) -> RunState:
     if run_id is not None:
         if not RUN_ID.match(run_id):
             raise NoSuchRun(f"{run_id!r} is not a run id")
-        directory = state_dir() / "runs" / run_id
+        directory = run_dir(state_dir(), run_id)
         if not directory.is_dir():
             known = ", ".join(d.name for d in dirs) or "none"
             raise NoSuchRun(f"no run {run_id!r} under {state_dir() / 'runs'} (runs: {known})")
