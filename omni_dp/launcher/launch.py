@@ -1,7 +1,8 @@
 """`omni-dp launch` after planning: create the run, bring it up, then supervise or detach.
 
 Exit codes: 0 stopped cleanly (foreground) or up and handed to a detached supervisor,
-3 something started and then failed (torn down; the state directory is kept for diagnosis).
+3 something started and then failed (torn down; the state directory is kept for diagnosis),
+130 interrupted during bring-up (SIGINT/SIGTERM/`omni-dp down`) and cleaned up.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def launch(plan: LaunchPlan, say: Callable[[str], None]) -> int:
             signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the teardown
         interrupted = isinstance(exc, _Interrupted)
         why = "interrupted" if interrupted else str(exc)
-        say(f"bring-up {'interrupted' if interrupted else 'FAILED'}: {why}")
+        say("bring-up interrupted; tearing down" if interrupted else f"bring-up FAILED: {why}")
         if not interrupted:
             state.update(state="failed")
         state.event("bringup_failed", error=why)
@@ -66,9 +67,10 @@ def launch(plan: LaunchPlan, say: Callable[[str], None]) -> int:
         for line in result.leftovers:
             say(f"left behind: {line}")
         if not interrupted:
-            say(f"everything started was stopped; the state is kept for diagnosis in "
-                f"{state.directory} (logs/, events.jsonl); remove it with "
-                f"`omni-dp down {state.run_id}`")
+            stopped = ("everything started was stopped" if result.clean else
+                       "some processes could not be stopped (above)")
+            say(f"{stopped}; the state is kept for diagnosis in {state.directory} (logs/, "
+                f"events.jsonl); remove it with `omni-dp down {state.run_id}`")
         return 130 if interrupted and result.clean else 3
 
     say(summary(plan, state))
