@@ -165,7 +165,8 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
     engine = ENGINES.get(options.engine)
     if engine is not None and not option_problems:
         device = "cuda" if gpu is not None else "cpu"
-        env = dict(os.environ)
+        # Not through anyone's MPS daemon: the dry run may touch the GPU before ours exists.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_MPS_")}
         env["CUDA_VISIBLE_DEVICES"] = visible_id(gpu)
         sizing, engine_problems = engine.dry_run(
             ReplicaLaunch(port=options.base_port, device=device, threads=1,
