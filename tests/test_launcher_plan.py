@@ -63,7 +63,6 @@ def facts(tmp_path) -> LaunchFacts:
         topology=smt_topology(),
         gpu=h200(),
         gpu_problems=(),
-        nvml_available=True,
         gpu_numa_node=1,
         mps_binary=None,
         mps_problems=(),
@@ -80,7 +79,7 @@ def facts(tmp_path) -> LaunchFacts:
 def cpu_facts(facts) -> LaunchFacts:
     """The same machine with no GPU (NVML has no driver): the replicas run on CPU."""
     return dataclasses.replace(
-        facts, gpu=None, nvml_available=False, gpu_numa_node=None,
+        facts, gpu=None, gpu_numa_node=None,
         gpu_problems=("no NVIDIA driver on this machine (libnvidia-ml not found)",),
         sizing=sizing(device="cpu"),
     )

@@ -3,11 +3,13 @@ KV gate's verdict, the supervisor's death watch."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -28,7 +30,7 @@ def _plan(tmp_path, **options):
     facts = LaunchFacts(
         state_root=tmp_path / "state", new_run_id="run-test", topology=CpuTopology(
             (Core((0,), 0), Core((1,), 0)), frozenset({0, 1})),
-        gpu=None, gpu_problems=(), nvml_available=False, gpu_numa_node=None, mps_binary=None,
+        gpu=None, gpu_problems=(), gpu_numa_node=None, mps_binary=None,
         mps_problems=(), taken_ports=frozenset(), runs=(),
         sizing=EngineSizing(weights_bytes=1, kv_cache_bytes=8192 * 1024, kv_tokens=1024,
                             overhead_bytes=1, device="cpu"),
@@ -130,3 +132,50 @@ def test_the_launcher_never_imports_torch() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, check=True)
     assert done.stdout.strip() == "False"
+
+
+class _InfoServer:
+    """Loopback HTTP answering /get_server_info with a chosen KV capacity (one per replica)."""
+
+    def __init__(self, tokens: int) -> None:
+        body = json.dumps({"max_total_num_tokens": tokens, "processes": [
+            {"pid": os.getpid(), "role": "main", "device": "cpu"}]}).encode()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200 if self.path == "/get_server_info" else 404)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_kv_gate_fails_a_run_whose_replicas_report_different_capacities(tmp_path) -> None:
+    from omni_dp.launcher.gates import GateFailed
+    from omni_dp.launcher.replicas import ReplicaSet
+
+    state = RunState.create(_plan(tmp_path))
+    servers = [_InfoServer(1024), _InfoServer(512)]
+    try:
+        for i, server in enumerate(servers):
+            state.update_replica(i, url=server.url)
+        replicas = ReplicaSet(state)
+        replicas.check_kv([0])  # the planned 1024 tokens: passes
+        with pytest.raises(GateFailed, match="replica 1: 512 tokens  ← differs"):
+            replicas.check_kv([0, 1])
+    finally:
+        for server in servers:
+            server.close()
+    assert [r["kv_tokens"] for r in state.replicas] == [1024, 512]
+    [passed, failed] = [e for e in state.events() if e["event"] == "kv_checked"]
+    assert passed["ok"] is True and failed["ok"] is False

@@ -49,7 +49,6 @@ class LaunchFacts:
     topology: CpuTopology
     gpu: GpuFacts | None
     gpu_problems: tuple[str, ...]
-    nvml_available: bool
     gpu_numa_node: int | None
     mps_binary: str | None
     mps_problems: tuple[str, ...]
@@ -134,10 +133,10 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
     root = state_dir()
     run_id = options.run_id or new_run_id()
 
-    gpu, gpu_problems, nvml_available = None, [], False
+    gpu, gpu_problems = None, []
     if options.gpu != "none":
         wanted = "0" if options.gpu == "auto" else options.gpu
-        gpu, problems, nvml_available = query_gpu(wanted)
+        gpu, problems, _ = query_gpu(wanted)
         # Only "is there such a GPU"; what MPS needs of it is the MPS preflight's, below.
         gpu_problems = [p.message for p in problems if p.check in ("gpu", "nvml")]
     numa = gpu_numa_node(gpu.pci_bus_id) if gpu is not None and gpu.pci_bus_id else None
@@ -180,7 +179,6 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
         topology=read_topology(),
         gpu=gpu,
         gpu_problems=tuple(gpu_problems),
-        nvml_available=nvml_available,
         gpu_numa_node=numa,
         mps_binary=mps_binary,
         mps_problems=tuple(mps_problems),

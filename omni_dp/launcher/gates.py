@@ -1,4 +1,5 @@
-"""The gates a replica passes before it takes traffic: health, equal KV, MPS attachment.
+"""The gates a replica passes before it takes traffic: health and equal KV (attachment is the
+MPS package's verdict, `omni_dp.mps.runs.verify_and_record`).
 
 Bring-up and every restart use the same gates, so a restarted replica is held to exactly the
 standard the first one was. Talks to replicas and the router over HTTP only.
@@ -13,16 +14,6 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from omni_dp.mps.attach import (
-    AttachReport,
-    DeclaredProcess,
-    ReplicaProcesses,
-    nvml_gpu_pids,
-    verify_attachment,
-    write_artifacts,
-)
-from omni_dp.mps.control import MpsControl
-from omni_dp.mps.daemon import DaemonRecord
 from omni_dp.procs import ProcessIdentity, is_alive
 
 # Loopback only: an http_proxy in the environment must never see these requests.
@@ -104,21 +95,3 @@ def kv_problems(tokens: dict[int, int], expected: int) -> list[str]:
             for i, value in sorted(tokens.items())]
     return [f"KV capacity differs between replicas (expected {expected} tokens each):\n"
             + "\n".join(rows)]
-
-
-def declared_processes(index: int, info: dict) -> ReplicaProcesses:
-    return ReplicaProcesses(index, tuple(
-        DeclaredProcess(int(p["pid"]), str(p["role"]), str(p["device"]))
-        for p in info["processes"]
-    ))
-
-
-def verify_mps(daemon: dict, replicas: list[ReplicaProcesses], token: str, gpu: str,
-               run_dir: Path) -> AttachReport:
-    """The MPS package's verdict over these replicas; artifacts written into the run dir."""
-    record = DaemonRecord.from_json(daemon)
-    control = MpsControl(record.binary, record.pipe_dir, record.log_dir)
-    gpu_pids = (lambda: nvml_gpu_pids(gpu)) if gpu != "cpu" else None
-    report = verify_attachment(replicas, token, control, gpu_pids=gpu_pids)
-    write_artifacts(report, run_dir)
-    return report

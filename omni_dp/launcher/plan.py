@@ -91,6 +91,7 @@ class LaunchPlan:
         o = self.options
         return {
             "replicas": len(self.replicas), "engine": o.engine, "engine_args": list(o.engine_args),
+            "config_file": o.config_file,
             "device": self.device, "gpu": self.gpu_label, "gpu_numa_node": self.gpu_numa_node,
             "mps": o.mps, "start": self.start, "cpu_blocks": o.cpu_blocks,
             "kv_cache_bytes": o.kv_cache_bytes, "max_total_tokens": o.max_total_tokens,

@@ -9,17 +9,12 @@ from __future__ import annotations
 import subprocess
 import time
 
-from omni_dp.launcher.gates import (
-    GateFailed,
-    declared_processes,
-    kv_problems,
-    server_info,
-    verify_mps,
-    wait_healthy,
-)
+from omni_dp.launcher.gates import GateFailed, kv_problems, server_info, wait_healthy
 from omni_dp.launcher.processes import child_env, spawn, stop_processes
 from omni_dp.launcher.state import RunState, append_private, identity_of
-from omni_dp.mps.attach import AttachReport
+from omni_dp.mps.attach import AttachReport, ReplicaProcesses
+from omni_dp.mps.daemon import DaemonRecord
+from omni_dp.mps.runs import verify_and_record
 
 
 class ReplicaSet:
@@ -73,11 +68,12 @@ class ReplicaSet:
 
     def verify_attachment(self) -> AttachReport:
         """Every CUDA process of every started replica must be a client of the run's server."""
-        mps = self.state.data["mps"]
         started = [r for r in self.state.replicas if r["processes"]]
-        replicas = [declared_processes(r["index"], r) for r in started]
-        report = verify_mps(mps["daemon"], replicas, self.state.token, self.state.data["gpu"],
-                            self.state.directory)
+        gpu = self.state.data["gpu"]
+        report = verify_and_record(
+            DaemonRecord.from_json(self.state.data["mps"]["daemon"]),
+            [ReplicaProcesses.from_json(r["index"], r["processes"]) for r in started],
+            self.state.token, gpu, self.state.directory, use_nvml=gpu != "cpu")
         verdicts = {v.index: v for v in report.replicas}
         for r in started:
             verdict = verdicts.get(r["index"])
@@ -86,13 +82,11 @@ class ReplicaSet:
         self.state.event("mps_verified", result=report.result, problems=report.problems)
         return report
 
-    def stop(self, indices: list[int], timeout_s: float) -> list[int]:
-        """Stop these replicas' process groups (drain on SIGTERM, then SIGKILL); returns the
-        pids that would not go."""
+    def stop(self, indices: list[int], timeout_s: float) -> None:
+        """Stop these replicas' process groups (drain on SIGTERM, then SIGKILL)."""
         identities = [identity_of(self.state.replica(i)) for i in indices]
         live = [i for i in identities if i is not None]
         reap = [self.popens[i] for i in indices if i in self.popens]
-        survivors = stop_processes(live, self.state.token, timeout_s, reap=reap)
+        stop_processes(live, self.state.token, timeout_s, reap=reap)
         for i in indices:
             self.state.update_replica(i, state="stopped")
-        return [s.pid for s in survivors]

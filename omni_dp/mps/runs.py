@@ -23,7 +23,6 @@ from pathlib import Path
 
 from omni_dp.mps.attach import (
     AttachReport,
-    DeclaredProcess,
     ReplicaProcesses,
     nvml_gpu_pids,
     verify_attachment,
@@ -77,13 +76,8 @@ def load_run(directory: Path) -> RunState:
                               f"omni-dp reads schema {SCHEMA}")
         mps = data.get("mps")
         daemon = DaemonRecord.from_json(mps["daemon"]) if mps else None
-        replicas = [
-            ReplicaProcesses(int(r["index"]), tuple(
-                DeclaredProcess(int(p["pid"]), str(p["role"]), str(p["device"]))
-                for p in r["processes"]
-            ))
-            for r in data["replicas"]
-        ]
+        replicas = [ReplicaProcesses.from_json(r["index"], r["processes"])
+                    for r in data["replicas"]]
         return RunState(str(data["run_id"]), directory, str(data["gpu"]), daemon, replicas,
                         token)
     except (KeyError, TypeError, ValueError) as exc:
@@ -128,8 +122,15 @@ def verify_run(run: RunState, *, use_nvml: bool = True) -> AttachReport:
         raise CannotCheck(
             f"the MPS daemon of run {run.run_id} (pid {run.daemon.identity.pid}) is not running"
         )
-    control = MpsControl(run.daemon.binary, run.daemon.pipe_dir, run.daemon.log_dir)
-    gpu_pids = (lambda: nvml_gpu_pids(run.gpu)) if use_nvml else None
-    report = verify_attachment(run.replicas, run.run_token, control, gpu_pids=gpu_pids)
-    write_artifacts(report, run.directory)
+    return verify_and_record(run.daemon, run.replicas, run.run_token, run.gpu, run.directory,
+                             use_nvml=use_nvml)
+
+
+def verify_and_record(daemon: DaemonRecord, replicas: list[ReplicaProcesses], run_token: str,
+                      gpu: str, directory: Path, *, use_nvml: bool = True) -> AttachReport:
+    """The attachment verdict over these replicas, written as the run's artifacts."""
+    control = MpsControl(daemon.binary, daemon.pipe_dir, daemon.log_dir)
+    gpu_pids = (lambda: nvml_gpu_pids(gpu)) if use_nvml else None
+    report = verify_attachment(replicas, run_token, control, gpu_pids=gpu_pids)
+    write_artifacts(report, directory)
     return report
