@@ -495,3 +495,31 @@ def test_daemon_restarts_are_budgeted_then_the_run_stops(mps_run):
     faults = [json.loads(line) for line in (run.run_dir / "events.jsonl").read_text()
               .splitlines() if '"mps_fault"' in line]
     assert [f["action"] for f in faults] == ["restart", "fail"]
+
+
+def test_down_with_a_foreign_client_attached_keeps_the_daemon_and_says_so(mps_run):
+    """"nothing left behind" must be able to fail: a client that is not the run's keeps the
+    daemon from quitting; down names it, exits 3 and keeps the state, touching the client not."""
+    run = mps_run
+    done = run.launch()
+    assert done.returncode == 0, done.stdout + done.stderr + run.logs()
+    record = run.record()
+    os.kill(record["supervisor"]["pid"], signal.SIGKILL)  # down does the whole teardown itself
+    foreign = subprocess.Popen(["sleep", "600"], env={"PATH": os.environ["PATH"]})
+    try:
+        run.hybrid.set_scenario(extra_clients=[foreign.pid])
+        down = run.cli("down", run.run_id)
+        assert down.returncode == 3, down.stdout + down.stderr
+        assert f"MPS client(s) {foreign.pid} are still attached" in down.stdout
+        assert "state kept" in down.stdout
+        assert foreign.poll() is None  # never signalled: not the run's
+        assert run.daemons() == [record["mps"]["daemon"]["pid"]]  # not quit under a client
+        assert not any(_alive(r["pid"], r["create_time"]) for r in record["replicas"])
+        assert run.run_dir.exists()
+    finally:
+        foreign.kill()
+        foreign.wait()
+    down = run.cli("down", run.run_id)
+    assert down.returncode == 0, down.stdout + down.stderr
+    _assert_gone(run, record)
+    assert not run.run_dir.exists()
