@@ -100,3 +100,15 @@ def test_find_control_binary(standin, tmp_path, monkeypatch):
     monkeypatch.delenv("OMNI_DP_MPS_CONTROL")
     monkeypatch.setenv("PATH", str(standin.binary.parent))
     assert find_control_binary() == str(standin.binary)
+
+
+def test_a_memory_limit_is_read_back(standin, tmp_path):
+    control = control_for(standin, tmp_path)
+    standin.set({"set_default_device_pinned_mem_limit 0 3072M": "",
+                 "get_default_device_pinned_mem_limit 0": "3G"})
+    control.set_default_pinned_mem_limit(3 * 1024**3)
+    assert standin.commands()[-1] == "get_default_device_pinned_mem_limit 0"
+    standin.set({"set_default_device_pinned_mem_limit 0 3072M": "",
+                 "get_default_device_pinned_mem_limit 0": "2G"})
+    with pytest.raises(MalformedOutput, match="3072 MiB memory limit, the daemon reports"):
+        control.set_default_pinned_mem_limit(3 * 1024**3)

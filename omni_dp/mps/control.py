@@ -165,10 +165,18 @@ class MpsControl:
         return parse_mem_limit(self.run(f"get_default_device_pinned_mem_limit {device}"))
 
     def set_default_pinned_mem_limit(self, num_bytes: int, device: int = 0) -> None:
+        """Set, then read back: the setter answers nothing, so only the read proves it."""
         mib = max(1, num_bytes // 1024**2)
         reply = self.run(f"set_default_device_pinned_mem_limit {device} {mib}M")
         if reply:
             raise MalformedOutput(f"unexpected reply to setting the memory limit: {reply!r}")
+        expected = mib * 1024**2
+        if expected >= 1024**3:
+            expected -= expected % 1024**3  # the daemon keeps whole GiB from 1 GiB up
+        actual = self.default_pinned_mem_limit(device)
+        if actual != expected:
+            raise MalformedOutput(f"asked for a {mib} MiB memory limit, the daemon reports "
+                                  f"{actual} bytes")
 
     def quit(self) -> None:
         """Ask the daemon to exit; its exit status is unreliable, so callers watch the pid."""
