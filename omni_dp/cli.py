@@ -306,16 +306,15 @@ def _fail(command: str, message: str, code: int = 2) -> None:
 def mps_start(state_dir, mps_control, gpu, mps_thread_percentage, mps_memory_limit,
               no_gpu_check, as_json) -> None:
     """Start a private MPS control daemon under --state-dir and record it."""
+    from omni_dp.files import atomic_write
     from omni_dp.mps.control import MpsControl, MpsControlError, find_control_binary
     from omni_dp.mps.daemon import MpsDaemon, MpsDaemonError
-    from omni_dp.mps.preflight import format_report, run_preflight
+    from omni_dp.mps.preflight import GPU_CHECKS, format_report, run_preflight
 
     pipe, log_dir, record_path = _mps_paths(state_dir)
     report = run_preflight(control_binary=mps_control, gpu=gpu, pipe_dir=str(pipe),
                            num_client_processes=0)
-    blocking = [p for p in report.problems
-                if not (no_gpu_check and p.check in ("nvml", "gpu", "compute_mode", "mig",
-                                                     "capability"))]
+    blocking = [p for p in report.problems if not (no_gpu_check and p.check in GPU_CHECKS)]
     if blocking:
         _fail("mps start", "cannot start the MPS daemon:\n" + format_report(report))
     if record_path.exists():
@@ -329,7 +328,7 @@ def mps_start(state_dir, mps_control, gpu, mps_thread_percentage, mps_memory_lim
         )
     except (MpsControlError, MpsDaemonError) as exc:
         _fail("mps start", str(exc), code=3)
-    record_path.write_text(json.dumps(record.to_json(), indent=2) + "\n")
+    atomic_write(record_path, json.dumps(record.to_json(), indent=2) + "\n")
     _emit(record.to_json(), f"MPS control daemon pid {record.identity.pid} serving "
           f"CUDA_MPS_PIPE_DIRECTORY={record.pipe_dir}", as_json)
 
@@ -357,11 +356,12 @@ def mps_stop(state_dir, force) -> None:
     record, record_path = _load_record(state_dir, "mps stop")
     control = MpsControl(record.binary, record.pipe_dir, record.log_dir)
     try:
-        MpsDaemon(control).stop(record, force=force)
+        was_running = MpsDaemon(control).stop(record, force=force)
     except MpsDaemonError as exc:
         _fail("mps stop", str(exc), code=1)
     record_path.unlink()
-    click.echo(f"MPS control daemon pid {record.identity.pid} stopped")
+    click.echo(f"MPS control daemon pid {record.identity.pid} "
+               + ("stopped" if was_running else "was not running; its record is removed"))
 
 
 @mps.command("status")

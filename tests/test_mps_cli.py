@@ -150,3 +150,17 @@ def test_mps_start_status_stop_with_the_real_daemon(tmp_path):
     finally:
         if identity is not None and is_alive(identity):
             os.kill(identity.pid, 9)
+
+
+def test_mps_stop_of_a_daemon_that_already_died_does_not_claim_it_stopped(tmp_path):
+    binary = real_control_binary()
+    state = tmp_path / "s"
+    started = omni_dp("mps", "start", "--state-dir", str(state), "--mps-control", binary,
+                      "--no-gpu-check", "--json")
+    assert started.returncode == 0, started.stderr
+    pid = json.loads(started.stdout)["pid"]
+    os.kill(pid, 9)
+    stopped = omni_dp("mps", "stop", "--state-dir", str(state))
+    assert stopped.returncode == 0, stopped.stderr
+    assert f"pid {pid} was not running" in stopped.stdout and "stopped" not in stopped.stdout
+    assert not (state / "mps" / "daemon.json").exists()

@@ -24,12 +24,9 @@ from omni_dp.launcher.engines import ENGINES, EngineSizing, ReplicaLaunch
 from omni_dp.launcher.layout import mps_pipe_dir, run_dir, runs_dir
 from omni_dp.launcher.options import LaunchOptions
 from omni_dp.launcher.topology import CpuTopology, gpu_numa_node, read_topology
-from omni_dp.mps.preflight import GpuFacts, query_gpu, run_preflight
+from omni_dp.mps.preflight import GPU_CHECKS, GpuFacts, query_gpu, run_preflight
 from omni_dp.mps.runs import state_dir
 from omni_dp.procs import ProcessIdentity, is_alive
-
-# Checks of the MPS preflight that need a GPU; --no-gpu-check skips them (daemon only).
-GPU_CHECKS = ("nvml", "gpu", "compute_mode", "mig", "capability")
 
 
 @dataclass(frozen=True)

@@ -69,11 +69,10 @@ class ReplicaSet:
     def verify_attachment(self) -> AttachReport:
         """Every CUDA process of every started replica must be a client of the run's server."""
         started = [r for r in self.state.replicas if r["processes"]]
-        gpu = self.state.data["gpu"]
         report = verify_and_record(
             DaemonRecord.from_json(self.state.data["mps"]["daemon"]),
             [ReplicaProcesses.from_json(r["index"], r["processes"]) for r in started],
-            self.state.token, gpu, self.state.directory, use_nvml=gpu != "cpu")
+            self.state.token, self.state.data["gpu"], self.state.directory)
         verdicts = {v.index: v for v in report.replicas}
         for r in started:
             verdict = verdicts.get(r["index"])

@@ -216,10 +216,11 @@ class MpsDaemon:
     def clients(self) -> dict[int, list[int]]:
         return {server: self.control.client_list(server) for server in self.control.server_list()}
 
-    def stop(self, record: DaemonRecord, *, force: bool = False, timeout_s: float = 10.0) -> None:
-        """`quit`, then wait for the recorded process to exit (quit's status is unreliable)."""
+    def stop(self, record: DaemonRecord, *, force: bool = False, timeout_s: float = 10.0) -> bool:
+        """`quit`, then wait for the recorded process to exit (quit's status is unreliable).
+        Returns False when it was not running."""
         if not is_alive(record.identity):
-            return
+            return False
         if not force:
             try:
                 attached = {s: c for s, c in self.clients().items() if c}
@@ -241,6 +242,7 @@ class MpsDaemon:
                     f"{timeout_s:.0f}s after quit; control.log:\n{log_tail(record.log_dir)}"
                 )
             time.sleep(0.05)
+        return True
 
     def health(self, record: DaemonRecord, extra_logs: tuple[str, ...] = ()) -> DaemonHealth:
         health = DaemonHealth(alive=is_alive(record.identity), reachable=False)

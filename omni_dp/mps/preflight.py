@@ -45,6 +45,10 @@ _COMPUTE_MODE_CONSTANTS = (
 )
 
 
+# The checks that need a GPU; `--no-gpu-check` skips them to exercise the daemon alone.
+GPU_CHECKS = ("nvml", "gpu", "compute_mode", "mig", "capability")
+
+
 @dataclass(frozen=True)
 class Problem:
     """One thing that stops an MPS run: `check` is a short id, `message` says what to do."""

@@ -128,9 +128,10 @@ def verify_run(run: RunState, *, use_nvml: bool = True) -> AttachReport:
 
 def verify_and_record(daemon: DaemonRecord, replicas: list[ReplicaProcesses], run_token: str,
                       gpu: str, directory: Path, *, use_nvml: bool = True) -> AttachReport:
-    """The attachment verdict over these replicas, written as the run's artifacts."""
+    """The attachment verdict over these replicas, written as the run's artifacts. A run on
+    "cpu" has no GPU for NVML to list."""
     control = MpsControl(daemon.binary, daemon.pipe_dir, daemon.log_dir)
-    gpu_pids = (lambda: nvml_gpu_pids(gpu)) if use_nvml else None
+    gpu_pids = (lambda: nvml_gpu_pids(gpu)) if use_nvml and gpu != "cpu" else None
     report = verify_attachment(replicas, run_token, control, gpu_pids=gpu_pids)
     write_artifacts(report, directory)
     return report
