@@ -29,6 +29,9 @@ class SizeParam(click.ParamType):
 
 
 SIZE = SizeParam()
+# The router's policies (omni_dp/router/policies), named here so that `--help` need not import
+# the router; a test keeps the lists equal.
+POLICIES = ("least_request", "round_robin", "power_of_two", "random")
 
 
 def _exit_with_problems(command: str, problems: list[str]) -> None:
@@ -141,11 +144,8 @@ def save_weights(directory: str, model: str, weight_seed: int, force: bool) -> N
     path = Path(directory)
     existing = [name for name in (CONFIG_FILE, WEIGHTS_FILE) if (path / name).exists()]
     if existing and not force:
-        click.echo(
-            f"omni-dp save-weights: {path} already holds {', '.join(existing)}; "
-            "pass --force to overwrite", err=True,
-        )
-        sys.exit(2)
+        _fail("save-weights", f"{path} already holds {', '.join(existing)}; pass --force to "
+                              "overwrite")
     models = seeded_models(PRESETS[model], weight_seed)
     save_models(models, path)
     params = sum(models.num_parameters.values())
@@ -160,7 +160,7 @@ def save_weights(directory: str, model: str, weight_seed: int, force: bool) -> N
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8000, show_default=True, type=int, help="TCP port to listen on.")
 @click.option("--policy", default="least_request", show_default=True,
-              type=click.Choice(["least_request", "round_robin", "power_of_two", "random"]),
+              type=click.Choice(POLICIES),
               help="How a replica is chosen among the routable ones with room.")
 @click.option("--workers", default=1, show_default=True, type=int,
               help="Router processes sharing the port (SO_REUSEPORT), for when one core is the "
@@ -417,7 +417,7 @@ def mps_status(state_dir, as_json) -> None:
 @click.option("--base-port", type=int, default=8100, show_default=True,
               help="Replica i listens on BASE_PORT + i.")
 @click.option("--policy", default="least_request", show_default=True,
-              type=click.Choice(["least_request", "round_robin", "power_of_two", "random"]),
+              type=click.Choice(POLICIES),
               help="The router's load-balancing policy.")
 @click.option("--router-workers", type=int, default=1, show_default=True,
               help="Router processes sharing the port (SO_REUSEPORT).")

@@ -120,3 +120,12 @@ def test_other_weight_seed_gives_other_audio(replica, start_replica):
     second = post_json(other.url + "/v1/audio/speech", body)
     assert first[0] == second[0] == 200
     assert first[2] != second[2]
+
+
+def test_policy_names_agree_everywhere():
+    """`--policy` of router and launch, the launcher's plan and the router itself."""
+    from omni_dp.cli import POLICIES
+    from omni_dp.launcher import plan
+    from omni_dp.router import policies
+
+    assert set(POLICIES) == set(plan.POLICIES) == set(policies.POLICIES)
