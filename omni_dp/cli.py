@@ -281,8 +281,10 @@ _MPS_CONTROL = click.option(
 def _mps_paths(state_dir: str):
     from pathlib import Path
 
-    base = Path(state_dir).absolute() / "mps"
-    return base / "pipe", base / "log", base / "daemon.json"
+    from omni_dp.rundir import mps_log_dir, mps_pipe_dir
+
+    base = Path(state_dir).absolute()
+    return mps_pipe_dir(base), mps_log_dir(base), base / "mps" / "daemon.json"
 
 
 def _fail(command: str, message: str, code: int = 2) -> None:
@@ -612,10 +614,9 @@ def down(run_id: str | None, drain_timeout: float | None, as_json: bool) -> None
     run is ambiguous, 3 something could not be stopped (its state is kept and the leftovers
     named).
     """
-    from omni_dp.launcher.layout import run_dir
     from omni_dp.launcher.status import run_dirs
     from omni_dp.launcher.teardown import teardown
-    from omni_dp.mps.runs import RUN_ID, state_dir
+    from omni_dp.rundir import RUN_ID, run_dir, state_dir
 
     if run_id is None:
         gone = not run_dirs()

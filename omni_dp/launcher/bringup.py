@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable
 
 from omni_dp.launcher.gates import GateFailed, http_json, log_tail
-from omni_dp.launcher.layout import mps_log_dir, mps_pipe_dir
 from omni_dp.launcher.plan import LaunchPlan
 from omni_dp.launcher.processes import Started, child_env, spawn
 from omni_dp.launcher.replicas import ReplicaSet
@@ -20,6 +19,7 @@ from omni_dp.mps.attach import format_text
 from omni_dp.mps.control import MpsControl, MpsControlError
 from omni_dp.mps.daemon import MpsDaemon, MpsDaemonError
 from omni_dp.procs import is_alive
+from omni_dp.rundir import mps_log_dir, mps_pipe_dir
 
 ROUTER_READY_TIMEOUT_S = 30.0
 

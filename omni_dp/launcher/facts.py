@@ -21,12 +21,11 @@ from pathlib import Path
 import psutil
 
 from omni_dp.launcher.engines import ENGINES, EngineSizing, ReplicaLaunch
-from omni_dp.launcher.layout import mps_pipe_dir, run_dir, runs_dir
 from omni_dp.launcher.options import LaunchOptions
 from omni_dp.launcher.topology import CpuTopology, gpu_numa_node, read_topology
 from omni_dp.mps.preflight import GPU_CHECKS, GpuFacts, query_gpu, run_preflight
-from omni_dp.mps.runs import state_dir
 from omni_dp.procs import ProcessIdentity, is_alive
+from omni_dp.rundir import RUN_FILE, mps_pipe_dir, run_dir, runs_dir, state_dir
 
 
 @dataclass(frozen=True)
@@ -103,7 +102,7 @@ def known_runs(root: Path) -> tuple[KnownRun, ...]:
     parent = runs_dir(root)
     for directory in sorted(parent.iterdir()) if parent.is_dir() else []:
         try:
-            data = json.loads((directory / "run.json").read_text())
+            data = json.loads((directory / RUN_FILE).read_text())
         except (OSError, ValueError):
             runs.append(KnownRun(directory.name, directory, None, live=False))
             continue

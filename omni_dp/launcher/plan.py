@@ -12,11 +12,10 @@ from pathlib import Path
 
 from omni_dp.launcher.engines import ENGINES, EngineSizing, ReplicaLaunch, reserved_flag_problems
 from omni_dp.launcher.facts import LaunchFacts, visible_id
-from omni_dp.launcher.layout import mps_log_dir, mps_pipe_dir, run_dir
 from omni_dp.launcher.options import MPS_FAULT_ACTIONS, START_MODES, LaunchOptions
 from omni_dp.launcher.topology import CpuPlan, format_cpu_list, plan_auto, plan_explicit
 from omni_dp.mps.daemon import private_dir_problem
-from omni_dp.mps.runs import RUN_ID
+from omni_dp.rundir import RUN_ID, mps_log_dir, mps_pipe_dir, run_dir
 from omni_dp.sizes import format_size
 
 POLICIES = ("least_request", "round_robin", "power_of_two", "random")

@@ -33,15 +33,13 @@ import time
 from pathlib import Path
 
 from omni_dp.files import atomic_write
-from omni_dp.launcher.layout import logs_dir
 from omni_dp.launcher.plan import LaunchPlan
 from omni_dp.launcher.topology import format_cpu_list
 from omni_dp.mps.daemon import make_private_dir
 from omni_dp.procs import ProcessIdentity, identify
+from omni_dp.rundir import RUN_FILE, TOKEN_FILE, logs_dir
 
 SCHEMA = 1
-RUN_FILE = "run.json"
-TOKEN_FILE = "run_token"
 EVENTS_FILE = "events.jsonl"
 
 

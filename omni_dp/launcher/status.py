@@ -9,10 +9,9 @@ from pathlib import Path
 
 from omni_dp.launcher.facts import any_recorded_alive
 from omni_dp.launcher.gates import http_json
-from omni_dp.launcher.layout import run_dir, runs_dir
 from omni_dp.launcher.state import RunState, StateError, identity_of
-from omni_dp.mps.runs import state_dir
 from omni_dp.procs import is_alive
+from omni_dp.rundir import run_dir, runs_dir, state_dir
 
 
 class NoSuchRun(Exception):
@@ -26,7 +25,7 @@ def run_dirs(root: Path | None = None) -> list[Path]:
 
 def pick(run_id: str | None, command: str) -> RunState:
     """The named run, or the only live one (the only one at all, if none is live)."""
-    from omni_dp.mps.runs import RUN_ID
+    from omni_dp.rundir import RUN_ID
 
     dirs = run_dirs()
     if run_id is not None:

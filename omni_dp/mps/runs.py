@@ -16,8 +16,6 @@ verify-mps writes `mps_attach.txt` and `mps_attach.json` into the run directory.
 from __future__ import annotations
 
 import json
-import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,21 +29,13 @@ from omni_dp.mps.attach import (
 from omni_dp.mps.control import MpsControl
 from omni_dp.mps.daemon import DaemonRecord
 from omni_dp.procs import is_alive
+from omni_dp.rundir import RUN_FILE, RUN_ID, TOKEN_FILE, run_dir, runs_dir, state_dir
 
 SCHEMA = 1
-RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")  # \Z: no trailing newline
 
 
 class CannotCheck(Exception):
     """verify-mps cannot give a verdict (exit 2); the message says why."""
-
-
-def state_dir() -> Path:
-    explicit = os.environ.get("OMNI_DP_STATE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    return Path(base) / f"omni-dp-{os.getuid()}"
 
 
 @dataclass(frozen=True)
@@ -64,8 +54,8 @@ class RunState:
 
 def load_run(directory: Path) -> RunState:
     try:
-        data = json.loads((directory / "run.json").read_text())
-        token = (directory / "run_token").read_text().strip()
+        data = json.loads((directory / RUN_FILE).read_text())
+        token = (directory / TOKEN_FILE).read_text().strip()
     except FileNotFoundError as exc:
         raise CannotCheck(f"{exc.filename} is missing: is {directory} a run directory?") from None
     except (OSError, json.JSONDecodeError) as exc:
@@ -85,9 +75,9 @@ def load_run(directory: Path) -> RunState:
 
 
 def list_runs(root: Path | None = None) -> list[RunState]:
-    runs_dir = (root or state_dir()) / "runs"
+    parent = runs_dir(root or state_dir())
     runs = []
-    for directory in sorted(runs_dir.glob("*")) if runs_dir.is_dir() else []:
+    for directory in sorted(parent.glob("*")) if parent.is_dir() else []:
         try:
             runs.append(load_run(directory))
         except CannotCheck:
@@ -100,15 +90,15 @@ def pick_run(run_id: str | None, root: Path | None = None) -> RunState:
     if run_id is not None:
         if not RUN_ID.match(run_id):
             raise CannotCheck(f"{run_id!r} is not a run id (letters, digits, '_', '.', '-')")
-        directory = root / "runs" / run_id
+        directory = run_dir(root, run_id)
         if not directory.is_dir():
-            raise CannotCheck(f"no run {run_id!r} under {root / 'runs'}")
+            raise CannotCheck(f"no run {run_id!r} under {runs_dir(root)}")
         return load_run(directory)
     live = [run for run in list_runs(root) if run.live]
     if len(live) == 1:
         return live[0]
     if not live:
-        raise CannotCheck(f"no live run with an MPS daemon under {root / 'runs'}")
+        raise CannotCheck(f"no live run with an MPS daemon under {runs_dir(root)}")
     names = ", ".join(run.run_id for run in live)
     raise CannotCheck(f"{len(live)} live runs ({names}): name one, e.g. omni-dp verify-mps "
                       f"{live[0].run_id}")

@@ -1,0 +1,43 @@
+"""Where runs live, named once (DESIGN.md "Run state"); the launcher writes, mps reads.
+
+    $OMNI_DP_STATE_DIR (default ${XDG_RUNTIME_DIR:-/tmp}/omni-dp-<uid>)/runs/<run-id>/
+        run.json  run_token  events.jsonl  logs/  mps/pipe  mps/log
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")  # \Z: no trailing newline
+RUN_FILE = "run.json"
+TOKEN_FILE = "run_token"
+
+
+def state_dir() -> Path:
+    explicit = os.environ.get("OMNI_DP_STATE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return Path(base) / f"omni-dp-{os.getuid()}"
+
+
+def runs_dir(root: Path) -> Path:
+    return root / "runs"
+
+
+def run_dir(root: Path, run_id: str) -> Path:
+    return runs_dir(root) / run_id
+
+
+def mps_pipe_dir(run: Path) -> Path:
+    return run / "mps" / "pipe"
+
+
+def mps_log_dir(run: Path) -> Path:
+    return run / "mps" / "log"
+
+
+def logs_dir(run: Path) -> Path:
+    return run / "logs"
