@@ -88,6 +88,20 @@ async def echo(backend: Backend, request: web.Request, seen: Seen) -> web.Stream
     return web.json_response({"backend": backend.name, "path": seen.raw_path})
 
 
+async def hold_if_asked(backend: Backend, request: web.Request, seen: Seen) -> web.Response:
+    """`?hold=1` waits for `backend.release`; `?status=N` answers N (default 200)."""
+    if "hold=1" in seen.raw_path:
+        await backend.release.wait()
+    status = int(request.query.get("status", "200"))
+    return web.json_response({"backend": backend.name}, status=status)
+
+
+async def status_from_query(backend: Backend, request: web.Request, seen: Seen) -> web.Response:
+    """Answers `?status=N` (default 200) with the body {"status": N}."""
+    status = int(request.query.get("status", "200"))
+    return web.json_response({"status": status}, status=status)
+
+
 @dataclass(eq=False)
 class Backend:
     """An aiohttp server on 127.0.0.1:0 standing in for one replica.
@@ -162,7 +176,6 @@ async def backends(*specs: Backend | str):
 class Served:
     router: Router
     url: str
-    runner: web.AppRunner
 
     def replica(self, replica_id: str):
         replica = self.router.replicas.get(replica_id)
@@ -198,7 +211,7 @@ async def serve(config, middlewares: tuple = ()):
         await runner.setup()
         site = web.TCPSite(runner, LOOPBACK, 0)
         await site.start()
-        yield Served(router, f"http://{LOOPBACK}:{runner.addresses[0][1]}", runner)
+        yield Served(router, f"http://{LOOPBACK}:{runner.addresses[0][1]}")
     finally:
         if runner is not None:
             await runner.cleanup()

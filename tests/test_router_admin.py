@@ -15,20 +15,15 @@ from router_backends import (
     error_body,
     fetch,
     free_port,
+    hold_if_asked,
     make_config,
+    replica_of,
     run,
     sample,
     scrape,
     serve,
     until,
 )
-
-
-async def hold_if_asked(backend: Backend, request: web.Request, seen) -> web.Response:
-    if "hold=1" in seen.raw_path:
-        await backend.release.wait()
-    status = int(request.query.get("status", "200"))
-    return web.json_response({"backend": backend.name}, status=status)
 
 
 def held_count(*bs: Backend) -> int:
@@ -152,8 +147,7 @@ def test_post_workers_adds_a_checked_replica_that_takes_traffic():
                                           json={"url": c.url, "id": "c"})
             added = json.loads(body)
             assert status == 201, body
-            picks = [(await fetch(session, "GET", served.url + "/v1/models"))[1]
-                     ["X-Omni-DP-Replica"] for _ in range(4)]
+            picks = [await replica_of(session, served.url + "/v1/models") for _ in range(4)]
             # no id: the next free one; disabled: added but not routable
             status2, _, body2 = await fetch(session, "POST", served.url + "/workers",
                                             json={"url": d.url + "/", "disabled": True})
@@ -161,8 +155,7 @@ def test_post_workers_adds_a_checked_replica_that_takes_traffic():
             dead = f"http://{LOOPBACK}:{free_port()}"
             status3, _, body3 = await fetch(session, "POST", served.url + "/workers",
                                             json={"url": dead, "id": "dead"})
-            more = [(await fetch(session, "GET", served.url + "/v1/models"))[1]
-                    ["X-Omni-DP-Replica"] for _ in range(4)]
+            more = [await replica_of(session, served.url + "/v1/models") for _ in range(4)]
             _, _, listing = await fetch(session, "GET", served.url + "/workers")
             return (added, picks, status2, json.loads(body2), status3, json.loads(body3), more,
                     [w["id"] for w in json.loads(listing)["workers"]], c.health_probes, d.seen)
@@ -242,8 +235,8 @@ def test_disabling_a_replica_stops_new_traffic_and_lets_in_flight_finish():
             described = json.loads(body)
             assert described["disabled"] is True and described["routable"] is False
             assert described["in_flight"] == 1
-            while_disabled = [(await fetch(session, "GET", served.url + "/v1/models"))[1]
-                              ["X-Omni-DP-Replica"] for _ in range(6)]
+            while_disabled = [await replica_of(session, served.url + "/v1/models")
+                              for _ in range(6)]
             a.release.set()
             held_status, held_headers, _ = await held
             assert held_status == 200 and held_headers["X-Omni-DP-Replica"] == "a"
@@ -251,8 +244,7 @@ def test_disabling_a_replica_stops_new_traffic_and_lets_in_flight_finish():
                                        json={"disabled": False})
             assert status == 200
             await served.wait_idle()
-            enabled = [(await fetch(session, "GET", served.url + "/v1/models"))[1]
-                       ["X-Omni-DP-Replica"] for _ in range(4)]
+            enabled = [await replica_of(session, served.url + "/v1/models") for _ in range(4)]
             return while_disabled, enabled, len(a.seen)
 
     while_disabled, enabled, a_seen = run(main())
@@ -300,8 +292,7 @@ def test_delete_removes_a_replica_and_lets_its_in_flight_request_finish():
             assert json.loads(body)["id"] == "a"
             again, _, _ = await fetch(session, "DELETE", served.url + "/workers/a")
             unknown, _, _ = await fetch(session, "DELETE", served.url + "/workers/nope")
-            after = [(await fetch(session, "GET", served.url + "/v1/models"))[1]
-                     ["X-Omni-DP-Replica"] for _ in range(4)]
+            after = [await replica_of(session, served.url + "/v1/models") for _ in range(4)]
             a.release.set()
             held_status, _, _ = await held
             _, _, listing = await fetch(session, "GET", served.url + "/workers")

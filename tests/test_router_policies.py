@@ -7,12 +7,12 @@ import asyncio
 import collections
 
 import pytest
-from aiohttp import web
 from router_backends import (
     Backend,
     backends,
     client,
     fetch,
+    hold_if_asked,
     make_config,
     replica_of,
     run,
@@ -201,11 +201,11 @@ def test_non_loopback_host_is_fine_with_admin_allow_remote():
 
 
 def test_loopback_check_of_client_addresses():
-    assert router_app._is_loopback("127.0.0.1")
-    assert router_app._is_loopback("127.8.9.10")
-    assert router_app._is_loopback("::1")
+    assert router_app.is_loopback_address("127.0.0.1")
+    assert router_app.is_loopback_address("127.8.9.10")
+    assert router_app.is_loopback_address("::1")
     for remote in ("10.0.0.1", "192.168.1.2", "::ffff:10.0.0.1", "fe80::1", "localhost", "", None):
-        assert not router_app._is_loopback(remote), remote
+        assert not router_app.is_loopback_address(remote), remote
 
 
 # --- policies behind a real router --------------------------------------------------------------
@@ -247,12 +247,6 @@ def test_least_request_rotates_ties_on_a_fresh_router():
         assert sorted(picks) == ["a", "b", "c", "d"]
 
     run(main())
-
-
-async def hold_if_asked(backend: Backend, request: web.Request, seen) -> web.Response:
-    if "hold=1" in seen.raw_path:
-        await backend.release.wait()
-    return web.json_response({"backend": backend.name})
 
 
 @pytest.mark.parametrize("policy", ["least_request", "round_robin"])

@@ -265,3 +265,35 @@ def test_sigterm_drains_the_request_in_flight_then_exits_0(tmp_path):
     assert (status, body) == (200, b"finished")
     assert code == 0, log
     assert "Traceback" not in log
+    assert "INFO omni_dp.router: drained" in log
+    assert "cut off" not in log
+
+
+def test_drain_timeout_cuts_off_what_is_still_in_flight_and_says_so(tmp_path):
+    async def main():
+        backend = Backend("a", hold)  # released only at the end: the request never finishes
+        async with backends(backend):
+            router = RouterProcess(tmp_path / "router.log", "--replica", f"a={backend.url}",
+                                   "--drain-timeout", "0.5")
+            try:
+                await router.start()
+                await router.wait_listening()
+                async with fresh_session() as session:
+                    held = asyncio.create_task(fetch(session, "POST",
+                                                     router.url + "/v1/audio/speech", data=b"{}"))
+                    await until(lambda: len(backend.seen) == 1)
+                    code = await router.stop()
+                    (outcome,) = await asyncio.gather(held, return_exceptions=True)
+                return outcome, code, router.log_text()
+            finally:
+                backend.release.set()
+                router.kill()
+
+    outcome, code, log = run(main())
+    assert isinstance(outcome, aiohttp.ClientError), outcome  # cut off, not answered
+    assert code == 0, log
+    assert "draining 1 request" in log
+    assert re.search(r"WARNING omni_dp\.router: drain timeout \(0\.5s\) passed: "
+                     r"cut off 1 request\(s\) still in flight", log), log
+    assert "drained" not in log
+    assert "Traceback" not in log

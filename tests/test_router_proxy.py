@@ -27,6 +27,7 @@ from router_backends import (
     sample,
     scrape,
     serve,
+    status_from_query,
     until,
 )
 from yarl import URL
@@ -246,11 +247,6 @@ def test_sse_passes_through_event_by_event():
 
 
 # --- failures ----------------------------------------------------------------------------------
-
-
-async def status_from_query(backend, request, seen):
-    status = int(request.query.get("status", "200"))
-    return web.json_response({"status": status}, status=status)
 
 
 def test_error_responses_pass_through_and_leave_nothing_in_flight():

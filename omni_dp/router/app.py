@@ -15,11 +15,10 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from omni_dp.router.config import RouterConfig
-from omni_dp.router.config import is_loopback_address as _is_loopback
+from omni_dp.router.config import RouterConfig, is_loopback_address
 from omni_dp.router.health import HealthChecker, probe
 from omni_dp.router.metrics import RouterMetrics
-from omni_dp.router.policies import Policy, RequestContext, make_policy
+from omni_dp.router.policies import RequestContext, make_policy
 from omni_dp.router.proxy import Forwarder, json_error
 from omni_dp.router.replicas import (
     DuplicateReplica,
@@ -40,12 +39,16 @@ ADMIN_PREFIX = "/workers"
 class Router:
     """Owns the replica set, the policy, the upstream session and the counters."""
 
-    def __init__(self, config: RouterConfig, policy: Policy | None = None) -> None:
+    def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.replicas = ReplicaSet([Replica(rid, url) for rid, url in config.replicas])
-        self.policy = policy or make_policy(config.policy, config.seed)
+        self.policy = make_policy(config.policy, config.seed)
         self.metrics = RouterMetrics(lambda: self.replicas)
         self.num_admitted = 0  # requests past admission and not yet answered
+        # Shutdown: the loop time the drain ends at, and the admitted requests cancelled after
+        # it (cut off, where a cancellation before it is a client hanging up).
+        self.drain_deadline: float | None = None
+        self.num_cut_off = 0
         self.session: aiohttp.ClientSession | None = None
         self.probe_session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None
@@ -74,6 +77,11 @@ class Router:
         self.num_admitted += 1
         try:
             yield
+        except asyncio.CancelledError:
+            deadline = self.drain_deadline
+            if deadline is not None and asyncio.get_running_loop().time() >= deadline:
+                self.num_cut_off += 1
+            raise
         finally:
             self.num_admitted -= 1
 
@@ -93,7 +101,6 @@ class Router:
             validate_url(url), disabled=disabled,
         )
         self.replicas.add(replica)
-        self.policy.on_replica_added(replica)
         if announce:
             self.on_change(
                 {"op": "add", "id": replica.id, "url": replica.url, "disabled": disabled}
@@ -110,7 +117,6 @@ class Router:
 
     def remove_replica(self, replica_id: str, *, announce: bool = True) -> Replica:
         replica = self.replicas.remove(replica_id)
-        self.policy.on_replica_removed(replica)
         self.metrics.forget(replica_id)
         if announce:
             self.on_change({"op": "remove", "id": replica_id})
@@ -177,7 +183,7 @@ def build_app(router: Router) -> web.Application:
             return json_error(401, "missing or wrong API key: send Authorization: Bearer KEY",
                               "unauthorized")
         is_admin = request.path == ADMIN_PREFIX or request.path.startswith(ADMIN_PREFIX + "/")
-        if is_admin and not config.admin_allow_remote and not _is_loopback(request.remote):
+        if is_admin and not config.admin_allow_remote and not is_loopback_address(request.remote):
             return json_error(403, "the admin API answers loopback clients only", "forbidden")
         return await handler(request)
 
@@ -337,6 +343,16 @@ async def serve_router(
         await stop.wait()
         router.stopping = True
         log.info("stopping: draining %d request(s)", router.num_admitted)
+        router.drain_deadline = loop.time() + drain_s
     finally:
+        # Closes the listener, waits for the requests in flight (bounded by drain_s), then
+        # cancels whatever is left.
         await runner.cleanup()
         await router.stop()
+    # Cut off: cancelled past the deadline, or still admitted now (a cancellation not yet run).
+    cut_off = router.num_cut_off + router.num_admitted
+    if cut_off:
+        log.warning("drain timeout (%gs) passed: cut off %d request(s) still in flight",
+                    drain_s, cut_off)
+    else:
+        log.info("drained")

@@ -96,7 +96,7 @@ def plan_router(
         problems.append("--health-failures and --health-successes must be at least 1")
     if not 0 <= h.jitter < 1:
         problems.append("--health-jitter must be in [0, 1)")
-    if not config.admin_allow_remote and not _is_loopback(config.host):
+    if not config.admin_allow_remote and not _is_loopback_host(config.host):
         problems.append(
             f"--host {config.host} is not loopback, so the admin routes (/workers) would be "
             "refused to everyone but local clients: pass --admin-allow-remote to accept that, "
@@ -115,5 +115,5 @@ def is_loopback_address(address: str | None) -> bool:
         return False
 
 
-def _is_loopback(host: str) -> bool:
+def _is_loopback_host(host: str) -> bool:
     return host == "localhost" or is_loopback_address(host)

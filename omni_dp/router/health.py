@@ -21,8 +21,8 @@ from omni_dp.router.replicas import Health, Replica, ReplicaSet
 log = logging.getLogger("omni_dp.router.health")
 
 
-def record_failure(replica: Replica, cfg: HealthConfig, reason: str) -> bool:
-    """Count one failure; return True if this one ejected the replica."""
+def record_failure(replica: Replica, cfg: HealthConfig, reason: str) -> None:
+    """Count one failure; the failure_threshold-th in a row ejects a healthy replica."""
     replica.consecutive_failures += 1
     replica.consecutive_successes = 0
     replica.last_error = reason
@@ -31,8 +31,6 @@ def record_failure(replica: Replica, cfg: HealthConfig, reason: str) -> bool:
         replica.num_ejections += 1
         log.warning("replica %s ejected after %d failures: %s",
                     replica.id, replica.consecutive_failures, reason)
-        return True
-    return False
 
 
 def record_success(replica: Replica, cfg: HealthConfig, *, probe: bool) -> None:

@@ -13,6 +13,7 @@ Rules that matter for a fleet of same-GPU replicas:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -80,11 +81,12 @@ class RouteRecord:
     bytes: int = 0
     ttfb_s: float | None = None
     duration_s: float = 0.0
-    client_disconnected: bool = False
 
     def log(self) -> None:
         if log.isEnabledFor(logging.INFO):  # skip the JSON encoding when nobody reads it
-            log.info("%s", json.dumps({"event": "route", **self.__dict__}, separators=(",", ":")))
+            line = {"event": "route", **self.__dict__,
+                    "client_disconnected": self.outcome == "client_disconnected"}
+            log.info("%s", json.dumps(line, separators=(",", ":")))
 
 
 class _UpstreamFailed(Exception):
@@ -108,7 +110,6 @@ class Forwarder:
         try:
             return await self._route(request, record, started)
         except asyncio.CancelledError:
-            record.client_disconnected = True
             record.outcome = "client_disconnected"
             router.metrics.client_disconnects.inc()
             raise
@@ -227,12 +228,10 @@ class Forwarder:
             if not chunk:
                 break
             if record.ttfb_s is None:
-                record.ttfb_s = round(time.perf_counter() - started, 6)
-                router.metrics.ttfb.observe(record.ttfb_s)
+                self._first_byte(record, started)
             try:
                 await response.write(chunk)
             except ConnectionResetError:  # the client left (aiohttp's subclass included)
-                record.client_disconnected = True
                 record.outcome = "client_disconnected"
                 router.metrics.client_disconnects.inc()
                 return response  # `finally` in _exchange closes the upstream connection
@@ -248,36 +247,34 @@ class Forwarder:
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError,
                 asyncio.TimeoutError) as exc:
             # Nothing was sent to the client yet: a clean 502 beats a broken stream.
-            self.router.metrics.upstream_errors.labels(replica.id, "midstream").inc()
-            record_failure(replica, self.router.config.health, f"body read failed: {exc}")
-            record.status, record.outcome = 502, "upstream_failed_midstream"
+            self._midstream_failure(replica, record, f"body read failed: {exc}")
+            record.status = 502
             return json_error(502, f"replica {replica.id} failed while answering",
                               "upstream_failed", record.request_id)
-        record.ttfb_s = round(time.perf_counter() - started, 6)
-        self.router.metrics.ttfb.observe(record.ttfb_s)
+        self._first_byte(record, started)
         record.bytes = len(body)
         return web.Response(body=body, status=upstream.status, reason=upstream.reason,
                             headers=headers)
 
     async def _fail_midstream(self, request, response, replica, record, is_sse, exc):
-        router = self.router
         detail = f"replica {replica.id} failed mid-stream: {type(exc).__name__}"
-        router.metrics.upstream_errors.labels(replica.id, "midstream").inc()
-        record_failure(replica, router.config.health, detail)
-        record.outcome = "upstream_failed_midstream"
+        self._midstream_failure(replica, record, detail)
         if is_sse:
             event = {"error": {"message": detail, "type": "upstream_failed", "code": 502}}
-            with _suppress_disconnect():
+            with contextlib.suppress(OSError):  # the client may be gone too
                 await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
         # No terminating chunk: the client sees a broken response, not a short success.
         if request.transport is not None:
             request.transport.close()
         return response
 
+    def _midstream_failure(self, replica: Replica, record: RouteRecord, reason: str) -> None:
+        """The replica failed after it began answering: a replica failure, kind `midstream`."""
+        self.router.metrics.upstream_errors.labels(replica.id, "midstream").inc()
+        record_failure(replica, self.router.config.health, reason)
+        record.outcome = "upstream_failed_midstream"
 
-class _suppress_disconnect:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        return exc_type is not None and issubclass(exc_type, (ConnectionResetError, OSError))
+    def _first_byte(self, record: RouteRecord, started: float) -> None:
+        """Record the time to the first body byte (the whole body, when it is read whole)."""
+        record.ttfb_s = round(time.perf_counter() - started, 6)
+        self.router.metrics.ttfb.observe(record.ttfb_s)

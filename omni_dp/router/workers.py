@@ -51,9 +51,9 @@ def run_router(config: RouterConfig, drain_s: float = 30.0) -> int:
     return _run_children(config, drain_s)
 
 
-def child_config(config: RouterConfig, workers: int) -> RouterConfig:
+def child_config(config: RouterConfig) -> RouterConfig:
     """One child's share of the bounds (rounded up, so the sum is at least the whole)."""
-    bound = config.max_inflight
+    bound, workers = config.max_inflight, config.workers
     return dataclasses.replace(
         config,
         workers=1,
@@ -92,7 +92,7 @@ def _child_main(config: RouterConfig, conn: Connection, index: int, drain_s: flo
 
 def _run_children(config: RouterConfig, drain_s: float) -> int:
     ctx = multiprocessing.get_context("spawn")
-    share = child_config(config, config.workers)
+    share = child_config(config)
     children: list[tuple[multiprocessing.process.BaseProcess, Connection]] = []
     for index in range(config.workers):
         parent_end, child_end = ctx.Pipe()

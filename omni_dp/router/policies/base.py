@@ -20,14 +20,7 @@ class Policy:
     name = "base"
 
     def __init__(self, seed: int | None = None) -> None:
-        self.seed = seed
+        """`seed` fixes the draws of the policies that draw at random; the others ignore it."""
 
     def select(self, candidates: Sequence[Replica], ctx: RequestContext) -> Replica | None:
         raise NotImplementedError
-
-    # Hooks with no-op defaults, for policies that keep per-replica state.
-    def on_replica_added(self, replica: Replica) -> None:
-        pass
-
-    def on_replica_removed(self, replica: Replica) -> None:
-        pass
