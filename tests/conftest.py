@@ -83,13 +83,21 @@ class Replica:
         assert status == 200, body
         return json.loads(body)
 
-    def metric(self, name: str) -> float:
-        """One unlabelled sample from /metrics (labelled ones: pass `name{labels}`)."""
-        _, _, body = get(self.url + "/metrics")
+    def metric(self, name: str, default: float | None = None) -> float:
+        """One unlabelled sample from /metrics (labelled ones: pass `name{labels}`).
+
+        A series /metrics lacks is an AssertionError unless `default` is given: pass it only
+        where the series may legitimately not exist yet (a labelled counter before its first
+        increment). A failed scrape is always an AssertionError.
+        """
+        status, _, body = get(self.url + "/metrics")
+        assert status == 200, f"GET /metrics for {name}: status {status} {body[:200]!r}"
         for line in body.decode().splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[-1])
-        return 0.0
+        if default is None:
+            raise AssertionError(f"/metrics has no series {name}")
+        return default
 
 
 def get(url: str, timeout: float = 10) -> tuple[int, dict, bytes]:

@@ -5,23 +5,15 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
-import time
 
 import aiohttp
 import pytest
+from launcher_helpers import wait_for
 
 from conftest import get, post_json
 
 SPEECH = "/v1/audio/speech"
-
-
-def wait_for(predicate, timeout: float = 30, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+WAIT_S, POLL_S = 30, 0.02
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -35,10 +27,12 @@ def test_signal_drains_in_flight_request_then_exits_0(start_replica, sig):
         target=lambda: result.update(response=post_json(replica.url + SPEECH, long_body))
     )
     worker.start()
-    wait_for(lambda: replica.metric("omni_dp_requests_running") == 1, what="request running")
+    wait_for("request running", lambda: replica.metric("omni_dp_requests_running") == 1,
+             WAIT_S, POLL_S)
     replica.proc.send_signal(sig)
 
-    wait_for(lambda: get(replica.url + "/health")[0] == 503, what="health 503 while draining")
+    wait_for("health 503 while draining", lambda: get(replica.url + "/health")[0] == 503,
+             WAIT_S, POLL_S)
     status, headers, body = post_json(replica.url + SPEECH, {"input": "Too late."})
     assert status == 503
     assert headers["Retry-After"] == "1"
@@ -94,16 +88,18 @@ def test_client_disconnect_frees_pages_at_once(start_replica):
         async with aiohttp.ClientSession() as session, \
                 session.post(replica.url + SPEECH, json={**body, "stream": True}) as resp:
             await resp.content.readany()  # may be only the WAV header, sent before admission
-            wait_for(lambda: replica.metric("omni_dp_kv_pages_used") > 0, what="pages held")
+            wait_for("pages held", lambda: replica.metric("omni_dp_kv_pages_used") > 0,
+                     WAIT_S, POLL_S)
         # leaving the block closes the connection with the response unread
 
     asyncio.run(disconnect_mid_stream())
-    wait_for(lambda: replica.metric("omni_dp_kv_pages_used") == 0, what="pages freed")
+    wait_for("pages freed", lambda: replica.metric("omni_dp_kv_pages_used") == 0, WAIT_S, POLL_S)
     assert replica.metric("omni_dp_requests_running") == 0
     generated = replica.metric("omni_dp_generated_tokens_total") - before
     assert 0 < generated < full  # stopped early, not run to completion (same seed, same tokens)
     disconnected = 'omni_dp_speech_requests_total{outcome="client_disconnected"}'
-    wait_for(lambda: replica.metric(disconnected) == 1, what="disconnect counted")
+    wait_for("disconnect counted", lambda: replica.metric(disconnected, default=0) == 1,
+             WAIT_S, POLL_S)
     assert get(replica.url + "/health")[0] == 200
 
 
@@ -121,7 +117,7 @@ def test_non_streamed_client_disconnect_also_aborts(start_replica):
         raise AssertionError("the request finished before the client gave up")
 
     asyncio.run(give_up())
-    wait_for(lambda: replica.metric("omni_dp_kv_pages_used") == 0, what="pages freed")
+    wait_for("pages freed", lambda: replica.metric("omni_dp_kv_pages_used") == 0, WAIT_S, POLL_S)
     assert replica.metric("omni_dp_generated_tokens_total") < 1024
 
 

@@ -269,3 +269,10 @@ def test_sampled_codes_do_not_depend_on_batching(talker):
     assert batched == alone
     assert sum(len(codes) for codes in alone.values()) > 10
     assert len({tuple(codes) for codes in alone.values()}) == 3
+
+
+def test_module_apply_is_not_shadowed():
+    seen = []
+    Talker(CFG).apply(seen.append)  # nn.Module.apply: fn on every submodule, then itself
+    assert isinstance(seen[-1], Talker)
+    assert len(seen) > 1

@@ -263,7 +263,7 @@ def test_bad_input_gets_a_clear_4xx(replica, body, status, field):
 
 
 def test_bad_requests_are_counted_and_leave_no_state(replica):
-    before = replica.metric('omni_dp_speech_requests_total{outcome="bad_request"}')
+    before = replica.metric('omni_dp_speech_requests_total{outcome="bad_request"}', default=0)
     post_json(replica.url + SPEECH, {"input": ""})
     after = replica.metric('omni_dp_speech_requests_total{outcome="bad_request"}')
     assert after == before + 1

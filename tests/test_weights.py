@@ -14,6 +14,8 @@ from omni_dp.engine.config import (
     VocoderConfig,
     resolve_model,
 )
+from omni_dp.engine.plan import ServeOptions, plan_serve, plan_summary
+from omni_dp.engine.server import build_models
 from omni_dp.engine.weights import load_models, save_models, seeded_models
 
 SMALL = ModelConfig(
@@ -201,3 +203,12 @@ def test_from_json_rejects_vocoder_that_is_not_an_object(vocoder):
 def test_from_json_rejects_string_for_integer_field():
     with pytest.raises(ModelConfigError):
         ModelConfig.from_json(SMALL.to_json() | {"hidden_size": "32"})
+
+
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_dry_run_weights_bytes_are_what_the_server_holds(dtype):
+    plan = plan_serve(ServeOptions(device="cpu", dtype=dtype, threads=1, max_total_tokens=256))
+    models = build_models(plan)
+    held = sum(p.numel() * p.element_size()
+               for module in (models.talker, models.vocoder) for p in module.parameters())
+    assert plan_summary(plan)["weights_bytes"] == held

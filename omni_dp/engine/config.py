@@ -155,9 +155,8 @@ def _type_problems(cls: type, data: dict, prefix: str) -> list[str]:
     problems = []
     for name, value in data.items():
         expected = hints.get(name)
-        if expected is None or name == "vocoder":
-            if expected is None:
-                problems.append(f"unknown field {prefix}{name}")
+        if expected is None:
+            problems.append(f"unknown field {prefix}{name}")
             continue
         if expected is int:
             ok = isinstance(value, int) and not isinstance(value, bool)

@@ -88,7 +88,6 @@ class TalkerWorker(StageWorker):
         self.scheduler = scheduler
         self.runner = runner
         self.emit = emit
-        self.num_steps = 0
 
     def serve(self) -> None:
         while self._drain_inbox(block=not self.scheduler.has_requests()):
@@ -117,7 +116,6 @@ class TalkerWorker(StageWorker):
             return
         codes = self.runner.execute(output)
         results = self.scheduler.update_from_output(output, codes)
-        self.num_steps += 1
         if results:
             self.emit(StepOutputs(results))
 

@@ -82,7 +82,7 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
     @staticmethod
-    def apply(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x: [T, heads, head_dim], rotated by the positions the tables were made for."""
         cos, sin = tables
         half = x.shape[-1] // 2
@@ -114,7 +114,7 @@ class Attention(nn.Module):
         q_size, kv_size, _ = self.split
         # q and k are adjacent in the projection: rotate them in one go.
         qk = qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k = RotaryEmbedding.apply(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = RotaryEmbedding.rotate(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         # Write this step's keys/values into their pages before reading: a sequence's new
         # tokens attend to themselves too.

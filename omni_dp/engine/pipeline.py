@@ -55,7 +55,6 @@ class Pipeline:
     ) -> None:
         validate_placement(DEFAULT_STAGES)
         self.cfg = models.cfg
-        self.models = models
         self.device = device
         self.kv_cache = kv_cache
         self.scheduler = Scheduler(

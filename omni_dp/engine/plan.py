@@ -23,6 +23,11 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.
 _OVERHEAD_BYTES = 256 * 1024**2
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16": the names of DTYPES (and of --dtype)."""
+    return str(dtype).removeprefix("torch.")
+
+
 class ServePlanError(ValueError):
     def __init__(self, problems: list[str]) -> None:
         super().__init__("\n".join(problems))
@@ -65,16 +70,20 @@ def plan_summary(plan: ServePlan) -> dict:
     """What `serve --dry-run --json` prints: the numbers a launcher needs before starting."""
     from omni_dp.engine.model import Talker
     from omni_dp.engine.vocoder import Vocoder
+    from omni_dp.engine.weights import PipelineModels
 
     with torch.device("meta"):  # shapes only: nothing is allocated
-        params = sum(p.numel() for m in (Talker(plan.cfg), Vocoder(plan.cfg))
-                     for p in m.parameters())
+        models = PipelineModels(plan.cfg, Talker(plan.cfg), Vocoder(plan.cfg), "meta")
+    params = models.num_parameters
+    # As build_models holds them: the talker cast to plan.dtype, the vocoder as built (float32).
+    vocoder_itemsize = next(models.vocoder.parameters()).dtype.itemsize
+    weights_bytes = params["talker"] * plan.dtype.itemsize + params["vocoder"] * vocoder_itemsize
     return {
         "model": plan.cfg.name,
         "device": str(plan.device),
-        "dtype": str(plan.dtype).removeprefix("torch."),
+        "dtype": dtype_name(plan.dtype),
         "threads": plan.threads,
-        "weights_bytes": params * plan.dtype.itemsize,
+        "weights_bytes": weights_bytes,
         "max_total_num_tokens": plan.kv.max_total_tokens,
         "kv_cache_bytes": plan.kv.cache_bytes,
         "kv_bytes_per_token": plan.kv.bytes_per_token,

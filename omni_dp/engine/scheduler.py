@@ -59,11 +59,6 @@ class TalkerRequest:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_codes)
 
-    @property
-    def max_cached_tokens(self) -> int:
-        """KV rows this request ever needs: its last sampled code is never fed back."""
-        return len(self.prompt_ids) + self.max_new_tokens - 1
-
     def token_ids(self, start: int, end: int) -> list[int]:
         n_prompt = len(self.prompt_ids)
         ids = self.prompt_ids[start : min(end, n_prompt)]
@@ -130,7 +125,7 @@ class Scheduler:
 
     # --- requests in and out -----------------------------------------------------------
     def check_admissible(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
-        need = num_prompt_tokens + max_new_tokens - 1
+        need = num_prompt_tokens + max_new_tokens - 1  # the last code is never fed back
         if need > self.kv_spec.max_total_tokens:
             raise AdmissionError(
                 f"request needs {need} KV tokens ({num_prompt_tokens} prompt + "

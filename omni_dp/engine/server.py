@@ -29,7 +29,7 @@ from omni_dp.engine.audio import sse_audio_delta, sse_audio_done, sse_error, wav
 from omni_dp.engine.kv_cache import KVCache
 from omni_dp.engine.metrics import ReplicaMetrics
 from omni_dp.engine.pipeline import EngineFailed, Pipeline, RequestCutOff
-from omni_dp.engine.plan import ServePlan
+from omni_dp.engine.plan import ServePlan, dtype_name
 from omni_dp.engine.preprocess import (
     PreprocessError,
     TalkerPrompt,
@@ -121,7 +121,6 @@ class ReplicaServer:
         self.exit_code = EXIT_OK
         self._stop = asyncio.Event()
         self._signals = 0
-        self._hurry = False  # a second signal: stop without waiting for in-flight requests
         self._started_at = time.time()
         self.metrics = ReplicaMetrics(lambda: self.pipeline.stats() if self.pipeline else None)
         self.app = web.Application(
@@ -184,7 +183,7 @@ class ReplicaServer:
         kv = self.plan.kv
         return (
             f"model {self.plan.cfg.name} on {self.plan.device} "
-            f"({str(self.plan.dtype).removeprefix('torch.')}), "
+            f"({dtype_name(self.plan.dtype)}), "
             f"KV {kv.max_total_tokens} tokens = {kv.num_pages} pages × {kv.page_size}, "
             f"{kv.cache_bytes} bytes, {self.plan.threads} threads"
         )
@@ -198,7 +197,11 @@ class ReplicaServer:
             self._stop.set()
         else:
             log.info("%s again: stopping without waiting for in-flight requests", sig.name)
-            self._hurry = True
+
+    @property
+    def _hurry(self) -> bool:
+        """A second signal: stop without waiting for in-flight requests."""
+        return self._signals > 1
 
     def _on_fatal(self, reason: str) -> None:
         self.state = State.FAILED
@@ -239,7 +242,7 @@ class ReplicaServer:
             "max_running_requests": self.options.max_running_requests,
             "max_queued_requests": self.options.max_queued_requests,
             "device": str(plan.device),
-            "dtype": str(plan.dtype).removeprefix("torch."),
+            "dtype": dtype_name(plan.dtype),
             "threads": torch.get_num_threads(),
             "processes": self.pipeline.processes(),
             "model": {
