@@ -128,3 +128,13 @@ def test_this_machine_can_be_read():
     topo = read_topology()
     assert topo.allowed == frozenset(os.sched_getaffinity(0))
     assert {cpu for core in topo.cores for cpu in core.cpus} == set(topo.allowed)
+
+
+def test_a_memory_only_numa_node_is_skipped(tmp_path):
+    """A node with memory and no CPUs (CXL, HBM) has an empty cpulist: no crash, and CPU 0 is
+    not credited to it."""
+    siblings = {cpu: str(cpu) for cpu in range(4)}
+    root = fake_sysfs(tmp_path, {0: "0-1", 1: "2-3", 2: ""}, siblings)
+    topo = read_topology(root, allowed={0, 1, 2, 3})
+    assert [(core.cpus, core.node) for core in topo.cores] == [
+        ((0,), 0), ((1,), 0), ((2,), 1), ((3,), 1)]

@@ -70,7 +70,13 @@ def read_topology(sysfs: str | Path = "/sys", allowed: set[int] | None = None) -
     node_of: dict[int, int] = {}
     for node_dir in sorted((root / "node").glob("node[0-9]*")):
         node = int(node_dir.name[4:])
-        for cpu in parse_cpu_list((node_dir / "cpulist").read_text() or "0"):
+        try:
+            cpulist = (node_dir / "cpulist").read_text().strip()
+        except OSError:
+            continue
+        if not cpulist:
+            continue  # a memory-only node (CXL, HBM): it has no CPUs to place
+        for cpu in parse_cpu_list(cpulist):
             node_of[cpu] = node
     seen: set[int] = set()
     cores = []
