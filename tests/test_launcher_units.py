@@ -100,6 +100,16 @@ def test_child_env_drops_inherited_run_and_mps_variables(monkeypatch) -> None:
     assert env["OMNI_DP_REPLICA"] == "1" and env["PATH"] == os.environ["PATH"]
 
 
+def test_child_env_drops_inherited_mps_limits_unless_the_launch_sets_them(monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "10")
+    monkeypatch.setenv("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=1G")
+    env = child_env({"OMNI_DP_REPLICA": "0"}, "token")
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in env
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in env
+    env = child_env({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}, "token")
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+
+
 def test_kv_gate_names_the_replica_that_differs() -> None:
     assert kv_problems({0: 1024, 1: 1024}, 1024) == []
     [problem] = kv_problems({0: 1024, 1: 512, 2: 1024}, 1024)

@@ -19,12 +19,17 @@ import psutil
 
 from omni_dp.launcher.plan import THREAD_VARIABLES
 from omni_dp.launcher.state import append_private
+from omni_dp.mps.control import LIMIT_ENVS
 from omni_dp.procs import ProcessIdentity, identify, is_alive, read_environ
 
 TOKEN_ENV = "OMNI_DP_RUN_TOKEN"
-# Inherited values of these would attach a replica to someone else's run or MPS daemon.
+# Inherited values of these would attach a replica to someone else's run or MPS daemon, or
+# silently cap its share of the GPU (an MPS client's limit variables only ever lower what the
+# daemon gives; one replica capped by a stray export breaks the "equal replicas" premise).
+# What the launch itself sets (the plan's env) is applied after and wins.
 _NOT_INHERITED = ("OMNI_DP_RUN_ID", "OMNI_DP_REPLICA", TOKEN_ENV, "CUDA_MPS_PIPE_DIRECTORY",
-                  "CUDA_MPS_LOG_DIRECTORY", "CUDA_VISIBLE_DEVICES", *THREAD_VARIABLES)
+                  "CUDA_MPS_LOG_DIRECTORY", "CUDA_VISIBLE_DEVICES", *LIMIT_ENVS,
+                  *THREAD_VARIABLES)
 
 
 @dataclass
