@@ -431,6 +431,14 @@ def test_mps_without_a_gpu_but_no_gpu_check_plans_on_cpu_with_a_warning(cpu_fact
     find(p.warnings, "--no-gpu-check", "attach verification will fail")
 
 
+def test_mps_needs_the_gpus_uuid(facts):
+    facts = dataclasses.replace(facts, gpu=h200(uuid=None, index=2), mps_binary="/x/mps")
+    problem = only_problem(opts(mps=True), facts)
+    assert problem.startswith("--mps: NVML could not read the UUID of GPU 2")
+    assert "run without --mps" in problem
+    plan(opts(), facts)  # without MPS an index is fine (tested above)
+
+
 def test_no_gpu_check_without_mps_is_a_problem(facts):
     assert only_problem(opts(no_gpu_check=True), facts) == \
         "--no-gpu-check only applies to --mps"

@@ -14,6 +14,7 @@ from omni_dp.launcher.engines import ENGINES, EngineSizing, ReplicaLaunch, reser
 from omni_dp.launcher.facts import LaunchFacts, visible_id
 from omni_dp.launcher.options import MPS_FAULT_ACTIONS, START_MODES, LaunchOptions
 from omni_dp.launcher.topology import CpuPlan, format_cpu_list, plan_auto, plan_explicit
+from omni_dp.mps.binaries import MpsBinaries
 from omni_dp.mps.daemon import private_dir_problem
 from omni_dp.rundir import RUN_ID, mps_log_dir, mps_pipe_dir, run_dir
 from omni_dp.sizes import format_size
@@ -62,6 +63,7 @@ class LaunchPlan:
     sizing: EngineSizing
     mps_binary: str | None
     warnings: tuple[str, ...] = field(default=())
+    mps_binaries: MpsBinaries | None = None  # the located pair; mps_binary is its control
 
     def describe(self) -> list[str]:
         """The resolved plan, as printed before anything starts."""
@@ -189,6 +191,12 @@ def plan_launch(o: LaunchOptions, facts: LaunchFacts) -> LaunchPlan:
     if o.mps and gpu is None and o.no_gpu_check:
         warnings.append("--no-gpu-check: no GPU, the replicas run on CPU; the MPS daemon runs "
                         "but no process can attach to it, so attach verification will fail")
+    if o.mps and gpu is not None and not gpu.uuid:
+        problems.append(
+            f"--mps: NVML could not read the UUID of GPU {gpu.index}; the MPS daemon and its "
+            "clients must name the GPU by UUID (a client's CUDA_VISIBLE_DEVICES index is "
+            "renumbered under MPS and names the right GPU only by chance); check "
+            f"`nvidia-smi -L` and the driver, or run without --mps")
     device = "cuda" if gpu is not None else "cpu"
     gpu_label = visible_id(gpu) or "cpu"
     problems += facts.mps_problems
@@ -274,6 +282,7 @@ def plan_launch(o: LaunchOptions, facts: LaunchFacts) -> LaunchPlan:
         gpu_numa_node=facts.gpu_numa_node, start=start, replicas=tuple(replicas),
         router_argv=tuple(router_argv), router_url=router_url,
         expected_kv_tokens=sizing.kv_tokens, sizing=sizing, mps_binary=facts.mps_binary,
+        mps_binaries=facts.mps_binaries,
         warnings=tuple(warnings),
     )
 
