@@ -212,3 +212,14 @@ def test_dry_run_weights_bytes_are_what_the_server_holds(dtype):
     held = sum(p.numel() * p.element_size()
                for module in (models.talker, models.vocoder) for p in module.parameters())
     assert plan_summary(plan)["weights_bytes"] == held
+
+
+def test_dry_run_overhead_covers_a_cuda_context_on_a_gpu():
+    """A replica on a GPU holds a CUDA context and library workspaces (≥ 0.5 GiB on Hopper)
+    besides weights and KV; the launcher's memory fit must count them."""
+    from omni_dp.engine.plan import overhead_bytes
+
+    plan = plan_serve(ServeOptions(device="cpu", threads=1, max_total_tokens=256))
+    assert plan_summary(plan)["overhead_bytes"] == overhead_bytes(torch.device("cpu"))
+    assert overhead_bytes(torch.device("cuda", 0)) >= 1024**3 > overhead_bytes(
+        torch.device("cpu"))

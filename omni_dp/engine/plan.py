@@ -18,9 +18,17 @@ from omni_dp.sizes import format_size
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
-# Weights, activations and allocator slack on top of the KV pool; used only to refuse a plan
-# that cannot fit, never to size anything.
-_OVERHEAD_BYTES = 256 * 1024**2
+# What a replica holds besides its weights and KV pool; used only to refuse a plan that cannot
+# fit, never to size anything. On CPU: activations and allocator slack. On a GPU the CUDA
+# context itself (~0.5 GiB on Hopper with lazy module loading), cuBLAS workspaces, activations
+# and the caching allocator's slack come on top: 1 GiB, to be replaced by the figure
+# bench/gpu_check.py measures (device memory of the process minus weights and KV).
+CPU_OVERHEAD_BYTES = 256 * 1024**2
+CUDA_OVERHEAD_BYTES = 1024**3
+
+
+def overhead_bytes(device: torch.device) -> int:
+    return CUDA_OVERHEAD_BYTES if device.type == "cuda" else CPU_OVERHEAD_BYTES
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -88,7 +96,7 @@ def plan_summary(plan: ServePlan) -> dict:
         "kv_cache_bytes": plan.kv.cache_bytes,
         "kv_bytes_per_token": plan.kv.bytes_per_token,
         "page_size": plan.kv.page_size,
-        "overhead_bytes": _OVERHEAD_BYTES,
+        "overhead_bytes": overhead_bytes(plan.device),
     }
 
 
@@ -195,9 +203,10 @@ def _check_memory(kv: KVCacheSpec, device: torch.device, problems: list[str]) ->
     else:
         free = psutil.virtual_memory().available
         where = "available host memory"
-    if kv.cache_bytes + _OVERHEAD_BYTES > free:
+    overhead = overhead_bytes(device)
+    if kv.cache_bytes + overhead > free:
         problems.append(
-            f"the KV pool needs {format_size(kv.cache_bytes)} (+{format_size(_OVERHEAD_BYTES)} "
+            f"the KV pool needs {format_size(kv.cache_bytes)} (+{format_size(overhead)} "
             f"overhead) but {where} is {format_size(free)}; lower --kv-cache-bytes or "
             "--max-total-tokens"
         )
