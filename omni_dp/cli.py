@@ -275,7 +275,9 @@ _STATE_DIR = click.option(
          "the control socket path must fit in 107 bytes).")
 _MPS_CONTROL = click.option(
     "--mps-control", default=None, metavar="PATH",
-    help="The nvidia-cuda-mps-control binary. [default: $OMNI_DP_MPS_CONTROL, then PATH]")
+    help="The nvidia-cuda-mps-control binary (its nvidia-cuda-mps-server is found beside it). "
+         "[default: $OMNI_DP_MPS_CONTROL, then PATH, /usr/local/nvidia/bin, /usr/bin, next to "
+         "nvidia-smi]")
 
 
 def _mps_paths(state_dir: str):
@@ -309,7 +311,7 @@ def mps_start(state_dir, mps_control, gpu, mps_thread_percentage, mps_memory_lim
               no_gpu_check, as_json) -> None:
     """Start a private MPS control daemon under --state-dir and record it."""
     from omni_dp.files import atomic_write
-    from omni_dp.mps.control import MpsControl, MpsControlError, find_control_binary
+    from omni_dp.mps.control import MpsControl, MpsControlError
     from omni_dp.mps.daemon import MpsDaemon, MpsDaemonError
     from omni_dp.mps.preflight import GPU_CHECKS, format_report, run_preflight
 
@@ -322,8 +324,11 @@ def mps_start(state_dir, mps_control, gpu, mps_thread_percentage, mps_memory_lim
     if record_path.exists():
         _fail("mps start", f"{record_path} exists: a daemon was started here; run "
                            f"`omni-dp mps stop --state-dir {state_dir}` first")
+    found = report.binaries
+    assert found is not None  # else a control_binary problem stopped it above
+    click.echo(found.describe(), err=as_json)  # which pair, where from, which versions
     try:
-        control = MpsControl(find_control_binary(mps_control), str(pipe), str(log_dir))
+        control = MpsControl(found.control, str(pipe), str(log_dir), server_binary=found.server)
         record = MpsDaemon(control).start(
             gpu_uuid=report.gpu.uuid if report.gpu else None,
             thread_percentage=mps_thread_percentage, memory_limit_bytes=mps_memory_limit,
@@ -352,13 +357,11 @@ def _load_record(state_dir: str, command: str):
 @click.option("--force", is_flag=True, help="Quit even while MPS clients are attached.")
 def mps_stop(state_dir, force) -> None:
     """Stop the daemon recorded under --state-dir: quit, then wait for its pid to exit."""
-    from omni_dp.mps.control import MpsControl
     from omni_dp.mps.daemon import MpsDaemon, MpsDaemonError
 
     record, record_path = _load_record(state_dir, "mps stop")
-    control = MpsControl(record.binary, record.pipe_dir, record.log_dir)
     try:
-        was_running = MpsDaemon(control).stop(record, force=force)
+        was_running = MpsDaemon(record.control()).stop(record, force=force)
     except MpsDaemonError as exc:
         _fail("mps stop", str(exc), code=1)
     record_path.unlink()
@@ -374,12 +377,10 @@ def mps_status(state_dir, as_json) -> None:
 
     Exit codes: 0 healthy, 1 not (dead, unreachable or faults logged), 2 nothing recorded.
     """
-    from omni_dp.mps.control import MpsControl
     from omni_dp.mps.daemon import MpsDaemon
 
     record, _ = _load_record(state_dir, "mps status")
-    control = MpsControl(record.binary, record.pipe_dir, record.log_dir)
-    health = MpsDaemon(control).health(record)
+    health = MpsDaemon(record.control()).health(record)
     lines = [
         f"daemon pid {record.identity.pid}: {'alive' if health.alive else 'NOT RUNNING'}, "
         f"{'answering' if health.reachable else 'not answering'}",
@@ -429,7 +430,9 @@ def mps_status(state_dir, as_json) -> None:
 @click.option("--config", "config_file", default=None, metavar="FILE",
               help="A YAML file with these settings (dashes or underscores); flags win.")
 @click.option("--mps-control", default=None, metavar="PATH",
-              help="The nvidia-cuda-mps-control binary. [default: $OMNI_DP_MPS_CONTROL, PATH]")
+              help="The nvidia-cuda-mps-control binary (its nvidia-cuda-mps-server is found "
+                   "beside it). [default: $OMNI_DP_MPS_CONTROL, then PATH, "
+                   "/usr/local/nvidia/bin, /usr/bin, next to nvidia-smi]")
 @click.option("--no-gpu-check", is_flag=True,
               help="With --mps where NVML sees no GPU: start the daemon anyway (exercises the "
                    "machinery; attach verification cannot pass without GPU clients).")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from omni_dp.mps import binaries
 from omni_dp.mps.control import (
     BinaryNotFound,
     CommandRejected,
@@ -91,6 +92,7 @@ def test_inherited_limits_are_stripped_and_dirs_set(tmp_path, monkeypatch):
 
 def test_find_control_binary(standin, tmp_path, monkeypatch):
     monkeypatch.delenv("OMNI_DP_MPS_CONTROL", raising=False)
+    monkeypatch.setattr(binaries, "DRIVER_DIRS", ())  # not the real driver's, where there is one
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(BinaryNotFound, match="nvidia-cuda-mps"):
         find_control_binary()

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pynvml
 import pytest
 
+from omni_dp.mps import binaries
 from omni_dp.mps.preflight import (
     NO_DRIVER_MESSAGE,
     GpuFacts,
@@ -149,6 +150,7 @@ def _executable(path: Path) -> Path:
 def control(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A stand-in nvidia-cuda-mps-control (never run), given as an explicit path."""
     monkeypatch.delenv("OMNI_DP_MPS_CONTROL", raising=False)
+    monkeypatch.setattr(binaries, "DRIVER_DIRS", ())  # not the real driver's, where there is one
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     bindir = tmp_path / "bin"
     bindir.mkdir()

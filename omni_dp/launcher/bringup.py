@@ -28,15 +28,17 @@ class BringUpFailed(Exception):
     """A step failed after something was created; the message says which and why."""
 
 
-def start_daemon(state: RunState, binary: str, gpu_uuid: str | None) -> None:
+def start_daemon(state: RunState, binary: str, gpu_uuid: str | None,
+                 server_binary: str | None = None) -> None:
     control = MpsControl(binary, str(mps_pipe_dir(state.directory)),
-                         str(mps_log_dir(state.directory)))
+                         str(mps_log_dir(state.directory)), server_binary=server_binary)
     try:
         record = MpsDaemon(control).start(gpu_uuid=gpu_uuid)
     except (MpsDaemonError, MpsControlError) as exc:
         raise BringUpFailed(f"the MPS daemon did not start: {exc}") from None
     state.update(mps={"daemon": record.to_json()})
-    state.event("mps_daemon_started", pid=record.identity.pid, pipe_dir=record.pipe_dir)
+    state.event("mps_daemon_started", pid=record.identity.pid, pipe_dir=record.pipe_dir,
+                binary=record.binary, server_binary=record.server_binary)
 
 
 def start_router(state: RunState) -> Started:
@@ -105,9 +107,12 @@ def bring_up(plan: LaunchPlan, state: RunState, replicas: ReplicaSet,
     """Returns the router process (a child of this process, to reap)."""
     o = plan.options
     if o.mps:
-        say("starting the private MPS control daemon")
+        found = plan.mps_binaries
+        say("starting the private MPS control daemon"
+            + (f": {found.describe()}" if found else ""))
         start_daemon(state, plan.mps_binary or "nvidia-cuda-mps-control",
-                     plan.gpu_label if plan.device == "cuda" else None)
+                     plan.gpu_label if plan.device == "cuda" else None,
+                     found.server if found else None)
     say(f"starting {len(plan.replicas)} replica(s), {plan.start}")
     start_replicas(state, replicas, [r.index for r in plan.replicas],
                    sequential=plan.start == "sequential", timeout_s=o.health_timeout, say=say)

@@ -23,6 +23,7 @@ import psutil
 from omni_dp.launcher.engines import ENGINES, EngineSizing, ReplicaLaunch
 from omni_dp.launcher.options import LaunchOptions
 from omni_dp.launcher.topology import CpuTopology, gpu_numa_node, read_topology
+from omni_dp.mps.binaries import MpsBinaries
 from omni_dp.mps.preflight import GPU_CHECKS, GpuFacts, query_gpu, run_preflight
 from omni_dp.procs import ProcessIdentity, is_alive
 from omni_dp.rundir import RUN_FILE, mps_pipe_dir, run_dir, runs_dir, state_dir
@@ -55,6 +56,7 @@ class LaunchFacts:
     host_memory_available: int
     numactl: str | None
     host_problem: str | None = None  # the router's --host cannot be listened on
+    mps_binaries: MpsBinaries | None = None  # with --mps: the pair found (mps_binary: control)
 
 
 def visible_id(gpu: GpuFacts | None) -> str:
@@ -137,7 +139,7 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
         gpu_problems = [p.message for p in problems if p.check in ("gpu", "nvml")]
     numa = gpu_numa_node(gpu.pci_bus_id) if gpu is not None and gpu.pci_bus_id else None
 
-    mps_binary, mps_problems = None, []
+    mps_binaries, mps_problems = None, []
     if options.mps:
         report = run_preflight(control_binary=options.mps_control,
                                gpu=visible_id(gpu) or "0",
@@ -146,10 +148,7 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
         mps_problems = [f"--mps: {p.message}" for p in report.problems
                         if p.check not in ("gpu", "nvml")  # reported once, as GPU problems
                         and not (options.no_gpu_check and p.check in GPU_CHECKS)]
-        from omni_dp.mps.control import BinaryNotFound, find_control_binary
-
-        with contextlib.suppress(BinaryNotFound):
-            mps_binary = find_control_binary(options.mps_control)
+        mps_binaries = report.binaries  # the one search; a refused pair comes with a problem
 
     ports = [options.base_port + i for i in range(max(options.replicas, 0))]
     taken = {p for p in ports if port_taken("127.0.0.1", p)}
@@ -176,7 +175,7 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
         gpu=gpu,
         gpu_problems=tuple(gpu_problems),
         gpu_numa_node=numa,
-        mps_binary=mps_binary,
+        mps_binary=mps_binaries.control if mps_binaries else None,
         mps_problems=tuple(mps_problems),
         taken_ports=frozenset(taken),
         runs=known_runs(root),
@@ -185,4 +184,5 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
         host_memory_available=psutil.virtual_memory().available,
         numactl=shutil.which("numactl"),
         host_problem=host_problem(options.host),
+        mps_binaries=mps_binaries,
     )

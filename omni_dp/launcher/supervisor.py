@@ -36,7 +36,6 @@ from omni_dp.launcher.processes import stop_processes
 from omni_dp.launcher.replicas import ReplicaSet
 from omni_dp.launcher.state import RunState, StateError, identity_of
 from omni_dp.launcher.teardown import teardown
-from omni_dp.mps.control import MpsControl
 from omni_dp.mps.daemon import (
     CONTROL_LOG,
     FAULT_LINE,
@@ -325,7 +324,7 @@ class Supervisor:
         if not mps:
             return
         record = DaemonRecord.from_json(mps["daemon"])
-        daemon = MpsDaemon(MpsControl(record.binary, record.pipe_dir, record.log_dir))
+        daemon = MpsDaemon(record.control())
         health = daemon.health(record)  # control.log: small, read whole
         health.faults += self._new_fault_lines()
         if health.ok:
@@ -396,7 +395,7 @@ class Supervisor:
             with self.spawn_lock:
                 if self.stopping:
                     return
-                start_daemon(self.state, record.binary, record.gpu_uuid)
+                start_daemon(self.state, record.binary, record.gpu_uuid, record.server_binary)
             start_replicas(self.state, self.replicas, indices,
                            sequential=self.state.plan["start"] == "sequential",
                            timeout_s=self.health_timeout, say=self.say)

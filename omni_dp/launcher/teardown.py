@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from omni_dp.launcher.processes import signal_ours, stop_processes, token_carriers, wait_gone
 from omni_dp.launcher.state import RunState, identity_of
-from omni_dp.mps.control import MpsControl, MpsControlError
+from omni_dp.mps.control import MpsControlError
 from omni_dp.mps.daemon import DaemonRecord, MpsDaemon, MpsDaemonError
 from omni_dp.procs import ProcessIdentity, is_alive
 
@@ -108,7 +108,7 @@ def _stop_daemon(state: RunState, record: DaemonRecord, result: TeardownResult,
                  say: Callable[[str], None]) -> None:
     if not is_alive(record.identity):
         return
-    daemon = MpsDaemon(MpsControl(record.binary, record.pipe_dir, record.log_dir))
+    daemon = MpsDaemon(record.control())
     deadline = time.monotonic() + 30
     clients: list[int] = []
     while time.monotonic() < deadline:  # the server lets go of a client shortly after it exits

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 from dataclasses import dataclass
 
@@ -61,17 +60,11 @@ RUN_IDENTITY_ENVS = ("OMNI_DP_RUN_TOKEN", "OMNI_DP_REPLICA", "OMNI_DP_RUN_ID")
 
 
 def find_control_binary(path: str | None = None) -> str:
-    """`path`, else $OMNI_DP_MPS_CONTROL, else `nvidia-cuda-mps-control` on PATH."""
-    candidate = path or os.environ.get(BINARY_ENV)
-    where = candidate or f"{BINARY_NAME} on PATH"
-    found = shutil.which(candidate or BINARY_NAME)
-    if found is None:
-        raise BinaryNotFound(
-            f"MPS control binary not found ({where}); install the NVIDIA driver's "
-            f"{BINARY_NAME} (Debian: package nvidia-cuda-mps, component non-free) or point "
-            f"--mps-control / {BINARY_ENV} at it"
-        )
-    return os.path.abspath(found)
+    """`path`, else $OMNI_DP_MPS_CONTROL, else PATH, the driver folders, next to nvidia-smi
+    (omni_dp.mps.binaries, which also finds the server)."""
+    from omni_dp.mps.binaries import locate_mps_binaries  # it imports this module
+
+    return locate_mps_binaries(path, driver=lambda: None).control
 
 
 def parse_pid_list(text: str) -> list[int]:
@@ -111,9 +104,15 @@ class MpsControl:
     pipe_dir: str
     log_dir: str
     timeout_s: float = 10.0
+    # The daemon starts the server found first on ITS PATH: this one's folder goes first.
+    server_binary: str | None = None
 
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ if base is None else base)
+        if self.server_binary:
+            first = os.path.dirname(os.path.abspath(self.server_binary))
+            rest = env.get("PATH", os.defpath).split(os.pathsep)
+            env["PATH"] = os.pathsep.join([first, *(d for d in rest if d and d != first)])
         # No limit variables (they would cap the daemon itself), and no run identity: a run's
         # teardown signals the processes carrying its token, and the daemon must only ever be
         # stopped through `quit` once its clients are gone.

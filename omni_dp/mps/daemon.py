@@ -46,15 +46,23 @@ class DaemonRecord:
     pipe_dir: str
     log_dir: str
     gpu_uuid: str | None
+    server_binary: str | None = None  # records written before it was kept have none
 
     def to_json(self) -> dict:
         return {**self.identity.to_json(), "binary": self.binary, "pipe_dir": self.pipe_dir,
-                "log_dir": self.log_dir, "gpu_uuid": self.gpu_uuid}
+                "log_dir": self.log_dir, "gpu_uuid": self.gpu_uuid,
+                "server_binary": self.server_binary}
 
     @classmethod
     def from_json(cls, data: dict) -> DaemonRecord:
         return cls(ProcessIdentity.from_json(data), data["binary"], data["pipe_dir"],
-                   data["log_dir"], data.get("gpu_uuid"))
+                   data["log_dir"], data.get("gpu_uuid"), data.get("server_binary"))
+
+    def control(self) -> MpsControl:
+        """The control client for this daemon: the same pair whoever stops, checks or
+        restarts it (supervisor, teardown, verify-mps, `omni-dp mps`)."""
+        return MpsControl(self.binary, self.pipe_dir, self.log_dir,
+                          server_binary=self.server_binary)
 
 
 @dataclass
@@ -185,7 +193,7 @@ class MpsDaemon:
                 f"control.log:\n{log_tail(control.log_dir)}"
             )
         record = DaemonRecord(identity, control.binary, control.pipe_dir, control.log_dir,
-                              gpu_uuid)
+                              gpu_uuid, control.server_binary)
         try:
             if thread_percentage is not None:
                 control.set_default_thread_percentage(thread_percentage)

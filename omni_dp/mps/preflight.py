@@ -2,19 +2,21 @@
 
 Each check returns every problem it finds, each with what is wrong and what to do about it, so a
 person can fix them all in one go. Nothing here starts the MPS daemon, creates a CUDA context or
-writes a file. pynvml is imported only inside `query_gpu`, so importing this module is cheap.
+writes a file. pynvml is imported only inside `query_gpu` and binaries.driver_version, so
+importing this module is cheap.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from omni_dp.mps.control import BINARY_ENV as CONTROL_ENV
-from omni_dp.mps.control import BINARY_NAME as CONTROL_BINARY
+from omni_dp.mps import binaries
+from omni_dp.mps.binaries import MpsBinaries
+from omni_dp.mps.control import BinaryNotFound
 from omni_dp.mps.daemon import MAX_SOCKET_PATH_BYTES, SOCKET_NAME
 
 MAX_CONNECTIONS_ENV = "CUDA_DEVICE_MAX_CONNECTIONS"
@@ -28,12 +30,6 @@ VOLTA = (7, 0)
 
 NO_DRIVER_MESSAGE = (
     "no NVIDIA driver on this machine (libnvidia-ml not found): MPS needs a GPU and its driver"
-)
-
-_INSTALL_HINT = (
-    "install it with the NVIDIA driver, or on Debian the package nvidia-cuda-mps from the "
-    "non-free component (apt-get install nvidia-cuda-mps once non-free is enabled); "
-    f"or point omni-dp at it with --mps-control PATH or {CONTROL_ENV}=PATH"
 )
 
 # pynvml's values, used when an injected nvml object does not define the constants.
@@ -77,6 +73,7 @@ class PreflightReport:
     problems: tuple[Problem, ...]
     gpu: GpuFacts | None
     nvml_available: bool
+    binaries: MpsBinaries | None = None  # the control/server pair found (even if refused)
 
     @property
     def ok(self) -> bool:
@@ -86,74 +83,29 @@ class PreflightReport:
 # --- control binary -------------------------------------------------------------------------
 
 
-def _describe_unusable(path: str) -> str | None:
-    """Why `path` cannot be run, or None when it can."""
-    if not os.path.lexists(path):
-        return f"{path} does not exist"
-    if not os.path.exists(path):
-        try:
-            target = os.readlink(path)
-        except OSError:
-            target = "?"
-        return f"{path} is a broken symbolic link (to {target})"
-    if os.path.isdir(path):
-        return f"{path} is a directory, not the {CONTROL_BINARY} program"
-    if not os.path.isfile(path):
-        return f"{path} is not a regular file"
-    if not os.access(path, os.X_OK):
-        return f"{path} is not executable (chmod +x {path}, or fix its permissions)"
-    return None
+def locate_control_binary(
+    path: str | None, *, driver: Callable[[], str | None] | None = None,
+) -> tuple[MpsBinaries | None, list[Problem]]:
+    """The MPS binaries (omni_dp.mps.binaries' search) and what stops using them: none found,
+    or a control binary of another release than the driver. Never runs the binary.
 
-
-def _search_path(name: str) -> tuple[str | None, list[str], list[str]]:
-    """Look `name` up on PATH: (executable found, directories searched, unusable candidates)."""
-    dirs = list(dict.fromkeys(d for d in os.environ.get("PATH", "").split(os.pathsep) if d))
-    found = shutil.which(name, path=os.pathsep.join(dirs)) if dirs else None
-    if found:
-        return found, dirs, []
-    unusable = []
-    for d in dirs:
-        candidate = os.path.join(d, name)
-        if os.path.lexists(candidate):
-            reason = _describe_unusable(candidate)
-            if reason:
-                unusable.append(reason)
-    return None, dirs, unusable
+    `path` is the --mps-control value; when None (or empty), $OMNI_DP_MPS_CONTROL is used, and
+    when that is unset too, the program is searched on PATH, in the driver's folders and next to
+    nvidia-smi. A value without a slash is looked up on PATH, as a shell would. A version that
+    cannot be told (no driver here, or none in the binary) is no problem.
+    """
+    try:
+        found = binaries.locate_mps_binaries(path or None, driver=driver)
+    except BinaryNotFound as exc:
+        return None, [Problem("control_binary", str(exc))]
+    if found.mismatch:
+        return found, [Problem("control_binary", binaries.mismatch_message(found))]
+    return found, []
 
 
 def check_control_binary(path: str | None) -> list[Problem]:
-    """Is `nvidia-cuda-mps-control` present, a file and executable? Never runs it.
-
-    `path` is the --mps-control value; when None (or empty), $OMNI_DP_MPS_CONTROL is used, and
-    when that is unset too, the program is looked up on PATH. A value without a slash is looked
-    up on PATH, as a shell would.
-    """
-    if path:
-        given, origin = path, "--mps-control"
-    elif os.environ.get(CONTROL_ENV):
-        given, origin = os.environ[CONTROL_ENV], CONTROL_ENV
-    else:
-        given, origin = None, None
-
-    if given is None or os.sep not in given:
-        name = given or CONTROL_BINARY
-        found, dirs, unusable = _search_path(name)
-        if found:
-            return []
-        where = f"searched {', '.join(dirs)}" if dirs else "PATH is empty"
-        detail = f"; found but unusable: {'; '.join(unusable)}" if unusable else ""
-        if given:
-            prefix = f"{origin}={given}: no executable named {given!r}"
-        else:
-            prefix = f"{name} not found"
-        return [Problem(
-            "control_binary", f"{prefix} on PATH ({where}){detail}; {_INSTALL_HINT}",
-        )]
-
-    reason = _describe_unusable(given)
-    if reason is None:
-        return []
-    return [Problem("control_binary", f"{origin}={given}: {reason}; {_INSTALL_HINT}")]
+    """locate_control_binary's problems only."""
+    return locate_control_binary(path)[1]
 
 
 # --- socket path ----------------------------------------------------------------------------
@@ -492,9 +444,11 @@ def run_preflight(
     pipe_dir: str,
     num_client_processes: int,
     nvml: Any = None,
+    driver: Callable[[], str | None] | None = None,
 ) -> PreflightReport:
-    """Every check above; reports environment problems, never raises for them."""
-    problems = list(check_control_binary(control_binary))
+    """Every check above; reports environment problems, never raises for them. `driver` reads
+    the driver's version (default: binaries.driver_version)."""
+    found, problems = locate_control_binary(control_binary, driver=driver)
     facts, gpu_problems, nvml_available = query_gpu(gpu, nvml)
     problems += gpu_problems
     problems += check_client_limit(
@@ -503,7 +457,8 @@ def run_preflight(
         os.environ.get(MAX_CONNECTIONS_ENV),
     )
     problems += check_socket_path(pipe_dir)
-    return PreflightReport(problems=tuple(problems), gpu=facts, nvml_available=nvml_available)
+    return PreflightReport(problems=tuple(problems), gpu=facts, nvml_available=nvml_available,
+                           binaries=found)
 
 
 def format_report(report: PreflightReport) -> str:

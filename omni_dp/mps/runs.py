@@ -5,7 +5,7 @@ in omni_dp/launcher/state.py). What this module reads of it — fields the launc
 
     run.json   {"schema": 1, "run_id": str, "gpu": "GPU-<uuid>" | "<index>" | "cpu",
                 "mps": {"daemon": {"pid", "create_time", "binary", "pipe_dir", "log_dir",
-                                   "gpu_uuid"}} | null,
+                                   "gpu_uuid", "server_binary" (may be absent)}} | null,
                 "replicas": [{"index": int,
                               "processes": [{"pid": int, "role": str, "device": str}]}]}
     run_token  the run token, mode 0600 (also in each replica's environment)
@@ -26,7 +26,6 @@ from omni_dp.mps.attach import (
     verify_attachment,
     write_artifacts,
 )
-from omni_dp.mps.control import MpsControl
 from omni_dp.mps.daemon import DaemonRecord
 from omni_dp.procs import is_alive
 from omni_dp.rundir import RUN_FILE, RUN_ID, TOKEN_FILE, run_dir, runs_dir, state_dir
@@ -120,7 +119,7 @@ def verify_and_record(daemon: DaemonRecord, replicas: list[ReplicaProcesses], ru
                       gpu: str, directory: Path, *, use_nvml: bool = True) -> AttachReport:
     """The attachment verdict over these replicas, written as the run's artifacts. A run on
     "cpu" has no GPU for NVML to list."""
-    control = MpsControl(daemon.binary, daemon.pipe_dir, daemon.log_dir)
+    control = daemon.control()
     gpu_pids = (lambda: nvml_gpu_pids(gpu)) if use_nvml and gpu != "cpu" else None
     report = verify_attachment(replicas, run_token, control, gpu_pids=gpu_pids)
     write_artifacts(report, directory)
