@@ -189,3 +189,36 @@ def test_kv_gate_fails_a_run_whose_replicas_report_different_capacities(tmp_path
     assert [r["kv_tokens"] for r in state.replicas] == [1024, 512]
     [passed, failed] = [e for e in state.events() if e["event"] == "kv_checked"]
     assert passed["ok"] is True and failed["ok"] is False
+
+
+def test_the_engine_dry_run_gets_a_private_empty_mps_pipe_directory(tmp_path, monkeypatch):
+    """Never the system default pipe (/tmp/nvidia-mps) nor an inherited one: a CUDA context
+    made by the dry run must not join anyone's daemon. The directory is gone afterwards."""
+    from omni_dp.launcher import facts as facts_module
+    from omni_dp.launcher.engines import ENGINES
+
+    seen = {}
+
+    class RecordingEngine:
+        name = "recording"
+        reserved_flags = ()
+        fixed_default_kv = True
+
+        def dry_run(self, launch, engine_args, env):
+            pipe = env.get("CUDA_MPS_PIPE_DIRECTORY")
+            seen["pipe"] = pipe
+            seen["listing"] = os.listdir(pipe)
+            seen["mode"] = stat.S_IMODE(os.stat(pipe).st_mode)
+            seen["limit"] = env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+            return None, ["recorded"]
+
+    monkeypatch.setitem(ENGINES, "recording", RecordingEngine())
+    monkeypatch.setenv("OMNI_DP_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/someone/elses/pipe")
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "10")
+    found = facts_module.gather_facts(LaunchOptions(engine="recording", gpu="none"),
+                                      option_problems=[])
+    assert found.engine_problems == ("recorded",)
+    assert seen["pipe"] not in ("/someone/elses/pipe", "/tmp/nvidia-mps", None)
+    assert seen["listing"] == [] and seen["mode"] == 0o700 and seen["limit"] is None
+    assert not os.path.exists(seen["pipe"])

@@ -14,6 +14,7 @@ import os
 import secrets
 import shutil
 import socket
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,14 +160,19 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
     engine = ENGINES.get(options.engine)
     if engine is not None and not option_problems:
         device = "cuda" if gpu is not None else "cpu"
-        # Not through anyone's MPS daemon: the dry run may touch the GPU before ours exists.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_MPS_")}
-        env["CUDA_VISIBLE_DEVICES"] = visible_id(gpu)
-        sizing, engine_problems = engine.dry_run(
-            ReplicaLaunch(port=options.base_port, device=device, threads=1,
-                          kv_cache_bytes=options.kv_cache_bytes,
-                          max_total_tokens=options.max_total_tokens),
-            options.engine_args, env)
+        # Not through anyone's MPS daemon: the dry run may create a CUDA context (to read free
+        # memory) before ours exists. Without a pipe directory a CUDA client tries the system
+        # default (/tmp/nvidia-mps) and would join whatever daemon answers there; a private,
+        # empty one has none, so the client falls back to a plain context of its own.
+        with tempfile.TemporaryDirectory(prefix="omni-dp-dry-run-") as no_daemon:
+            env = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_MPS_")}
+            env["CUDA_MPS_PIPE_DIRECTORY"] = no_daemon
+            env["CUDA_VISIBLE_DEVICES"] = visible_id(gpu)
+            sizing, engine_problems = engine.dry_run(
+                ReplicaLaunch(port=options.base_port, device=device, threads=1,
+                              kv_cache_bytes=options.kv_cache_bytes,
+                              max_total_tokens=options.max_total_tokens),
+                options.engine_args, env)
 
     return LaunchFacts(
         state_root=root,
