@@ -1,11 +1,14 @@
 """The stage workers: the talker's step loop and the vocoder's chunk loop, one thread each.
 
 Each worker owns its state and reads one inbox; nothing else touches its objects. Torch releases
-the GIL inside kernels, so the vocoder decodes while the talker computes the next step.
+the GIL inside kernels, so the vocoder decodes while the talker computes the next step; on CUDA
+the vocoder has its own stream, so its kernels do not queue behind the talker's either. Nothing
+on the device crosses between the two: the talker hands the vocoder Python ints.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -13,9 +16,11 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from omni_dp.engine.runner import ModelRunner
 from omni_dp.engine.scheduler import RequestOutput, RequestStatus, Scheduler, TalkerRequest
-from omni_dp.engine.vocoder import ChunkSchedule, Vocoder, VocoderStream
+from omni_dp.engine.vocoder import ChunkSchedule, Vocoder, VocoderStream, pcm16_bytes
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +128,9 @@ class TalkerWorker(StageWorker):
 class VocoderWorker(StageWorker):
     """Codes in, PCM chunks out through `deliver(request_id, chunk, finished)`.
 
-    Inbox: StepOutputs, in the order the talker produced them.
+    Inbox: StepOutputs, in the order the talker produced them. On CUDA every tensor of the
+    vocoder's is made and used on `cuda_stream` only, and the thread waits for the device once
+    per batch of messages: when it reads that batch's PCM back.
     """
 
     name = "vocoder"
@@ -140,10 +147,21 @@ class VocoderWorker(StageWorker):
         self.schedule = schedule
         self.deliver = deliver
         self.streams: dict[str, VocoderStream] = {}
+        self.cuda_stream: torch.cuda.Stream | None = None
+        device = vocoder.embed.weight.device
+        if device.type == "cuda":
+            self.cuda_stream = torch.cuda.Stream(device)
+            # The weights were moved to the device on the current (default) stream: its
+            # work so far comes first. From here on, the vocoder's tensors live on this stream.
+            self.cuda_stream.wait_stream(torch.cuda.current_stream(device))
 
     def serve(self) -> None:
-        while not isinstance(message := self.inbox.get(), Stop):
-            self._handle(message)
+        on_stream = contextlib.nullcontext()
+        if self.cuda_stream is not None:
+            on_stream = torch.cuda.stream(self.cuda_stream)
+        with on_stream:
+            while not isinstance(message := self.inbox.get(), Stop):
+                self._handle(message)
 
     def _handle(self, step: StepOutputs) -> None:
         # Merge consecutive steps already queued: fewer, larger decodes when the talker is ahead.
@@ -170,13 +188,41 @@ class VocoderWorker(StageWorker):
                     codes.append(out.new_code)
                 if out.status.is_finished:
                     finished.add(out.request_id)
+        # (request id, its next chunk, or None once it is finished), in delivery order
+        deliveries: list[tuple[str, torch.Tensor | None]] = []
         for request_id, codes in new_codes.items():
             stream = self.streams.get(request_id)
             if stream is None:
                 stream = self.streams[request_id] = VocoderStream(self.vocoder, self.schedule)
             done = request_id in finished
-            for chunk in stream.push(codes, done):
-                self.deliver(request_id, chunk, False)
+            deliveries += [(request_id, chunk) for chunk in stream.push_pcm(codes, done)]
             if done:
                 del self.streams[request_id]
+                deliveries.append((request_id, None))
+        pcm = iter(self._to_bytes([chunk for _, chunk in deliveries if chunk is not None]))
+        for request_id, chunk in deliveries:
+            if chunk is None:
                 self.deliver(request_id, None, True)
+            else:
+                self.deliver(request_id, next(pcm), False)
+
+    def _to_bytes(self, chunks: list[torch.Tensor]) -> list[bytes]:
+        """int16 chunks on the vocoder's device → PCM bytes, read back in one copy."""
+        if not chunks:
+            return []
+        flat = torch.cat(chunks)
+        if self.cuda_stream is not None:
+            # Into pinned memory, non_blocking, then one wait: this thread, this stream only.
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.cuda_stream)
+            copied.synchronize()
+            flat = host
+        data = pcm16_bytes(flat)
+        pieces, offset = [], 0
+        for chunk in chunks:
+            size = chunk.numel() * chunk.element_size()
+            pieces.append(data[offset : offset + size])
+            offset += size
+        return pieces

@@ -40,11 +40,16 @@ class DecodeGroup:
 
 @dataclass
 class FlatBatch:
-    """Everything the talker needs for one step; built by the model runner."""
+    """Everything the talker needs for one step; built by the model runner.
+
+    The tensors are on the talker's device before the call: building one inside the forward
+    would make the host wait for the GPU mid-step.
+    """
 
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     slots: torch.Tensor  # int64 [T] cache slot (page × page_size + offset) of each new token
+    last_rows: torch.Tensor  # int64 [num_sequences] each sequence's last row: where logits are read
     sequences: list[SequenceSlice]  # every sequence, in row order
     decode: DecodeGroup | None = None  # the one-token sequences, if any
 
@@ -207,5 +212,4 @@ class Talker(nn.Module):
         rope = self.rope.tables(batch.positions, x.dtype)
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
             x = layer(x, batch, rope, k_cache, v_cache)
-        last_rows = torch.tensor([seq.end - 1 for seq in batch.sequences], device=x.device)
-        return self.lm_head(self.norm(x[last_rows]))
+        return self.lm_head(self.norm(x[batch.last_rows]))

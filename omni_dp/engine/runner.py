@@ -1,9 +1,14 @@
 """The model runner: turns a scheduler output into one talker call and sampled codes.
 
 It sees token ids, positions and page ids only; it never touches the queues or the allocator.
+
+A step sends its inputs to the device in two copies (the integers, the sampling uniforms) that do
+not make the host wait, and waits once: when it reads the sampled codes back.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -11,6 +16,52 @@ from omni_dp.engine.kv_cache import KVCache
 from omni_dp.engine.model import DecodeGroup, FlatBatch, SequenceSlice, Talker
 from omni_dp.engine.sampling import sample, uniform_for
 from omni_dp.engine.scheduler import SchedulerOutput
+
+
+def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` as a tensor on `device`, copied there without making the host wait for the GPU.
+
+    `torch.tensor(values, device=cuda)` copies from pageable memory, which blocks the host until
+    the GPU has caught up. From pinned memory a non_blocking copy is only queued on the current
+    stream. A fresh pinned tensor per call is cheap and safe: the caching host allocator reuses
+    its blocks and records the copy's stream, so a block is not handed out again before its copy
+    has run. On the CPU there is nothing to pin (a CPU-only torch cannot) and no copy is made.
+    """
+    pin = device.type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=pin)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Where one input lies in a `StepStaging` buffer, and its shape."""
+
+    start: int
+    end: int
+    shape: tuple[int, ...]
+
+    def of(self, staged: torch.Tensor) -> torch.Tensor:
+        """This input as a view of the uploaded buffer."""
+        return staged[self.start : self.end].view(self.shape)
+
+
+class StepStaging:
+    """A step's int64 inputs laid end to end in one host buffer, uploaded in one copy.
+
+    One copy per input list would be one host-device wait each (about nine per step); here the
+    talker's tensors are views of the single device copy that `upload` makes.
+    """
+
+    def __init__(self) -> None:
+        self._values: list[int] = []
+
+    def add(self, values: list[int], shape: tuple[int, ...] | None = None) -> Segment:
+        """Append one input (flat values, row-major if `shape` is given)."""
+        start = len(self._values)
+        self._values += values
+        return Segment(start, len(self._values), shape or (len(values),))
+
+    def upload(self, device: torch.device) -> torch.Tensor:
+        return upload(self._values, torch.long, device)
 
 
 class ModelRunner:
@@ -22,10 +73,12 @@ class ModelRunner:
         self.temperature = talker.cfg.temperature
 
     def build_batch(self, output: SchedulerOutput) -> FlatBatch:
+        staging = StepStaging()
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        sequences: list[SequenceSlice] = []
+        # (start row, end row, context length, page table or None) of each sequence
+        spans: list[tuple[int, int, int, Segment | None]] = []
         for item in output.scheduled:
             request = item.request
             start_pos = request.num_computed_tokens
@@ -36,52 +89,59 @@ class ModelRunner:
                 positions.append(pos)
                 slots.append(request.pages[pos // self.page_size] * self.page_size
                              + pos % self.page_size)
-            page_table = None
-            if item.num_new_tokens > 1:
-                page_table = torch.tensor(request.pages, dtype=torch.long, device=self.device)
-            sequences.append(
-                SequenceSlice(
-                    start=row,
-                    end=row + item.num_new_tokens,
-                    context_len=end_pos,
-                    page_table=page_table,
-                )
-            )
+            page_table = staging.add(request.pages) if item.num_new_tokens > 1 else None
+            spans.append((row, row + item.num_new_tokens, end_pos, page_table))
+        ids_at = staging.add(input_ids)
+        positions_at = staging.add(positions)
+        slots_at = staging.add(slots)
+        last_rows_at = staging.add([end - 1 for _, end, _, _ in spans])
+        decode_at = self._stage_decode_group(output, spans, staging)
 
-        def as_tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-
+        staged = staging.upload(self.device)
         return FlatBatch(
-            input_ids=as_tensor(input_ids),
-            positions=as_tensor(positions),
-            slots=as_tensor(slots),
-            sequences=sequences,
-            decode=self._decode_group(output, sequences),
+            input_ids=ids_at.of(staged),
+            positions=positions_at.of(staged),
+            slots=slots_at.of(staged),
+            last_rows=last_rows_at.of(staged),
+            sequences=[
+                SequenceSlice(start, end, context_len, None if table is None else table.of(staged))
+                for start, end, context_len, table in spans
+            ],
+            decode=None if decode_at is None else self._decode_group(staged, *decode_at),
         )
 
-    def _decode_group(
-        self, output: SchedulerOutput, sequences: list[SequenceSlice]
-    ) -> DecodeGroup | None:
-        """Page tables of every one-token sequence, padded to the widest."""
+    def _stage_decode_group(
+        self,
+        output: SchedulerOutput,
+        spans: list[tuple[int, int, int, Segment | None]],
+        staging: StepStaging,
+    ) -> tuple[Segment, Segment, Segment] | None:
+        """The one-token sequences' rows, context lengths and page tables padded to the widest."""
         members = [
-            (item.request, seq)
-            for item, seq in zip(output.scheduled, sequences, strict=True)
-            if seq.page_table is None
+            (item.request, start, context_len)
+            for item, (start, _, context_len, table) in zip(output.scheduled, spans, strict=True)
+            if table is None
         ]
         if not members:
             return None
-        widest = max(len(request.pages) for request, _ in members)
-        table = torch.tensor(
-            [request.pages + [0] * (widest - len(request.pages)) for request, _ in members],
-            dtype=torch.long, device=self.device,
+        widest = max(len(request.pages) for request, _, _ in members)
+        table: list[int] = []
+        for request, _, _ in members:
+            table += request.pages + [0] * (widest - len(request.pages))
+        return (
+            staging.add([start for _, start, _ in members]),
+            staging.add([context_len for _, _, context_len in members]),
+            staging.add(table, (len(members), widest)),
         )
-        positions = torch.arange(widest * self.page_size, device=self.device)
-        lengths = torch.tensor([seq.context_len for _, seq in members], device=self.device)
-        return DecodeGroup(
-            rows=torch.tensor([seq.start for _, seq in members], device=self.device),
-            page_table=table,
-            mask=(positions.unsqueeze(0) < lengths.unsqueeze(1))[:, None, None, :],
-        )
+
+    def _decode_group(
+        self, staged: torch.Tensor, rows: Segment, lengths: Segment, table: Segment
+    ) -> DecodeGroup:
+        page_table = table.of(staged)
+        # On the device from the uploaded lengths: a kernel, not another copy.
+        positions = torch.arange(page_table.shape[1] * self.page_size, device=self.device)
+        mask = positions.unsqueeze(0) < lengths.of(staged).unsqueeze(1)
+        return DecodeGroup(rows=rows.of(staged), page_table=page_table, mask=mask[:, None, None, :])
 
     def execute(self, output: SchedulerOutput) -> list[int]:
         """Run the talker on every scheduled request and sample its next code."""
@@ -91,4 +151,4 @@ class ModelRunner:
             uniform_for(item.request.seed, len(item.request.output_codes))
             for item in output.scheduled
         ]
-        return sample(logits, self.temperature, uniforms)
+        return sample(logits, self.temperature, upload(uniforms, torch.float64, self.device))

@@ -67,15 +67,26 @@ class Vocoder(nn.Module):
         """Samples of tokens [start, end), using up to `left_context_tokens` tokens before."""
         ctx_start = max(0, start - self.left_context_tokens)
         device = self.embed.weight.device
-        window = torch.tensor(codes[ctx_start:end], dtype=torch.long, device=device)
-        samples = self(window)
+        # On CUDA from pinned memory, non_blocking: queued on the current stream, no host wait.
+        pin = device.type == "cuda"
+        window = torch.tensor(codes[ctx_start:end], dtype=torch.long, pin_memory=pin)
+        samples = self(window.to(device, non_blocking=pin))
         return samples[(start - ctx_start) * self.cfg.samples_per_token :]
+
+
+def quantize_pcm16(samples: torch.Tensor) -> torch.Tensor:
+    """Float samples in [-1, 1] → int16, on the samples' device."""
+    return (samples.float().clamp(-1.0, 1.0) * 32767.0).round().to(torch.int16)
+
+
+def pcm16_bytes(ints: torch.Tensor) -> bytes:
+    """int16 samples → little-endian signed 16-bit PCM."""
+    return ints.cpu().numpy().astype("<i2", copy=False).tobytes()
 
 
 def to_pcm16(samples: torch.Tensor) -> bytes:
     """Float samples in [-1, 1] → little-endian signed 16-bit PCM."""
-    ints = (samples.float().clamp(-1.0, 1.0) * 32767.0).round().to(torch.int16)
-    return ints.cpu().numpy().astype("<i2", copy=False).tobytes()
+    return pcm16_bytes(quantize_pcm16(samples))
 
 
 class ChunkSchedule:
@@ -105,14 +116,19 @@ class VocoderStream:
         self.num_decoded = 0
 
     def push(self, new_codes: list[int], finished: bool) -> list[bytes]:
+        return [pcm16_bytes(chunk) for chunk in self.push_pcm(new_codes, finished)]
+
+    def push_pcm(self, new_codes: list[int], finished: bool) -> list[torch.Tensor]:
+        """Like `push`, with the chunks left on the vocoder's device as int16 samples."""
         self.codes.extend(new_codes)
         chunks = []
         for end in self.schedule.boundaries_between(self.num_decoded, len(self.codes)):
-            chunks.append(to_pcm16(self.vocoder.decode_range(self.codes, self.num_decoded, end)))
+            samples = self.vocoder.decode_range(self.codes, self.num_decoded, end)
+            chunks.append(quantize_pcm16(samples))
             self.num_decoded = end
         if finished and self.num_decoded < len(self.codes):
             tail = self.vocoder.decode_range(self.codes, self.num_decoded, len(self.codes))
-            chunks.append(to_pcm16(tail))
+            chunks.append(quantize_pcm16(tail))
             self.num_decoded = len(self.codes)
         return chunks
 
