@@ -86,14 +86,18 @@ async def drive(url: str, concurrency: int, num_requests: int, sample_rate: int)
                 start = time.perf_counter()
                 first = None
                 size = 0
-                async with session.post(url + "/v1/audio/speech", json=body) as resp:
-                    if resp.status != 200:
-                        errors += 1
-                        await resp.read()
-                        continue
-                    async for chunk in resp.content.iter_any():
-                        first = first or time.perf_counter()
-                        size += len(chunk)
+                try:
+                    async with session.post(url + "/v1/audio/speech", json=body) as resp:
+                        if resp.status != 200:
+                            errors += 1
+                            await resp.read()
+                            continue
+                        async for chunk in resp.content.iter_any():
+                            first = first or time.perf_counter()
+                            size += len(chunk)
+                except aiohttp.ClientError:
+                    errors += 1  # a reset or refused connection is a failed request, counted
+                    continue
                 end = time.perf_counter()
                 latencies.append(end - start)
                 ttfas.append((first or end) - start)
@@ -104,6 +108,7 @@ async def drive(url: str, concurrency: int, num_requests: int, sample_rate: int)
         wall = time.perf_counter() - started
 
     done = len(latencies)
+    latencies, ttfas = latencies or [float("nan")], ttfas or [float("nan")]  # all failed
     return LevelResult(
         concurrency=concurrency, requests=done, errors=errors, wall_s=round(wall, 3),
         requests_per_s=round(done / wall, 2),
