@@ -31,7 +31,7 @@ from omni_dp.mps.binaries import (
     driver_version,
     locate_mps_binaries,
 )
-from omni_dp.mps.control import BINARY_NAME, MpsControl, find_control_binary
+from omni_dp.mps.control import BINARY_NAME, MpsControl
 from omni_dp.mps.daemon import DaemonRecord, MpsDaemon
 from omni_dp.mps.preflight import check_control_binary, locate_control_binary, run_preflight
 from omni_dp.procs import ProcessIdentity, is_alive
@@ -92,7 +92,6 @@ def test_the_default_driver_folders_are_searched(machine, monkeypatch):
     control = fake(driver_bin / BINARY_NAME)
     monkeypatch.setattr(binaries, "DRIVER_DIRS", (str(driver_bin),))
     assert locate().control == str(control)
-    assert find_control_binary() == str(control)
     assert check_control_binary(None) == []
     assert "/usr/local/nvidia/bin" in DEFAULT_DRIVER_DIRS  # the lent machines' driver mount
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from omni_dp.mps import binaries
+from omni_dp.mps.binaries import locate_mps_binaries
 from omni_dp.mps.control import (
     BinaryNotFound,
     CommandRejected,
@@ -12,7 +13,6 @@ from omni_dp.mps.control import (
     DaemonUnreachable,
     MalformedOutput,
     MpsControl,
-    find_control_binary,
     parse_mem_limit,
     parse_percentage,
     parse_pid_list,
@@ -90,18 +90,18 @@ def test_inherited_limits_are_stripped_and_dirs_set(tmp_path, monkeypatch):
     assert (env["CUDA_MPS_PIPE_DIRECTORY"], env["CUDA_MPS_LOG_DIRECTORY"]) == ("/p", "/l")
 
 
-def test_find_control_binary(standin, tmp_path, monkeypatch):
+def test_locate_control_binary(standin, tmp_path, monkeypatch):
     monkeypatch.delenv("OMNI_DP_MPS_CONTROL", raising=False)
     monkeypatch.setattr(binaries, "DRIVER_DIRS", ())  # not the real driver's, where there is one
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(BinaryNotFound, match="nvidia-cuda-mps"):
-        find_control_binary()
-    assert find_control_binary(str(standin.binary)) == str(standin.binary)
+        locate_mps_binaries()
+    assert locate_mps_binaries(str(standin.binary)).control == str(standin.binary)
     monkeypatch.setenv("OMNI_DP_MPS_CONTROL", str(standin.binary))
-    assert find_control_binary() == str(standin.binary)
+    assert locate_mps_binaries().control == str(standin.binary)
     monkeypatch.delenv("OMNI_DP_MPS_CONTROL")
     monkeypatch.setenv("PATH", str(standin.binary.parent))
-    assert find_control_binary() == str(standin.binary)
+    assert locate_mps_binaries().control == str(standin.binary)
 
 
 def test_a_memory_limit_is_read_back(standin, tmp_path):

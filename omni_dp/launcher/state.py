@@ -12,7 +12,8 @@ run.json:
      "launcher": {"pid", "create_time"},  # the `omni-dp launch` process
      "supervisor": {"pid", "create_time", "detached"} | null,
      "router": {"pid", "create_time", "pgid", "port", "url", "argv", "log"} | null,
-     "mps": {"daemon": {"pid", "create_time", "binary", "pipe_dir", "log_dir", "gpu_uuid"}} | null,
+     "mps": {"daemon": {"pid", "create_time", "binary", "pipe_dir", "log_dir", "gpu_uuid",
+                        "server_binary"}} | null,
      "replicas": [{"index", "port", "url", "cpus", "argv", "env", "log",
                    "pid", "create_time", "pgid",          # null until started
                    "processes": [{"pid", "role", "device"}],  # from /get_server_info

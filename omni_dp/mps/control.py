@@ -59,14 +59,6 @@ class MalformedOutput(MpsControlError):
 RUN_IDENTITY_ENVS = ("OMNI_DP_RUN_TOKEN", "OMNI_DP_REPLICA", "OMNI_DP_RUN_ID")
 
 
-def find_control_binary(path: str | None = None) -> str:
-    """`path`, else $OMNI_DP_MPS_CONTROL, else PATH, the driver folders, next to nvidia-smi
-    (omni_dp.mps.binaries, which also finds the server)."""
-    from omni_dp.mps.binaries import locate_mps_binaries  # it imports this module
-
-    return locate_mps_binaries(path, driver=lambda: None).control
-
-
 def parse_pid_list(text: str) -> list[int]:
     """PIDs, one per line; an empty reply is an empty list; any other line is an error."""
     pids = []
