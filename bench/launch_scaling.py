@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -48,9 +49,20 @@ def _raise_interrupted(signum, frame) -> None:
 
 
 def omni_dp(*args: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """One omni-dp command; a TimeoutExpired is the caller's to record."""
-    return subprocess.run([sys.executable, "-m", "omni_dp", *args], env=env, text=True,
-                          capture_output=True, timeout=max(timeout, 1.0), check=False)
+    """One omni-dp command in a process group of its own; a TimeoutExpired is the caller's to
+    record. On timeout the whole group is killed: a launch killed alone would leave its engine
+    dry run running. What the launch started in sessions of their own is `down`'s to stop."""
+    argv = [sys.executable, "-m", "omni_dp", *args]
+    with subprocess.Popen(argv, env=env, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=max(timeout, 1.0))
+        except BaseException:  # the timeout, or SIGTERM (Interrupted) while waiting
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def free_port_block(n: int) -> int:

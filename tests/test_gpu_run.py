@@ -88,19 +88,41 @@ def test_the_device_script_runs_on_cpu_and_brings_back_exactly_its_files(tmp_pat
 
 @pytest.mark.slow
 def test_a_step_that_times_out_or_fails_still_leaves_every_file_and_no_process(tmp_path):
-    """gpu_check is killed at 3 s; the DP table's first configuration is killed during its
-    launch (4 s limit: bring-up takes longer), the MPS one fails its preflight (no GPU)."""
+    """gpu_check is killed at 3 s; the DP table's MPS configuration fails its preflight (no
+    GPU) and the next one still runs."""
     real_control_binary()
-    rc, summary = gpu_run(tmp_path / "out", LIMIT_CHECK="3", CONFIGS="2,2mps",
-                          CONFIG_TIMEOUT="4")
+    rc, summary = gpu_run(tmp_path / "out", LIMIT_CHECK="3", CONFIGS="2mps,1")
     assert rc == 1, summary
     assert re.search(r"^\| gpu_check \| timed out after 3s \|", summary, re.M), summary
+    assert "RESULT" not in (tmp_path / "out" / "gpu_check.txt").read_text()
     results = {r["config"]: r for r in rows(tmp_path / "out")}
-    assert results["2"]["result"].startswith("timeout (4 s) in: launch"), results["2"]
     assert results["2mps"]["result"] == "launch exit 2"
     assert any("--mps needs a GPU" in line for line in results["2mps"]["launch_error"])
+    assert results["1"]["result"] == "ok"
     assert all(r["left_behind"] == [] for r in results.values())
     assert "| cleanup | nothing left running |" in summary
+
+
+@pytest.mark.slow
+def test_a_configuration_past_its_time_limit_is_a_row_and_is_torn_down(tmp_path):
+    """The launch is killed at 3 s (preflight alone takes about that, bring-up longer): the
+    row says so, `down` ran, and nothing of the run is left."""
+    state = tmp_path / "state"
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "launch_scaling.py"), "--configs", "2", "--gpu", "none",
+         "--serve-args", "--model tiny", "--state-dir", str(state), "--out",
+         str(tmp_path / "out"), "--config-timeout", "3", "--min-config-s", "1",
+         "--concurrency", "4", "--requests", "8"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=BENCH, capture_output=True,
+        text=True, timeout=180, check=False)
+    assert done.returncode == 1, done.stdout + done.stderr
+    [row] = rows(tmp_path / "out")
+    assert row["result"] == "timeout (3 s) in: launch --replicas", row
+    assert row["down_rc"] == 0 and row["left_behind"] == []
+    assert not list((state / "runs").glob("*")) if (state / "runs").exists() else True
+    assert processes_under(str(state)) == []
+    assert re.search(r"^\| 2 \| timeout \(3 s\)", (tmp_path / "out" / "scaling.md").read_text(),
+                     re.M)
 
 
 @pytest.mark.slow
