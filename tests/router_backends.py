@@ -20,7 +20,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
-from omni_dp.router.app import Router, build_app
+from omni_dp.router.app import Router, make_runner
 from omni_dp.router.config import HealthConfig, plan_router
 
 LOOPBACK = "127.0.0.1"
@@ -203,11 +203,9 @@ async def serve(config, middlewares: tuple = ()):
     await router.start()
     runner = None
     try:
-        app = build_app(router)
+        runner = make_runner(router, shutdown_timeout=1.0)
         for index, middleware in enumerate(middlewares):
-            app.middlewares.insert(index, middleware)
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                               shutdown_timeout=1.0)
+            runner.app.middlewares.insert(index, middleware)
         await runner.setup()
         site = web.TCPSite(runner, LOOPBACK, 0)
         await site.start()

@@ -25,6 +25,8 @@ from router_backends import (
     until,
 )
 
+from omni_dp.router.replicas import Health
+
 
 def held_count(*bs: Backend) -> int:
     return sum(len(b.seen) for b in bs)
@@ -188,6 +190,11 @@ def test_post_workers_adds_a_checked_replica_that_takes_traffic():
     ({"url": "http://127.0.0.1:1", "disabled": "no"}, 400, "disabled"),
     (b"not json", 400, "JSON object"),
     ([1, 2], 400, "JSON object"),
+    (b"[" * 100_000, 400, "JSON object"),  # nested too deep for the JSON parser
+    (b"\xff\xfe{}", 400, "JSON object"),
+    ({"url": "http://[::1"}, 400, "http://HOST:PORT"),
+    ({"url": "http://a b:1"}, 400, "whitespace"),
+    ({"url": "http://127.0.0.1:1", "id": "a\n"}, 400, "replica id"),
 ])
 def test_post_workers_refuses_bad_or_duplicate_replicas(body, status, words):
     async def main():
@@ -457,3 +464,117 @@ def test_metrics_families_and_values_follow_the_traffic():
     assert sample(ejected, "omni_dp_router_requests_total", replica="a", status="502") == 2
     assert sample(ejected, "omni_dp_router_ejections_total", replica="a") == 1
     assert sample(ejected, "omni_dp_router_replica_healthy", replica="a") == 0
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH"])
+def test_api_key_exempts_only_reading_the_ops_endpoints(method):
+    """Any other method on an ops path is forwarded to a replica: it needs the key."""
+    key = "s3cret-key"
+
+    async def main():
+        async with backends("a") as (a,), \
+                serve(make_config([f"a={a.url}"], api_key=key)) as served, client() as session:
+            refused = {path: await fetch(session, method, served.url + path, data=b"{}")
+                       for path in ("/health", "/ready", "/live", "/metrics")}
+            head = (await fetch(session, "HEAD", served.url + "/ready"))[0]
+            keyed = (await fetch(session, method, served.url + "/health", data=b"{}",
+                                 headers={"Authorization": f"Bearer {key}"}))[0]
+            return refused, head, keyed, [(s.method, s.raw_path) for s in a.seen]
+
+    refused, head, keyed, seen = run(main())
+    for path, (status, _, body) in refused.items():
+        assert status == 401, path
+        assert error_body(body)["type"] == "unauthorized"
+    assert head == 200
+    assert keyed == 200  # with the key, it is an ordinary proxied request
+    assert seen == [(method, "/health")]
+
+
+@pytest.mark.parametrize("header", [
+    "bearer {key}", "BEARER {key}", "BeArEr {key}", "Bearer   {key}",
+])
+def test_bearer_scheme_is_case_insensitive(header):
+    key = "s3cret-key"
+
+    async def main():
+        async with backends("a") as (a,), \
+                serve(make_config([f"a={a.url}"], api_key=key)) as served, client() as session:
+            good = (await fetch(session, "GET", served.url + "/v1/models",
+                                headers={"Authorization": header.format(key=key)}))[0]
+            bad = (await fetch(session, "GET", served.url + "/v1/models",
+                               headers={"Authorization": header.format(key=key + "x")}))[0]
+            return good, bad, len(a.seen)
+
+    assert run(main()) == (200, 401, 1)
+
+
+# --- enabling through the admin API ------------------------------------------------------------
+
+
+def test_enabling_a_disabled_replica_makes_it_routable_at_once():
+    """The supervisor's flow: disable, the replica restarts (the router's probes fail and eject
+    it), the gates pass, enable. The very next request goes to it, with no probe in between."""
+
+    async def main():
+        bs = [Backend(name, hold_if_asked) for name in ("a", "b")]
+        async with backends(*bs) as (a, b), \
+                serve(make_config([f"a={a.url}", f"b={b.url}"], failures=2, successes=2)) \
+                as served, client() as session:
+            replica = served.replica("a")
+            status, _, _ = await fetch(session, "PUT", served.url + "/workers/a",
+                                       json={"disabled": True})
+            assert status == 200
+            a.health_status = 503  # restarting
+            for _ in range(2):
+                await served.router.health.check_all()
+            assert replica.health.value == "unhealthy"
+            a.health_status = 200  # back, and through the supervisor's gates
+            probes = a.health_probes
+            # b is busy, so least_request sends the next request to a if a is routable at all
+            held = asyncio.create_task(fetch(session, "POST", served.url + "/generate?hold=1"))
+            await until(lambda: len(b.seen) == 1)
+            status, _, body = await fetch(session, "PUT", served.url + "/workers/a",
+                                          json={"disabled": False})
+            described = json.loads(body)
+            next_replica = await replica_of(session, served.url + "/v1/models")
+            b.release.set()
+            await held
+            await served.wait_idle()
+            return status, described, next_replica, a.health_probes - probes
+
+    status, described, next_replica, probes = run(main())
+    assert status == 200
+    assert described["routable"] is True and described["health"] == "healthy"
+    assert next_replica == "a"
+    assert probes == 0  # routable on the admin's word, not on a probe of ours
+
+
+def test_an_ejected_replica_nobody_disabled_still_needs_its_probes():
+    async def main():
+        async with backends("a", "b") as (a, b), \
+                serve(make_config([f"a={a.url}", f"b={b.url}"], failures=1, successes=2)) \
+                as served, client() as session:
+            a.health_status = 503
+            await served.router.health.check_all()
+            a.health_status = 200
+            status, _, body = await fetch(session, "PUT", served.url + "/workers/a",
+                                          json={"disabled": False})
+            after_put = json.loads(body)["routable"]
+            await served.router.health.check_all()
+            after_one = served.replica("a").routable
+            await served.router.health.check_all()
+            return status, after_put, after_one, served.replica("a").routable
+
+    assert run(main()) == (200, False, False, True)
+
+
+def test_an_enable_relayed_from_a_sibling_process_is_routable_at_once():
+    async def main():
+        async with backends("a") as (a,), serve(make_config([f"a={a.url}"])) as served:
+            router = served.router
+            await router.apply_change({"op": "update", "id": "a", "disabled": True})
+            served.replica("a").health = Health.UNHEALTHY  # ejected while it restarted
+            await router.apply_change({"op": "update", "id": "a", "disabled": False})
+            return served.replica("a").routable
+
+    assert run(main()) is True

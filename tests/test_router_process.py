@@ -40,6 +40,10 @@ def omni_dp_router(*args: str) -> subprocess.CompletedProcess:
     (["--health-jitter", "1.5"], "--health-jitter"),
     (["--api-key", " "], "--api-key must not be empty"),
     (["--max-body-bytes", "lots"], "is not a size"),
+    (["--replica", "http://[::1"], "must look like http://HOST:PORT"),
+    (["--body-timeout", "0"], "--body-timeout and --header-timeout must be positive"),
+    (["--header-timeout", "-1"], "--body-timeout and --header-timeout must be positive"),
+    (["--max-body-readers", "0"], "--max-body-readers must be at least 1"),
 ])
 def test_bad_options_exit_2_with_a_message(args, message):
     result = omni_dp_router(*args)
@@ -297,3 +301,54 @@ def test_drain_timeout_cuts_off_what_is_still_in_flight_and_says_so(tmp_path):
                      r"cut off 1 request\(s\) still in flight", log), log
     assert "drained" not in log
     assert "Traceback" not in log
+
+
+def test_drain_timeout_ends_an_sse_stream_with_an_error_event(tmp_path):
+    """The cut SSE stream gets the same `data: {"error": ...}` event as a replica dying
+    mid-stream, then breaks: never a clean end."""
+
+    async def sse(backend, request, seen):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"n": 1}\n\n')
+        await backend.release.wait()  # only at the end of the test: past any drain
+        return resp
+
+    async def main():
+        backend = Backend("a", sse)
+        async with backends(backend):
+            router = RouterProcess(tmp_path / "router.log", "--replica", f"a={backend.url}",
+                                   "--drain-timeout", "0.5")
+            try:
+                await router.start()
+                await router.wait_listening()
+                events, broken = [], None
+                async with fresh_session() as session, \
+                        session.post(router.url + "/v1/audio/speech", data=b"{}") as resp:
+                    assert resp.status == 200
+                    try:
+                        async for line in resp.content:
+                            if line.startswith(b"data: "):
+                                events.append(json.loads(line[6:]))
+                                if len(events) == 1:
+                                    os.kill(router.proc.pid, signal.SIGTERM)
+                    except aiohttp.ClientPayloadError as exc:
+                        broken = exc
+                code = await asyncio.wait_for(router.proc.wait(), 10)
+                return events, broken, code, router.log_text()
+            finally:
+                backend.release.set()
+                router.kill()
+
+    events, broken, code, log = run(main())
+    assert events[0] == {"n": 1}
+    assert len(events) == 2, events
+    error = events[1]["error"]
+    assert error["type"] == "drain_timeout" and error["code"] == 503
+    assert "drain timeout (0.5s)" in error["message"]
+    assert broken is not None, "the cut stream ended cleanly"
+    assert code == 0, log
+    assert "cut off 1 request(s)" in log
+    route = next(json.loads(line.split(": ", 1)[1]) for line in log.splitlines()
+                 if '"event":"route"' in line)
+    assert route["outcome"] == "drain_cut_off" and route["client_disconnected"] is False

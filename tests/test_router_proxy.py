@@ -635,3 +635,62 @@ def test_clients_resetting_mid_stream_are_not_replica_failures(loop):
     assert sample(metrics, "omni_dp_router_upstream_errors_total",
                   replica="a", kind="midstream") == 0
     assert (ejections, failures) == (0, 0)
+
+
+# --- the request target and the route log ------------------------------------------------------
+
+
+async def raw_exchange(port: int, request: bytes) -> tuple[int, bytes]:
+    """Send `request` on a fresh loopback connection; (status, body) of the answer."""
+    reader, writer = await asyncio.open_connection(LOOPBACK, port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 5)  # the request asks to close
+    finally:
+        writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+@pytest.mark.parametrize("target", [
+    "http://{backend}/v1/models", "HTTP://router/health", "http://[::1]:9/x?y=1",
+])
+def test_absolute_form_request_target_gets_400_and_is_never_forwarded(target):
+    async def main():
+        async with backends("a") as (backend,), \
+                serve(make_config([backend.url])) as served:
+            line = target.format(backend=f"{LOOPBACK}:{backend.port}")
+            status, body = await raw_exchange(
+                int(served.url.rsplit(":", 1)[1]),
+                f"GET {line} HTTP/1.1\r\nHost: router\r\nConnection: close\r\n\r\n".encode())
+            await served.wait_idle()
+            return status, body, backend.seen
+
+    status, body, seen = run(main())
+    assert status == 400, body
+    error = error_body(body)
+    assert error["type"] == "invalid_request_target"
+    assert "absolute URL" in error["message"]
+    assert seen == []
+
+
+def test_route_log_outcome_is_not_ok_for_replica_error_statuses(caplog):
+    caplog.set_level(logging.INFO, logger="omni_dp.router.access")
+
+    async def main():
+        async with backends(Backend("a", status_from_query)) as (backend,), \
+                serve(make_config([backend.url], failures=100)) as served, client() as session:
+            for status in (200, 201, 404, 429, 500, 503):
+                got, _, _ = await fetch(session, "POST", served.url + f"/generate?status={status}",
+                                        headers={"X-Request-ID": f"r{status}"})
+                assert got == status
+            await served.wait_idle()
+
+    run(main())
+    routes = {r["request_id"]: r for r in (json.loads(rec.getMessage()) for rec in caplog.records
+                                           if rec.name == "omni_dp.router.access")}
+    outcomes = {rid: (route["status"], route["outcome"]) for rid, route in routes.items()}
+    assert outcomes == {"r200": (200, "ok"), "r201": (201, "ok"), "r404": (404, "replica_4xx"),
+                        "r429": (429, "replica_4xx"), "r500": (500, "replica_5xx"),
+                        "r503": (503, "replica_5xx")}

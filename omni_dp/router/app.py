@@ -16,7 +16,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from omni_dp.router.config import RouterConfig, is_loopback_address
-from omni_dp.router.health import HealthChecker, probe
+from omni_dp.router.health import HealthChecker, mark_healthy, probe
 from omni_dp.router.metrics import RouterMetrics
 from omni_dp.router.policies import RequestContext, make_policy
 from omni_dp.router.proxy import Forwarder, json_error
@@ -32,6 +32,12 @@ from omni_dp.router.replicas import (
 log = logging.getLogger("omni_dp.router")
 
 OPS_PATHS = frozenset({"/health", "/ready", "/live", "/metrics"})
+# Only reading the router's own ops endpoints is exempt from --api-key; any other method on
+# those paths goes to a replica, so it needs the key like every other proxied request.
+OPS_METHODS = frozenset({"GET", "HEAD"})
+# After the router's own drain cut (which ends SSE streams with an error event), aiohttp gets
+# this long before its shutdown cancels handlers and closes their transports outright.
+_CUT_GRACE_S = 1.0
 ROUTER_KEY: web.AppKey[Router] = web.AppKey("router")
 ADMIN_PREFIX = "/workers"
 
@@ -45,10 +51,16 @@ class Router:
         self.policy = make_policy(config.policy, config.seed)
         self.metrics = RouterMetrics(lambda: self.replicas)
         self.num_admitted = 0  # requests past admission and not yet answered
-        # Shutdown: the loop time the drain ends at, and the admitted requests cancelled after
-        # it (cut off, where a cancellation before it is a client hanging up).
+        self.num_reading = 0  # requests whose body is being read (before admission)
+        # Shutdown: the loop time the drain ends at; at it, `cutting_off` is set and every
+        # request still being read or in flight is cancelled (`num_cut_off` counts the
+        # admitted ones).
+        self.drain_s: float | None = None
         self.drain_deadline: float | None = None
+        self.cutting_off = False
         self.num_cut_off = 0
+        self._active: set[asyncio.Task] = set()  # the tasks of reading and admitted requests
+        self._cut_timer: asyncio.TimerHandle | None = None
         self.session: aiohttp.ClientSession | None = None
         self.probe_session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None
@@ -73,17 +85,49 @@ class Router:
         return None
 
     @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Counts a request whose body is being read; the drain cut cancels it too."""
+        task = asyncio.current_task()
+        self.num_reading += 1
+        self._active.add(task)
+        try:
+            yield
+        finally:
+            self.num_reading -= 1
+            self._active.discard(task)
+
+    @contextlib.contextmanager
     def admitted(self) -> Iterator[None]:
+        task = asyncio.current_task()
         self.num_admitted += 1
+        self._active.add(task)
         try:
             yield
         except asyncio.CancelledError:
-            deadline = self.drain_deadline
-            if deadline is not None and asyncio.get_running_loop().time() >= deadline:
+            if self.cutting_off:
                 self.num_cut_off += 1
             raise
         finally:
             self.num_admitted -= 1
+            self._active.discard(task)
+
+    def begin_drain(self, drain_s: float) -> None:
+        """Refuse new requests now; cut off whatever is still in flight after `drain_s`.
+
+        The router cuts itself, before aiohttp's shutdown does: aiohttp closes the transport
+        right after cancelling a handler, which would leave no moment to end an SSE stream
+        with its error event.
+        """
+        self.stopping = True
+        self.drain_s = drain_s
+        loop = asyncio.get_running_loop()
+        self.drain_deadline = loop.time() + drain_s
+        self._cut_timer = loop.call_at(self.drain_deadline, self._cut_off)
+
+    def _cut_off(self) -> None:
+        self.cutting_off = True
+        for task in list(self._active):
+            task.cancel()
 
     def select(self, ctx: RequestContext, exclude: set[str]) -> Replica | None:
         cap = self.config.max_inflight_per_replica
@@ -110,10 +154,21 @@ class Router:
         return replica
 
     def set_disabled(self, replica: Replica, disabled: bool, *, announce: bool = True) -> None:
+        """Enabling a disabled replica makes it routable at once.
+
+        Whoever enables one (the launcher's supervisor, after its health, KV and MPS-attach
+        gates) has proven more than our probes can; waiting for --health-successes probes
+        would leave a ready replica idle for intervals. A replica the router itself ejected,
+        and nobody disabled, still needs its probes.
+        """
+        was_disabled = replica.disabled
         replica.disabled = disabled
+        if was_disabled and not disabled:
+            mark_healthy(replica)
         if announce:
             self.on_change({"op": "update", "id": replica.id, "disabled": disabled})
-        log.info("replica %s %s", replica.id, "disabled" if disabled else "enabled")
+        log.info("replica %s %s", replica.id,
+                 "disabled" if disabled else f"enabled (health {replica.health.value})")
 
     def remove_replica(self, replica_id: str, *, announce: bool = True) -> Replica:
         replica = self.replicas.remove(replica_id)
@@ -161,6 +216,8 @@ class Router:
         self.health.start()
 
     async def stop(self) -> None:
+        if self._cut_timer is not None:
+            self._cut_timer.cancel()
         if self.health is not None:
             await self.health.stop()
         for session in (self.session, self.probe_session):
@@ -177,11 +234,22 @@ def build_app(router: Router) -> web.Application:
 
     @web.middleware
     async def guard(request: web.Request, handler):
-        if request.path in OPS_PATHS:
+        if not request.raw_path.startswith("/"):
+            # Absolute-form (`GET http://host/x`): this is no forward proxy, and the target
+            # cannot be appended to a replica's URL.
+            return json_error(400, "the request target must be a path (/...), not an absolute "
+                                   f"URL: {request.raw_path[:200]!r}", "invalid_request_target")
+        if request.path in OPS_PATHS and request.method in OPS_METHODS:
             return await handler(request)
         if config.api_key is not None and not _key_ok(request, config.api_key):
             return json_error(401, "missing or wrong API key: send Authorization: Bearer KEY",
                               "unauthorized")
+        length = request.content_length
+        if length is not None and length > config.max_body_bytes:
+            # Refused before a byte of the body is read.
+            return json_error(413, f"Content-Length {length} is over the router's limit of "
+                                   f"{config.max_body_bytes} bytes (--max-body-bytes)",
+                              "body_too_large")
         is_admin = request.path == ADMIN_PREFIX or request.path.startswith(ADMIN_PREFIX + "/")
         if is_admin and not config.admin_allow_remote and not is_loopback_address(request.remote):
             return json_error(403, "the admin API answers loopback clients only", "forbidden")
@@ -202,8 +270,12 @@ def build_app(router: Router) -> web.Application:
 
 
 def _key_ok(request: web.Request, key: str) -> bool:
-    auth = request.headers.get("Authorization", "")
-    given = auth[7:] if auth.startswith("Bearer ") else request.headers.get("X-API-Key", "")
+    """`Authorization: Bearer KEY` (the scheme is case-insensitive, RFC 7235) or `X-API-Key`."""
+    scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer":
+        given = credentials.strip(" ")
+    else:
+        given = request.headers.get("X-API-Key", "")
     return hmac.compare_digest(given.encode(), key.encode())
 
 
@@ -238,7 +310,7 @@ async def _list_workers(request: web.Request) -> web.Response:
 async def _json_object(request: web.Request) -> dict:
     try:
         body = await request.json()
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: deep nesting
         raise ReplicaError("body must be a JSON object") from None
     if not isinstance(body, dict):
         raise ReplicaError("body must be a JSON object")
@@ -312,6 +384,21 @@ def make_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
     return sock
 
 
+def make_runner(router: Router, shutdown_timeout: float) -> web.AppRunner:
+    """The aiohttp runner with the router's connection-level bounds.
+
+    Header reads rely on aiohttp's keep-alive timer: it is armed when a connection opens and
+    again after each response, and closes the connection if no complete request head has
+    arrived when it fires (aiohttp >= 3.10; its default is 3630 s). So a client that never
+    finishes its headers is closed after --header-timeout, as is an idle keep-alive
+    connection. Bodies have no such timer in aiohttp: the forwarder bounds them.
+    """
+    return web.AppRunner(
+        build_app(router), handler_cancellation=True, access_log=None,
+        shutdown_timeout=shutdown_timeout, keepalive_timeout=router.config.header_timeout_s,
+    )
+
+
 async def serve_router(
     config: RouterConfig,
     sock: socket.socket,
@@ -330,9 +417,7 @@ async def serve_router(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await router.start()
-    runner = web.AppRunner(
-        build_app(router), handler_cancellation=True, access_log=None, shutdown_timeout=drain_s,
-    )
+    runner = make_runner(router, shutdown_timeout=drain_s + _CUT_GRACE_S)
     await runner.setup()
     await web.SockSite(runner, sock).start()
     host, port = sock.getsockname()[:2]
@@ -341,12 +426,11 @@ async def serve_router(
              host, port, router.policy.name, routable, len(router.replicas))
     try:
         await stop.wait()
-        router.stopping = True
         log.info("stopping: draining %d request(s)", router.num_admitted)
-        router.drain_deadline = loop.time() + drain_s
+        router.begin_drain(drain_s)
     finally:
-        # Closes the listener, waits for the requests in flight (bounded by drain_s), then
-        # cancels whatever is left.
+        # Closes the listener and waits for the requests in flight; the router cuts off what
+        # is left at drain_s (begin_drain), aiohttp whatever is left after that.
         await runner.cleanup()
         await router.stop()
     # Cut off: cancelled past the deadline, or still admitted now (a cancellation not yet run).

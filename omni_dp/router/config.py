@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
+import math
 from dataclasses import dataclass, field
 
 from omni_dp.router.policies import POLICIES
@@ -37,6 +39,11 @@ class RouterConfig:
     max_inflight: int | None = None  # None: max_inflight_per_replica × replicas
     max_inflight_per_replica: int = 256
     max_body_bytes: int = 64 * 1024**2
+    # Bodies are read before a request is admitted, so a slow sender holds a reader slot (its
+    # own bound) for at most body_timeout_s, never one of the in-flight slots.
+    max_body_readers: int | None = None  # None: 4 × the in-flight bound
+    body_timeout_s: float = 30.0
+    header_timeout_s: float = 30.0  # request headers, and idle keep-alive connections
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 1800.0
     retry_connect_failures: bool = True
@@ -47,6 +54,11 @@ class RouterConfig:
         if self.max_inflight is not None:
             return self.max_inflight
         return self.max_inflight_per_replica * max(num_replicas, 1)
+
+    def body_reader_bound(self, num_replicas: int) -> int:
+        if self.max_body_readers is not None:
+            return self.max_body_readers
+        return 4 * self.inflight_bound(num_replicas)
 
 
 def parse_replica_arg(text: str, index: int) -> tuple[str, str]:
@@ -87,9 +99,14 @@ def plan_router(
         problems.append("--max-inflight must be at least 1")
     if config.max_inflight_per_replica < 1:
         problems.append("--max-inflight-per-replica must be at least 1")
+    if config.max_body_readers is not None and config.max_body_readers < 1:
+        problems.append("--max-body-readers must be at least 1")
+    if not (config.body_timeout_s > 0 and config.header_timeout_s > 0):
+        problems.append("--body-timeout and --header-timeout must be positive")
     if config.api_key is not None and not config.api_key.strip():
         problems.append("--api-key must not be empty")
     h = config.health
+    problems += _non_finite_problems(config)
     if h.interval_s <= 0 or h.timeout_s <= 0:
         problems.append("--health-interval and --health-timeout must be positive")
     if h.failure_threshold < 1 or h.success_threshold < 1:
@@ -105,6 +122,18 @@ def plan_router(
     if problems:
         raise RouterConfigError(problems)
     return config
+
+
+def _non_finite_problems(config: RouterConfig) -> list[str]:
+    """nan passes every range check (it compares false with everything) and inf the lower
+    ones, then both break the timers they set: every float setting must be finite."""
+    numbers = [(f"--{name.removesuffix('_s').replace('_', '-')}", getattr(config, name))
+               for name in (f.name for f in dataclasses.fields(config))]
+    numbers += [("--health-" + name.removesuffix("_s").replace("_", "-"),
+                 getattr(config.health, name))
+                for name in (f.name for f in dataclasses.fields(config.health))]
+    return [f"{flag} must be a finite number, got {value}" for flag, value in numbers
+            if isinstance(value, float) and not math.isfinite(value)]
 
 
 def is_loopback_address(address: str | None) -> bool:

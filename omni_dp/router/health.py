@@ -50,6 +50,14 @@ def record_success(replica: Replica, cfg: HealthConfig, *, probe: bool) -> None:
         replica.last_error = None
 
 
+def mark_healthy(replica: Replica) -> None:
+    """Routable now, whatever the probes said: for a replica proven by a stronger check."""
+    replica.health = Health.HEALTHY
+    replica.consecutive_failures = 0
+    replica.consecutive_successes = 0
+    replica.last_error = None
+
+
 async def probe(session: aiohttp.ClientSession, replica: Replica, cfg: HealthConfig) -> None:
     try:
         timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)

@@ -1,7 +1,9 @@
 """Forwarding one request to one replica, byte for byte, and streaming the answer back.
 
 Rules that matter for a fleet of same-GPU replicas:
-- admission is decided before the body is read: over the bound → 503 + Retry-After at once;
+- admission is checked before the body is read (over the bound → 503 + Retry-After at once)
+  and taken only once the body is in: a slow sender holds a reader slot (its own bound, and
+  --body-timeout), never an in-flight slot that real requests need;
 - the body and end-to-end headers go upstream untouched; nothing is re-serialised;
 - the response is relayed chunk by chunk as it arrives (aiohttp sets TCP_NODELAY both ways);
 - one retry, on another replica, only when the connection failed before any byte was sent;
@@ -17,6 +19,7 @@ import contextlib
 import json
 import logging
 import secrets
+import sys
 import time
 from dataclasses import dataclass
 
@@ -25,9 +28,15 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
+from omni_dp.logs import FIELDS
 from omni_dp.router.health import record_failure, record_success
 from omni_dp.router.policies import RequestContext
 from omni_dp.router.replicas import Replica
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _timeout
+else:  # aiohttp depends on async-timeout there
+    from async_timeout import timeout as _timeout
 
 log = logging.getLogger("omni_dp.router.access")
 
@@ -86,7 +95,7 @@ class RouteRecord:
         if log.isEnabledFor(logging.INFO):  # skip the JSON encoding when nobody reads it
             line = {"event": "route", **self.__dict__,
                     "client_disconnected": self.outcome == "client_disconnected"}
-            log.info("%s", json.dumps(line, separators=(",", ":")))
+            log.info("%s", json.dumps(line, separators=(",", ":")), extra={FIELDS: line})
 
 
 class _UpstreamFailed(Exception):
@@ -96,6 +105,14 @@ class _UpstreamFailed(Exception):
         super().__init__(detail)
         self.kind = kind
         self.retryable = retryable
+
+
+async def _write_sse_error(response: web.StreamResponse, message: str, kind: str,
+                           code: int) -> None:
+    """The event that ends a cut SSE stream: `data: {"error": {...}}`."""
+    event = {"error": {"message": message, "type": kind, "code": code}}
+    with contextlib.suppress(OSError):  # the client may be gone too
+        await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
 
 
 class Forwarder:
@@ -110,30 +127,65 @@ class Forwarder:
         try:
             return await self._route(request, record, started)
         except asyncio.CancelledError:
-            record.outcome = "client_disconnected"
-            router.metrics.client_disconnects.inc()
+            if router.cutting_off:
+                record.outcome = "drain_cut_off"
+            else:
+                record.outcome = "client_disconnected"
+                router.metrics.client_disconnects.inc()
             raise
         finally:
             record.duration_s = round(time.perf_counter() - started, 6)
             router.metrics.duration.observe(record.duration_s)
             record.log()
 
-    async def _route(self, request: web.Request, record: RouteRecord, started: float):
-        router = self.router
-        rejection = router.admission_problem()
-        if rejection is not None:
-            reason, message = rejection
-            router.metrics.rejections.labels(reason).inc()
-            record.status, record.outcome = 503, reason
-            return json_error(503, message, reason, record.request_id, retry_after=True)
+    def _reject(self, record: RouteRecord, reason: str, message: str) -> web.Response:
+        self.router.metrics.rejections.labels(reason).inc()
+        record.status, record.outcome = 503, reason
+        return json_error(503, message, reason, record.request_id, retry_after=True)
 
-        with router.admitted():
+    async def _read_body(self, request: web.Request, record: RouteRecord) -> bytes | web.Response:
+        """The whole body, bounded in size (client_max_size), time and concurrent readers; or
+        the error response to send instead."""
+        if not request.body_exists:
+            return b""
+        router = self.router
+        bound = router.config.body_reader_bound(len(router.replicas))
+        if router.num_reading >= bound:
+            return self._reject(record, "readers_full",
+                                f"the router is reading {bound} request bodies; retry shortly")
+        timeout = router.config.body_timeout_s
+        with router.reading():
             try:
-                body = await request.read()
+                # A timeout scope, not wait_for: wait_for reads in a task of its own, and a
+                # client hanging up would then surface as ConnectionResetError, not a cancel.
+                async with _timeout(timeout):
+                    return await request.read()
             except web.HTTPRequestEntityTooLarge as exc:
                 record.status, record.outcome = 413, "body_too_large"
                 return json_error(413, exc.text or "request body too large",
                                   "body_too_large", record.request_id)
+            except asyncio.TimeoutError:
+                record.status, record.outcome = 408, "body_timeout"
+                response = json_error(
+                    408, f"the request body did not arrive within {timeout:g} s "
+                         "(--body-timeout)", "body_timeout", record.request_id)
+                response.force_close()  # what is left of the body is not worth waiting for
+                return response
+
+    async def _route(self, request: web.Request, record: RouteRecord, started: float):
+        router = self.router
+        # Checked before the body is read (a full router answers at once), taken after it.
+        rejection = router.admission_problem()
+        if rejection is not None:
+            return self._reject(record, *rejection)
+        body = await self._read_body(request, record)
+        if isinstance(body, web.StreamResponse):
+            return body
+        rejection = router.admission_problem()  # again: the body may have taken a while
+        if rejection is not None:
+            return self._reject(record, *rejection)
+
+        with router.admitted():
             headers = end_to_end(request.headers)
             headers[REQUEST_ID] = record.request_id
             skip = [h for h in _CLIENT_AUTO_HEADERS if h not in request.headers]
@@ -196,6 +248,8 @@ class Forwarder:
         router = self.router
         status = upstream.status
         record.status = status
+        if status >= 400:  # relayed as-is, but not an "ok" in the route log
+            record.outcome = "replica_4xx" if status < 500 else "replica_5xx"
         router.metrics.requests.labels(replica.id, str(status)).inc()
         if status in _UPSTREAM_FAILURE_STATUSES:
             record_failure(replica, router.config.health, f"answered {status}")
@@ -216,26 +270,35 @@ class Forwarder:
             response.enable_chunked_encoding()
         is_sse = upstream.content_type == "text/event-stream"
         await response.prepare(request)
-        while True:
-            # Reading from the replica and writing to the client fail for different reasons
-            # and mean different things: keep them in separate try blocks.
-            try:
-                chunk = await upstream.content.readany()
-            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError,
-                    asyncio.TimeoutError) as exc:
-                return await self._fail_midstream(request, response, replica, record, is_sse,
-                                                  exc)
-            if not chunk:
-                break
-            if record.ttfb_s is None:
-                self._first_byte(record, started)
-            try:
-                await response.write(chunk)
-            except ConnectionResetError:  # the client left (aiohttp's subclass included)
-                record.outcome = "client_disconnected"
-                router.metrics.client_disconnects.inc()
-                return response  # `finally` in _exchange closes the upstream connection
-            record.bytes += len(chunk)
+        try:
+            while True:
+                # Reading from the replica and writing to the client fail for different
+                # reasons and mean different things: keep them in separate try blocks.
+                try:
+                    chunk = await upstream.content.readany()
+                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError,
+                        asyncio.TimeoutError) as exc:
+                    return await self._fail_midstream(request, response, replica, record,
+                                                      is_sse, exc)
+                if not chunk:
+                    break
+                if record.ttfb_s is None:
+                    self._first_byte(record, started)
+                try:
+                    await response.write(chunk)
+                except ConnectionResetError:  # the client left (aiohttp's subclass included)
+                    record.outcome = "client_disconnected"
+                    router.metrics.client_disconnects.inc()
+                    return response  # `finally` in _exchange closes the upstream connection
+                record.bytes += len(chunk)
+        except asyncio.CancelledError:
+            if router.cutting_off and is_sse:  # the drain deadline, not the client leaving
+                message = (f"the router is stopping: its drain timeout ({router.drain_s:g}s) "
+                           "cut this stream off")
+                await _write_sse_error(response, message, "drain_timeout", 503)
+                if request.transport is not None:
+                    request.transport.close()  # no terminating chunk: not a short success
+            raise
         await response.write_eof()
         return response
 
@@ -260,9 +323,7 @@ class Forwarder:
         detail = f"replica {replica.id} failed mid-stream: {type(exc).__name__}"
         self._midstream_failure(replica, record, detail)
         if is_sse:
-            event = {"error": {"message": detail, "type": "upstream_failed", "code": 502}}
-            with contextlib.suppress(OSError):  # the client may be gone too
-                await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            await _write_sse_error(response, detail, "upstream_failed", 502)
         # No terminating chunk: the client sees a broken response, not a short success.
         if request.transport is not None:
             request.transport.close()

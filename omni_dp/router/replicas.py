@@ -34,7 +34,13 @@ _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 def validate_url(url: str) -> str:
     """An http(s) origin without path, query or credentials; returned without a trailing /."""
-    parts = urlsplit(url)
+    if any(c.isspace() or not c.isprintable() for c in url):  # urlsplit drops some silently
+        raise ReplicaError(f"replica URL {url!r} must not contain whitespace or control "
+                           "characters")
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # e.g. an unclosed IPv6 bracket
+        raise ReplicaError(f"replica URL {url!r} must look like http://HOST:PORT") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ReplicaError(f"replica URL {url!r} must look like http://HOST:PORT")
     if parts.username or parts.password:
@@ -49,7 +55,7 @@ def validate_url(url: str) -> str:
 
 
 def validate_id(replica_id: str) -> str:
-    if not _ID.match(replica_id):
+    if not _ID.fullmatch(replica_id):  # match() would accept a trailing newline
         raise ReplicaError(
             f"replica id {replica_id!r} must be 1-64 letters, digits, '_', '.' or '-'"
         )

@@ -17,9 +17,10 @@ import math
 import multiprocessing
 import os
 import signal
-import sys
 from multiprocessing.connection import Connection, wait
 
+from omni_dp.logs import LogSetup, setup_logging
+from omni_dp.logs import current as current_logs
 from omni_dp.router.app import Router, make_socket, serve_router
 from omni_dp.router.config import RouterConfig
 
@@ -53,19 +54,19 @@ def run_router(config: RouterConfig, drain_s: float = 30.0) -> int:
 
 def child_config(config: RouterConfig) -> RouterConfig:
     """One child's share of the bounds (rounded up, so the sum is at least the whole)."""
-    bound, workers = config.max_inflight, config.workers
+    bound, readers, workers = config.max_inflight, config.max_body_readers, config.workers
     return dataclasses.replace(
         config,
         workers=1,
         max_inflight=None if bound is None else math.ceil(bound / workers),
         max_inflight_per_replica=math.ceil(config.max_inflight_per_replica / workers),
+        max_body_readers=None if readers is None else math.ceil(readers / workers),
     )
 
 
 def _child_main(config: RouterConfig, conn: Connection, index: int, drain_s: float,
-                log_level: int) -> None:
-    logging.basicConfig(level=log_level, stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s %(name)s[{index}]: %(message)s")
+                logs: LogSetup) -> None:
+    setup_logging(logs.level, logs.fmt, worker=index)  # the parent's, each line naming index
     use_uvloop()
     sock = make_socket(config.host, config.port, reuse_port=True)
 
@@ -98,7 +99,7 @@ def _run_children(config: RouterConfig, drain_s: float) -> int:
         parent_end, child_end = ctx.Pipe()
         process = ctx.Process(
             target=_child_main, name=f"omni-dp-router-{index}",
-            args=(share, child_end, index, drain_s, logging.getLogger().level),
+            args=(share, child_end, index, drain_s, current_logs()),
         )
         process.start()
         child_end.close()
