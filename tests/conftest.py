@@ -14,10 +14,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 pytest_plugins = ["mps_fixtures"]  # standin, spawn: fixtures of the MPS tests
 
 _LISTENING = re.compile(r"listening on http://([\d.]+):(\d+)")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 class Replica:
@@ -84,17 +86,21 @@ class Replica:
         return json.loads(body)
 
     def metric(self, name: str, default: float | None = None) -> float:
-        """One unlabelled sample from /metrics (labelled ones: pass `name{labels}`).
+        """One sample from /metrics: `name`, or `name{label="value",...}` for a labelled one.
 
+        The labels given must be among the sample's (every series also has `model_name`).
         A series /metrics lacks is an AssertionError unless `default` is given: pass it only
         where the series may legitimately not exist yet (a labelled counter before its first
         increment). A failed scrape is always an AssertionError.
         """
         status, _, body = get(self.url + "/metrics")
         assert status == 200, f"GET /metrics for {name}: status {status} {body[:200]!r}"
-        for line in body.decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[-1])
+        wanted_name, _, label_text = name.partition("{")
+        wanted = dict(_LABEL.findall(label_text))
+        for family in text_string_to_metric_families(body.decode()):
+            for sample in family.samples:
+                if sample.name == wanted_name and wanted.items() <= sample.labels.items():
+                    return sample.value
         if default is None:
             raise AssertionError(f"/metrics has no series {name}")
         return default

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from omni_dp.engine.api import MAX_SEED, ApiError, parse_speech_body
+from omni_dp.engine.api import MAX_SEED, ApiError, model_not_found, parse_speech_body
 from omni_dp.engine.config import PRESETS
 from omni_dp.engine.preprocess import (
     VOICES,
@@ -36,10 +36,12 @@ def test_minimal_body_gets_defaults():
     assert params.input == "Hello"
     assert params.voice == "alloy"
     assert params.response_format == "wav"
-    assert params.stream is False
+    assert params.stream is True  # streamed unless `stream: false`, as OpenAI does
     assert params.stream_format == "audio"
     assert params.seed is None
     assert params.max_new_tokens is None
+    assert params.speed is None
+    assert params.model is None
 
 
 def test_full_body_is_read():
@@ -80,12 +82,16 @@ def test_non_object_body_is_400(body):
         ({"input": None}, "input"),
         ({"input": 5}, "input"),
         ({"input": ["a"]}, "input"),
-        ({"input": "a", "speed": 1.0}, "speed"),
+        ({"input": "a", "speed": 0.2}, "speed"),
+        ({"input": "a", "speed": 4.01}, "speed"),
+        ({"input": "a", "speed": "fast"}, "speed"),
+        ({"input": "a", "speed": True}, "speed"),
+        ({"input": "a", "stream": False, "stream_format": "sse"}, "stream"),
         ({"input": "a", "zzz": 1, "aaa": 2}, "aaa"),
         ({"input": "a", "voice": 3}, "voice"),
         ({"input": "a", "model": 1}, "model"),
         ({"input": "a", "instructions": None}, "instructions"),
-        ({"input": "a", "response_format": "mp3"}, "response_format"),
+        ({"input": "a", "response_format": "aac"}, "response_format"),
         ({"input": "a", "response_format": "WAV"}, "response_format"),
         ({"input": "a", "stream_format": "chunked"}, "stream_format"),
         ({"input": "a", "stream": "true"}, "stream"),
@@ -107,14 +113,16 @@ def test_invalid_field_is_400_naming_the_field(body, field):
 
 
 def test_unknown_field_message_lists_accepted_fields():
-    message = rejected({"input": "a", "speed": 1.0}).message
-    for name in ("input", "voice", "response_format", "stream", "seed", "max_new_tokens"):
+    message = rejected({"input": "a", "speedy": 1.0}).message
+    for name in ("input", "voice", "response_format", "stream", "speed", "seed",
+                 "max_new_tokens"):
         assert name in message
 
 
 def test_bad_choice_message_lists_allowed_values():
-    message = rejected({"input": "a", "response_format": "mp3"}).message
-    assert "wav" in message and "pcm" in message
+    message = rejected({"input": "a", "response_format": "ogg"}).message
+    for name in ("wav", "pcm", "flac", "opus", "mp3"):
+        assert name in message
 
 
 def test_error_body_is_openai_shaped():
@@ -216,3 +224,43 @@ def test_default_max_new_tokens_counts_bytes_not_characters():
     ascii_prompt = build_prompt(CFG, "aaaaaaaaaa", "alloy", 100)
     accented = build_prompt(CFG, "éééééééééé", "alloy", 100)
     assert default_max_new_tokens(CFG, accented) == 2 * default_max_new_tokens(CFG, ascii_prompt)
+
+
+# --- OpenAI fields: speed, model, stream_format ------------------------------------------
+
+
+def test_speed_bounds_are_openais_and_inclusive():
+    assert parse({"input": "x", "speed": 0.25}).speed == 0.25
+    assert parse({"input": "x", "speed": 4}).speed == 4.0
+    assert parse({"input": "x", "speed": 1}).speed == 1.0
+
+
+@pytest.mark.parametrize("raw", [b'{"input": "a", "speed": NaN}',
+                                 b'{"input": "a", "speed": Infinity}'])
+def test_speed_that_python_json_accepts_but_is_no_number_is_400(raw):
+    error = rejected(raw)
+    assert error.field == "speed"
+
+
+def test_model_is_read_and_checked_by_the_server():
+    assert parse({"input": "x", "model": "tts-1"}).model == "tts-1"
+    assert parse({"input": "x"}).model is None
+
+
+def test_model_not_found_is_vllm_shaped():
+    assert model_not_found("x").status == 404
+    assert model_not_found("x").body() == {"error": {
+        "message": "The model `x` does not exist.", "type": "NotFoundError", "param": "model",
+        "code": 404,
+    }}
+
+
+def test_aac_is_named_as_unsupported():
+    error = rejected({"input": "a", "response_format": "aac"})
+    assert "not supported" in error.message and "flac" in error.message
+
+
+def test_sse_alone_asks_for_a_stream():
+    params = parse({"input": "a", "stream_format": "sse"})
+    assert (params.stream, params.stream_format) == (True, "sse")
+    assert parse({"input": "a", "stream": False}).stream is False

@@ -107,7 +107,8 @@ def test_non_streamed_client_disconnect_also_aborts(start_replica):
     replica = start_replica()
 
     async def give_up():
-        body = {"input": "Hang up before the answer.", "max_new_tokens": 1024, "seed": 2}
+        body = {"input": "Hang up before the answer.", "max_new_tokens": 1024, "seed": 2,
+                "stream": False}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as session:
             try:
                 async with session.post(replica.url + SPEECH, json=body) as resp:

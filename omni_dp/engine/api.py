@@ -3,33 +3,52 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
+from omni_dp.engine.audio import RESPONSE_FORMATS
 from omni_dp.engine.preprocess import DEFAULT_VOICE
 
-RESPONSE_FORMATS = ("wav", "pcm")
 STREAM_FORMATS = ("audio", "sse")
+# Named by OpenAI's API, answered with a 400 that says so rather than "unknown format".
+UNSUPPORTED_FORMATS = ("aac",)
 MAX_SEED = 2**63 - 1
-# Accepted for OpenAI compatibility and not used: the model is chosen when the server starts.
-_IGNORED_FIELDS = ("model", "instructions")
+SPEED_RANGE = (0.25, 4.0)  # OpenAI's bounds
+# OpenAI's TTS model names, accepted as aliases of the served model: the OpenAI SDK requires a
+# `model` and existing client code names one of these, which must work unchanged.
+OPENAI_MODEL_ALIASES = (
+    "tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-mini-tts-2025-03-20",
+    "gpt-4o-mini-tts-2025-12-15",
+)
+# Accepted for OpenAI compatibility and not used.
+_IGNORED_FIELDS = ("instructions",)
 _FIELDS = (
-    "input", "voice", "response_format", "stream", "stream_format", "seed", "max_new_tokens",
-    *_IGNORED_FIELDS,
+    "input", "voice", "response_format", "stream", "stream_format", "speed", "seed",
+    "max_new_tokens", "model", *_IGNORED_FIELDS,
 )
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, field: str | None = None) -> None:
+    def __init__(self, status: int, message: str, field: str | None = None,
+                 error_type: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.field = field
+        self.error_type = error_type
 
     def body(self) -> dict:
-        error = {"message": self.message, "type": "invalid_request_error", "param": self.field}
-        if self.status >= 500:
-            error["type"] = "server_error"
+        kind = self.error_type or ("server_error" if self.status >= 500 else
+                                   "invalid_request_error")
+        error: dict = {"message": self.message, "type": kind, "param": self.field}
+        if self.error_type is not None:
+            error["code"] = self.status  # vLLM's shape for its named errors (NotFoundError)
         return {"error": error}
+
+
+def model_not_found(name: str) -> ApiError:
+    """vLLM's answer to a model it does not serve, so clients handle both alike."""
+    return ApiError(404, f"The model `{name}` does not exist.", "model", "NotFoundError")
 
 
 @dataclass(frozen=True)
@@ -37,10 +56,13 @@ class SpeechParams:
     input: str
     voice: str
     response_format: str
+    # Streaming is the default, as OpenAI does it; `stream: false` asks for one buffered body.
     stream: bool
     stream_format: str
     seed: int | None
     max_new_tokens: int | None
+    speed: float | None = None
+    model: str | None = None  # None: the served model
 
 
 def parse_speech_body(raw: bytes, *, max_new_tokens_limit: int) -> SpeechParams:
@@ -61,19 +83,32 @@ def parse_speech_body(raw: bytes, *, max_new_tokens_limit: int) -> SpeechParams:
     for name in _IGNORED_FIELDS:
         if name in body and not isinstance(body[name], str):
             raise ApiError(400, f"{name} must be a string", name)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, "model must be a string", "model")
 
     text = body.get("input")
     if not isinstance(text, str):
         raise ApiError(400, "input is required and must be a string", "input")
     voice = _choice(body, "voice", None, DEFAULT_VOICE)
+    if body.get("response_format") in UNSUPPORTED_FORMATS:
+        raise ApiError(
+            400, f"response_format {body['response_format']!r} is not supported by this "
+            f"replica; use one of {', '.join(RESPONSE_FORMATS)}", "response_format",
+        )
     response_format = _choice(body, "response_format", RESPONSE_FORMATS, "wav")
     stream_format = _choice(body, "stream_format", STREAM_FORMATS, "audio")
-    stream = body.get("stream", False)
+    stream = body.get("stream", True)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", "stream")
+    if not stream and stream_format == "sse":
+        raise ApiError(400, "stream_format sse is a stream: drop stream: false, or use "
+                       "stream_format audio for one buffered body", "stream")
+    speed = _speed(body)
     seed = _integer(body, "seed", 0, MAX_SEED)
     max_new_tokens = _integer(body, "max_new_tokens", 1, max_new_tokens_limit)
-    return SpeechParams(text, voice, response_format, stream, stream_format, seed, max_new_tokens)
+    return SpeechParams(text, voice, response_format, stream, stream_format, seed,
+                        max_new_tokens, speed, model)
 
 
 def _choice(body: dict, name: str, allowed: tuple[str, ...] | None, default: str) -> str:
@@ -84,6 +119,19 @@ def _choice(body: dict, name: str, allowed: tuple[str, ...] | None, default: str
         raise ApiError(400, f"{name} {value!r} is not supported; use one of {', '.join(allowed)}",
                        name)
     return value
+
+
+def _speed(body: dict) -> float | None:
+    value = body.get("speed")
+    if value is None:
+        return None
+    low, high = SPEED_RANGE
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ApiError(400, f"speed must be a number from {low} to {high}", "speed")
+    # NaN and infinities (which Python's json accepts) fail the range check too.
+    if not (math.isfinite(value) and low <= value <= high):
+        raise ApiError(400, f"speed must be from {low} to {high}, got {value}", "speed")
+    return float(value)
 
 
 def _integer(body: dict, name: str, low: int, high: int) -> int | None:

@@ -1,11 +1,35 @@
-"""Audio containers on the wire: WAV headers and SSE events around 16-bit mono PCM."""
+"""Audio on the wire: WAV headers, compressed containers (libsndfile), SSE events.
+
+The pipeline produces 16-bit little-endian mono PCM; everything here wraps or encodes it.
+FLAC, Ogg Opus and MP3 come from libsndfile through soundfile (its wheels bundle libsndfile
+with FLAC, Opus and LAME).
+"""
 
 from __future__ import annotations
 
 import base64
+import io
 import json
 import struct
+import threading
 
+import numpy as np
+import soundfile
+
+RESPONSE_FORMATS = ("wav", "pcm", "flac", "opus", "mp3")
+CONTENT_TYPES = {
+    "wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "opus": "audio/ogg",
+    "mp3": "audio/mpeg",
+}
+# Which formats go out as they are decoded. wav (sizes 0xFFFFFFFF) and pcm trivially; Ogg Opus
+# because an Ogg stream is a sequence of pages libsndfile never revisits. flac and mp3 are sent
+# whole, even when streaming: libsndfile writes their length into the header after the last
+# sample (FLAC's STREAMINFO, MP3's LAME/Info frame), and without it libsndfile itself fails at
+# the end of a streamed FLAC and decodes a streamed MP3 to the wrong length.
+STREAMED_FORMATS = frozenset({"wav", "pcm", "opus"})
+_LIBSNDFILE = {  # response_format -> (libsndfile format, subtype)
+    "flac": ("FLAC", "PCM_16"), "opus": ("OGG", "OPUS"), "mp3": ("MP3", "MPEG_LAYER_III"),
+}
 _UNKNOWN_SIZE = 0xFFFFFFFF  # streamed WAV: the length is not known when the header is sent
 
 
@@ -25,6 +49,116 @@ def wav_header(sample_rate: int, num_data_bytes: int | None) -> bytes:
         + b"fmt " + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, byte_rate, 2, 16)
         + b"data" + struct.pack("<I", data_size)
     )
+
+
+def _samples(pcm: bytes) -> np.ndarray:
+    return np.frombuffer(pcm, dtype="<i2")
+
+
+def encode_whole(fmt: str, pcm: bytes, sample_rate: int) -> bytes:
+    """One complete file of `fmt`; the libsndfile formats take CPU: call off the event loop."""
+    if fmt == "pcm":
+        return pcm
+    if fmt == "wav":
+        return wav_header(sample_rate, len(pcm)) + pcm
+    container, subtype = _LIBSNDFILE[fmt]
+    out = io.BytesIO()
+    with soundfile.SoundFile(out, "w", samplerate=sample_rate, channels=1, format=container,
+                             subtype=subtype) as sink:
+        sink.write(_samples(pcm))
+    return out.getvalue()
+
+
+class _AppendOnly:
+    """The file libsndfile writes an Ogg stream into; `take` hands out the bytes written since.
+
+    A write over bytes already taken (sent) would corrupt the stream silently: it raises instead.
+    """
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._pos = 0
+        self._taken = 0
+
+    def write(self, data) -> int:
+        if self._pos < self._taken:
+            raise OSError("the encoder rewrote audio already sent")
+        if self._pos > len(self._buf):
+            self._buf += bytes(self._pos - len(self._buf))
+        self._buf[self._pos : self._pos + len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+    def read(self, size: int = -1) -> bytes:
+        end = len(self._buf) if size is None or size < 0 else self._pos + size
+        out = bytes(self._buf[self._pos:end])
+        self._pos += len(out)
+        return out
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._buf)}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def take(self) -> bytes:
+        out = bytes(self._buf[self._taken:])
+        self._taken = len(self._buf)
+        return out
+
+
+class StreamEncoder:
+    """Turns a request's PCM chunks into the bytes of `fmt` to send, as they can be sent.
+
+    `header()` first, `feed(chunk)` per chunk, `finish()` at the end (each may return b"");
+    `close()` on any path. `blocking` says feed/finish take real CPU (run them in a thread):
+    a lock makes a close from the event loop wait for a feed still running in one.
+    """
+
+    def __init__(self, fmt: str, sample_rate: int) -> None:
+        self.fmt = fmt
+        self.sample_rate = sample_rate
+        self.blocking = fmt in _LIBSNDFILE
+        self._lock = threading.Lock()
+        self._pcm = bytearray()  # flac, mp3: the whole request, encoded at the end
+        self._sink: _AppendOnly | None = None
+        self._file: soundfile.SoundFile | None = None
+        if fmt == "opus":
+            container, subtype = _LIBSNDFILE[fmt]
+            self._sink = _AppendOnly()
+            self._file = soundfile.SoundFile(self._sink, "w", samplerate=sample_rate,
+                                             channels=1, format=container, subtype=subtype)
+
+    def header(self) -> bytes:
+        return wav_header(self.sample_rate, None) if self.fmt == "wav" else b""
+
+    def feed(self, pcm: bytes) -> bytes:
+        if self.fmt in ("wav", "pcm"):
+            return pcm
+        with self._lock:
+            if self._file is None:
+                self._pcm += pcm
+                return b""
+            self._file.write(_samples(pcm))
+            assert self._sink is not None
+            return self._sink.take()
+
+    def finish(self) -> bytes:
+        if self.fmt in ("wav", "pcm"):
+            return b""
+        with self._lock:
+            if self._file is None:
+                return encode_whole(self.fmt, bytes(self._pcm), self.sample_rate)
+            self._file.close()
+            assert self._sink is not None
+            return self._sink.take()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None and not self._file.closed:
+                self._file.close()
 
 
 def sse_event(payload: dict) -> bytes:

@@ -1,4 +1,4 @@
-"""The replica's HTTP server: the contract in DESIGN.md, served by aiohttp.
+"""The replica's HTTP server: the contract in docs/contracts.md, served by aiohttp.
 
 Lifecycle: bind the port (so /health answers 503 "starting" at once), load weights and allocate
 the KV pool off the event loop, then serve. SIGTERM/SIGINT: /health and new requests turn 503,
@@ -11,8 +11,10 @@ import asyncio
 import contextlib
 import errno
 import logging
+import math
 import signal
 import socket
+import struct
 import sys
 import time
 from dataclasses import dataclass
@@ -20,12 +22,26 @@ from enum import Enum
 from pathlib import Path
 
 import torch
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from omni_dp import __version__
-from omni_dp.engine.api import ApiError, SpeechParams, parse_speech_body
-from omni_dp.engine.audio import sse_audio_delta, sse_audio_done, sse_error, wav_header
+from omni_dp.engine.api import (
+    OPENAI_MODEL_ALIASES,
+    ApiError,
+    SpeechParams,
+    model_not_found,
+    parse_speech_body,
+)
+from omni_dp.engine.audio import (
+    CONTENT_TYPES,
+    STREAMED_FORMATS,
+    StreamEncoder,
+    encode_whole,
+    sse_audio_delta,
+    sse_audio_done,
+    sse_error,
+)
 from omni_dp.engine.kv_cache import KVCache
 from omni_dp.engine.metrics import ReplicaMetrics
 from omni_dp.engine.pipeline import EngineFailed, Pipeline, RequestCutOff
@@ -46,7 +62,6 @@ EXIT_OK, EXIT_USAGE, EXIT_RUNTIME = 0, 2, 3
 # Measured with bench/engine_throughput.py on 2 cores at concurrency 8: 10.7 req/s at the
 # default 5 ms, 13.4 at 0.2 ms, 15.1 at 0.05 ms.
 SWITCH_INTERVAL_S = 0.00005
-_CONTENT_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
 
 
 class State(str, Enum):
@@ -122,7 +137,11 @@ class ReplicaServer:
         self._stop = asyncio.Event()
         self._signals = 0
         self._started_at = time.time()
-        self.metrics = ReplicaMetrics(lambda: self.pipeline.stats() if self.pipeline else None)
+        self.metrics = ReplicaMetrics(
+            lambda: self.pipeline.stats() if self.pipeline else None, plan.served_model_name
+        )
+        # A request's `model` may name the served model or one of OpenAI's TTS models.
+        self.model_names = frozenset({plan.served_model_name, *OPENAI_MODEL_ALIASES})
         self.app = web.Application(
             client_max_size=self.options.max_body_bytes, middlewares=[json_errors]
         )
@@ -275,18 +294,21 @@ class ReplicaServer:
             job = await self._admit(request)
         except ApiError as exc:
             outcome = "rejected" if exc.status == 503 else "bad_request"
-            self.metrics.requests.labels(outcome).inc()
+            self.metrics.count(outcome)
             headers = {"Retry-After": "1"} if exc.status == 503 else None
             return web.json_response(exc.body(), status=exc.status, headers=headers)
         assert self.pipeline is not None
         synthesis = self.pipeline.synthesize(
             job.prompt, max_new_tokens=job.max_new_tokens, seed=job.seed
         )
+        params = job.params
         # aclosing: a handler cancelled while writing (client gone) closes the generator at
         # once, which aborts the request and frees its pages — not whenever GC gets to it.
         async with contextlib.aclosing(synthesis) as chunks:
-            if job.params.stream:
+            sse = params.stream_format == "sse"
+            if params.stream and (sse or params.response_format in STREAMED_FORMATS):
                 return await self._stream(request, job, chunks, started)
+            # Not streamed: asked so, or a format sent whole (audio.STREAMED_FORMATS says why).
             return await self._whole(job, chunks, started)
 
     async def _admit(self, request: web.Request) -> AdmittedSpeech:
@@ -302,11 +324,13 @@ class ReplicaServer:
             raise ApiError(413, f"body exceeds the limit of {limit} bytes") from None
         cfg = self.plan.cfg
         params = parse_speech_body(raw, max_new_tokens_limit=cfg.max_new_tokens)
+        if params.model is not None and params.model not in self.model_names:
+            raise model_not_found(params.model)
         try:
             prompt = build_prompt(cfg, params.input, params.voice, self.options.max_input_chars)
         except PreprocessError as exc:
             raise ApiError(400, str(exc), exc.field) from None
-        max_new_tokens = params.max_new_tokens or default_max_new_tokens(cfg, prompt)
+        max_new_tokens = params.max_new_tokens or self._duration_prior(prompt, params.speed)
         if len(prompt.token_ids) + max_new_tokens > cfg.max_position:
             raise ApiError(
                 400, f"input and max_new_tokens need {len(prompt.token_ids) + max_new_tokens} "
@@ -325,6 +349,19 @@ class ReplicaServer:
                                 "max_new_tokens": max_new_tokens})
         return AdmittedSpeech(params, prompt, max_new_tokens, seed)
 
+    def _duration_prior(self, prompt: TalkerPrompt, speed: float | None) -> int:
+        """Codec tokens for a request that names none; `speed` 2.0 gives half as many.
+
+        The talker speaks its text in the frames it is given, so scaling that budget changes the
+        speaking rate inside the model, with no resampling or time-stretching of its output.
+        Speed 1.0 is exactly the unscaled prior (same tokens, same default seed, same bytes).
+        """
+        cfg = self.plan.cfg
+        prior = default_max_new_tokens(cfg, prompt)
+        if speed is None or speed == 1.0:
+            return prior
+        return max(1, min(cfg.max_new_tokens, math.ceil(prior / speed)))
+
     async def _whole(self, job: AdmittedSpeech, chunks, started: float) -> web.Response:
         params = job.params
         pcm = bytearray()
@@ -334,19 +371,21 @@ class ReplicaServer:
                 first = first or time.perf_counter()
                 pcm += chunk
         except EngineFailed as exc:
-            self.metrics.requests.labels("failed").inc()
+            self.metrics.count("failed")
             return web.json_response(ApiError(500, f"engine failed: {exc}").body(), status=500)
         except RequestCutOff as exc:
-            self.metrics.requests.labels("cut_off").inc()
+            self.metrics.count("cut_off")
             error = ApiError(503, f"{exc}; retry on another replica")
             return web.json_response(error.body(), status=503, headers={"Retry-After": "1"})
         except asyncio.CancelledError:
-            self.metrics.requests.labels("client_disconnected").inc()
+            self.metrics.count("client_disconnected")
             raise
+        rate = self.plan.cfg.sample_rate
+        if params.response_format in ("wav", "pcm"):
+            body = encode_whole(params.response_format, bytes(pcm), rate)
+        else:  # a real encoder: tens of ms per second of audio, kept off the event loop
+            body = await asyncio.to_thread(encode_whole, params.response_format, bytes(pcm), rate)
         self._record(started, first, len(pcm))
-        body = bytes(pcm)
-        if params.response_format == "wav":
-            body = wav_header(self.plan.cfg.sample_rate, len(pcm)) + body
         return web.Response(body=body, headers=self._audio_headers(params, job.seed))
 
     async def _stream(self, request, job: AdmittedSpeech, chunks, started: float):
@@ -356,48 +395,84 @@ class ReplicaServer:
         if sse:
             response.content_type = "text/event-stream"
             response.headers["Cache-Control"] = "no-cache"
-        response.enable_chunked_encoding()
+        # No Content-Length: aiohttp sends HTTP/1.1 chunked and HTTP/1.0 close-delimited
+        # (chunked encoding does not exist in 1.0; forcing it there was a 500).
         await response.prepare(request)
+        encoder = StreamEncoder(params.response_format, self.plan.cfg.sample_rate)
         first = None
-        num_bytes = 0
+        num_pcm_bytes = 0
+
+        async def send(data: bytes) -> None:
+            if data:
+                await response.write(sse_audio_delta(data) if sse else data)
+
         try:
-            if params.response_format == "wav":
-                header = wav_header(self.plan.cfg.sample_rate, None)
-                await response.write(sse_audio_delta(header) if sse else header)
+            await send(encoder.header())
             async for chunk in chunks:
                 first = first or time.perf_counter()
-                num_bytes += len(chunk)
-                await response.write(sse_audio_delta(chunk) if sse else chunk)
+                num_pcm_bytes += len(chunk)
+                await send(await asyncio.to_thread(encoder.feed, chunk) if encoder.blocking
+                           else encoder.feed(chunk))
+            await send(await asyncio.to_thread(encoder.finish) if encoder.blocking
+                       else encoder.finish())
             if sse:
-                await response.write(sse_audio_done(self._usage(num_bytes)))
+                await response.write(sse_audio_done(self._usage(job, num_pcm_bytes)))
         except (EngineFailed, RequestCutOff) as exc:
             outcome = "failed" if isinstance(exc, EngineFailed) else "cut_off"
-            self.metrics.requests.labels(outcome).inc()
+            self.metrics.count(outcome)
             if sse:
                 await response.write(sse_error(str(exc)))
-            # No terminating chunk: the client sees a broken stream, not a short success.
-            request.transport.close()
+            self._break(request, reset=not sse)
             return response
         except (asyncio.CancelledError, ConnectionResetError):
-            self.metrics.requests.labels("client_disconnected").inc()
+            self.metrics.count("client_disconnected")
             raise
+        finally:
+            encoder.close()
         await response.write_eof()
-        self._record(started, first, num_bytes)
+        self._record(started, first, num_pcm_bytes)
         return response
+
+    @staticmethod
+    def _break(request: web.Request, *, reset: bool) -> None:
+        """End a failed stream so the client sees an error, never a short success.
+
+        HTTP/1.1: closing without the terminating chunk is that error. HTTP/1.0 has no
+        terminator, so a raw audio stream is reset (RST) instead of closed cleanly.
+        """
+        transport = request.transport
+        if transport is None:
+            return
+        if reset and request.version < HttpVersion11:
+            sock = transport.get_extra_info("socket")
+            with contextlib.suppress(OSError, AttributeError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            transport.abort()
+            return
+        transport.close()
 
     def _audio_headers(self, params: SpeechParams, seed: int) -> dict[str, str]:
         return {
-            "Content-Type": _CONTENT_TYPES[params.response_format],
+            "Content-Type": CONTENT_TYPES[params.response_format],
             "X-Sample-Rate": str(self.plan.cfg.sample_rate),
             "X-Seed": str(seed),  # send it back as `seed` to reproduce this audio anywhere
         }
 
-    def _usage(self, num_bytes: int) -> dict:
-        return {"audio_seconds": num_bytes / 2 / self.plan.cfg.sample_rate}
+    def _usage(self, job: AdmittedSpeech, num_pcm_bytes: int) -> dict:
+        """OpenAI's usage shape (prompt tokens, codec tokens spoken), then audio_seconds."""
+        cfg = self.plan.cfg
+        samples = num_pcm_bytes // 2
+        input_tokens = len(job.prompt.token_ids)
+        output_tokens = samples // cfg.vocoder.samples_per_token
+        return {
+            "input_tokens": input_tokens, "output_tokens": output_tokens,
+            "total_tokens": input_tokens + output_tokens,
+            "audio_seconds": samples / cfg.sample_rate,
+        }
 
     def _record(self, started: float, first: float | None, num_bytes: int) -> None:
         now = time.perf_counter()
-        self.metrics.requests.labels("ok").inc()
+        self.metrics.count("ok")
         self.metrics.audio_seconds.inc(num_bytes / 2 / self.plan.cfg.sample_rate)
         self.metrics.latency.observe(now - started)
         if first is not None:
