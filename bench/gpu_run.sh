@@ -105,7 +105,7 @@ print(b.describe()); print('versions differ: refused' if b.mismatch else 'versio
 print(torch.__version__, 'cuda', torch.version.cuda, 'available', c,
       torch.cuda.get_device_name(0) if c else '-')"
     echo "## packages"
-    "$PY" -m pip list 2>/dev/null | grep -iE '^(torch|aiohttp|click|numpy|psutil|nvidia-ml-py|pyyaml|prometheus.client|safetensors|uvloop|pyzmq) '
+    "$PY" -m pip list 2>/dev/null | grep -iE '^(torch|aiohttp|click|numpy|psutil|nvidia-ml-py|pyyaml|prometheus.client|safetensors|uvloop|python-json-logger) '
 }
 export -f probe
 

@@ -7,7 +7,7 @@ do not compute never import torch.
 from __future__ import annotations
 
 import json
-import logging
+import math
 import sys
 
 import click
@@ -29,6 +29,16 @@ class SizeParam(click.ParamType):
 
 
 SIZE = SizeParam()
+
+
+def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """nan and inf parse as floats and then pass every bound check (nan compares false with
+    everything): refuse them where no plan checks the number."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number", ctx, param)
+    return value
+
+
 # The router's policies (omni_dp/router/policies), named here so that `--help` need not import
 # the router; a test keeps the lists equal.
 POLICIES = ("least_request", "round_robin", "power_of_two", "random")
@@ -41,12 +51,24 @@ def _exit_with_problems(command: str, problems: list[str]) -> None:
     sys.exit(2)
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def _setup_logging(level: str, log_format: str) -> None:
+    from omni_dp.logs import setup_logging
+
+    setup_logging(level, log_format)
+
+
+# The formats of omni_dp/logs.py, named here so that `--help` need not import it.
+LOG_FORMATS = ("text", "json")
+
+
+def _log_format_option(envvar: str | None = None, more: str = ""):
+    """`--log-format` for the commands that log; from the environment where they read it."""
+    also = f" Also read from {envvar}." if envvar else ""
+    return click.option(
+        "--log-format", default="text", show_default=True, type=click.Choice(LOG_FORMATS),
+        envvar=envvar,
+        help="Log lines as text, or as one JSON object per line (time, level, logger, message, "
+             f"fields).{more}{also}")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -90,13 +112,16 @@ def cli() -> None:
 @click.option("--drain-timeout", default=30.0, show_default=True, type=float,
               help="Seconds in-flight requests may take to finish after SIGTERM.")
 @click.option("--served-model-name", default=None,
-              help="Model id shown by /v1/models. [default: omni-dp-<preset>]")
+              help="Model id shown by /v1/models and in the metrics' model_name label; a "
+                   "request's `model` must be it, absent, or an OpenAI TTS name (tts-1, "
+                   "tts-1-hd, gpt-4o-mini-tts), else 404. [default: omni-dp-<preset>]")
 @click.option("--dry-run", is_flag=True,
               help="Validate the options, print the plan as JSON (weights, KV) and exit.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]),
               help="Least severe log messages written to stderr.")
-def serve(log_level: str, dry_run: bool, **kwargs) -> None:
+@_log_format_option()
+def serve(log_level: str, log_format: str, dry_run: bool, **kwargs) -> None:
     """Serve ONE replica of the built-in TTS pipeline over HTTP.
 
     The pipeline is preprocess → talker (a decoder-only transformer over a paged KV cache,
@@ -118,7 +143,7 @@ def serve(log_level: str, dry_run: bool, **kwargs) -> None:
 
         click.echo(json.dumps(plan_summary(plan)))
         return
-    _setup_logging(log_level)
+    _setup_logging(log_level, log_format)
     from omni_dp.engine.server import serve as run_server
 
     sys.exit(run_server(plan))
@@ -177,6 +202,16 @@ def save_weights(directory: str, model: str, weight_seed: int, force: bool) -> N
               help="Requests in flight to one replica; also its upstream connection pool size.")
 @click.option("--max-body-bytes", default="64MiB", show_default=True, type=SIZE,
               help="Largest accepted request body (413 beyond).")
+@click.option("--max-body-readers", type=int, default=None,
+              help="Requests whose body is still arriving; more get 503 + Retry-After. Bodies "
+                   "are read before a request takes an in-flight slot, so slow senders never "
+                   "hold those. [default: 4 × the --max-inflight bound]")
+@click.option("--body-timeout", default=30.0, show_default=True, type=float,
+              help="Seconds a request body may take to arrive (408 beyond).")
+@click.option("--header-timeout", default=30.0, show_default=True, type=float,
+              help="Seconds a connection may take to send a complete request head, from when "
+                   "it opened or its previous response ended; idle keep-alive connections "
+                   "close after it too.")
 @click.option("--connect-timeout", default=5.0, show_default=True, type=float,
               help="Seconds to connect to a replica.")
 @click.option("--request-timeout", default=1800.0, show_default=True, type=float,
@@ -194,14 +229,15 @@ def save_weights(directory: str, model: str, weight_seed: int, force: bool) -> N
               help="Consecutive passing checks that re-admit an ejected replica.")
 @click.option("--health-jitter", default=0.2, show_default=True, type=float,
               help="Each check interval is scaled by a random factor in [1-J, 1+J].")
-@click.option("--drain-timeout", default=30.0, show_default=True, type=float,
+@click.option("--drain-timeout", default=30.0, show_default=True, type=float, callback=_finite,
               help="Seconds in-flight requests may take to finish after SIGTERM.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]),
               help="Least severe log messages written to stderr (route lines are info).")
+@_log_format_option("OMNI_DP_LOG_FORMAT")
 def router(replicas, log_level, drain_timeout, no_retry, health_interval, health_timeout,
            health_failures, health_successes, health_jitter, connect_timeout,
-           request_timeout, **options) -> None:
+           request_timeout, body_timeout, header_timeout, **options) -> None:
     """Route HTTP traffic over replicas: one endpoint that keeps every replica driven.
 
     Any path is forwarded byte for byte to one replica and the answer streamed back. Ops:
@@ -213,6 +249,7 @@ def router(replicas, log_level, drain_timeout, no_retry, health_interval, health
     """
     from omni_dp.router.config import HealthConfig, RouterConfigError, plan_router
 
+    log_format = options.pop("log_format")  # the log set-up's, not the router config's
     health = HealthConfig(
         interval_s=health_interval, timeout_s=health_timeout, failure_threshold=health_failures,
         success_threshold=health_successes, jitter=health_jitter,
@@ -220,11 +257,12 @@ def router(replicas, log_level, drain_timeout, no_retry, health_interval, health
     try:
         config = plan_router(
             list(replicas), health=health, retry_connect_failures=not no_retry,
-            connect_timeout_s=connect_timeout, request_timeout_s=request_timeout, **options,
+            connect_timeout_s=connect_timeout, request_timeout_s=request_timeout,
+            body_timeout_s=body_timeout, header_timeout_s=header_timeout, **options,
         )
     except RouterConfigError as exc:
         _exit_with_problems("router", exc.problems)
-    _setup_logging(log_level)
+    _setup_logging(log_level, log_format)
     from omni_dp.router.workers import run_router
 
     sys.exit(run_router(config, drain_s=drain_timeout))
@@ -300,7 +338,8 @@ def _fail(command: str, message: str, code: int = 2) -> None:
 @click.option("--gpu", default="0", show_default=True, metavar="INDEX|UUID",
               help="The GPU the daemon serves (its UUID goes into CUDA_VISIBLE_DEVICES).")
 @click.option("--mps-thread-percentage", type=click.FloatRange(0, 100, min_open=True),
-              default=None, help="Default active thread percentage for the MPS server.")
+              default=None, callback=_finite,
+              help="Default active thread percentage for the MPS server.")
 @click.option("--mps-memory-limit", type=SIZE, default=None,
               help="Default pinned device memory limit per client, e.g. 20GiB.")
 @click.option("--no-gpu-check", is_flag=True,
@@ -453,6 +492,12 @@ def mps_status(state_dir, as_json) -> None:
                    "stop the run.")
 @click.option("--memory-headroom", type=float, default=0.05, show_default=True,
               help="Fraction of GPU memory the fit check keeps free.")
+@click.option("--api-key", default=None, envvar="OMNI_DP_API_KEY", metavar="KEY",
+              help="The router requires `Authorization: Bearer KEY` (but on /health, /ready, "
+                   "/live, /metrics); the supervisor's admin calls send it. Passed by "
+                   "environment, never written to the run's state. Also read from "
+                   "OMNI_DP_API_KEY.")
+@_log_format_option("OMNI_DP_LOG_FORMAT", " Passed on to the supervisor, replicas and router.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and exit; start nothing.")
 @click.option("--json", "as_json", is_flag=True, help="With --dry-run: the plan as JSON.")
 @click.argument("engine_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- ENGINE ARGS]")
@@ -482,25 +527,45 @@ def launch(ctx, config_file, dry_run, as_json, engine_args, **flags) -> None:
         given["engine_args"] = tuple(engine_args)
     defaults = {name: value for name, value in flags.items() if name not in given}
     options = merge_options({**defaults, **file_values}, given, config_file)
-    click.echo("omni-dp launch: preflight (CPU topology, GPU, ports, engine dry run)…",
-               err=True)
+    say = _launch_say(options.log_format)
+    preflight = "preflight (CPU topology, GPU, ports, engine dry run)…"
+    if options.log_format == "json":  # on stderr in both formats: stdout may be --json's plan
+        from omni_dp.logs import json_line
+
+        click.echo(json_line("omni_dp.launch", preflight), err=True)
+    else:
+        click.echo(f"omni-dp launch: {preflight}", err=True)
     facts = gather_facts(options, option_problems=problems + check_options(options))
-    try:
-        plan = plan_launch(options, facts)
+    try:  # the config file's problems and the plan's, all at once
+        plan = plan_launch(options, facts, earlier_problems=problems)
     except LaunchPlanError as exc:
-        problems += exc.problems
-    if problems:  # the config file's and the plan's, all at once
-        _exit_with_problems("launch", problems)
+        _exit_with_problems("launch", exc.problems)
     if dry_run:
         _emit({"run_id": plan.run_id, **plan.to_json(),
                "replica_plans": [{"index": r.index, "port": r.port, "cpus": r.cpus,
                                   "argv": list(r.argv)} for r in plan.replicas]},
               "\n".join(plan.describe()), as_json)
         return
-    click.echo("\n".join(plan.describe()))
+    if options.log_format == "json":
+        say("\n".join(plan.describe()))
+    else:
+        click.echo("\n".join(plan.describe()))
     from omni_dp.launcher.launch import launch as run_launch
 
-    sys.exit(run_launch(plan, say=lambda line: click.echo(f"omni-dp: {line}")))
+    sys.exit(run_launch(plan, say=say))
+
+
+def _launch_say(log_format: str):
+    """How launch and its foreground supervisor report: `omni-dp: …` lines, or with json one
+    JSON log line each; both on stdout."""
+    if log_format != "json":
+        return lambda line: click.echo(f"omni-dp: {line}")
+    import logging
+
+    from omni_dp.logs import setup_logging
+
+    setup_logging("info", "json", stream=sys.stdout)
+    return logging.getLogger("omni_dp.launch").info
 
 
 def _pick_run(run_id: str | None, command: str):
@@ -519,15 +584,17 @@ def _pick_run(run_id: str | None, command: str):
 def status(run_id: str | None, as_json: bool) -> None:
     """A run's replicas (pid, CPU block, port, health, KV, MPS, restarts), router, daemon.
 
-    With no RUN_ID: the only live run. Exit codes: 0 every replica healthy, 1 not, 2 no such run.
+    With no RUN_ID: the only live run. Exit codes: 0 every replica healthy, 1 not (or the run
+    is abandoned: nothing owns it), 2 no such run.
     """
+    from omni_dp.launcher.facts import invoked_as
     from omni_dp.launcher.status import collect, format_status
 
     state = _pick_run(run_id, "status")
     report = collect(state)
-    _emit(report, format_status(report), as_json)
+    _emit(report, format_status(report, invoked_as()), as_json)
     healthy = report["replicas"] and all(r["health"] == "healthy" for r in report["replicas"])
-    sys.exit(0 if healthy else 1)
+    sys.exit(0 if healthy and report["state"] != "abandoned" else 1)
 
 
 @cli.command("list")
@@ -559,12 +626,20 @@ def list_runs(as_json: bool) -> None:
 @click.option("--replica", type=int, default=None, help="Only this replica's log.")
 @click.option("--router", "router_log", is_flag=True, help="Only the router's log.")
 @click.option("--supervisor", "supervisor_log", is_flag=True, help="Only the supervisor's log.")
-@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines (Ctrl-C stops).")
-@click.option("-n", "--lines", type=int, default=50, show_default=True,
-              help="How many last lines to print first.")
+@click.option("-f", "--follow", is_flag=True,
+              help="Keep printing lines as they are completed (Ctrl-C stops; so does `down`).")
+@click.option("-n", "--lines", type=click.IntRange(min=0), default=50, show_default=True,
+              help="How many last lines to print first (0: none).")
 def logs(run_id, replica, router_log, supervisor_log, follow, lines) -> None:
-    """Print a run's logs (replicas, router, supervisor), optionally following them."""
+    """Print a run's logs (replicas, router, supervisor), optionally following them.
+
+    With several logs each line is prefixed with its log's name. Following prints whole lines
+    only, and goes on in a log the supervisor replaced (after an MPS fault) from its start.
+    """
+    import contextlib
     import time
+
+    from omni_dp.logs import Follower, last_lines
 
     state = _pick_run(run_id, "logs")
     names = sorted(p.name for p in state.logs.glob("*.log"))
@@ -578,35 +653,38 @@ def logs(run_id, replica, router_log, supervisor_log, follow, lines) -> None:
     missing = [p.name for p in paths if not p.exists()]
     if missing:
         _fail("logs", f"no {', '.join(missing)} in {state.logs}")
-    offsets = {}
-    for path in paths:
-        text = path.read_text(errors="replace")
+
+    def echo(path, raw_lines: list[bytes]) -> None:
         prefix = f"[{path.stem}] " if len(paths) > 1 else ""
-        for line in text.splitlines()[-lines:]:
-            click.echo(prefix + line)
-        offsets[path] = len(text.encode())
-    try:
-        while follow and state.directory.exists():
-            time.sleep(0.5)
+        for raw in raw_lines:
+            click.echo(prefix + raw.decode(errors="replace"))
+
+    with contextlib.ExitStack() as stack:
+        followers = []
+        try:
             for path in paths:
-                try:
+                if not follow:
                     with open(path, "rb") as f:
-                        f.seek(offsets[path])
-                        chunk = f.read()
-                except OSError:
+                        echo(path, last_lines(f, lines, whole_only=False))
                     continue
-                offsets[path] += len(chunk)
-                prefix = f"[{path.stem}] " if len(paths) > 1 else ""
-                for line in chunk.decode(errors="replace").splitlines():
-                    click.echo(prefix + line)
-    except KeyboardInterrupt:
-        pass
+                follower = Follower(path)
+                stack.callback(follower.close)
+                followers.append(follower)
+                echo(path, follower.start(lines))
+        except OSError as exc:  # removed by `down` meanwhile, or unreadable
+            _fail("logs", f"cannot read {exc.filename}: {exc.strerror}")
+        with contextlib.suppress(KeyboardInterrupt):
+            while follow and state.directory.exists():
+                time.sleep(0.25)
+                for follower in followers:
+                    echo(follower.path, follower.poll())
 
 
 @cli.command()
 @click.argument("run_id", required=False)
-@click.option("--drain-timeout", type=float, default=None,
-              help="Seconds in-flight requests get. [default: the run's]")
+@click.option("--drain-timeout", type=click.FloatRange(min=0), default=None, callback=_finite,
+              help="Seconds in-flight requests get, also when the run's supervisor does the "
+                   "teardown. [default: the run's]")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def down(run_id: str | None, drain_timeout: float | None, as_json: bool) -> None:
     """Stop a run and everything it started, and nothing else; remove its state.

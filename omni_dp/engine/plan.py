@@ -6,6 +6,7 @@ creates nothing: a bad command line exits 2 before a socket is bound or a byte a
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -128,7 +129,10 @@ def plan_serve(options: ServeOptions) -> ServePlan:
             problems.append(f"--{name.replace('_', '-')} must be at least 1")
     if options.max_queued_requests < 0:
         problems.append("--max-queued-requests must not be negative")
-    if options.drain_timeout < 0:
+    if not math.isfinite(options.drain_timeout):  # nan passes `< 0`, then breaks the drain
+        problems.append(f"--drain-timeout must be a finite number, got "
+                        f"{options.drain_timeout}")
+    elif options.drain_timeout < 0:
         problems.append("--drain-timeout must not be negative")
     if not 0 <= options.port <= 65535:
         problems.append(f"--port must be 0-65535, got {options.port}")

@@ -1,6 +1,6 @@
 """The pipeline as stages, each with the name of the process it runs in.
 
-`process` is the single source of truth for process topology (see DESIGN.md, placement model):
+`process` is the single source of truth for process topology (docs/design.md, placement model):
 stages with the same process name share a process. This build runs placement form ① only — every
 stage in one process — but stages talk through channels, not calls, so a later placement layer
 can put a process boundary (pyzmq) between them without rewriting any stage.

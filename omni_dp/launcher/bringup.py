@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from omni_dp.launcher.gates import GateFailed, http_json, log_tail
+from omni_dp.launcher.gates import GateFailed, describe_exit, http_json, log_tail
 from omni_dp.launcher.plan import LaunchPlan
-from omni_dp.launcher.processes import Started, child_env, spawn
+from omni_dp.launcher.processes import API_KEY_ENV, Started, child_env, spawn
 from omni_dp.launcher.replicas import ReplicaSet
 from omni_dp.launcher.state import RunState
 from omni_dp.mps.attach import format_text
@@ -44,15 +44,17 @@ def start_daemon(state: RunState, binary: str, gpu_uuid: str | None,
 def start_router(state: RunState) -> Started:
     router = state.plan["router"]
     log = state.logs / "router.log"
-    started = spawn(router["argv"], child_env({"OMNI_DP_RUN_ID": state.run_id}, state.token),
-                    log)
+    extra = {"OMNI_DP_RUN_ID": state.run_id}
+    if state.api_key is not None:  # by environment: argv is readable by every user
+        extra[API_KEY_ENV] = state.api_key
+    started = spawn(router["argv"], child_env(extra, state.token), log)
     state.update(router={**started.identity.to_json(), "pgid": started.pid,
                          "url": router["url"], "argv": router["argv"], "log": "router.log"})
     deadline = time.monotonic() + ROUTER_READY_TIMEOUT_S
     while True:
         code = started.popen.poll()
         if code is not None or not is_alive(started.identity):
-            raise BringUpFailed(f"the router exited (code {code}) before it was ready; last "
+            raise BringUpFailed(f"the router {describe_exit(code)} before it was ready; last "
                                 f"lines of {log}:\n{log_tail(log)}")
         status, _ = http_json("GET", router["url"] + "/ready", timeout=2.0)
         if status == 200:

@@ -1,7 +1,7 @@
 """Engine adapters: how the launcher starts one replica of a given engine and sizes it.
 
 The supervisor never looks inside an engine: it runs the argv an adapter builds and talks to the
-replica over the HTTP contract in DESIGN.md (/health, /get_server_info with
+replica over the HTTP contract in docs/contracts.md (/health, /get_server_info with
 `max_total_num_tokens` and `processes`). Adding an external engine (sglang-omni, sglang, vLLM)
 means one more adapter class here and one entry in ENGINES; nothing else changes.
 """
@@ -39,6 +39,7 @@ class ReplicaLaunch:
     threads: int | None
     kv_cache_bytes: int | None
     max_total_tokens: int | None
+    log_format: str = "text"  # text | json (omni_dp/logs.py)
 
 
 class EngineAdapter(Protocol):
@@ -61,7 +62,7 @@ class BuiltinEngine:
 
     name = "builtin"
     reserved_flags = ("--host", "--port", "--device", "--threads", "--kv-cache-bytes",
-                      "--max-total-tokens", "--dry-run")
+                      "--max-total-tokens", "--dry-run", "--log-format")
     fixed_default_kv = True  # 16384 tokens unless told otherwise
 
     def argv(self, launch: ReplicaLaunch, engine_args: tuple[str, ...]) -> list[str]:
@@ -73,7 +74,7 @@ class BuiltinEngine:
             argv += ["--kv-cache-bytes", str(launch.kv_cache_bytes)]
         if launch.max_total_tokens is not None:
             argv += ["--max-total-tokens", str(launch.max_total_tokens)]
-        return argv + list(engine_args)
+        return [*argv, "--log-format", launch.log_format, *engine_args]
 
     def dry_run(self, launch: ReplicaLaunch, engine_args: tuple[str, ...],
                 env: dict[str, str]) -> tuple[EngineSizing | None, list[str]]:

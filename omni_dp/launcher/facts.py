@@ -12,8 +12,10 @@ import errno
 import json
 import os
 import secrets
+import shlex
 import shutil
 import socket
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -22,10 +24,17 @@ from pathlib import Path
 import psutil
 
 from omni_dp.launcher.engines import ENGINES, EngineSizing, ReplicaLaunch
-from omni_dp.launcher.options import LaunchOptions
+from omni_dp.launcher.options import LaunchOptions, replica_ports
 from omni_dp.launcher.topology import CpuTopology, gpu_numa_node, read_topology
 from omni_dp.mps.binaries import MpsBinaries
-from omni_dp.mps.preflight import GPU_CHECKS, GpuFacts, query_gpu, run_preflight
+from omni_dp.mps.preflight import (
+    GPU_CHECKS,
+    NO_DRIVER_MESSAGE,
+    GpuFacts,
+    Problem,
+    query_gpu,
+    run_preflight,
+)
 from omni_dp.procs import ProcessIdentity, is_alive
 from omni_dp.rundir import RUN_FILE, mps_pipe_dir, run_dir, runs_dir, state_dir
 
@@ -58,6 +67,7 @@ class LaunchFacts:
     numactl: str | None
     host_problem: str | None = None  # the router's --host cannot be listened on
     mps_binaries: MpsBinaries | None = None  # with --mps: the pair found (mps_binary: control)
+    command: str = "omni-dp"  # how the user ran omni-dp (invoked_as)
 
 
 def visible_id(gpu: GpuFacts | None) -> str:
@@ -66,6 +76,22 @@ def visible_id(gpu: GpuFacts | None) -> str:
     if gpu is None:
         return ""
     return gpu.uuid or str(gpu.index)
+
+
+def invoked_as(argv0: str | None = None) -> str:
+    """How to write the omni-dp command in the follow-up commands we print, as the user ran
+    it: `.venv/bin/omni-dp` when typed so, `omni-dp` when that is the one on PATH (or we
+    cannot tell), `PYTHON -m omni_dp` after `python -m omni_dp`."""
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    path = Path(argv0)
+    if path.name == "omni-dp":
+        on_path = shutil.which("omni-dp")
+        if os.sep not in argv0 or (on_path and Path(on_path).resolve() == path.resolve()):
+            return "omni-dp"
+        return shlex.quote(argv0)
+    if path.name == "__main__.py" and path.parent.name == "omni_dp":
+        return f"{shlex.quote(sys.executable)} -m omni_dp"
+    return "omni-dp"
 
 
 def new_run_id() -> str:
@@ -81,7 +107,7 @@ def port_taken(host: str, port: int) -> bool:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
-        except socket.gaierror:
+        except (socket.gaierror, ValueError):  # ValueError: a name idna cannot encode
             return False  # not a usable address: host_problem() says so
         except OSError as exc:
             return exc.errno == errno.EADDRINUSE or exc.errno == errno.EACCES
@@ -94,8 +120,9 @@ def host_problem(host: str) -> str | None:
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         try:
             sock.bind((host, 0))
-        except OSError as exc:
-            return (f"--host {host!r}: the router cannot listen there ({exc.strerror or exc}); "
+        except (OSError, ValueError) as exc:  # ValueError: too long, or a NUL in it
+            why = getattr(exc, "strerror", None) or exc
+            return (f"--host {host!r}: the router cannot listen there ({why}); "
                     "use an address of this machine, e.g. 127.0.0.1 or 0.0.0.0")
     return None
 
@@ -137,7 +164,8 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
         wanted = "0" if options.gpu == "auto" else options.gpu
         gpu, problems, _ = query_gpu(wanted)
         # Only "is there such a GPU"; what MPS needs of it is the MPS preflight's, below.
-        gpu_problems = [p.message for p in problems if p.check in ("gpu", "nvml")]
+        gpu_problems = [_gpu_problem(p, options) for p in problems
+                        if p.check in ("gpu", "nvml")]
     numa = gpu_numa_node(gpu.pci_bus_id) if gpu is not None and gpu.pci_bus_id else None
 
     mps_binaries, mps_problems = None, []
@@ -151,8 +179,7 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
                         and not (options.no_gpu_check and p.check in GPU_CHECKS)]
         mps_binaries = report.binaries  # the one search; a refused pair comes with a problem
 
-    ports = [options.base_port + i for i in range(max(options.replicas, 0))]
-    taken = {p for p in ports if port_taken("127.0.0.1", p)}
+    taken = {p for p in replica_ports(options) if port_taken("127.0.0.1", p)}
     if port_taken(options.host, options.router_port):
         taken.add(options.router_port)
 
@@ -191,4 +218,15 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
         numactl=shutil.which("numactl"),
         host_problem=host_problem(options.host),
         mps_binaries=mps_binaries,
+        command=invoked_as(),
     )
+
+
+def _gpu_problem(problem: Problem, options: LaunchOptions) -> str:
+    """The GPU lookup's words, without MPS where the run asked for none."""
+    if options.mps:
+        return problem.message
+    if problem.message == NO_DRIVER_MESSAGE:
+        return (f"--gpu {options.gpu}: there is no NVIDIA driver on this machine "
+                "(libnvidia-ml not found); use --gpu none to run on the CPU")
+    return problem.message.replace(" (MIG devices are out of scope for MPS runs)", "")

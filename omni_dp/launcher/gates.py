@@ -8,6 +8,7 @@ standard the first one was. Talks to replicas and the router over HTTP only.
 from __future__ import annotations
 
 import json
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -24,15 +25,16 @@ class GateFailed(Exception):
     """A replica did not pass a gate; the message says which and why (with its log tail)."""
 
 
-def http_json(method: str, url: str, body: dict | None = None, timeout: float = 3.0
-              ) -> tuple[int, dict | None]:
+def http_json(method: str, url: str, body: dict | None = None, timeout: float = 3.0,
+              headers: dict[str, str] | None = None) -> tuple[int, dict | None]:
     """(status, parsed JSON body or None); status 0 when nothing answered.
 
     Blocking urllib on purpose: the launcher makes a handful of calls per second from plain
     threads, and needs no event loop for that."""
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              **(headers or {})})
     try:
         with _OPENER.open(request, timeout=timeout) as response:
             status, raw = response.status, response.read()
@@ -44,6 +46,18 @@ def http_json(method: str, url: str, body: dict | None = None, timeout: float = 
         return status, json.loads(raw) if raw else None
     except ValueError:
         return status, None
+
+
+def describe_exit(code: int | None) -> str:
+    """How a process ended, in words: Popen's negative return codes are signals."""
+    if code is None:
+        return "died"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 def log_tail(path: Path, lines: int = 15) -> str:
@@ -63,9 +77,8 @@ def wait_healthy(url: str, identity: ProcessIdentity, log: Path, timeout_s: floa
     while True:
         code = exit_code()
         if code is not None or not is_alive(identity):
-            how = f"exited with code {code}" if code is not None else "died"
-            raise GateFailed(f"{how} before it was healthy; last lines of {log}:\n"
-                             f"{log_tail(log)}")
+            raise GateFailed(f"{describe_exit(code)} before it was healthy; last lines of "
+                             f"{log}:\n{log_tail(log)}")
         status, _ = http_json("GET", url + "/health", timeout=2.0)
         if status == 200:
             return time.monotonic() - started
@@ -83,7 +96,7 @@ def server_info(url: str) -> dict:
     for key in ("max_total_num_tokens", "processes"):
         if key not in info:
             raise GateFailed(f"GET {url}/get_server_info has no {key!r}: the engine does not "
-                             "follow the replica contract (DESIGN.md)")
+                             "follow the replica contract (docs/contracts.md)")
     return info
 
 

@@ -14,17 +14,17 @@ import time
 from collections.abc import Callable
 
 from omni_dp.launcher.bringup import BringUpFailed, bring_up
-from omni_dp.launcher.gates import GateFailed
+from omni_dp.launcher.gates import GateFailed, describe_exit, log_tail
 from omni_dp.launcher.plan import LaunchPlan
-from omni_dp.launcher.processes import child_env, spawn
+from omni_dp.launcher.processes import API_KEY_ENV, child_env, spawn
 from omni_dp.launcher.replicas import ReplicaSet
-from omni_dp.launcher.state import RunState, identity_of
+from omni_dp.launcher.state import RunState, StateError, identity_of
 from omni_dp.launcher.status import collect, replica_table
 from omni_dp.launcher.supervisor import Supervisor
 from omni_dp.launcher.teardown import teardown
 from omni_dp.mps.daemon import MpsDaemonError
 
-SUPERVISOR_HANDOFF_S = 20.0
+SUPERVISOR_HANDOFF_S = 30.0  # start, record itself, one sweep (health of every replica)
 
 
 class _Interrupted(Exception):
@@ -33,6 +33,7 @@ class _Interrupted(Exception):
 
 def launch(plan: LaunchPlan, say: Callable[[str], None]) -> int:
     state = RunState.create(plan)
+    state.api_key = plan.options.api_key  # in memory: for the router's env and admin calls
     state.event("run_created", plan=plan.to_json())
     replicas = ReplicaSet(state)
     # SIGTERM/SIGINT during bring-up interrupt it; afterwards they only set `stop`, which the
@@ -62,7 +63,8 @@ def launch(plan: LaunchPlan, say: Callable[[str], None]) -> int:
         if not interrupted:
             state.update(state="failed")
         state.event("bringup_failed", error=why)
-        result = teardown(state, drain_timeout=5.0, keep_state=not interrupted, say=say,
+        result = teardown(state, drain_timeout=state.requested_drain(5.0),
+                          keep_state=not interrupted, say=say,
                           reap=[*replicas.popens.values()])
         for line in result.leftovers:
             say(f"left behind: {line}")
@@ -70,7 +72,7 @@ def launch(plan: LaunchPlan, say: Callable[[str], None]) -> int:
             stopped = ("everything started was stopped" if result.clean else
                        "some processes could not be stopped (above)")
             say(f"{stopped}; the state is kept for diagnosis in {state.directory} (logs/, "
-                f"events.jsonl); remove it with `omni-dp down {state.run_id}`")
+                f"events.jsonl); remove it with `{plan.command} down {state.run_id}`")
         return 130 if interrupted and result.clean else 3
 
     say(summary(plan, state))
@@ -83,45 +85,77 @@ def launch(plan: LaunchPlan, say: Callable[[str], None]) -> int:
 
 def summary(plan: LaunchPlan, state: RunState) -> str:
     status = collect(state)  # health probed again: the table shows what is, not what was
+    # The key itself is never printed: the header names the variable that holds it.
+    auth = (f" -H \"Authorization: Bearer ${API_KEY_ENV}\"" if plan.options.api_key else "")
     lines = [
         "",
         replica_table(status["replicas"]),
         "",
         f"endpoint   {plan.router_url}",
-        f"try        curl -s {plan.router_url}/v1/audio/speech -H 'Content-Type: "
+        f"try        curl -s {plan.router_url}/v1/audio/speech{auth} -H 'Content-Type: "
         "application/json' -d '{\"input\": \"Hello there.\"}' -o hello.wav",
-        f"status     omni-dp status {plan.run_id}",
-        f"teardown   omni-dp down {plan.run_id}",
+        f"status     {plan.command} status {plan.run_id}",
+        f"teardown   {plan.command} down {plan.run_id}",
     ]
+    if plan.options.api_key:
+        lines.insert(-2, f"auth       the router wants the API key: export {API_KEY_ENV}=KEY "
+                         "for the command above")
     if plan.options.mps:
-        lines.insert(-2, f"mps        omni-dp verify-mps {plan.run_id}   "
+        lines.insert(-2, f"mps        {plan.command} verify-mps {plan.run_id}   "
                          f"({state.directory / 'mps_attach.txt'})")
     return "\n".join(lines)
 
 
 def _hand_off(state: RunState, reap: list, stop: threading.Event,
               say: Callable[[str], None]) -> int:
-    """Start the detached supervisor and return once it has taken the run over. A signal
-    before that tears the run down instead."""
+    """Start the detached supervisor and return once it supervises: recorded in run.json AND
+    through a first sweep of its loop (its heartbeat). If it dies first, or a signal comes,
+    the run is torn down instead: never "detached" with no one watching."""
     log = state.logs / "supervisor.log"
+    extra = {"OMNI_DP_RUN_ID": state.run_id}
+    if state.api_key is not None:  # by environment, as to the router: never argv, never disk
+        extra[API_KEY_ENV] = state.api_key
     started = spawn([sys.executable, "-m", "omni_dp.launcher.supervisor", str(state.directory)],
-                    child_env({"OMNI_DP_RUN_ID": state.run_id}, state.token), log)
+                    child_env(extra, state.token), log)
     deadline = time.monotonic() + SUPERVISOR_HANDOFF_S
+    code = None
     while time.monotonic() < deadline and not stop.is_set():
-        current = RunState.load(state.directory)
-        if identity_of(current.data.get("supervisor")) == started.identity:
-            say(f"detached: supervisor pid {started.pid} (log {log})")
-            return 0
-        if started.popen.poll() is not None:
+        code = started.popen.poll()
+        if code is not None:
             break
+        record = _current(state).data.get("supervisor") or {}
+        if identity_of(record) == started.identity and record.get("supervising_since"):
+            say(f"detached: supervisor pid {started.pid} is supervising (log {log})")
+            return 0
         time.sleep(0.05)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)  # the teardown below must run to its end
     interrupted = stop.is_set()
-    say("interrupted; tearing the run down" if interrupted else
-        f"the detached supervisor did not take over (log {log}); tearing the run down")
+    if interrupted:
+        say("interrupted; tearing the run down")
+    elif code is not None:
+        say(f"the detached supervisor {describe_exit(code)} before it was supervising; last "
+            f"lines of {log}:\n{log_tail(log)}\ntearing the run down")
+    else:
+        say(f"the detached supervisor did not start supervising within "
+            f"{SUPERVISOR_HANDOFF_S:.0f} s (log {log}); tearing the run down")
     # The supervisor may have recorded itself meanwhile: teardown then stops it first (it
     # tears down itself); if not, it carries the run token and goes with the other strays.
-    result = teardown(RunState.load(state.directory), drain_timeout=5.0,
+    current = _current(state)
+    result = teardown(current, drain_timeout=current.requested_drain(5.0),
                       keep_state=not interrupted, say=say, reap=[*reap, started.popen])
+    if not interrupted:
+        state.event("handoff_failed", supervisor_pid=started.pid, exit=code)
+        say(f"the state is kept for diagnosis in {state.directory}; remove it with "
+            f"`{state.plan.get('command') or 'omni-dp'} down {state.run_id}`"
+            if state.directory.exists() else "nothing is left of the run")
     return 130 if interrupted and result.clean else 3
+
+
+def _current(state: RunState) -> RunState:
+    """run.json as it is now; the launcher's own copy if the directory was removed meanwhile
+    (a supervisor that tore the run down removes it: the copy still names what to stop)."""
+    try:
+        return RunState.load(state.directory)
+    except StateError:
+        return state

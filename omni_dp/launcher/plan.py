@@ -6,20 +6,28 @@ left behind, and tests can plan for machines they do not have.
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from omni_dp.launcher.engines import ENGINES, EngineSizing, ReplicaLaunch, reserved_flag_problems
 from omni_dp.launcher.facts import LaunchFacts, visible_id
-from omni_dp.launcher.options import MPS_FAULT_ACTIONS, START_MODES, LaunchOptions
+from omni_dp.launcher.options import (
+    MPS_FAULT_ACTIONS,
+    START_MODES,
+    LaunchOptions,
+    replica_ports,
+)
 from omni_dp.launcher.topology import CpuPlan, format_cpu_list, plan_auto, plan_explicit
+from omni_dp.logs import LOG_FORMATS
 from omni_dp.mps.binaries import MpsBinaries
 from omni_dp.mps.daemon import private_dir_problem
 from omni_dp.rundir import RUN_ID, mps_log_dir, mps_pipe_dir, run_dir
 from omni_dp.sizes import format_size
 
 POLICIES = ("least_request", "round_robin", "power_of_two", "random")
+MAX_SECONDS = 7 * 24 * 3600.0  # any timeout or interval beyond is a typo (and overflows poll())
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                     "NUMEXPR_NUM_THREADS")
 
@@ -64,6 +72,7 @@ class LaunchPlan:
     mps_binary: str | None
     warnings: tuple[str, ...] = field(default=())
     mps_binaries: MpsBinaries | None = None  # the located pair; mps_binary is its control
+    command: str = "omni-dp"  # how the user runs omni-dp, for the commands we print
 
     def describe(self) -> list[str]:
         """The resolved plan, as printed before anything starts."""
@@ -106,7 +115,10 @@ class LaunchPlan:
                             "on_mps_fault": o.on_mps_fault,
                             "health_timeout": o.health_timeout,
                             "drain_timeout": o.drain_timeout},
+            "log_format": o.log_format,  # the supervisor's and the replica log banners'
             "warnings": list(self.warnings),
+            "command": self.command,  # for the commands the detached supervisor prints
+            "api_key_set": o.api_key is not None,  # the key itself never goes to disk
         }
 
 
@@ -135,29 +147,50 @@ def check_options(o: LaunchOptions) -> list[str]:
         problems.append(f"--on-mps-fault must be one of {', '.join(MPS_FAULT_ACTIONS)}")
     if o.policy not in POLICIES:
         problems.append(f"--policy must be one of {', '.join(POLICIES)}, got {o.policy!r}")
+    if o.log_format not in LOG_FORMATS:
+        problems.append(f"--log-format must be one of {', '.join(LOG_FORMATS)}, got "
+                        f"{o.log_format!r}")
     if o.router_workers < 1:
         problems.append("--router-workers must be at least 1")
     engine = ENGINES.get(o.engine)
     if engine is None:
-        problems.append(f"--engine {o.engine!r} is not known; known: {', '.join(ENGINES)}")
+        problems.append(f"engine {o.engine!r} is not known; known: {', '.join(ENGINES)}")
     else:
         problems += reserved_flag_problems(engine, o.engine_args)
     if o.run_id is not None and not RUN_ID.match(o.run_id):
         problems.append(f"--run-id {o.run_id!r} is not a run id: 1-64 letters, digits, '_', "
                         "'.', '-', starting with a letter or digit (no path separators)")
-    for name in ("health_timeout", "check_interval", "restart_window"):
-        if getattr(o, name) <= 0:
-            problems.append(f"--{name.replace('_', '-')} must be positive")
-    if o.drain_timeout < 0:
-        problems.append("--drain-timeout must not be negative")
+    # nan passes every comparison below it (and then stops the supervisor's loop), inf too
+    for name, zero_ok in (("health_timeout", False), ("check_interval", False),
+                          ("restart_window", False), ("drain_timeout", True)):
+        seconds = getattr(o, name)
+        if not (math.isfinite(seconds) and (seconds >= 0 if zero_ok else seconds > 0)
+                and seconds <= MAX_SECONDS):
+            lowest = "0" if zero_ok else "more than 0"
+            problems.append(f"--{name.replace('_', '-')} must be a number of seconds from "
+                            f"{lowest} to {MAX_SECONDS:.0f} (7 days), got {seconds}")
     if o.health_failures < 1 or o.restart_budget < 0:
         problems.append("--health-failures must be ≥ 1 and --restart-budget ≥ 0")
     if not 0 <= o.memory_headroom < 1:
-        problems.append("--memory-headroom must be a fraction in [0, 1)")
+        problems.append(f"--memory-headroom must be a fraction in [0, 1), got "
+                        f"{o.memory_headroom}")
+    problems += _api_key_problems(o.api_key)
     if o.no_gpu_check and not o.mps:
         problems.append("--no-gpu-check only applies to --mps")
     problems += _port_range_problems(o)
     return problems
+
+
+def _api_key_problems(key: str | None) -> list[str]:
+    """The key travels in an HTTP header: visible ASCII only. Never echoed back."""
+    if key is None:
+        return []
+    if not key.strip():
+        return ["--api-key (or OMNI_DP_API_KEY, or api_key in --config) must not be empty"]
+    if not all(33 <= ord(c) <= 126 for c in key):
+        return ["--api-key (or OMNI_DP_API_KEY, or api_key in --config) must be printable "
+                "ASCII without spaces: it is sent in an HTTP header"]
+    return []
 
 
 def _port_range_problems(o: LaunchOptions) -> list[str]:
@@ -174,8 +207,11 @@ def _port_range_problems(o: LaunchOptions) -> list[str]:
     return problems
 
 
-def plan_launch(o: LaunchOptions, facts: LaunchFacts) -> LaunchPlan:
-    problems = check_options(o)
+def plan_launch(o: LaunchOptions, facts: LaunchFacts, *,
+                earlier_problems: tuple[str, ...] | list[str] = ()) -> LaunchPlan:
+    """earlier_problems: found before planning (the --config file's); reported with the
+    plan's. The engine's dry run is skipped while any exist, so no plan can be made then."""
+    problems = [*earlier_problems, *check_options(o)]
     warnings: list[str] = []
     run_id = o.run_id or facts.new_run_id
     directory = run_dir(facts.state_root, run_id)
@@ -206,12 +242,13 @@ def plan_launch(o: LaunchOptions, facts: LaunchFacts) -> LaunchPlan:
         if run.run_id == run_id:
             problems.append(
                 f"run {run_id} is still running; pick another --run-id or stop it: "
-                f"omni-dp down {run_id}" if run.live else
+                f"{facts.command} down {run_id}" if run.live else
                 f"the state of an earlier run {run_id} is kept at {run.directory}; remove it "
-                f"with `omni-dp down {run_id}` or pick another --run-id")
+                f"with `{facts.command} down {run_id}` or pick another --run-id")
         elif not run.live and run.gpu == gpu_label:
             warnings.append(f"stale state of run {run.run_id} (same GPU) is kept at "
-                            f"{run.directory}; `omni-dp down {run.run_id}` removes it")
+                            f"{run.directory}; `{facts.command} down {run.run_id}` removes "
+                            "it")
         elif run.live and run.gpu == gpu_label and gpu is not None:
             warnings.append(f"run {run.run_id} is live on the same GPU; both runs will share it")
     root_problem = private_dir_problem(facts.state_root)
@@ -220,15 +257,20 @@ def plan_launch(o: LaunchOptions, facts: LaunchFacts) -> LaunchPlan:
                         "another)")
 
     # Ports.
-    for i in range(max(o.replicas, 0)):
-        if o.base_port + i in facts.taken_ports:
-            problems.append(f"port {o.base_port + i} (replica {i}) is in use; pick another "
-                            "--base-port")
+    for port in replica_ports(o):
+        if port in facts.taken_ports:
+            problems.append(f"port {port} (replica {port - o.base_port}) is in use; pick "
+                            "another --base-port")
     if facts.host_problem:
         problems.append(facts.host_problem)
     if o.router_port in facts.taken_ports:
         problems.append(f"port {o.router_port} on {o.host} (router) is in use; pick another "
                         "--router-port")
+
+    cpus = len(facts.topology.allowed)
+    if o.router_workers > max(cpus, 1):  # a typo here would fork that many routers
+        problems.append(f"--router-workers {o.router_workers}: more router processes than the "
+                        f"{cpus} CPU(s) this process may use gain nothing; use at most {cpus}")
 
     # CPU blocks.
     cpu_plan = _plan_cpus(o, facts)
@@ -248,7 +290,10 @@ def plan_launch(o: LaunchOptions, facts: LaunchFacts) -> LaunchPlan:
     start = o.start or "parallel"  # every engine adapter here sizes KV to a fixed size
     if problems:
         raise LaunchPlanError(problems)
-    assert sizing is not None
+    if sizing is None:  # no dry run, and nothing said why: never plan without the engine's word
+        raise LaunchPlanError(["the engine's dry run did not run, so the replicas' sizes are "
+                               "unknown; run `omni-dp serve --dry-run` with the engine "
+                               "arguments to see why"])
 
     engine = ENGINES[o.engine]
     replicas = []
@@ -267,14 +312,15 @@ def plan_launch(o: LaunchOptions, facts: LaunchFacts) -> LaunchPlan:
         tokens = o.max_total_tokens
         if o.kv_cache_bytes is None and o.max_total_tokens is None:
             tokens = sizing.kv_tokens
-        argv = engine.argv(ReplicaLaunch(port, device, threads, o.kv_cache_bytes, tokens),
-                           o.engine_args)
+        argv = engine.argv(ReplicaLaunch(port, device, threads, o.kv_cache_bytes, tokens,
+                                         log_format=o.log_format), o.engine_args)
         replicas.append(ReplicaPlan(i, port, cpus, tuple(_pinned(argv, cpus, facts)), env))
 
     router_url = f"http://{_url_host(o.host)}:{o.router_port}"
     router_argv = [sys.executable, "-m", "omni_dp", "router", "--host", o.host,
                    "--port", str(o.router_port), "--policy", o.policy,
-                   "--workers", str(o.router_workers), "--drain-timeout", str(o.drain_timeout)]
+                   "--workers", str(o.router_workers), "--drain-timeout", str(o.drain_timeout),
+                   "--log-format", o.log_format]
     for r in replicas:
         router_argv += ["--replica", f"{r.index}={r.url}"]
     return LaunchPlan(
@@ -283,7 +329,7 @@ def plan_launch(o: LaunchOptions, facts: LaunchFacts) -> LaunchPlan:
         router_argv=tuple(router_argv), router_url=router_url,
         expected_kv_tokens=sizing.kv_tokens, sizing=sizing, mps_binary=facts.mps_binary,
         mps_binaries=facts.mps_binaries,
-        warnings=tuple(warnings),
+        warnings=tuple(warnings), command=facts.command,
     )
 
 

@@ -23,11 +23,13 @@ from omni_dp.mps.control import LIMIT_ENVS
 from omni_dp.procs import ProcessIdentity, identify, is_alive, read_environ
 
 TOKEN_ENV = "OMNI_DP_RUN_TOKEN"
+API_KEY_ENV = "OMNI_DP_API_KEY"  # the router's key: given to the router and supervisor only
 # Inherited values of these would attach a replica to someone else's run or MPS daemon, or
 # silently cap its share of the GPU (an MPS client's limit variables only ever lower what the
 # daemon gives; one replica capped by a stray export breaks the "equal replicas" premise).
 # What the launch itself sets (the plan's env) is applied after and wins.
-_NOT_INHERITED = ("OMNI_DP_RUN_ID", "OMNI_DP_REPLICA", TOKEN_ENV, "CUDA_MPS_PIPE_DIRECTORY",
+_NOT_INHERITED = ("OMNI_DP_RUN_ID", "OMNI_DP_REPLICA", TOKEN_ENV, API_KEY_ENV,
+                  "CUDA_MPS_PIPE_DIRECTORY",
                   "CUDA_MPS_LOG_DIRECTORY", "CUDA_VISIBLE_DEVICES", *LIMIT_ENVS,
                   *THREAD_VARIABLES)
 
@@ -126,13 +128,18 @@ def wait_gone(identities: list[ProcessIdentity], timeout_s: float,
         time.sleep(0.05)
 
 
-def stop_processes(identities: list[ProcessIdentity], token: str | None, timeout_s: float, *,
-                   reap: list[subprocess.Popen] = ()) -> list[ProcessIdentity]:
-    """SIGTERM each group, wait up to timeout_s, SIGKILL what is still ours. Returns the
-    survivors (none, unless the kernel would not let them go)."""
+def stop_processes(identities: list[ProcessIdentity], token: str | None, drain_s: float, *,
+                   grace_s: float = 5.0, reap: list[subprocess.Popen] = ()
+                   ) -> list[ProcessIdentity]:
+    """SIGTERM each group (drain), after drain_s a second SIGTERM (stop without waiting, for
+    those that honour it, as `omni-dp serve` does), after grace_s more SIGKILL of what is still
+    ours. Returns the survivors (none, unless the kernel would not let them go)."""
     for identity in identities:
         signal_ours(identity, signal.SIGTERM, token, group=True)
-    survivors = wait_gone(identities, timeout_s, reap)
+    survivors = wait_gone(identities, drain_s, reap)
+    for identity in survivors:
+        signal_ours(identity, signal.SIGTERM, token, group=True)
+    survivors = wait_gone(survivors, grace_s, reap)
     for identity in survivors:
         signal_ours(identity, signal.SIGKILL, token, group=True)
     return wait_gone(survivors, 5.0, reap)

@@ -12,6 +12,7 @@ import time
 from omni_dp.launcher.gates import GateFailed, kv_problems, server_info, wait_healthy
 from omni_dp.launcher.processes import child_env, spawn, stop_processes
 from omni_dp.launcher.state import RunState, append_private, identity_of
+from omni_dp.logs import json_line
 from omni_dp.mps.attach import AttachReport, ReplicaProcesses
 from omni_dp.mps.daemon import DaemonRecord
 from omni_dp.mps.runs import verify_and_record
@@ -28,9 +29,11 @@ class ReplicaSet:
     def start(self, index: int) -> None:
         record = self.state.replica(index)
         log = self.state.logs / record["log"]
+        banner = f"--- omni-dp: starting replica {index} at {time.strftime('%F %T')} ---"
+        if self.state.plan.get("log_format") == "json":  # every line of the log is JSON then
+            banner = json_line("omni_dp.launch", f"starting replica {index}")
         with append_private(log) as f:
-            f.write(f"--- omni-dp: starting replica {index} at {time.strftime('%F %T')} ---\n"
-                    .encode())
+            f.write(banner.encode() + b"\n")
         started = spawn(record["argv"], child_env(record["env"], self.state.token), log)
         self.popens[index] = started.popen
         self.state.update_replica(index, **started.identity.to_json(), pgid=started.pid,

@@ -4,13 +4,16 @@
       run.json      schema 1 (below); the fields omni_dp.mps.runs reads keep their meaning
       run_token     the run's secret, mode 0600; also in every child's environment
       events.jsonl  one JSON object per line: {"ts", "event", ...}
+      stop_request.json  {"drain_timeout", "by_pid", "ts"}: written by `omni-dp down` before it
+                    signals the process in charge, which then tears down with that bound
       logs/         replica_<i>.log, router.log, supervisor.log
       mps/pipe, mps/log, mps_attach.txt, mps_attach.json   (with --mps)
 
 run.json:
     {"schema": 1, "run_id", "created_at", "state", "gpu", "device", "plan": {...},
      "launcher": {"pid", "create_time"},  # the `omni-dp launch` process
-     "supervisor": {"pid", "create_time", "detached"} | null,
+     "supervisor": {"pid", "create_time", "detached",
+                    "supervising_since"} | null,  # set once its loop has run a first sweep
      "router": {"pid", "create_time", "pgid", "port", "url", "argv", "log"} | null,
      "mps": {"daemon": {"pid", "create_time", "binary", "pipe_dir", "log_dir", "gpu_uuid",
                         "server_binary"}} | null,
@@ -26,6 +29,7 @@ the supervisor; `omni-dp down` only once the supervisor is gone.
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import shutil
@@ -42,6 +46,7 @@ from omni_dp.rundir import RUN_FILE, TOKEN_FILE, logs_dir
 
 SCHEMA = 1
 EVENTS_FILE = "events.jsonl"
+STOP_FILE = "stop_request.json"
 
 
 class StateError(Exception):
@@ -67,6 +72,9 @@ class RunState:
         self.directory = directory
         self.data = data
         self.token = token
+        # The router's API key, in memory only: from the launch options, or (in the detached
+        # supervisor) its environment. Never in run.json.
+        self.api_key: str | None = None
         self._lock = threading.RLock()
 
     # --- creating and loading -------------------------------------------------------------
@@ -172,6 +180,23 @@ class RunState:
                 return
             with append_private(self.directory / EVENTS_FILE) as f:
                 f.write(line.encode() + b"\n")
+
+    def request_stop(self, drain_timeout: float) -> None:
+        """Tell the process in charge with which drain bound to tear down (read on SIGTERM)."""
+        with self._lock:
+            if self.removed:
+                return
+            atomic_write(self.directory / STOP_FILE, json.dumps(
+                {"drain_timeout": drain_timeout, "by_pid": os.getpid(), "ts": time.time()}))
+
+    def requested_drain(self, default: float) -> float:
+        """The drain bound of the last stop request, else default."""
+        try:
+            value = json.loads((self.directory / STOP_FILE).read_text())["drain_timeout"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return default
+        valid = isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+        return float(value) if valid else default
 
     def events(self) -> list[dict]:
         try:

@@ -1,13 +1,13 @@
 """`omni-dp status` and `omni-dp list`: a run's state as recorded, re-checked live.
 
-The JSON shape is the contract in DESIGN.md; fields may be added, none renamed.
+The JSON shape is the contract in docs/contracts.md; fields may be added, none renamed.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from omni_dp.launcher.facts import any_recorded_alive
+from omni_dp.launcher.facts import any_recorded_alive, invoked_as
 from omni_dp.launcher.gates import http_json
 from omni_dp.launcher.state import RunState, StateError, identity_of
 from omni_dp.procs import is_alive
@@ -49,8 +49,8 @@ def pick(run_id: str | None, command: str) -> RunState:
     if not candidates:
         raise NoSuchRun(f"no runs under {state_dir() / 'runs'}")
     names = ", ".join(s.run_id for s in candidates)
-    raise NoSuchRun(f"{len(candidates)} runs ({names}): name one, e.g. omni-dp {command} "
-                    f"{candidates[0].run_id}")
+    raise NoSuchRun(f"{len(candidates)} runs ({names}): name one, e.g. {invoked_as()} "
+                    f"{command} {candidates[0].run_id}")
 
 
 def run_is_live(state: RunState) -> bool:
@@ -84,8 +84,12 @@ def collect(state: RunState, *, probe: bool = True) -> dict:
         })
     live = run_is_live(state)
     run_state = data["state"]
+    launcher = identity_of(data.get("launcher"))
+    owned = any(p is not None and is_alive(p) for p in (supervisor, launcher))
     if not live and run_state != "failed":
         run_state = "stopped"
+    elif live and run_state == "starting" and not owned:
+        run_state = "abandoned"  # its launch died during bring-up: no one will finish it
     elif live and run_state in ("running", "degraded") and not (supervisor
                                                                  and is_alive(supervisor)):
         run_state = "unsupervised"  # its supervisor died: `omni-dp down` still cleans it
@@ -110,7 +114,7 @@ def collect(state: RunState, *, probe: bool = True) -> dict:
     }
 
 
-def format_status(s: dict) -> str:
+def format_status(s: dict, command: str = "omni-dp") -> str:
     lines = [f"run {s['run_id']}: {s['state']}   ({s['directory']})",
              f"  supervisor  pid {s['supervisor']['pid']} "
              f"{'alive' if s['supervisor']['alive'] else 'NOT running'}",
@@ -121,6 +125,13 @@ def format_status(s: dict) -> str:
                      f"{'alive' if s['mps']['daemon_alive'] else 'NOT running'}  "
                      f"attached={s['mps']['attached']}")
     lines.append(replica_table(s["replicas"]))
+    if s["state"] == "abandoned":
+        lines.append(f"nothing owns this run: its `launch` is gone and no supervisor took it "
+                     f"over (killed during bring-up?); `{command} down {s['run_id']}` stops "
+                     "what it started")
+    elif s["state"] == "unsupervised":
+        lines.append(f"its supervisor is gone: nothing restarts a replica that fails; "
+                     f"`{command} down {s['run_id']}` stops the run")
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ Run in the foreground by `omni-dp launch`, or detached as
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
 import signal
@@ -31,11 +32,12 @@ from omni_dp.launcher.bringup import (
     start_router,
 )
 from omni_dp.launcher.facts import port_taken
-from omni_dp.launcher.gates import GateFailed, http_json
-from omni_dp.launcher.processes import stop_processes
+from omni_dp.launcher.gates import GateFailed, describe_exit, http_json
+from omni_dp.launcher.processes import API_KEY_ENV, stop_processes
 from omni_dp.launcher.replicas import ReplicaSet
 from omni_dp.launcher.state import RunState, StateError, identity_of
 from omni_dp.launcher.teardown import teardown
+from omni_dp.logs import setup_logging
 from omni_dp.mps.daemon import (
     CONTROL_LOG,
     FAULT_LINE,
@@ -118,6 +120,10 @@ class Supervisor:
         # Held while spawning; teardown takes it so no replica starts after teardown began.
         self.spawn_lock = threading.Lock()
         self.stopping = False
+        self.command = state.plan.get("command") or "omni-dp"  # for the commands it prints
+        # Healthy replicas the router did not take back (a failed admin call): retried each
+        # sweep until it answers 2xx.
+        self.not_in_router: set[int] = set()
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -130,17 +136,29 @@ class Supervisor:
         self.state.event("supervisor_started", pid=me.pid, detached=self.detached)
         watch = DeathWatch()
         try:
+            supervising = False
             while not self.stop_requested.is_set():
-                watch.wait(self._watched(), self.interval)
-                if self.stop_requested.is_set():
-                    break
                 try:
                     self.sweep()
                 except Exception as exc:  # a sweep must never take the supervisor down
                     self.state.event("supervisor_check_failed", error=repr(exc))
+                if not supervising:  # what `launch --detach` waits for before it says so
+                    supervising = True
+                    self._record_supervising()
+                watch.wait(self._watched(), self.interval)
+        except Exception as exc:  # the loop itself: never leave the run unsupervised silently
+            self.exit_code = 3
+            self.state.event("supervisor_failed", error=repr(exc))
+            self.say(f"the supervision loop failed ({exc!r}); tearing the run down")
         finally:
             watch.close()
         return self.shutdown()
+
+    def _record_supervising(self) -> None:
+        """The heartbeat: the loop has run a whole sweep and is watching."""
+        record = self.state.data.get("supervisor") or {}
+        self.state.update(supervisor={**record, "supervising_since": time.time()})
+        self.state.event("supervisor_supervising", pid=os.getpid())
 
     def _watched(self) -> list[ProcessIdentity]:
         """The live processes whose exit should wake the loop at once."""
@@ -158,14 +176,17 @@ class Supervisor:
         failed = self.exit_code != 0  # stopped by a fault: keep the state for diagnosis
         if failed:
             self.state.update(state="failed")
-        result = teardown(self.state, drain_timeout=self.drain_timeout, say=self.say,
+        # `omni-dp down --drain-timeout S` wrote its bound before it signalled us
+        drain = self.state.requested_drain(self.drain_timeout)
+        result = teardown(self.state, drain_timeout=drain, say=self.say,
                           keep_state=failed,
                           reap=self.reap + list(self.replicas.popens.values()))
         for line in result.leftovers:
             self.say(f"left behind: {line}")
         if failed:
             self.say(f"run stopped after a failure; its state is kept in {self.state.directory}"
-                     f" (events.jsonl, logs/); `omni-dp down {self.state.run_id}` removes it")
+                     f" (events.jsonl, logs/); `{self.command} down {self.state.run_id}` "
+                     "removes it")
         elif result.clean:
             self.say("run stopped; nothing left behind")
         return self.exit_code if result.clean else 3
@@ -182,6 +203,7 @@ class Supervisor:
                     self._check_replica(record)
             self._check_router()
             self._check_daemon()
+            self._retry_router_enable()
         states = {r["state"] for r in self.state.replicas}
         run_state = "running" if states == {"healthy"} else "degraded"
         if self.state.data["state"] != run_state:
@@ -193,14 +215,16 @@ class Supervisor:
         if identity is None or not is_alive(identity):
             popen = self.replicas.popens.get(i)
             code = popen.poll() if popen else None
-            self._begin_restart(i, "process exited" + (f" with code {code}" if code is not None
-                                                       else ""))
+            # Not our child (started by `launch`): its exit status is not ours to read.
+            self._begin_restart(i, f"its process {describe_exit(code)}" if code is not None
+                                else "its process is gone")
             return
         status, _ = http_json("GET", record["url"] + "/health", timeout=min(2.0, self.interval))
         if status == 200:
             self.failures[i] = 0
-            if record["state"] != "healthy":
-                self.state.update_replica(i, state="healthy")
+            if record["state"] != "healthy":  # recovered: the /health error is resolved
+                resolved = {} if i in self.not_in_router else {"last_error": None}
+                self.state.update_replica(i, state="healthy", **resolved)
             return
         self.failures[i] = self.failures.get(i, 0) + 1
         error = f"/health answered {status or 'nothing'} ({self.failures[i]} in a row)"
@@ -268,12 +292,19 @@ class Supervisor:
             self._restart_failed(index, str(exc))
             return
         self.failures[index] = 0
-        self.state.update_replica(index, state="healthy")
-        self._set_disabled(index, False)
-        self.state.event("restart_completed", replica=index,
-                         pid=self.state.replica(index)["pid"])
-        self.say(f"replica {index}: restarted (pid {self.state.replica(index)['pid']}), "
-                 "passed health and KV checks, back in the router")
+        # The reason for the restart is resolved (it stays in events.jsonl, restart_started).
+        self.state.update_replica(index, state="healthy", last_error=None)
+        back = self._set_disabled(index, False)
+        pid = self.state.replica(index)["pid"]
+        self.state.event("restart_completed", replica=index, pid=pid, in_router=back)
+        if back:
+            self.not_in_router.discard(index)
+            self.say(f"replica {index}: restarted (pid {pid}), passed health and KV checks, "
+                     "back in the router")
+        else:
+            self.not_in_router.add(index)
+            self.say(f"replica {index}: restarted (pid {pid}), passed health and KV checks, "
+                     "but NOT back in the router (above); retrying at every sweep")
 
     def _restart_failed(self, index: int, error: str) -> None:
         first = error.splitlines()[0]
@@ -289,14 +320,42 @@ class Supervisor:
             time.sleep(0.1)
         return True
 
-    def _set_disabled(self, index: int, disabled: bool) -> None:
+    def _set_disabled(self, index: int, disabled: bool, *, warn: bool = True) -> bool:
+        """PUT /workers/INDEX on the router, with the run's API key. True only on a 2xx; any
+        other answer is a warning (log, event, the replica's last_error), never a success."""
         router = self.state.data.get("router")
-        if not router:
-            return
-        status, _ = http_json("PUT", f"{router['url']}/workers/{index}",
-                                 {"disabled": disabled})
-        self.state.event("router_" + ("disabled" if disabled else "enabled"), replica=index,
-                         status=status)
+        headers = {"Authorization": f"Bearer {self.state.api_key}"} if self.state.api_key else {}
+        status, body = (http_json("PUT", f"{router['url']}/workers/{index}",
+                                  {"disabled": disabled}, headers=headers)
+                        if router else (0, None))  # no router recorded: nothing answered
+        action = "disabled" if disabled else "enabled"
+        if 200 <= status < 300:
+            self.state.event("router_" + action, replica=index, status=status)
+            return True
+        said = body.get("error") if isinstance(body, dict) else None
+        error = (f"the router did not take replica {index} "
+                 + ("out" if disabled else "back")
+                 + f": PUT /workers/{index} answered {status or 'nothing'}"
+                 + (f" ({said})" if said else "")
+                 + ("; the router wants an API key: launch with --api-key (or "
+                    "OMNI_DP_API_KEY) so that the supervisor sends it" if status == 401 else ""))
+        self.state.event("router_admin_failed", replica=index, action=action, status=status,
+                         error=error)
+        if warn:
+            self.state.update_replica(index, last_error=error)
+            self.say(f"warning: {error}")
+        return False
+
+    def _retry_router_enable(self) -> None:
+        """Put back in the router the healthy replicas it did not take back."""
+        for index in sorted(self.not_in_router):
+            record = self.state.replica(index)
+            if index in self.busy or record["state"] != "healthy":
+                continue
+            if self._set_disabled(index, False, warn=False):
+                self.not_in_router.discard(index)
+                self.state.update_replica(index, last_error=None)
+                self.say(f"replica {index}: back in the router")
 
     # --- the router and the MPS daemon ------------------------------------------------------
 
@@ -315,7 +374,9 @@ class Supervisor:
                 self.state.event("router_restart_failed", error=str(exc))
                 return
         self.reap.append(router.popen)
-        for record in self.state.replicas:  # a new router starts with every replica enabled
+        self.say(f"router restarted (pid {router.pid}), ready")
+        self.not_in_router.clear()  # a new router starts with every replica enabled
+        for record in self.state.replicas:
             if record["state"] != "healthy":
                 self._set_disabled(record["index"], True)
 
@@ -402,10 +463,14 @@ class Supervisor:
             report = self.replicas.verify_attachment()
             if not report.passed:
                 raise BringUpFailed("MPS attachment FAILED after the daemon restart")
-            for i in indices:
-                self._set_disabled(i, False)
-            self.state.event("mps_restarted")
-            self.say("MPS daemon and every replica restarted and verified")
+            for i in indices:  # the fault is resolved for every replica
+                self.state.update_replica(i, last_error=None)
+            out = [i for i in indices if not self._set_disabled(i, False)]
+            self.not_in_router.update(out)
+            self.state.event("mps_restarted", not_in_router=out)
+            self.say("MPS daemon and every replica restarted and verified"
+                     + (f"; replica(s) {', '.join(map(str, out))} NOT back in the router "
+                        "(above), retried at every sweep" if out else "; all back in the router"))
         except (BringUpFailed, GateFailed, MpsDaemonError) as exc:
             self.state.event("mps_restart_failed", error=str(exc))
             self.say(f"restarting after the MPS fault failed: {exc}; stopping the run")
@@ -422,7 +487,16 @@ def main(argv: list[str]) -> int:
     except (IndexError, StateError) as exc:
         print(f"omni-dp supervisor: {exc}", file=sys.stderr)
         return 2
-    return Supervisor(state, ReplicaSet(state), detached=True).run()
+    # The router's key comes by environment (`launch` set it): never from run.json or argv.
+    state.api_key = os.environ.get(API_KEY_ENV) if state.plan.get("api_key_set") else None
+    say = _stamped
+    if state.plan.get("log_format") == "json":  # as `launch --log-format json` asked
+        setup_logging("info", "json", stream=sys.stdout)
+        say = logging.getLogger("omni_dp.supervisor").info
+    if state.plan.get("api_key_set") and state.api_key is None:
+        say(f"warning: the run's router wants an API key but {API_KEY_ENV} is not set here: "
+            "the router will refuse this supervisor's admin calls")
+    return Supervisor(state, ReplicaSet(state), detached=True, say=say).run()
 
 
 if __name__ == "__main__":

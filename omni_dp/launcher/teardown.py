@@ -43,12 +43,15 @@ def teardown(state: RunState, *, drain_timeout: float, keep_state: bool = False,
 
     # The process in charge — the supervisor, or `omni-dp launch` still bringing the run up —
     # goes first: it tears the run down itself on SIGTERM (router and replicas drain one after
-    # the other, then the daemon); wait for that, then finish whatever it left.
+    # the other, then the daemon), with the drain bound of the stop request written just
+    # before; wait for that, then finish whatever it left.
     for role in ("supervisor", "launcher"):
         owner = identity_of(state.data.get(role))
         if owner is None or owner.pid == me or not is_alive(owner):
             continue
-        say(f"stopping the {role} (pid {owner.pid})")
+        say(f"stopping the {role} (pid {owner.pid}), which tears the run down with drain "
+            f"≤ {drain_timeout:g} s")
+        state.request_stop(drain_timeout)
         signal_ours(owner, signal.SIGTERM)
         if wait_gone([owner], 2 * drain_timeout + 60):
             signal_ours(owner, signal.SIGKILL)
@@ -61,17 +64,17 @@ def teardown(state: RunState, *, drain_timeout: float, keep_state: bool = False,
     router = identity_of(state.data.get("router"))
     if router is not None and is_alive(router):
         say(f"stopping the router (pid {router.pid}); in-flight requests drain "
-            f"(≤ {drain_timeout:.0f} s)")
-        _note(result, stop_processes([router], state.token, drain_timeout + 5, reap=reap),
-              "router")
+            f"(≤ {drain_timeout:g} s)")
+        _note(result, stop_processes([router], state.token, drain_timeout, grace_s=5.0,
+                                     reap=reap), "router")
 
     replicas = [(r["index"], identity_of(r)) for r in state.replicas]
     live = [(i, ident) for i, ident in replicas if ident is not None and is_alive(ident)]
     if live:
         say(f"stopping {len(live)} replica(s): {', '.join(str(i) for i, _ in live)} "
-            f"(drain ≤ {drain_timeout:.0f} s)")
+            f"(drain ≤ {drain_timeout:g} s)")
         _note(result, stop_processes([ident for _, ident in live], state.token,
-                                     drain_timeout + 10, reap=reap), "replica")
+                                     drain_timeout, grace_s=10.0, reap=reap), "replica")
         for i, _ in live:
             state.update_replica(i, state="stopped")
 

@@ -14,7 +14,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+_RANGE = re.compile(r"^([0-9]+)(?:-([0-9]+))?$")
+MAX_CPUS = 1 << 16  # Linux's NR_CPUS is at most 8192
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -28,6 +29,9 @@ def parse_cpu_list(text: str) -> list[int]:
         high = int(match.group(2) or low)
         if high < low:
             raise ValueError(f"CPU range {part.strip()!r} runs backwards")
+        if high >= MAX_CPUS:  # checked before the range is made: 0-99999999999 fills memory
+            raise ValueError(f"CPU {high} is beyond any machine's CPUs (Linux numbers at most "
+                             f"{MAX_CPUS})")
         cpus.extend(range(low, high + 1))
     return sorted(set(cpus))
 

@@ -1,7 +1,8 @@
 """Reading a run's state for `omni-dp verify-mps`, and re-proving its attachment.
 
-The launcher writes the run state (DESIGN.md: `<state dir>/runs/<run-id>/`; the whole schema is
-in omni_dp/launcher/state.py). What this module reads of it — fields the launcher keeps:
+The launcher writes the run state (docs/contracts.md: `<state dir>/runs/<run-id>/`; the whole
+schema is in omni_dp/launcher/state.py). What this module reads of it — fields the launcher
+keeps:
 
     run.json   {"schema": 1, "run_id": str, "gpu": "GPU-<uuid>" | "<index>" | "cpu",
                 "mps": {"daemon": {"pid", "create_time", "binary", "pipe_dir", "log_dir",
