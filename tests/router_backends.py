@@ -185,12 +185,24 @@ class Served:
     def in_flight(self) -> dict[str, int]:
         return {r.id: r.in_flight for r in self.router.replicas}
 
+    def never_negative(self) -> None:
+        """Assert that no in-flight count ever went below zero (a slot released twice)."""
+        router = self.router
+        lowest = {"admitted": router.lowest_admitted, "reading": router.lowest_reading}
+        lowest.update({f"replica {r.id}": r.lowest_in_flight for r in router.replicas})
+        assert all(value == 0 for value in lowest.values()), f"counts went negative: {lowest}"
+
     def idle(self) -> bool:
-        return self.router.num_admitted == 0 and all(r.in_flight == 0 for r in self.router.replicas)
+        """Every count back at exactly 0; an AssertionError at once if one ever went below."""
+        self.never_negative()
+        router = self.router
+        return (router.num_admitted == 0 and router.num_reading == 0
+                and all(r.in_flight == 0 for r in router.replicas))
 
     async def wait_idle(self, timeout: float = 3.0) -> None:
         await until(self.idle, timeout, f"router idle (in flight {self.in_flight()}, "
-                                        f"admitted {self.router.num_admitted})")
+                                        f"admitted {self.router.num_admitted}, "
+                                        f"reading {self.router.num_reading})")
 
 
 @contextlib.asynccontextmanager

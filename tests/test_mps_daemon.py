@@ -17,6 +17,8 @@ from omni_dp.mps.daemon import (
     MpsDaemon,
     MpsDaemonError,
     find_daemon_pid,
+    make_private_dir,
+    private_dir_problem,
 )
 from omni_dp.procs import ProcessIdentity, identify, is_alive
 
@@ -135,6 +137,21 @@ def test_unsafe_pipe_directory_is_refused(daemons, tmp_path, problem):
                                               "owner": "not to you"}[problem]):
         daemon.start(gpu_uuid=None)
     assert find_daemon_pid(control) is None
+
+
+def test_pipe_directory_of_another_user_is_refused_for_any_user(tmp_path, monkeypatch):
+    """The owner check without root: the directory stays ours, and the uid we claim to run
+    as is another one (the parametrized case above can only chown as root)."""
+    pipe = tmp_path / "pipe"
+    pipe.mkdir(mode=0o700)
+    os.chmod(pipe, 0o700)
+    assert private_dir_problem(pipe) is None  # private and ours: fine as it is
+    owner = os.stat(pipe).st_uid
+    monkeypatch.setattr(os, "getuid", lambda: owner + 1)
+    problem = private_dir_problem(pipe)
+    assert problem == f"{pipe} belongs to uid {owner}, not to you (uid {owner + 1})"
+    with pytest.raises(MpsDaemonError, match="not to you"):
+        make_private_dir(pipe)
 
 
 def test_stop_refuses_while_clients_are_attached(standin, spawn, tmp_path):

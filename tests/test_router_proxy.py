@@ -22,6 +22,7 @@ from router_backends import (
     client,
     error_body,
     fetch,
+    hold_if_asked,
     make_config,
     run,
     sample,
@@ -501,6 +502,37 @@ def test_request_dropped_after_it_was_sent_is_not_retried():
     assert sample(metrics, "omni_dp_router_retries_total") == 0
 
 
+def test_response_timeout_is_a_502_and_is_not_retried(caplog):
+    """--request-timeout: the request reached the replica, so it is never sent to another."""
+    caplog.set_level(logging.INFO, logger="omni_dp.router.access")
+
+    async def main():
+        a, b = Backend("a", hold_if_asked), Backend("b", hold_if_asked)
+        async with backends(a, b), \
+                serve(make_config([f"a={a.url}", f"b={b.url}"], policy="round_robin",
+                                  request_timeout_s=0.3)) as served, client() as session:
+            try:
+                status, _, body = await fetch(session, "POST", served.url + "/generate?hold=1",
+                                              data=b"{}", headers={"X-Request-ID": "slow"})
+                await asyncio.sleep(0.4)  # a retry, had there been one, has reached b by now
+            finally:
+                a.release.set()
+                b.release.set()
+            await served.wait_idle()
+            return status, body, len(a.seen), len(b.seen), await scrape(session, served.url)
+
+    status, body, a_seen, b_seen, metrics = run(main())
+    assert status == 502
+    assert error_body(body)["type"] == "timeout"
+    assert sorted([a_seen, b_seen]) == [0, 1]  # exactly one replica saw it, once
+    assert sample(metrics, "omni_dp_router_retries_total") == 0
+    routes = [json.loads(r.getMessage()) for r in caplog.records
+              if r.name == "omni_dp.router.access"]
+    (route,) = [r for r in routes if r["request_id"] == "slow"]
+    assert route["attempts"] == 1
+    assert route["status"] == 502
+
+
 def test_in_flight_returns_to_zero_after_a_mixed_load():
     """Successes, errors, streams, refused connections, drops, disconnects - all at once."""
 
@@ -635,6 +667,44 @@ def test_clients_resetting_mid_stream_are_not_replica_failures(loop):
     assert sample(metrics, "omni_dp_router_upstream_errors_total",
                   replica="a", kind="midstream") == 0
     assert (ejections, failures) == (0, 0)
+
+
+def test_write_failing_with_a_reset_releases_each_slot_once(monkeypatch):
+    """The client-reset path of the stream relay on the default loop too: uvloop reports a
+    client gone mid-stream as ConnectionResetError from the write (asyncio as a cancel), so
+    the write is made to fail that way here."""
+    writes = {"n": 0}
+    original = web.StreamResponse.write
+
+    async def resetting_write(self, data):
+        if "X-Omni-DP-Replica" in self.headers:  # only the relayed stream, not /metrics
+            writes["n"] += 1
+            if writes["n"] % 3 == 0:
+                raise ConnectionResetError("Cannot write to closing transport")
+        return await original(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", resetting_write)
+
+    async def main():
+        backend = Backend("a", firehose, cancellation=True)
+        async with backends(backend), \
+                serve(make_config([f"a={backend.url}"], failures=3)) as served, \
+                client() as session:
+            for _ in range(3):
+                with contextlib.suppress(aiohttp.ClientError):
+                    await fetch(session, "GET", served.url + "/v1/audio/speech")
+                await served.wait_idle()
+            replica = served.replica("a")
+            return (replica.consecutive_failures, replica.lowest_in_flight,
+                    served.router.lowest_admitted, await scrape(session, served.url))
+
+    failures, lowest_in_flight, lowest_admitted, metrics = run(main())
+    assert writes["n"] == 9
+    assert sample(metrics, "omni_dp_router_client_disconnects_total") == 3
+    assert sample(metrics, "omni_dp_router_upstream_errors_total",
+                  replica="a", kind="midstream") == 0
+    assert failures == 0
+    assert (lowest_in_flight, lowest_admitted) == (0, 0)
 
 
 # --- the request target and the route log ------------------------------------------------------

@@ -25,6 +25,7 @@ from omni_dp.router.replicas import (
     Replica,
     ReplicaError,
     ReplicaSet,
+    released,
     validate_id,
     validate_url,
 )
@@ -52,6 +53,10 @@ class Router:
         self.metrics = RouterMetrics(lambda: self.replicas)
         self.num_admitted = 0  # requests past admission and not yet answered
         self.num_reading = 0  # requests whose body is being read (before admission)
+        # The lowest each count ever reached: below 0 means a slot was released twice (a bug,
+        # logged as one; the tests check both stay at 0).
+        self.lowest_admitted = 0
+        self.lowest_reading = 0
         # Shutdown: the loop time the drain ends at; at it, `cutting_off` is set and every
         # request still being read or in flight is cancelled (`num_cut_off` counts the
         # admitted ones).
@@ -94,6 +99,8 @@ class Router:
             yield
         finally:
             self.num_reading -= 1
+            self.lowest_reading = min(self.lowest_reading, self.num_reading)
+            released("num_reading", self.num_reading)
             self._active.discard(task)
 
     @contextlib.contextmanager
@@ -109,6 +116,8 @@ class Router:
             raise
         finally:
             self.num_admitted -= 1
+            self.lowest_admitted = min(self.lowest_admitted, self.num_admitted)
+            released("num_admitted", self.num_admitted)
             self._active.discard(task)
 
     def begin_drain(self, drain_s: float) -> None:

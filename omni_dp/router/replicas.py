@@ -8,11 +8,21 @@ request (finished, failed, streamed, cancelled).
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 from urllib.parse import urlsplit
+
+log = logging.getLogger("omni_dp.router")
+
+
+def released(owner: str, count: int) -> None:
+    """Called after a counter was decremented: below zero, a slot was released twice."""
+    if count < 0:
+        log.error("BUG: %s went below zero (%d): an in-flight slot was released twice",
+                  owner, count)
 
 
 class Health(str, Enum):
@@ -69,6 +79,7 @@ class Replica:
     disabled: bool = False
     health: Health = Health.UNKNOWN
     in_flight: int = 0
+    lowest_in_flight: int = 0  # the lowest in_flight ever seen: below 0 is a double release
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     num_requests: int = 0
@@ -88,6 +99,8 @@ class Replica:
             yield
         finally:
             self.in_flight -= 1
+            self.lowest_in_flight = min(self.lowest_in_flight, self.in_flight)
+            released(f"replica {self.id} in_flight", self.in_flight)
 
     def describe(self) -> dict:
         return {
