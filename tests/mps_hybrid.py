@@ -20,6 +20,7 @@ missing file means no change) can force failures:
     {"extra_clients": [pid, …]}   list these live processes as clients too (a foreign client)
     {"servers": 0}                no server at all
     {"servers": 2}                two servers (the clients on the first)
+    {"not_clients": [index, …]}   processes of these replicas (OMNI_DP_REPLICA) never attach
 Processes started through the wrapper (the daemon, front ends) carry MPS_HYBRID_FRONTEND and are
 never listed as clients. Every command is appended to commands.log beside the wrapper.
 
@@ -150,8 +151,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _attached(pipe_dir: str) -> list[int]:
-    """Processes that would be clients: same pipe dir, a run token, not the stand-in's own."""
+def _attached(pipe_dir: str, not_clients: frozenset[str] = frozenset()) -> list[int]:
+    """Processes that would be clients: same pipe dir, a run token, not the stand-in's own, not
+    of a replica the scenario keeps off the server."""
     me = os.getpid()
     found = []
     for entry in os.listdir("/proc"):
@@ -159,7 +161,8 @@ def _attached(pipe_dir: str) -> list[int]:
             continue
         env = _environ(int(entry))
         if (env and env.get(PIPE_ENV) == pipe_dir and TOKEN_ENV in env
-                and FRONTEND_ENV not in env and _alive(int(entry))):
+                and FRONTEND_ENV not in env and env.get("OMNI_DP_REPLICA") not in not_clients
+                and _alive(int(entry))):
             found.append(int(entry))
     return sorted(found)
 
@@ -173,7 +176,7 @@ def _scenario() -> dict:
 
 def _servers_and_clients(pipe_dir: str) -> tuple[list[int], list[int]]:
     scenario = _scenario()
-    clients = _attached(pipe_dir)
+    clients = _attached(pipe_dir, frozenset(str(i) for i in scenario.get("not_clients", [])))
     clients += [int(p) for p in scenario.get("extra_clients", []) if _alive(int(p))]
     count = scenario.get("servers", 1 if clients else 0)
     return [FAKE_SERVER + i for i in range(int(count))], sorted(set(clients))
