@@ -8,8 +8,10 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Split so that this file does not contain what it looks for (it is excluded anyway).
-OUTSIDE = (b"../" + b"shared", b"/work/" + b"shared")
+# The folder beside the checkout, by relative path and by this checkout's absolute one (never a
+# path of one machine); its name is split so that no grep for it stops at this file.
+_SIBLING = "sha" "red"
+OUTSIDE = (f"../{_SIBLING}".encode(), str(ROOT.parent / _SIBLING).encode())
 _SKIPPED_DIRS = {".git", ".venv", ".cache", "__pycache__", ".pytest_cache", ".ruff_cache"}
 _LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)")
 
