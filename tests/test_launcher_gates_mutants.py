@@ -10,23 +10,23 @@ Each test here kills a mutation the rest of the suite let through:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 from launcher_helpers import Run, http, is_wav, speech, wait_for
-from mps_hybrid import Hybrid
 from test_launcher_e2e import RESTART_TIMEOUT_S, SUPERVISION, kill_replica
 from test_launcher_hardening import _unit_plan
-from test_launcher_mps import MpsRun, _alive, _real_binary
+from test_launcher_mps import (
+    MpsRun,
+    _alive,
+    mps_run,  # noqa: F401 - its fixture, used by name
+)
 
 from omni_dp.cli import cli
 from omni_dp.launcher.state import RunState
@@ -137,30 +137,6 @@ def test_a_restarted_replica_with_another_kv_capacity_stays_out_of_the_router(tm
 # --- 2. the MPS attachment gate of a restart --------------------------------------------------
 
 
-@pytest.fixture
-def mps_run(tmp_path):
-    """As tests/test_launcher_mps.py's fixture: a run with a short state dir under /tmp; always
-    `omni-dp down` afterwards, then SIGKILL by pid of whatever of the run is still there."""
-    real = _real_binary()
-    hybrid_dir = tmp_path / "hybrid"
-    hybrid_dir.mkdir()
-    state_dir = Path(tempfile.mkdtemp(prefix="odp", dir="/tmp"))
-    run = MpsRun(state_dir, Hybrid(hybrid_dir, real), real, "t")
-    try:
-        yield run
-    finally:
-        if run.run_dir.exists():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                run.cli("down", run.run_id, timeout=90)
-        killed = run.leftovers()
-        for pid in killed:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(AssertionError):
-            wait_for("leftovers to exit", lambda: not any(_alive(p) for p in killed), 10)
-        shutil.rmtree(state_dir, ignore_errors=True)
-
-
 def _mps_events(run: MpsRun) -> list[dict]:
     path = run.run_dir / "events.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -174,7 +150,7 @@ def _mps_kill_replica(run: MpsRun, index: int) -> int:
 
 
 @pytest.mark.slow
-def test_a_restarted_replica_must_attach_to_the_runs_mps_server(mps_run):
+def test_a_restarted_replica_must_attach_to_the_runs_mps_server(mps_run):  # noqa: F811
     run = mps_run
     done = run.launch("--check-interval", "0.5", "--restart-budget", "2",
                       "--restart-window", "600")
