@@ -9,9 +9,10 @@ decode gives.
 
 import pytest
 import torch
+from test_model import CFG, PAGE  # the same small talker and page size
 
 import omni_dp.engine.runner as runner_module
-from omni_dp.engine.config import PRESETS, ModelConfig
+from omni_dp.engine.config import PRESETS
 from omni_dp.engine.core import StepOutputs, VocoderWorker
 from omni_dp.engine.kv_cache import KVCache, plan_kv_cache
 from omni_dp.engine.model import DecodeGroup, FlatBatch, SequenceSlice, Talker
@@ -27,12 +28,6 @@ from omni_dp.engine.scheduler import (
 )
 from omni_dp.engine.vocoder import ChunkSchedule
 from omni_dp.engine.weights import seeded_models
-
-CFG = ModelConfig(
-    name="test", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-    intermediate_size=96, max_position=128, codebook_size=32,
-)
-PAGE = 4
 
 
 @pytest.fixture(scope="module")
