@@ -26,6 +26,7 @@ from aiohttp import HttpVersion11, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from omni_dp import __version__
+from omni_dp.contract import ExitCode
 from omni_dp.engine.api import (
     OPENAI_MODEL_ALIASES,
     ApiError,
@@ -55,10 +56,10 @@ from omni_dp.engine.preprocess import (
 from omni_dp.engine.sampling import derive_seed
 from omni_dp.engine.scheduler import AdmissionError
 from omni_dp.engine.weights import PipelineModels, load_models, seeded_models
+from omni_dp.net import bind_listening
 
 log = logging.getLogger("omni_dp.serve")
 
-EXIT_OK, EXIT_USAGE, EXIT_RUNTIME = 0, 2, 3
 # Measured with bench/engine_throughput.py on 2 cores at concurrency 8: 10.7 req/s at the
 # default 5 ms, 13.4 at 0.2 ms, 15.1 at 0.05 ms.
 SWITCH_INTERVAL_S = 0.00005
@@ -77,19 +78,12 @@ class PortInUse(OSError):
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind before anything is loaded, so a taken port is a usage error (exit 2), not a crash."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        return bind_listening(host, port, backlog=1024)
     except OSError as exc:
-        sock.close()
         if exc.errno == errno.EADDRINUSE:
             raise PortInUse(f"{host}:{port} is already in use; pick another --port") from None
         raise
-    sock.listen(1024)
-    sock.setblocking(False)
-    return sock
 
 
 def build_models(plan: ServePlan) -> PipelineModels:
@@ -133,7 +127,7 @@ class ReplicaServer:
         self.state = State.STARTING
         self.pipeline: Pipeline | None = None
         self.models: PipelineModels | None = None
-        self.exit_code = EXIT_OK
+        self.exit_code = ExitCode.OK
         self._stop = asyncio.Event()
         self._signals = 0
         self._started_at = time.time()
@@ -189,7 +183,7 @@ class ReplicaServer:
         except Exception as exc:  # weights or pool that cannot be had: report, exit 3
             log.error("start-up failed: %s", exc)
             self.state = State.FAILED
-            self.exit_code = EXIT_RUNTIME
+            self.exit_code = ExitCode.RUNTIME
             self._stop.set()
             return
         self.pipeline = Pipeline(
@@ -224,7 +218,7 @@ class ReplicaServer:
 
     def _on_fatal(self, reason: str) -> None:
         self.state = State.FAILED
-        self.exit_code = EXIT_RUNTIME
+        self.exit_code = ExitCode.RUNTIME
         self._stop.set()
 
     async def _drain(self) -> None:
@@ -490,10 +484,10 @@ def serve(plan: ServePlan) -> int:
         sock = bind_socket(plan.options.host, plan.options.port)
     except PortInUse as exc:
         log.error("%s", exc)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     except OSError as exc:
         log.error("cannot listen on %s:%d: %s", plan.options.host, plan.options.port, exc)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     with contextlib.suppress(ImportError):
         import uvloop  # optional: faster event loop when installed
 

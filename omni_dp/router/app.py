@@ -377,22 +377,6 @@ async def _remove_worker(request: web.Request) -> web.Response:
 # --- running one process -------------------------------------------------------------
 
 
-def make_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.listen(4096)
-    sock.setblocking(False)
-    return sock
-
-
 def make_runner(router: Router, shutdown_timeout: float) -> web.AppRunner:
     """The aiohttp runner with the router's connection-level bounds.
 

@@ -19,14 +19,15 @@ import os
 import signal
 from multiprocessing.connection import Connection, wait
 
+from omni_dp.contract import ExitCode
 from omni_dp.logs import LogSetup, setup_logging
 from omni_dp.logs import current as current_logs
-from omni_dp.router.app import Router, make_socket, serve_router
+from omni_dp.net import bind_listening
+from omni_dp.router.app import Router, serve_router
 from omni_dp.router.config import RouterConfig
 
 log = logging.getLogger("omni_dp.router")
 
-EXIT_OK, EXIT_USAGE, EXIT_RUNTIME = 0, 2, 3
 
 
 def use_uvloop() -> None:
@@ -39,15 +40,16 @@ def use_uvloop() -> None:
 def run_router(config: RouterConfig, drain_s: float = 30.0) -> int:
     """Serve until SIGTERM/SIGINT; return the exit code."""
     try:
-        sock = make_socket(config.host, config.port, reuse_port=config.workers > 1)
+        sock = bind_listening(config.host, config.port, backlog=4096,
+                              reuse_port=config.workers > 1)
     except OSError as exc:
         log.error("cannot listen on %s:%d: %s; pick another --port",
                   config.host, config.port, exc.strerror or exc)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     if config.workers == 1:
         use_uvloop()
         asyncio.run(serve_router(config, sock, drain_s))
-        return EXIT_OK
+        return ExitCode.OK
     sock.close()  # proved the port is free; each child binds its own SO_REUSEPORT socket
     return _run_children(config, drain_s)
 
@@ -68,7 +70,7 @@ def _child_main(config: RouterConfig, conn: Connection, index: int, drain_s: flo
                 logs: LogSetup) -> None:
     setup_logging(logs.level, logs.fmt, worker=index)  # the parent's, each line naming index
     use_uvloop()
-    sock = make_socket(config.host, config.port, reuse_port=True)
+    sock = bind_listening(config.host, config.port, backlog=4096, reuse_port=True)
 
     def attach(router: Router) -> None:
         router.on_change = conn.send
@@ -114,7 +116,7 @@ def _run_children(config: RouterConfig, drain_s: float) -> int:
         stopping = True
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    exit_code = EXIT_OK
+    exit_code = ExitCode.OK
     try:
         while not stopping:
             ready = wait([c for _, c in children] + [p.sentinel for p, _ in children], 0.5)
@@ -123,7 +125,7 @@ def _run_children(config: RouterConfig, drain_s: float) -> int:
                 if dead is not None:
                     log.error("router worker %s (pid %d) exited with %s; stopping the router",
                               dead.name, dead.pid, dead.exitcode)
-                    stopping, exit_code = True, EXIT_RUNTIME
+                    stopping, exit_code = True, ExitCode.RUNTIME
                     break
                 _relay(item, children)
     finally:

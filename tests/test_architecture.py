@@ -1,0 +1,140 @@
+"""The import rules of docs/design.md ("Architecture"), checked on the source itself.
+
+A rule that only lives in prose is broken by the first convenient import; these tests read every
+module's imports with `ast` (module level and inside functions) and fail naming the import.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "omni_dp"
+SUBPACKAGES = ("engine", "mps", "router", "launcher", "cli")
+# The engine, the MPS supervision and the router stand alone: each may use the small shared
+# modules at omni_dp/ but none of the other subpackages (the launcher drives them by argv, HTTP
+# and files). Shared modules import no subpackage, except runfile (the run-state format holds
+# the MPS daemon's and attachment's records).
+MAY_IMPORT = {
+    "engine": set(),
+    "mps": set(),
+    "router": set(),
+    "launcher": {"mps"},
+    "cli": {"engine", "mps", "router", "launcher"},
+    "shared": set(),
+    "runfile": {"mps"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for every omni_dp import in the file; relative imports resolved."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    here = module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.append((node.lineno, target))
+            # `from omni_dp import x` may name a module
+            found += [(node.lineno, f"{target}.{a.name}") for a in node.names
+                      if (PACKAGE.parent / Path(*f"{target}.{a.name}".split("."))).with_suffix(
+                          ".py").exists()]
+    return [(line, name) for line, name in found if name.split(".")[0] == "omni_dp"]
+
+
+def area(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in SUBPACKAGES:
+        return parts[1]
+    if module == "omni_dp.__main__":  # `python -m omni_dp`: the command line
+        return "cli"
+    return "runfile" if module == "omni_dp.runfile" else "shared"
+
+
+def sources() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_each_package_imports_only_what_the_design_allows():
+    broken = []
+    for path in sources():
+        mine = area(module_name(path))
+        for line, target in imports_of(path):
+            theirs = area(target)
+            if theirs in ("shared", "runfile") and target != "omni_dp" and mine != "shared":
+                continue  # the small shared modules serve every package
+            if target == "omni_dp" or theirs == mine:
+                continue
+            if theirs not in MAY_IMPORT[mine]:
+                broken.append(f"{path.relative_to(ROOT)}:{line} imports {target} "
+                              f"({mine} may not import {theirs})")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_module_graph_has_no_cycle():
+    """Imports inside functions count too: deferring one hides a cycle, it does not remove
+    the two modules' dependence on each other."""
+    graph: dict[str, set[str]] = {}
+    names = {module_name(p) for p in sources()}
+    for path in sources():
+        targets = set()
+        for _, target in imports_of(path):
+            while target and target not in names:  # `from a.b import name` → a.b
+                target = target.rpartition(".")[0]
+            if target and target != module_name(path):
+                targets.add(target)
+        graph[module_name(path)] = targets
+
+    cycles, done, stack = [], set(), []
+
+    def visit(node: str) -> None:
+        if node in stack:
+            cycles.append(" -> ".join([*stack[stack.index(node):], node]))
+            return
+        if node in done:
+            return
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if not nxt.endswith("__init__") and nxt != node.rpartition(".")[0]:
+                visit(nxt)
+        stack.pop()
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node)
+    assert not cycles, "\n".join(cycles)
+
+
+def test_nothing_on_the_launchers_path_imports_torch():
+    """Every launcher, MPS and run-state module, and the CLI with all its commands loaded,
+    import without torch: `launch`, `status`, `down`, `verify-mps` start in well under a
+    second, and the launcher never holds a CUDA context of its own."""
+    modules = sorted(module_name(p) for p in sources()
+                     if area(module_name(p)) in ("launcher", "mps", "runfile", "cli", "shared")
+                     and p.name != "__main__.py")
+    code = ("import importlib, sys\n"
+            f"for name in {modules!r}:\n"
+            "    importlib.import_module(name)\n"
+            "    assert 'torch' not in sys.modules, name + ' imported torch'\n"
+            "from omni_dp.cli import cli\n"
+            "for name in cli.list_commands(None):\n"
+            "    cli.get_command(None, name)\n"
+            "assert 'torch' not in sys.modules, 'a command module imported torch'\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
