@@ -30,10 +30,10 @@ import sys
 import time
 from pathlib import Path
 
+from omni_dp.gpus import query_gpu
 from omni_dp.mps.binaries import locate_mps_binaries
 from omni_dp.mps.control import BinaryNotFound, MpsControl, MpsControlError
 from omni_dp.mps.daemon import CONTROL_LOG, DaemonRecord, MpsDaemon, MpsDaemonError
-from omni_dp.mps.preflight import query_gpu
 from omni_dp.procs import is_alive
 
 PHASE_TIMEOUT_S = 90  # a first CUDA context under MPS starts the server: seconds, not minutes

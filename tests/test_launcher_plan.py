@@ -20,12 +20,28 @@ from pathlib import Path
 import psutil
 import pytest
 
+from omni_dp.contract import Problems
+from omni_dp.gpus import GpuFacts
 from omni_dp.launcher.engines import ENGINES, EngineSizing, ReplicaLaunch
-from omni_dp.launcher.facts import KnownRun, LaunchFacts, known_runs, port_taken
+from omni_dp.launcher.facts import KnownRun, LaunchFacts, known_runs
 from omni_dp.launcher.options import FIELDS, LaunchOptions, load_config_file, merge_options
-from omni_dp.launcher.plan import THREAD_VARIABLES, LaunchPlanError, plan_launch
+from omni_dp.launcher.plan import (
+    OPTION_CHECKS,
+    THREAD_VARIABLES,
+    LaunchPlanError,
+    check_options,
+    plan_cpus,
+    plan_gpu,
+    plan_kv,
+    plan_launch,
+    plan_memory,
+    plan_mps,
+    plan_ports,
+    plan_router,
+    plan_run,
+)
 from omni_dp.launcher.topology import Core, CpuTopology, read_topology
-from omni_dp.mps.preflight import GpuFacts
+from omni_dp.net import port_taken
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 GPU_UUID = "GPU-0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9"
@@ -561,13 +577,19 @@ def test_a_state_root_others_can_read_is_a_problem(facts):
 
 
 def test_known_runs_read_from_the_state_root_feed_the_plan(facts):
+    from omni_dp.launcher.state import RunState
+    from omni_dp.procs import ProcessIdentity
+    from omni_dp.runfile import SupervisorRecord
+
     runs_dir = facts.state_root / "runs"
-    me = {"pid": os.getpid(), "create_time": psutil.Process().create_time()}
-    recycled = {"pid": os.getpid(), "create_time": 1.0}  # same pid, another process
-    for name, record in [("alive", {"gpu": GPU_UUID, "supervisor": me}),
-                         ("dead", {"gpu": GPU_UUID, "replicas": [{"process": recycled}]})]:
-        (runs_dir / name).mkdir(parents=True)
-        (runs_dir / name / "run.json").write_text(json.dumps(record))
+    me = ProcessIdentity(os.getpid(), psutil.Process().create_time())
+    recycled = ProcessIdentity(os.getpid(), 1.0)  # same pid, another process
+    alive = RunState.create(plan(opts(run_id="alive"), facts))
+    alive.update(launcher=None, supervisor=SupervisorRecord(me, detached=True))
+    dead = RunState.create(plan(opts(run_id="dead"), facts))
+    dead.update(launcher=None)
+    dead.update_replica(0, identity=recycled)
+    assert alive.record.gpu == dead.record.gpu == GPU_UUID
     (runs_dir / "broken").mkdir()
     os.chmod(facts.state_root, 0o700)
     runs = known_runs(facts.state_root)
@@ -653,6 +675,98 @@ def test_every_problem_is_reported_at_once(cpu_facts, profiling):
     assert len(problems) == 9, problems
 
 
+# --- the sub-planners: a part that failed is never built on -----------------------------------
+
+
+def test_plan_errors_are_the_shared_problems_type(facts):
+    with pytest.raises(Problems) as info:
+        plan(opts(replicas=0), facts)
+    assert isinstance(info.value, LaunchPlanError)
+    assert info.value.problems == ["--replicas must be at least 1, got 0"]
+
+
+def test_a_refused_replica_count_is_not_planned_with(facts):
+    """No CPU blocks, ports or memory fit are worked out for 0 replicas: the one problem is the
+    count (a taken port and a block list that could only fit N replicas say nothing)."""
+    facts = dataclasses.replace(facts, taken_ports=frozenset({8100}))
+    assert problems_of(opts(replicas=0, cpu_blocks="0 1 2"), facts) == [
+        "--replicas must be at least 1, got 0"]
+    for planner in (plan_cpus, plan_ports):
+        assert planner(opts(replicas=0), facts) == (None, [])
+    assert plan_memory(opts(replicas=0), facts, *_parts(facts)) == (None, [])
+
+
+def _parts(facts):
+    gpu, _ = plan_gpu(opts(), facts)
+    kv, _ = plan_kv(opts(), facts)
+    assert gpu is not None and kv is not None
+    return gpu, kv
+
+
+def test_the_memory_fit_waits_for_the_gpu_and_the_engine(cpu_facts):
+    """With --mps and no GPU the device is unknown, so the host-memory fit that would fail on
+    the CPU is not checked; nor with an engine whose sizes are wrong."""
+    small = dataclasses.replace(cpu_facts, host_memory_available=1)
+    assert any(p.startswith("host memory:") for p in problems_of(opts(), small))  # it would
+    problems = problems_of(opts(mps=True), small)
+    assert len(problems) == 1 and problems[0].startswith("--mps needs a GPU"), problems
+    mismatch = dataclasses.replace(small, sizing=sizing(device="cpu", kv_tokens=992))
+    problems = problems_of(opts(), mismatch)
+    assert len(problems) == 1 and problems[0].startswith("--max-total-tokens 1024")
+    gpu, _ = plan_gpu(opts(mps=True), small)
+    assert gpu is None
+    assert plan_memory(opts(), small, gpu, plan_kv(opts(), small)[0]) == (None, [])
+
+
+def test_a_router_port_among_the_replicas_still_checks_the_replica_ports(facts):
+    facts = dataclasses.replace(facts, taken_ports=frozenset({8101}))
+    problems = problems_of(opts(base_port=8100, router_port=8100), facts)
+    assert problems == ["--router-port 8100 falls in the replica port range 8100-8101; move one "
+                        "of them", "port 8101 (replica 1) is in use; pick another --base-port"]
+    assert plan_router(opts(base_port=8100, router_port=8100), facts) == (None, [])
+    ports, found = plan_ports(opts(base_port=8100, router_port=8100), facts)
+    assert ports is None and found == [problems[1]]
+
+
+def test_replica_ports_out_of_range_are_not_probed(facts):
+    facts = dataclasses.replace(facts, taken_ports=frozenset({65535}))
+    options = opts(base_port=65535, cpu_blocks="none")
+    assert problems_of(options, facts) == [
+        "--base-port 65535: replica ports 65535-65536 must lie within 1-65535"]
+    assert plan_ports(options, facts) == (None, [])
+
+
+def test_an_unusable_run_id_is_not_looked_up_among_the_runs(facts):
+    runs = (KnownRun("../x", facts.state_root / "x", GPU_UUID, live=True),)
+    facts = dataclasses.replace(facts, runs=runs)
+    assert plan_run(opts(run_id="../x"), facts) == (None, [])
+    assert len(problems_of(opts(run_id="../x"), facts)) == 1  # the id's, not "still running"
+
+
+def test_each_sub_planner_hands_a_part_to_the_plan(facts):
+    """The parts of a good plan are what the plan is built from."""
+    o = opts(mps=True, run_id="mine")
+    facts = dataclasses.replace(facts, mps_binary="/x/mps")
+    gpu, _ = plan_gpu(o, facts)
+    run, _ = plan_run(o, facts)
+    cpus, _ = plan_cpus(o, facts)
+    router, _ = plan_router(o, facts)
+    p = plan(o, facts)
+    assert (p.device, p.gpu_label) == (gpu.device, gpu.label) == ("cuda", GPU_UUID)
+    assert (p.run_id, p.run_dir) == (run.run_id, run.directory)
+    assert tuple(r.cpus for r in p.replicas) == cpus.blocks
+    assert p.router_argv[:len(router.argv)] == router.argv and p.router_url == router.url
+    assert plan_mps(o, facts)[0].binary == p.mps_binary == "/x/mps"
+
+
+def test_check_options_reports_in_the_order_of_its_table():
+    problems = check_options(LaunchOptions(replicas=0, policy="fastest", run_id="a/b",
+                                           router_port=0, api_key=" "))
+    assert [p.split(" ")[0] for p in problems] == [
+        "--replicas", "--policy", "--run-id", "--api-key", "--router-port"]
+    assert len(OPTION_CHECKS) >= 10 and check_options(LaunchOptions()) == []
+
+
 # --- options and the YAML config file ---------------------------------------------------------
 
 
@@ -722,7 +836,7 @@ def test_config_unknown_key_is_a_problem_listing_the_known_ones(tmp_path):
     ("mps: 'yes'", "mps must be true or false"),
     ("detach: 1", "detach must be true or false"),
     ("memory_headroom: lots", "memory-headroom must be a number"),
-    ("health-timeout: true", "health-timeout must be a number"),
+    ("start-timeout: true", "start-timeout must be a number"),
     ("engine_args: {model: small}", "engine-args must be a list of strings"),
     ("host: [a, b]", "host must be a string"),
     ("kv_cache_bytes: lots", "kv-cache-bytes must be 'lots' is not a size"),

@@ -11,14 +11,13 @@ import psutil
 import pytest
 from mps_fixtures import real_control_binary
 
+from omni_dp.files import PrivateDirError, make_private_dir, private_dir_problem
 from omni_dp.mps.control import DaemonUnreachable, MpsControl
 from omni_dp.mps.daemon import (
     DaemonRecord,
     MpsDaemon,
     MpsDaemonError,
     find_daemon_pid,
-    make_private_dir,
-    private_dir_problem,
 )
 from omni_dp.procs import ProcessIdentity, identify, is_alive
 
@@ -150,7 +149,7 @@ def test_pipe_directory_of_another_user_is_refused_for_any_user(tmp_path, monkey
     monkeypatch.setattr(os, "getuid", lambda: owner + 1)
     problem = private_dir_problem(pipe)
     assert problem == f"{pipe} belongs to uid {owner}, not to you (uid {owner + 1})"
-    with pytest.raises(MpsDaemonError, match="not to you"):
+    with pytest.raises(PrivateDirError, match="not to you"):
         make_private_dir(pipe)
 
 

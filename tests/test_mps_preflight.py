@@ -13,17 +13,16 @@ from types import SimpleNamespace
 import pynvml
 import pytest
 
+from omni_dp.gpus import GpuFacts, Problem
 from omni_dp.mps import binaries
 from omni_dp.mps.preflight import (
     NO_DRIVER_MESSAGE,
-    GpuFacts,
     PreflightReport,
-    Problem,
     check_client_limit,
     check_control_binary,
     check_socket_path,
     format_report,
-    query_gpu,
+    lookup_gpu,
     run_preflight,
 )
 
@@ -166,11 +165,11 @@ def _checks(problems) -> list[str]:
 
 def test_real_pynvml_without_a_driver_reports_it() -> None:
     if _real_driver_present():
-        facts, problems, available = query_gpu("0")
+        facts, problems, available = lookup_gpu("0")
         assert available is True
         assert all(p.check != "nvml" for p in problems)
         return
-    facts, problems, available = query_gpu("0")
+    facts, problems, available = lookup_gpu("0")
     assert facts is None
     assert available is False
     assert problems == [Problem("nvml", NO_DRIVER_MESSAGE)]
@@ -208,7 +207,7 @@ def test_importing_preflight_loads_neither_pynvml_nor_torch() -> None:
 
 def test_good_h100_passes_and_reports_its_facts() -> None:
     nvml = FakeNvml()
-    facts, problems, available = query_gpu("0", nvml)
+    facts, problems, available = lookup_gpu("0", nvml)
     assert problems == []
     assert available is True
     assert facts == GpuFacts(
@@ -222,17 +221,17 @@ def test_good_h100_passes_and_reports_its_facts() -> None:
 
 def test_gpu_by_uuid_finds_its_index() -> None:
     nvml = FakeNvml(gpus=[FakeGpu(uuid=L4_UUID, name="NVIDIA L4", cc=(8, 9)), FakeGpu()])
-    facts, problems, available = query_gpu(f"  {H100_UUID} ", nvml)
+    facts, problems, available = lookup_gpu(f"  {H100_UUID} ", nvml)
     assert problems == []
     assert available is True
     assert facts is not None
     assert (facts.index, facts.uuid, facts.name) == (1, H100_UUID, "NVIDIA H100 80GB HBM3")
-    assert "nvmlDeviceGetHandleByUUID" in nvml.calls
+    assert nvml.calls.count("nvmlDeviceGetHandleByIndex") == 2  # every GPU read, then matched
 
 
 def test_bytes_from_older_pynvml_are_decoded() -> None:
     nvml = FakeNvml(gpus=[FakeGpu(name=b"Tesla V100-SXM2-32GB", cc=(7, 0), uuid_as_bytes=True)])
-    facts, problems, _ = query_gpu("0", nvml)
+    facts, problems, _ = lookup_gpu("0", nvml)
     assert problems == []
     assert facts is not None
     assert facts.name == "Tesla V100-SXM2-32GB"
@@ -242,7 +241,7 @@ def test_bytes_from_older_pynvml_are_decoded() -> None:
 @pytest.mark.parametrize("gpu", ["2", "GPU-00000000-0000-0000-0000-000000000000", "cuda:0"])
 def test_unknown_gpu_lists_the_visible_ones(gpu: str) -> None:
     nvml = FakeNvml(gpus=[FakeGpu(), FakeGpu(uuid=L4_UUID, name="NVIDIA L4", cc=(8, 9))])
-    facts, problems, available = query_gpu(gpu, nvml)
+    facts, problems, available = lookup_gpu(gpu, nvml)
     assert facts is None
     assert available is True
     assert _checks(problems) == ["gpu"]
@@ -254,7 +253,7 @@ def test_unknown_gpu_lists_the_visible_ones(gpu: str) -> None:
 
 
 def test_no_gpus_visible() -> None:
-    facts, problems, available = query_gpu("0", FakeNvml(gpus=[]))
+    facts, problems, available = lookup_gpu("0", FakeNvml(gpus=[]))
     assert facts is None
     assert available is True
     assert _checks(problems) == ["gpu"]
@@ -263,7 +262,7 @@ def test_no_gpus_visible() -> None:
 
 def test_prohibited_compute_mode() -> None:
     nvml = FakeNvml(gpus=[FakeGpu(mode=pynvml.NVML_COMPUTEMODE_PROHIBITED)])
-    facts, problems, _ = query_gpu("0", nvml)
+    facts, problems, _ = lookup_gpu("0", nvml)
     assert facts is not None
     assert facts.compute_mode == "PROHIBITED"
     assert _checks(problems) == ["compute_mode"]
@@ -273,7 +272,7 @@ def test_prohibited_compute_mode() -> None:
 
 def test_exclusive_process_compute_mode_needs_root() -> None:
     nvml = FakeNvml(gpus=[FakeGpu(mode=pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS)])
-    facts, problems, _ = query_gpu("0", nvml)
+    facts, problems, _ = lookup_gpu("0", nvml)
     assert facts is not None
     assert facts.compute_mode == "EXCLUSIVE_PROCESS"
     assert _checks(problems) == ["compute_mode"]
@@ -285,7 +284,7 @@ def test_exclusive_process_compute_mode_needs_root() -> None:
 
 def test_unreadable_compute_mode_is_a_problem() -> None:
     nvml = FakeNvml(gpus=[FakeGpu(mode_error=pynvml.NVMLError_NoPermission)])
-    facts, problems, _ = query_gpu("0", nvml)
+    facts, problems, _ = lookup_gpu("0", nvml)
     assert facts is not None
     assert facts.compute_mode is None
     assert _checks(problems) == ["compute_mode"]
@@ -294,7 +293,7 @@ def test_unreadable_compute_mode_is_a_problem() -> None:
 
 def test_mig_enabled() -> None:
     on = pynvml.NVML_DEVICE_MIG_ENABLE
-    facts, problems, _ = query_gpu("0", FakeNvml(gpus=[FakeGpu(mig=(on, on))]))
+    facts, problems, _ = lookup_gpu("0", FakeNvml(gpus=[FakeGpu(mig=(on, on))]))
     assert facts is not None
     assert facts.mig_enabled is True
     assert _checks(problems) == ["mig"]
@@ -303,14 +302,14 @@ def test_mig_enabled() -> None:
 
 def test_mig_enabled_with_disable_pending_says_reset() -> None:
     mig = (pynvml.NVML_DEVICE_MIG_ENABLE, pynvml.NVML_DEVICE_MIG_DISABLE)
-    _, problems, _ = query_gpu("0", FakeNvml(gpus=[FakeGpu(mig=mig)]))
+    _, problems, _ = lookup_gpu("0", FakeNvml(gpus=[FakeGpu(mig=mig)]))
     assert _checks(problems) == ["mig"]
     assert "pending" in problems[0].message
     assert "nvidia-smi -i 0 -r" in problems[0].message
 
 
 def test_mig_not_supported_counts_as_disabled() -> None:
-    facts, problems, _ = query_gpu("0", FakeNvml(gpus=[FakeGpu(name="NVIDIA L4", mig=None)]))
+    facts, problems, _ = lookup_gpu("0", FakeNvml(gpus=[FakeGpu(name="NVIDIA L4", mig=None)]))
     assert problems == []
     assert facts is not None
     assert facts.mig_enabled is False
@@ -318,7 +317,7 @@ def test_mig_not_supported_counts_as_disabled() -> None:
 
 def test_pre_volta_capability() -> None:
     nvml = FakeNvml(gpus=[FakeGpu(name="Tesla P40", cc=(6, 1))])
-    facts, problems, _ = query_gpu("0", nvml)
+    facts, problems, _ = lookup_gpu("0", nvml)
     assert facts is not None
     assert facts.capability == (6, 1)
     assert _checks(problems) == ["capability"]
@@ -328,7 +327,7 @@ def test_pre_volta_capability() -> None:
 
 def test_other_init_error_is_reported_with_its_text() -> None:
     nvml = FakeNvml(init_error=pynvml.NVMLError_DriverNotLoaded())
-    facts, problems, available = query_gpu("0", nvml)
+    facts, problems, available = lookup_gpu("0", nvml)
     assert facts is None
     assert available is False
     assert _checks(problems) == ["nvml"]
@@ -339,14 +338,14 @@ def test_other_init_error_is_reported_with_its_text() -> None:
 
 def test_library_not_found_from_an_injected_nvml() -> None:
     nvml = FakeNvml(init_error=pynvml.NVMLError_LibraryNotFound())
-    assert query_gpu("0", nvml) == (None, [Problem("nvml", NO_DRIVER_MESSAGE)], False)
+    assert lookup_gpu("0", nvml) == (None, [Problem("nvml", NO_DRIVER_MESSAGE)], False)
     assert nvml.calls == ["nvmlInit"]
 
 
 def test_shutdown_follows_every_successful_init() -> None:
     for gpu in ("0", "7", H100_UUID, "GPU-nope", "x"):
         nvml = FakeNvml()
-        query_gpu(gpu, nvml)
+        lookup_gpu(gpu, nvml)
         assert nvml.calls.count("nvmlInit") == 1, gpu
         assert nvml.calls.count("nvmlShutdown") == 1, gpu
         assert nvml.calls[-1] == "nvmlShutdown", gpu

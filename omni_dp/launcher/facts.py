@@ -7,14 +7,10 @@ pure function of the options and these facts, so tests can plan any machine.
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import json
 import os
 import secrets
 import shlex
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -23,20 +19,15 @@ from pathlib import Path
 
 import psutil
 
+from omni_dp.gpus import NO_DRIVER, GpuFacts, Problem, query_gpu
 from omni_dp.launcher.engines import ENGINES, EngineSizing, ReplicaLaunch
 from omni_dp.launcher.options import LaunchOptions, replica_ports
 from omni_dp.launcher.topology import CpuTopology, gpu_numa_node, read_topology
 from omni_dp.mps.binaries import MpsBinaries
-from omni_dp.mps.preflight import (
-    GPU_CHECKS,
-    NO_DRIVER_MESSAGE,
-    GpuFacts,
-    Problem,
-    query_gpu,
-    run_preflight,
-)
-from omni_dp.procs import ProcessIdentity, is_alive
-from omni_dp.rundir import RUN_FILE, mps_pipe_dir, run_dir, runs_dir, state_dir
+from omni_dp.mps.preflight import GPU_CHECKS, check_preflight, in_mps_words
+from omni_dp.net import bind_error, port_taken
+from omni_dp.rundir import mps_pipe_dir, run_dir, state_dir
+from omni_dp.runfile import stored_runs
 
 
 @dataclass(frozen=True)
@@ -98,119 +89,41 @@ def new_run_id() -> str:
     return time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(2)
 
 
-def port_taken(host: str, port: int) -> bool:
-    """Can a server bind host:port now? Same SO_REUSEADDR as aiohttp, so TIME_WAIT is fine."""
-    if not 0 < port < 65536:
-        return False  # the plan reports the range itself
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except (socket.gaierror, ValueError):  # ValueError: a name idna cannot encode
-            return False  # not a usable address: host_problem() says so
-        except OSError as exc:
-            return exc.errno == errno.EADDRINUSE or exc.errno == errno.EACCES
-    return False
-
-
 def host_problem(host: str) -> str | None:
     """Why the router cannot listen on host (None if it can)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, 0))
-        except (OSError, ValueError) as exc:  # ValueError: too long, or a NUL in it
-            why = getattr(exc, "strerror", None) or exc
-            return (f"--host {host!r}: the router cannot listen there ({why}); "
-                    "use an address of this machine, e.g. 127.0.0.1 or 0.0.0.0")
-    return None
+    why = bind_error(host)
+    if why is None:
+        return None
+    return (f"--host {host!r}: the router cannot listen there ({why}); "
+            "use an address of this machine, e.g. 127.0.0.1 or 0.0.0.0")
 
 
 def known_runs(root: Path) -> tuple[KnownRun, ...]:
-    runs = []
-    parent = runs_dir(root)
-    for directory in sorted(parent.iterdir()) if parent.is_dir() else []:
-        try:
-            data = json.loads((directory / RUN_FILE).read_text())
-        except (OSError, ValueError):
-            runs.append(KnownRun(directory.name, directory, None, live=False))
-            continue
-        runs.append(KnownRun(directory.name, directory, data.get("gpu"),
-                             any_recorded_alive(data)))
-    return tuple(runs)
-
-
-def any_recorded_alive(data: dict) -> bool:
-    """Is any process a run.json records still running as itself (pid + create time)?"""
-    records = [data.get("launcher"), data.get("supervisor"), data.get("router"),
-               (data.get("mps") or {}).get("daemon"), *data.get("replicas", [])]
-    for record in records:
-        with contextlib.suppress(KeyError, TypeError, ValueError):
-            if record and record.get("pid") is not None and is_alive(
-                    ProcessIdentity.from_json(record)):
-                return True
-    return False
+    """Every run under the state dir: its GPU and whether it is live (omni_dp/runfile.py's one
+    definition); an unreadable run.json is neither."""
+    return tuple(KnownRun(run.run_id, run.directory, run.record.gpu if run.record else None,
+                          run.live) for run in stored_runs(root))
 
 
 def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> LaunchFacts:
-    """Read the machine for this launch. The engine dry run is skipped when the options alone
-    are already wrong (its complaints would only repeat them)."""
+    """Read the machine for this launch; NVML is asked once (the MPS preflight checks the GPU
+    facts read here). The engine dry run is skipped when the options alone are already wrong
+    (its complaints would only repeat them)."""
     root = state_dir()
     run_id = options.run_id or new_run_id()
-
-    gpu, gpu_problems = None, []
-    if options.gpu != "none":
-        wanted = "0" if options.gpu == "auto" else options.gpu
-        gpu, problems, _ = query_gpu(wanted)
-        # Only "is there such a GPU"; what MPS needs of it is the MPS preflight's, below.
-        gpu_problems = [_gpu_problem(p, options) for p in problems
-                        if p.check in ("gpu", "nvml")]
-    numa = gpu_numa_node(gpu.pci_bus_id) if gpu is not None and gpu.pci_bus_id else None
-
-    mps_binaries, mps_problems = None, []
-    if options.mps:
-        report = run_preflight(control_binary=options.mps_control,
-                               gpu=visible_id(gpu) or "0",
-                               pipe_dir=str(mps_pipe_dir(run_dir(root, run_id))),
-                               num_client_processes=options.replicas)
-        mps_problems = [f"--mps: {p.message}" for p in report.problems
-                        if p.check not in ("gpu", "nvml")  # reported once, as GPU problems
-                        and not (options.no_gpu_check and p.check in GPU_CHECKS)]
-        mps_binaries = report.binaries  # the one search; a refused pair comes with a problem
-
-    taken = {p for p in replica_ports(options) if port_taken("127.0.0.1", p)}
-    if port_taken(options.host, options.router_port):
-        taken.add(options.router_port)
-
-    sizing, engine_problems = None, []
-    engine = ENGINES.get(options.engine)
-    if engine is not None and not option_problems:
-        device = "cuda" if gpu is not None else "cpu"
-        # Not through anyone's MPS daemon: the dry run may create a CUDA context (to read free
-        # memory) before ours exists. Without a pipe directory a CUDA client tries the system
-        # default (/tmp/nvidia-mps) and would join whatever daemon answers there; a private,
-        # empty one has none, so the client falls back to a plain context of its own.
-        with tempfile.TemporaryDirectory(prefix="omni-dp-dry-run-") as no_daemon:
-            env = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_MPS_")}
-            env["CUDA_MPS_PIPE_DIRECTORY"] = no_daemon
-            env["CUDA_VISIBLE_DEVICES"] = visible_id(gpu)
-            sizing, engine_problems = engine.dry_run(
-                ReplicaLaunch(port=options.base_port, device=device, threads=1,
-                              kv_cache_bytes=options.kv_cache_bytes,
-                              max_total_tokens=options.max_total_tokens),
-                options.engine_args, env)
-
+    gpu, gpu_problems = _look_up_gpu(options)
+    mps_binaries, mps_problems = _mps_preflight(options, gpu, run_dir(root, run_id))
+    sizing, engine_problems = _dry_run(options, gpu, option_problems)
     return LaunchFacts(
         state_root=root,
         new_run_id=run_id,
         topology=read_topology(),
         gpu=gpu,
         gpu_problems=tuple(gpu_problems),
-        gpu_numa_node=numa,
+        gpu_numa_node=gpu_numa_node(gpu.pci_bus_id) if gpu and gpu.pci_bus_id else None,
         mps_binary=mps_binaries.control if mps_binaries else None,
         mps_problems=tuple(mps_problems),
-        taken_ports=frozenset(taken),
+        taken_ports=_taken_ports(options),
         runs=known_runs(root),
         sizing=sizing,
         engine_problems=tuple(engine_problems),
@@ -222,11 +135,64 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
     )
 
 
-def _gpu_problem(problem: Problem, options: LaunchOptions) -> str:
-    """The GPU lookup's words, without MPS where the run asked for none."""
+def _look_up_gpu(options: LaunchOptions) -> tuple[GpuFacts | None, list[str]]:
+    """The GPU the replicas use (none for --gpu none), and why there is none. Only "is there
+    such a GPU": what MPS needs of it is the MPS preflight's."""
+    if options.gpu == "none":
+        return None, []
+    wanted = "0" if options.gpu == "auto" else options.gpu
+    gpu, problems, _ = query_gpu(wanted)
+    return gpu, [_gpu_problem(p, options, wanted) for p in problems]
+
+
+def _mps_preflight(options: LaunchOptions, gpu: GpuFacts | None,
+                   directory: Path) -> tuple[MpsBinaries | None, list[str]]:
+    """With --mps: the binaries found (the one search; a refused pair comes with a problem)
+    and the preflight's problems, checked on the GPU facts already read."""
+    if not options.mps:
+        return None, []
+    report = check_preflight(control_binary=options.mps_control, gpu=gpu,
+                             pipe_dir=str(mps_pipe_dir(directory)),
+                             num_client_processes=options.replicas)
+    problems = [f"--mps: {p.message}" for p in report.problems
+                if p.check not in ("gpu", "nvml")  # the plan says those in its own words
+                and not (options.no_gpu_check and p.check in GPU_CHECKS)]
+    return report.binaries, problems
+
+
+def _taken_ports(options: LaunchOptions) -> frozenset[int]:
+    taken = {p for p in replica_ports(options) if port_taken("127.0.0.1", p)}
+    if port_taken(options.host, options.router_port):
+        taken.add(options.router_port)
+    return frozenset(taken)
+
+
+def _dry_run(options: LaunchOptions, gpu: GpuFacts | None,
+             option_problems: list[str]) -> tuple[EngineSizing | None, list[str]]:
+    engine = ENGINES.get(options.engine)
+    if engine is None or option_problems:
+        return None, []
+    device = "cuda" if gpu is not None else "cpu"
+    # Not through anyone's MPS daemon: the dry run may create a CUDA context (to read free
+    # memory) before ours exists. Without a pipe directory a CUDA client tries the system
+    # default (/tmp/nvidia-mps) and would join whatever daemon answers there; a private,
+    # empty one has none, so the client falls back to a plain context of its own.
+    with tempfile.TemporaryDirectory(prefix="omni-dp-dry-run-") as no_daemon:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_MPS_")}
+        env["CUDA_MPS_PIPE_DIRECTORY"] = no_daemon
+        env["CUDA_VISIBLE_DEVICES"] = visible_id(gpu)
+        return engine.dry_run(
+            ReplicaLaunch(port=options.base_port, device=device, threads=1,
+                          kv_cache_bytes=options.kv_cache_bytes,
+                          max_total_tokens=options.max_total_tokens),
+            options.engine_args, env)
+
+
+def _gpu_problem(problem: Problem, options: LaunchOptions, wanted: str) -> str:
+    """The GPU lookup's words: an MPS run's where it asked for MPS, else without MPS."""
     if options.mps:
-        return problem.message
-    if problem.message == NO_DRIVER_MESSAGE:
+        return in_mps_words(problem, wanted).message
+    if problem.message.startswith(NO_DRIVER):
         return (f"--gpu {options.gpu}: there is no NVIDIA driver on this machine "
                 "(libnvidia-ml not found); use --gpu none to run on the CPU")
-    return problem.message.replace(" (MIG devices are out of scope for MPS runs)", "")
+    return problem.message

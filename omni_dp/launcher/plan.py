@@ -2,15 +2,26 @@
 
 Pure: no file, socket, process or daemon is created here, so a bad launch exits 2 with nothing
 left behind, and tests can plan for machines they do not have.
+
+A pipeline of sub-planners, each `(options, facts[, earlier parts]) -> (part | None, problems)`.
+A part is None when it has a problem of its own, or when an option it reads was refused
+(check_options says why, once); no planner builds on a part that is None. plan_launch runs them
+all, so every problem is reported at once, and builds the replicas and the router only from
+complete parts.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
+from omni_dp.contract import REPLICA_ENV, RUN_ID_ENV, Problems
+from omni_dp.files import private_dir_problem
+from omni_dp.gpus import GpuFacts
 from omni_dp.launcher.engines import ENGINES, EngineSizing, ReplicaLaunch, reserved_flag_problems
 from omni_dp.launcher.facts import LaunchFacts, visible_id
 from omni_dp.launcher.options import (
@@ -19,10 +30,9 @@ from omni_dp.launcher.options import (
     LaunchOptions,
     replica_ports,
 )
-from omni_dp.launcher.topology import CpuPlan, format_cpu_list, plan_auto, plan_explicit
+from omni_dp.launcher.topology import format_cpu_list, plan_auto, plan_explicit
 from omni_dp.logs import LOG_FORMATS
 from omni_dp.mps.binaries import MpsBinaries
-from omni_dp.mps.daemon import private_dir_problem
 from omni_dp.rundir import RUN_ID, mps_log_dir, mps_pipe_dir, run_dir
 from omni_dp.sizes import format_size
 
@@ -30,12 +40,12 @@ POLICIES = ("least_request", "round_robin", "power_of_two", "random")
 MAX_SECONDS = 7 * 24 * 3600.0  # any timeout or interval beyond is a typo (and overflows poll())
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                     "NUMEXPR_NUM_THREADS")
+NO_DRY_RUN = ("the engine's dry run did not run, so the replicas' sizes are unknown; run "
+              "`omni-dp serve --dry-run` with the engine arguments to see why")
 
 
-class LaunchPlanError(ValueError):
-    def __init__(self, problems: list[str]) -> None:
-        super().__init__("\n".join(problems))
-        self.problems = problems
+class LaunchPlanError(Problems):
+    """Every problem that stops this launch, before anything was started."""
 
 
 @dataclass(frozen=True)
@@ -109,11 +119,11 @@ class LaunchPlan:
             "router": {"url": self.router_url, "policy": o.policy, "workers": o.router_workers,
                        "argv": list(self.router_argv)},
             "supervision": {"check_interval": o.check_interval,
-                            "health_failures": o.health_failures,
+                            "health_failures": o.restart_after_failures,
                             "restart_budget": o.restart_budget,
                             "restart_window": o.restart_window,
                             "on_mps_fault": o.on_mps_fault,
-                            "health_timeout": o.health_timeout,
+                            "health_timeout": o.start_timeout,
                             "drain_timeout": o.drain_timeout},
             "log_format": o.log_format,  # the supervisor's and the replica log banners'
             "warnings": list(self.warnings),
@@ -122,67 +132,109 @@ class LaunchPlan:
         }
 
 
-def check_options(o: LaunchOptions) -> list[str]:
-    """What is wrong with the options alone, whatever the machine."""
-    problems = []
-    if o.replicas < 1:
-        problems.append(f"--replicas must be at least 1, got {o.replicas}")
+# --- the options alone ----------------------------------------------------------------------
+# Each check reads a few fields and returns its problems; a sub-planner that reads those fields
+# asks the same check whether they were refused.
+
+
+def _replica_count(o: LaunchOptions) -> list[str]:
+    return [] if o.replicas >= 1 else [f"--replicas must be at least 1, got {o.replicas}"]
+
+
+def _kv_pin(o: LaunchOptions) -> list[str]:
     if o.kv_cache_bytes is not None and o.max_total_tokens is not None:
-        problems.append("--kv-cache-bytes and --max-total-tokens are exclusive: pin the KV "
-                        "cache by bytes OR by tokens")
-    elif (o.replicas > 1 and o.kv_cache_bytes is None and o.max_total_tokens is None
-          and not getattr(ENGINES.get(o.engine), "fixed_default_kv", False)):
-        problems.append(
-            f"--replicas {o.replicas} needs a pinned KV size: give --max-total-tokens N or "
-            "--kv-cache-bytes SIZE. Without one, each replica sizes its KV from the memory free "
-            "when it starts, so later replicas get less"
-        )
+        return ["--kv-cache-bytes and --max-total-tokens are exclusive: pin the KV cache by "
+                "bytes OR by tokens"]
+    unpinned = o.kv_cache_bytes is None and o.max_total_tokens is None
+    if (o.replicas > 1 and unpinned
+            and not getattr(ENGINES.get(o.engine), "fixed_default_kv", False)):
+        return [f"--replicas {o.replicas} needs a pinned KV size: give --max-total-tokens N or "
+                "--kv-cache-bytes SIZE. Without one, each replica sizes its KV from the memory "
+                "free when it starts, so later replicas get less"]
+    return []
+
+
+def _kv_sizes(o: LaunchOptions) -> list[str]:
+    problems = []
     if o.kv_cache_bytes is not None and o.kv_cache_bytes <= 0:
         problems.append("--kv-cache-bytes must be positive")
     if o.max_total_tokens is not None and o.max_total_tokens <= 0:
         problems.append("--max-total-tokens must be positive")
-    if o.start is not None and o.start not in START_MODES:
-        problems.append(f"--start must be one of {', '.join(START_MODES)}, got {o.start!r}")
-    if o.on_mps_fault not in MPS_FAULT_ACTIONS:
-        problems.append(f"--on-mps-fault must be one of {', '.join(MPS_FAULT_ACTIONS)}")
-    if o.policy not in POLICIES:
-        problems.append(f"--policy must be one of {', '.join(POLICIES)}, got {o.policy!r}")
-    if o.log_format not in LOG_FORMATS:
-        problems.append(f"--log-format must be one of {', '.join(LOG_FORMATS)}, got "
-                        f"{o.log_format!r}")
-    if o.router_workers < 1:
-        problems.append("--router-workers must be at least 1")
-    engine = ENGINES.get(o.engine)
-    if engine is None:
-        problems.append(f"engine {o.engine!r} is not known; known: {', '.join(ENGINES)}")
-    else:
-        problems += reserved_flag_problems(engine, o.engine_args)
-    if o.run_id is not None and not RUN_ID.match(o.run_id):
-        problems.append(f"--run-id {o.run_id!r} is not a run id: 1-64 letters, digits, '_', "
-                        "'.', '-', starting with a letter or digit (no path separators)")
-    # nan passes every comparison below it (and then stops the supervisor's loop), inf too
-    for name, zero_ok in (("health_timeout", False), ("check_interval", False),
-                          ("restart_window", False), ("drain_timeout", True)):
-        seconds = getattr(o, name)
-        if not (math.isfinite(seconds) and (seconds >= 0 if zero_ok else seconds > 0)
-                and seconds <= MAX_SECONDS):
-            lowest = "0" if zero_ok else "more than 0"
-            problems.append(f"--{name.replace('_', '-')} must be a number of seconds from "
-                            f"{lowest} to {MAX_SECONDS:.0f} (7 days), got {seconds}")
-    if o.health_failures < 1 or o.restart_budget < 0:
-        problems.append("--health-failures must be ≥ 1 and --restart-budget ≥ 0")
-    if not 0 <= o.memory_headroom < 1:
-        problems.append(f"--memory-headroom must be a fraction in [0, 1), got "
-                        f"{o.memory_headroom}")
-    problems += _api_key_problems(o.api_key)
-    if o.no_gpu_check and not o.mps:
-        problems.append("--no-gpu-check only applies to --mps")
-    problems += _port_range_problems(o)
     return problems
 
 
-def _api_key_problems(key: str | None) -> list[str]:
+# (flag, field, allowed values, None allowed (the default chosen later), say what was given)
+_CHOICES = (
+    ("--start", "start", START_MODES, True, True),
+    ("--on-mps-fault", "on_mps_fault", MPS_FAULT_ACTIONS, False, False),
+    ("--policy", "policy", POLICIES, False, True),
+    ("--log-format", "log_format", LOG_FORMATS, False, True),
+)
+
+
+def _choices(o: LaunchOptions) -> list[str]:
+    problems = []
+    for flag, name, allowed, optional, say in _CHOICES:
+        value = getattr(o, name)
+        if value in allowed or (optional and value is None):
+            continue
+        problems.append(f"{flag} must be one of {', '.join(allowed)}"
+                        + (f", got {value!r}" if say else ""))
+    return problems
+
+
+def _router_workers(o: LaunchOptions) -> list[str]:
+    return [] if o.router_workers >= 1 else ["--router-workers must be at least 1"]
+
+
+def _engine(o: LaunchOptions) -> list[str]:
+    engine = ENGINES.get(o.engine)
+    if engine is None:
+        return [f"engine {o.engine!r} is not known; known: {', '.join(ENGINES)}"]
+    return reserved_flag_problems(engine, o.engine_args)
+
+
+def _run_id(o: LaunchOptions) -> list[str]:
+    if o.run_id is None or RUN_ID.match(o.run_id):
+        return []
+    return [f"--run-id {o.run_id!r} is not a run id: 1-64 letters, digits, '_', '.', '-', "
+            "starting with a letter or digit (no path separators)"]
+
+
+# (field, may be 0): each a number of seconds up to MAX_SECONDS
+_SECONDS = (("start_timeout", False), ("check_interval", False), ("restart_window", False),
+            ("drain_timeout", True))
+
+
+def _seconds(o: LaunchOptions) -> list[str]:
+    problems = []
+    # nan passes every comparison below it (and then stops the supervisor's loop), inf too
+    for name, zero_ok in _SECONDS:
+        seconds = getattr(o, name)
+        if (math.isfinite(seconds) and (seconds >= 0 if zero_ok else seconds > 0)
+                and seconds <= MAX_SECONDS):
+            continue
+        lowest = "0" if zero_ok else "more than 0"
+        problems.append(f"--{name.replace('_', '-')} must be a number of seconds from {lowest} "
+                        f"to {MAX_SECONDS:.0f} (7 days), got {seconds}")
+    return problems
+
+
+def _restart_counts(o: LaunchOptions) -> list[str]:
+    if o.restart_after_failures < 1 or o.restart_budget < 0:
+        return ["--restart-after-failures must be ≥ 1 and --restart-budget ≥ 0"]
+    return []
+
+
+def _memory_headroom(o: LaunchOptions) -> list[str]:
+    if 0 <= o.memory_headroom < 1:
+        return []
+    return [f"--memory-headroom must be a fraction in [0, 1), got {o.memory_headroom}"]
+
+
+def _api_key(o: LaunchOptions) -> list[str]:
     """The key travels in an HTTP header: visible ASCII only. Never echoed back."""
+    key = o.api_key
     if key is None:
         return []
     if not key.strip():
@@ -193,18 +245,255 @@ def _api_key_problems(key: str | None) -> list[str]:
     return []
 
 
-def _port_range_problems(o: LaunchOptions) -> list[str]:
-    problems = []
-    last = o.base_port + max(o.replicas, 1) - 1
+def _no_gpu_check(o: LaunchOptions) -> list[str]:
+    return ["--no-gpu-check only applies to --mps"] if o.no_gpu_check and not o.mps else []
+
+
+def _replica_ports(o: LaunchOptions) -> list[str]:
+    if _replica_count(o):  # no replica ports to place
+        return []
+    last = o.base_port + o.replicas - 1
     if o.base_port < 1 or last > 65535:
-        problems.append(f"--base-port {o.base_port}: replica ports {o.base_port}-{last} must "
-                        "lie within 1-65535")
+        return [f"--base-port {o.base_port}: replica ports {o.base_port}-{last} must lie within "
+                "1-65535"]
+    return []
+
+
+def _router_port(o: LaunchOptions) -> list[str]:
     if not 1 <= o.router_port <= 65535:
-        problems.append(f"--router-port must be 1-65535, got {o.router_port}")
-    elif o.base_port <= o.router_port <= last:
-        problems.append(f"--router-port {o.router_port} falls in the replica port range "
-                        f"{o.base_port}-{last}; move one of them")
-    return problems
+        return [f"--router-port must be 1-65535, got {o.router_port}"]
+    if _replica_count(o):
+        return []
+    last = o.base_port + o.replicas - 1
+    if o.base_port <= o.router_port <= last:
+        return [f"--router-port {o.router_port} falls in the replica port range "
+                f"{o.base_port}-{last}; move one of them"]
+    return []
+
+
+OPTION_CHECKS: tuple[Callable[[LaunchOptions], list[str]], ...] = (
+    _replica_count, _kv_pin, _kv_sizes, _choices, _router_workers, _engine, _run_id, _seconds,
+    _restart_counts, _memory_headroom, _api_key, _no_gpu_check, _replica_ports, _router_port,
+)
+
+
+def check_options(o: LaunchOptions) -> list[str]:
+    """What is wrong with the options alone, whatever the machine."""
+    return [problem for check in OPTION_CHECKS for problem in check(o)]
+
+
+# --- the parts of a plan --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuPart:
+    gpu: GpuFacts | None  # None: the replicas run on the CPU
+    device: str  # "cpu" or "cuda"
+    label: str  # "GPU-<uuid>" (or the index), or "cpu"
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class MpsPart:
+    binary: str | None  # the control binary; None without --mps
+    binaries: MpsBinaries | None
+
+
+@dataclass(frozen=True)
+class RunPart:
+    run_id: str
+    directory: Path
+
+
+@dataclass(frozen=True)
+class RouterPart:
+    url: str
+    argv: tuple[str, ...]  # without the --replica entries
+
+
+@dataclass(frozen=True)
+class CpuPart:
+    blocks: tuple[tuple[int, ...] | None, ...]  # one per replica; None: unpinned
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class KvPart:
+    sizing: EngineSizing  # the engine's dry run: what every replica allocates
+    max_total_tokens: int | None  # what each replica is started with
+
+
+def plan_gpu(o: LaunchOptions, facts: LaunchFacts) -> tuple[GpuPart | None, list[str]]:
+    """Which device the replicas use, and what --mps needs of it."""
+    gpu = facts.gpu
+    problems = []
+    if o.gpu not in ("auto", "none") and gpu is None:
+        problems += facts.gpu_problems or [f"--gpu {o.gpu}: no such GPU"]
+    problems += _mps_gpu_problems(o, facts)
+    if problems:
+        return None, problems
+    warnings = ()
+    if o.mps and gpu is None:  # --no-gpu-check
+        warnings = ("--no-gpu-check: no GPU, the replicas run on CPU; the MPS daemon runs but "
+                    "no process can attach to it, so attach verification will fail",)
+    return GpuPart(gpu, "cuda" if gpu is not None else "cpu", visible_id(gpu) or "cpu",
+                   warnings), []
+
+
+def _mps_gpu_problems(o: LaunchOptions, facts: LaunchFacts) -> list[str]:
+    gpu = facts.gpu
+    if not o.mps:
+        return []
+    if gpu is None and not o.no_gpu_check:
+        why = "; ".join(facts.gpu_problems) or "NVML sees no GPU here"
+        return [f"--mps needs a GPU, and there is none to use ({why}); run without --mps to "
+                "use the CPU"]
+    if gpu is not None and not gpu.uuid:
+        return [f"--mps: NVML could not read the UUID of GPU {gpu.index}; the MPS daemon and "
+                "its clients must name the GPU by UUID (a client's CUDA_VISIBLE_DEVICES index "
+                "is renumbered under MPS and names the right GPU only by chance); check "
+                "`nvidia-smi -L` and the driver, or run without --mps"]
+    return []
+
+
+def plan_mps(o: LaunchOptions, facts: LaunchFacts) -> tuple[MpsPart | None, list[str]]:
+    """The MPS binaries the run uses, and the MPS preflight's word (read with the facts)."""
+    if facts.mps_problems:
+        return None, list(facts.mps_problems)
+    return MpsPart(facts.mps_binary, facts.mps_binaries), []
+
+
+def plan_run(o: LaunchOptions, facts: LaunchFacts) -> tuple[RunPart | None, list[str]]:
+    """The run's id and directory: an id no earlier run's state still holds."""
+    if _run_id(o):
+        return None, []
+    run_id = o.run_id or facts.new_run_id
+    problems = []
+    for run in facts.runs:
+        if run.run_id != run_id:
+            continue
+        problems.append(
+            f"run {run_id} is still running; pick another --run-id or stop it: "
+            f"{facts.command} down {run_id}" if run.live else
+            f"the state of an earlier run {run_id} is kept at {run.directory}; remove it "
+            f"with `{facts.command} down {run_id}` or pick another --run-id")
+    if problems:
+        return None, problems
+    return RunPart(run_id, run_dir(facts.state_root, run_id)), []
+
+
+def plan_state_root(facts: LaunchFacts) -> tuple[Path | None, list[str]]:
+    """The state root must be ours alone (or not exist yet): it holds every run's token."""
+    problem = private_dir_problem(facts.state_root)
+    if problem:
+        return None, [f"state directory: {problem} (set OMNI_DP_STATE_DIR to use another)"]
+    return facts.state_root, []
+
+
+def plan_ports(o: LaunchOptions, facts: LaunchFacts) -> tuple[tuple[int, ...] | None, list[str]]:
+    """One free loopback port per replica."""
+    if _replica_count(o) or _replica_ports(o):
+        return None, []
+    ports = tuple(replica_ports(o))
+    problems = [f"port {port} (replica {port - o.base_port}) is in use; pick another "
+                "--base-port" for port in ports if port in facts.taken_ports]
+    return (None, problems) if problems else (ports, [])
+
+
+def plan_router(o: LaunchOptions, facts: LaunchFacts) -> tuple[RouterPart | None, list[str]]:
+    """Where the router listens, and how many worker processes it forks."""
+    problems = [facts.host_problem] if facts.host_problem else []
+    if o.router_port in facts.taken_ports:
+        problems.append(f"port {o.router_port} on {o.host} (router) is in use; pick another "
+                        "--router-port")
+    cpus = len(facts.topology.allowed)
+    if o.router_workers > cpus:  # a typo here would fork that many routers
+        problems.append(f"--router-workers {o.router_workers}: more router processes than the "
+                        f"{cpus} CPU(s) this process may use gain nothing; use at most {cpus}")
+    if problems or _router_port(o) or _router_workers(o):
+        return None, problems
+    argv = (sys.executable, "-m", "omni_dp", "router", "--host", o.host,
+            "--port", str(o.router_port), "--policy", o.policy,
+            "--workers", str(o.router_workers), "--drain-timeout", str(o.drain_timeout),
+            "--log-format", o.log_format)
+    return RouterPart(f"http://{_url_host(o.host)}:{o.router_port}", argv), []
+
+
+def plan_cpus(o: LaunchOptions, facts: LaunchFacts) -> tuple[CpuPart | None, list[str]]:
+    """Each replica's CPU block: whole cores, disjoint, the GPU's NUMA node first."""
+    if _replica_count(o):
+        return None, []
+    if o.cpu_blocks == "none":
+        return CpuPart((None,) * o.replicas), []
+    if o.cpu_blocks == "auto":
+        cpu_plan = plan_auto(facts.topology, o.replicas, facts.gpu_numa_node)
+    else:
+        cpu_plan = plan_explicit(facts.topology, o.replicas, o.cpu_blocks, facts.gpu_numa_node)
+    if cpu_plan.problems:
+        return None, cpu_plan.problems
+    return CpuPart(tuple(cpu_plan.blocks), tuple(cpu_plan.warnings)), []
+
+
+def plan_kv(o: LaunchOptions, facts: LaunchFacts) -> tuple[KvPart | None, list[str]]:
+    """The engine's own word on its options and sizes (its dry run)."""
+    sizing = facts.sizing
+    if sizing is None:  # the engine said why (or its dry run was skipped: see plan_launch)
+        return None, list(facts.engine_problems)
+    if o.max_total_tokens is not None and sizing.kv_tokens != o.max_total_tokens:
+        return None, [f"--max-total-tokens {o.max_total_tokens}: the engine would allocate "
+                      f"{sizing.kv_tokens} tokens (whole KV pages); ask for {sizing.kv_tokens}"]
+    # No knob given: pin the engine's fixed default explicitly, so every replica (and every
+    # restart) is started with the very number the dry run reported.
+    tokens = o.max_total_tokens
+    if o.kv_cache_bytes is None and tokens is None:
+        tokens = sizing.kv_tokens
+    return KvPart(sizing, tokens), []
+
+
+def plan_memory(o: LaunchOptions, facts: LaunchFacts, gpu: GpuPart | None,
+                kv: KvPart | None) -> tuple[int | None, list[str]]:
+    """Whether N replicas fit in the device's memory; the part is the bytes they need."""
+    if gpu is None or kv is None or _replica_count(o) or _memory_headroom(o):
+        return None, []
+    sizing = kv.sizing
+    need = o.replicas * sizing.total_bytes
+    each = (f"{o.replicas} × (weights {format_size(sizing.weights_bytes)} + KV "
+            f"{format_size(sizing.kv_cache_bytes)} + overhead {format_size(sizing.overhead_bytes)})"
+            f" = {format_size(need)}")
+    if gpu.gpu is not None:
+        problems = _gpu_memory_problems(o, gpu.gpu, need, each)
+    elif need > facts.host_memory_available:
+        problems = [f"host memory: {each} does not fit in the "
+                    f"{format_size(facts.host_memory_available)} available; lower the KV size or "
+                    "the replica count"]
+    else:
+        problems = []
+    return (None, problems) if problems else (need, [])
+
+
+def _gpu_memory_problems(o: LaunchOptions, gpu: GpuFacts, need: int, each: str) -> list[str]:
+    total = gpu.memory_total_bytes
+    if not total:  # NVML could not tell: nothing to check against
+        return []
+    used = gpu.memory_used_bytes or 0
+    usable = int(total * (1 - o.memory_headroom)) - used
+    if need <= usable:
+        return []
+    return [f"GPU memory: {each} does not fit: the GPU has {format_size(total)}, "
+            f"{format_size(used)} already in use, {o.memory_headroom:.0%} kept as headroom → "
+            f"{format_size(max(usable, 0))} usable; lower the KV size or the replica count"]
+
+
+# --- the plan -------------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def _take(planned: tuple[T | None, list[str]], problems: list[str]) -> T | None:
+    """A sub-planner's part; its problems join the plan's."""
+    part, found = planned
+    problems.extend(found)
+    return part
 
 
 def plan_launch(o: LaunchOptions, facts: LaunchFacts, *,
@@ -212,155 +501,79 @@ def plan_launch(o: LaunchOptions, facts: LaunchFacts, *,
     """earlier_problems: found before planning (the --config file's); reported with the
     plan's. The engine's dry run is skipped while any exist, so no plan can be made then."""
     problems = [*earlier_problems, *check_options(o)]
-    warnings: list[str] = []
-    run_id = o.run_id or facts.new_run_id
-    directory = run_dir(facts.state_root, run_id)
-
-    # GPU: which device the replicas use.
-    gpu = facts.gpu
-    if o.gpu not in ("auto", "none") and gpu is None:
-        problems += facts.gpu_problems or [f"--gpu {o.gpu}: no such GPU"]
-    if o.mps and gpu is None and not o.no_gpu_check:
-        why = "; ".join(facts.gpu_problems) or "NVML sees no GPU here"
-        problems.append(f"--mps needs a GPU, and there is none to use ({why}); run without "
-                        "--mps to use the CPU")
-    if o.mps and gpu is None and o.no_gpu_check:
-        warnings.append("--no-gpu-check: no GPU, the replicas run on CPU; the MPS daemon runs "
-                        "but no process can attach to it, so attach verification will fail")
-    if o.mps and gpu is not None and not gpu.uuid:
-        problems.append(
-            f"--mps: NVML could not read the UUID of GPU {gpu.index}; the MPS daemon and its "
-            "clients must name the GPU by UUID (a client's CUDA_VISIBLE_DEVICES index is "
-            "renumbered under MPS and names the right GPU only by chance); check "
-            f"`nvidia-smi -L` and the driver, or run without --mps")
-    device = "cuda" if gpu is not None else "cpu"
-    gpu_label = visible_id(gpu) or "cpu"
-    problems += facts.mps_problems
-
-    # Run id and state.
-    for run in facts.runs:
-        if run.run_id == run_id:
-            problems.append(
-                f"run {run_id} is still running; pick another --run-id or stop it: "
-                f"{facts.command} down {run_id}" if run.live else
-                f"the state of an earlier run {run_id} is kept at {run.directory}; remove it "
-                f"with `{facts.command} down {run_id}` or pick another --run-id")
-        elif not run.live and run.gpu == gpu_label:
-            warnings.append(f"stale state of run {run.run_id} (same GPU) is kept at "
-                            f"{run.directory}; `{facts.command} down {run.run_id}` removes "
-                            "it")
-        elif run.live and run.gpu == gpu_label and gpu is not None:
-            warnings.append(f"run {run.run_id} is live on the same GPU; both runs will share it")
-    root_problem = private_dir_problem(facts.state_root)
-    if root_problem:
-        problems.append(f"state directory: {root_problem} (set OMNI_DP_STATE_DIR to use "
-                        "another)")
-
-    # Ports.
-    for port in replica_ports(o):
-        if port in facts.taken_ports:
-            problems.append(f"port {port} (replica {port - o.base_port}) is in use; pick "
-                            "another --base-port")
-    if facts.host_problem:
-        problems.append(facts.host_problem)
-    if o.router_port in facts.taken_ports:
-        problems.append(f"port {o.router_port} on {o.host} (router) is in use; pick another "
-                        "--router-port")
-
-    cpus = len(facts.topology.allowed)
-    if o.router_workers > max(cpus, 1):  # a typo here would fork that many routers
-        problems.append(f"--router-workers {o.router_workers}: more router processes than the "
-                        f"{cpus} CPU(s) this process may use gain nothing; use at most {cpus}")
-
-    # CPU blocks.
-    cpu_plan = _plan_cpus(o, facts)
-    problems += cpu_plan.problems
-    warnings += cpu_plan.warnings
-
-    # The engine's own word on its options and sizes, and whether N of them fit.
-    problems += facts.engine_problems
-    sizing = facts.sizing
-    if sizing is not None:
-        if o.max_total_tokens is not None and sizing.kv_tokens != o.max_total_tokens:
-            problems.append(
-                f"--max-total-tokens {o.max_total_tokens}: the engine would allocate "
-                f"{sizing.kv_tokens} tokens (whole KV pages); ask for {sizing.kv_tokens}")
-        problems += _memory_problems(o, facts, sizing, device)
-
-    start = o.start or "parallel"  # every engine adapter here sizes KV to a fixed size
+    gpu = _take(plan_gpu(o, facts), problems)
+    mps = _take(plan_mps(o, facts), problems)
+    run = _take(plan_run(o, facts), problems)
+    _take(plan_state_root(facts), problems)
+    ports = _take(plan_ports(o, facts), problems)
+    router = _take(plan_router(o, facts), problems)
+    cpus = _take(plan_cpus(o, facts), problems)
+    kv = _take(plan_kv(o, facts), problems)
+    _take(plan_memory(o, facts, gpu, kv), problems)
     if problems:
         raise LaunchPlanError(problems)
-    if sizing is None:  # no dry run, and nothing said why: never plan without the engine's word
-        raise LaunchPlanError(["the engine's dry run did not run, so the replicas' sizes are "
-                               "unknown; run `omni-dp serve --dry-run` with the engine "
-                               "arguments to see why"])
-
-    engine = ENGINES[o.engine]
-    replicas = []
-    for i in range(o.replicas):
-        cpus = cpu_plan.blocks[i] if cpu_plan.blocks else None
-        threads = len(cpus) if cpus else max(1, len(facts.topology.allowed) // o.replicas)
-        port = o.base_port + i
-        env = {"OMNI_DP_RUN_ID": run_id, "OMNI_DP_REPLICA": str(i),
-               "CUDA_VISIBLE_DEVICES": visible_id(gpu),
-               **{name: str(threads) for name in THREAD_VARIABLES}}
-        if o.mps:
-            env["CUDA_MPS_PIPE_DIRECTORY"] = str(mps_pipe_dir(directory))
-            env["CUDA_MPS_LOG_DIRECTORY"] = str(mps_log_dir(directory))
-        # No knob given: pin the engine's fixed default explicitly, so every replica (and every
-        # restart) is started with the very number the dry run reported.
-        tokens = o.max_total_tokens
-        if o.kv_cache_bytes is None and o.max_total_tokens is None:
-            tokens = sizing.kv_tokens
-        argv = engine.argv(ReplicaLaunch(port, device, threads, o.kv_cache_bytes, tokens,
-                                         log_format=o.log_format), o.engine_args)
-        replicas.append(ReplicaPlan(i, port, cpus, tuple(_pinned(argv, cpus, facts)), env))
-
-    router_url = f"http://{_url_host(o.host)}:{o.router_port}"
-    router_argv = [sys.executable, "-m", "omni_dp", "router", "--host", o.host,
-                   "--port", str(o.router_port), "--policy", o.policy,
-                   "--workers", str(o.router_workers), "--drain-timeout", str(o.drain_timeout),
-                   "--log-format", o.log_format]
+    if kv is None:  # no dry run, and nothing said why: never plan without the engine's word
+        raise LaunchPlanError([NO_DRY_RUN])
+    # Without a problem every part is there: a part is None only with a problem of its own or
+    # one of check_options'.
+    parts = (gpu, mps, run, ports, router, cpus)
+    assert all(part is not None for part in parts), "a part failed without saying why"
+    replicas = plan_replicas(o, facts, run, gpu, ports, cpus, kv)
+    router_argv = [*router.argv]
     for r in replicas:
         router_argv += ["--replica", f"{r.index}={r.url}"]
+    start = o.start or "parallel"  # every engine adapter here sizes KV to a fixed size
     return LaunchPlan(
-        options=o, run_id=run_id, run_dir=directory, device=device, gpu_label=gpu_label,
-        gpu_numa_node=facts.gpu_numa_node, start=start, replicas=tuple(replicas),
-        router_argv=tuple(router_argv), router_url=router_url,
-        expected_kv_tokens=sizing.kv_tokens, sizing=sizing, mps_binary=facts.mps_binary,
-        mps_binaries=facts.mps_binaries,
-        warnings=tuple(warnings), command=facts.command,
+        options=o, run_id=run.run_id, run_dir=run.directory, device=gpu.device,
+        gpu_label=gpu.label, gpu_numa_node=facts.gpu_numa_node, start=start,
+        replicas=replicas, router_argv=tuple(router_argv), router_url=router.url,
+        expected_kv_tokens=kv.sizing.kv_tokens, sizing=kv.sizing, mps_binary=mps.binary,
+        mps_binaries=mps.binaries,
+        warnings=(*gpu.warnings, *_neighbour_warnings(run, gpu, facts), *cpus.warnings),
+        command=facts.command,
     )
 
 
-def _plan_cpus(o: LaunchOptions, facts: LaunchFacts) -> CpuPlan:
-    if o.replicas < 1 or o.cpu_blocks == "none":
-        return CpuPlan()
-    if o.cpu_blocks == "auto":
-        return plan_auto(facts.topology, o.replicas, facts.gpu_numa_node)
-    return plan_explicit(facts.topology, o.replicas, o.cpu_blocks, facts.gpu_numa_node)
+def plan_replicas(o: LaunchOptions, facts: LaunchFacts, run: RunPart, gpu: GpuPart,
+                  ports: tuple[int, ...], cpus: CpuPart, kv: KvPart) -> tuple[ReplicaPlan, ...]:
+    """Each replica's port, CPU block, environment and command line, from complete parts."""
+    engine = ENGINES[o.engine]
+    replicas = []
+    for i, (port, block) in enumerate(zip(ports, cpus.blocks, strict=True)):
+        threads = len(block) if block else max(1, len(facts.topology.allowed) // o.replicas)
+        argv = engine.argv(ReplicaLaunch(port, gpu.device, threads, o.kv_cache_bytes,
+                                         kv.max_total_tokens, log_format=o.log_format),
+                           o.engine_args)
+        replicas.append(ReplicaPlan(i, port, block, tuple(_pinned(argv, block, facts)),
+                                    _replica_env(o, run, gpu, i, threads)))
+    return tuple(replicas)
 
 
-def _memory_problems(o: LaunchOptions, facts: LaunchFacts, sizing: EngineSizing,
-                     device: str) -> list[str]:
-    need = o.replicas * sizing.total_bytes
-    each = (f"{o.replicas} × (weights {format_size(sizing.weights_bytes)} + KV "
-            f"{format_size(sizing.kv_cache_bytes)} + overhead {format_size(sizing.overhead_bytes)})"
-            f" = {format_size(need)}")
-    if device == "cuda" and facts.gpu is not None and facts.gpu.memory_total_bytes:
-        total = facts.gpu.memory_total_bytes
-        used = facts.gpu.memory_used_bytes or 0
-        usable = int(total * (1 - o.memory_headroom)) - used
-        if need > usable:
-            return [f"GPU memory: {each} does not fit: the GPU has {format_size(total)}, "
-                    f"{format_size(used)} already in use, {o.memory_headroom:.0%} kept as "
-                    f"headroom → {format_size(max(usable, 0))} usable; lower the KV size or "
-                    "the replica count"]
-    elif device == "cpu" and need > facts.host_memory_available:
-        return [f"host memory: {each} does not fit in the "
-                f"{format_size(facts.host_memory_available)} available; lower the KV size or "
-                "the replica count"]
-    return []
+def _replica_env(o: LaunchOptions, run: RunPart, gpu: GpuPart, index: int,
+                 threads: int) -> dict[str, str]:
+    env = {RUN_ID_ENV: run.run_id, REPLICA_ENV: str(index),
+           "CUDA_VISIBLE_DEVICES": visible_id(gpu.gpu),
+           **{name: str(threads) for name in THREAD_VARIABLES}}
+    if o.mps:
+        env["CUDA_MPS_PIPE_DIRECTORY"] = str(mps_pipe_dir(run.directory))
+        env["CUDA_MPS_LOG_DIRECTORY"] = str(mps_log_dir(run.directory))
+    return env
+
+
+def _neighbour_warnings(run: RunPart, gpu: GpuPart, facts: LaunchFacts) -> list[str]:
+    """Other runs on the same GPU: stale state to remove, or a live run to share it with."""
+    warnings = []
+    for other in facts.runs:
+        if other.run_id == run.run_id or other.gpu != gpu.label:
+            continue
+        if not other.live:
+            warnings.append(f"stale state of run {other.run_id} (same GPU) is kept at "
+                            f"{other.directory}; `{facts.command} down {other.run_id}` "
+                            "removes it")
+        elif gpu.gpu is not None:
+            warnings.append(f"run {other.run_id} is live on the same GPU; both runs will "
+                            "share it")
+    return warnings
 
 
 def _pinned(argv: list[str], cpus: tuple[int, ...] | None, facts: LaunchFacts) -> list[str]:

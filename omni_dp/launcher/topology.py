@@ -109,11 +109,12 @@ class CpuPlan:
 
 
 def plan_auto(topology: CpuTopology, replicas: int, gpu_node: int | None) -> CpuPlan:
-    """N disjoint blocks of equally many whole cores, the GPU's NUMA node first."""
+    """N ≥ 1 disjoint blocks of equally many whole cores, the GPU's NUMA node first (the plan
+    refuses fewer replicas before it asks for blocks)."""
     plan = CpuPlan()
     cores = sorted(topology.cores,
                    key=lambda core: (core.node != gpu_node, core.node, core.cpus[0]))
-    per_block = len(cores) // replicas if replicas > 0 else 0
+    per_block = len(cores) // replicas
     if per_block == 0:
         plan.problems.append(
             f"{replicas} replicas need {replicas} physical cores for disjoint CPU blocks, but "
@@ -143,39 +144,55 @@ def plan_explicit(topology: CpuTopology, replicas: int, text: str,
             "CPU list per replica, separated by spaces (e.g. \"0-3 4-7\")"
         )
         return plan
-    owner: dict[int, int] = {}
+    owner: dict[int, int] = {}  # CPU → the first block that holds it
     for i, spec in enumerate(specs):
-        try:
-            block = parse_cpu_list(spec)
-        except ValueError as exc:
-            plan.problems.append(f"block {i}: {exc}")
-            continue
-        outside = [cpu for cpu in block if cpu not in topology.allowed]
-        if outside:
-            plan.problems.append(
-                f"block {i} ({spec}) uses CPU(s) {format_cpu_list(outside)} that this process "
-                f"may not run on (allowed: {format_cpu_list(topology.allowed)})"
-            )
-        for cpu in block:
-            if cpu in owner:
-                plan.problems.append(f"CPU {cpu} is in block {owner[cpu]} and block {i}: "
-                                     "blocks must not overlap")
-            owner.setdefault(cpu, i)
-        plan.blocks.append(tuple(block))
-    for core in topology.cores:
-        holders = {owner[cpu] for cpu in core.cpus if cpu in owner}
-        if len(holders) > 1:
-            plan.problems.append(
-                f"SMT siblings {format_cpu_list(core.cpus)} share one physical core but are "
-                f"split between blocks {', '.join(map(str, sorted(holders)))}; keep them in one "
-                "block"
-            )
+        block = _explicit_block(topology, i, spec, owner, plan.problems)
+        if block is not None:
+            plan.blocks.append(block)
+    plan.problems += _split_cores(topology, owner)
     for i, block in enumerate(plan.blocks):
         chunk = [core for core in topology.cores if set(core.cpus) & set(block)]
         _warn_numa(plan, i, chunk, gpu_node)
     if plan.problems:
         plan.blocks = []
     return plan
+
+
+def _explicit_block(topology: CpuTopology, index: int, spec: str, owner: dict[int, int],
+                    problems: list[str]) -> tuple[int, ...] | None:
+    """Block `index` as given (None if it is no CPU list); its CPUs join `owner`, and what is
+    wrong with it (CPUs not allowed, or in an earlier block) joins `problems`."""
+    try:
+        block = parse_cpu_list(spec)
+    except ValueError as exc:
+        problems.append(f"block {index}: {exc}")
+        return None
+    outside = [cpu for cpu in block if cpu not in topology.allowed]
+    if outside:
+        problems.append(
+            f"block {index} ({spec}) uses CPU(s) {format_cpu_list(outside)} that this process "
+            f"may not run on (allowed: {format_cpu_list(topology.allowed)})"
+        )
+    for cpu in block:
+        if cpu in owner:
+            problems.append(f"CPU {cpu} is in block {owner[cpu]} and block {index}: "
+                            "blocks must not overlap")
+        owner.setdefault(cpu, index)
+    return tuple(block)
+
+
+def _split_cores(topology: CpuTopology, owner: dict[int, int]) -> list[str]:
+    """SMT siblings must stay in one block: they share one core's execution units."""
+    problems = []
+    for core in topology.cores:
+        holders = {owner[cpu] for cpu in core.cpus if cpu in owner}
+        if len(holders) > 1:
+            problems.append(
+                f"SMT siblings {format_cpu_list(core.cpus)} share one physical core but are "
+                f"split between blocks {', '.join(map(str, sorted(holders)))}; keep them in one "
+                "block"
+            )
+    return problems
 
 
 def _warn_numa(plan: CpuPlan, index: int, cores, gpu_node: int | None) -> None:

@@ -10,18 +10,16 @@ GPU, so "one attached process per replica" is not enough. PASS needs all of:
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from omni_dp.contract import REPLICA_ENV, TOKEN_ENV
 from omni_dp.files import atomic_write
 from omni_dp.mps.control import MpsControl, MpsControlError
 from omni_dp.procs import read_environ
 
-TOKEN_ENV = "OMNI_DP_RUN_TOKEN"
-REPLICA_ENV = "OMNI_DP_REPLICA"
 TEXT_ARTIFACT = "mps_attach.txt"
 JSON_ARTIFACT = "mps_attach.json"
 
@@ -96,60 +94,68 @@ def verify_attachment(
     gpu_pids: GpuPids | None = None,
     environ: Callable[[int], dict[str, str] | None] = read_environ,
 ) -> AttachReport:
-    problems: list[str] = []
     try:
         servers = control.server_list()
         clients_of = {server: control.client_list(server) for server in servers}
     except MpsControlError as exc:
-        return AttachReport(False, [], [], [ReplicaVerdict(r.index, False, [],
-                            ["not checked: the daemon gave no answer"]) for r in replicas],
-                            [f"MPS control query failed: {exc}"], "not checked")
-    if len(servers) != 1:
-        problems.append(
-            f"expected exactly one MPS server, found {len(servers)}"
-            + ("" if servers else ": no replica process ever reached the daemon")
-        )
-
+        return _unanswered(replicas, exc)
+    problems = _server_count_problems(servers)
     declared = {p.pid: (r.index, p) for r in replicas for p in r.processes}
-    matches = []
-    for server, pids in clients_of.items():
-        for pid in pids:
-            matches.append(_match(server, pid, run_token, declared, environ))
-    unmatched = [m for m in matches if m.replica is None]
-    if unmatched:
-        problems.append(
-            f"{len(unmatched)} MPS client(s) belong to no replica of this run: "
-            + ", ".join(f"{m.pid} ({m.why})" for m in unmatched)
-        )
+    matches = [_match(server, pid, run_token, declared, environ)
+               for server, pids in clients_of.items() for pid in pids]
+    problems += _unmatched_problems(matches)
 
     nvml_pids, nvml_why = gpu_pids() if gpu_pids else (None, "NVML cross-check not requested")
-    only_server = servers[0] if len(servers) == 1 else None
-    attached_pids = set(clients_of.get(only_server, [])) if only_server is not None else set()
-    verdicts = []
-    for replica in replicas:
-        verdict = ReplicaVerdict(replica.index, True)
-        for process in replica.processes:
-            is_client = process.pid in attached_pids
-            if is_client:
-                verdict.attached.append(process.pid)
-            elif process.uses_cuda:
-                verdict.problems.append(
-                    f"{process.role} (pid {process.pid}, {process.device}) is not a client of "
-                    "the run's MPS server: it would time-slice the GPU"
-                )
-            if nvml_pids is not None and process.pid in nvml_pids and not is_client:
-                verdict.problems.append(
-                    f"{process.role} (pid {process.pid}) uses the GPU (NVML) without being an "
-                    "MPS client"
-                )
-        if not any(p.uses_cuda for p in replica.processes):
-            verdict.problems.append("declares no CUDA process: nothing to prove")
-        verdict.passed = not verdict.problems
-        verdicts.append(verdict)
-
+    attached_pids = set(clients_of[servers[0]]) if len(servers) == 1 else set()
+    verdicts = [_verdict(replica, attached_pids, nvml_pids) for replica in replicas]
     passed = not problems and all(v.passed for v in verdicts)
     nvml = "checked" if nvml_pids is not None else f"not checked: {nvml_why}"
     return AttachReport(passed, servers, matches, verdicts, problems, nvml)
+
+
+def _unanswered(replicas: list[ReplicaProcesses], exc: MpsControlError) -> AttachReport:
+    return AttachReport(False, [], [], [ReplicaVerdict(r.index, False, [],
+                        ["not checked: the daemon gave no answer"]) for r in replicas],
+                        [f"MPS control query failed: {exc}"], "not checked")
+
+
+def _server_count_problems(servers: list[int]) -> list[str]:
+    if len(servers) == 1:
+        return []
+    return [f"expected exactly one MPS server, found {len(servers)}"
+            + ("" if servers else ": no replica process ever reached the daemon")]
+
+
+def _unmatched_problems(matches: list[ClientMatch]) -> list[str]:
+    unmatched = [m for m in matches if m.replica is None]
+    if not unmatched:
+        return []
+    return [f"{len(unmatched)} MPS client(s) belong to no replica of this run: "
+            + ", ".join(f"{m.pid} ({m.why})" for m in unmatched)]
+
+
+def _verdict(replica: ReplicaProcesses, attached_pids: set[int],
+             nvml_pids: set[int] | None) -> ReplicaVerdict:
+    """One replica: every CUDA process a client of the one server, none on the GPU outside."""
+    verdict = ReplicaVerdict(replica.index, True)
+    for process in replica.processes:
+        is_client = process.pid in attached_pids
+        if is_client:
+            verdict.attached.append(process.pid)
+        elif process.uses_cuda:
+            verdict.problems.append(
+                f"{process.role} (pid {process.pid}, {process.device}) is not a client of the "
+                "run's MPS server: it would time-slice the GPU"
+            )
+        if nvml_pids is not None and process.pid in nvml_pids and not is_client:
+            verdict.problems.append(
+                f"{process.role} (pid {process.pid}) uses the GPU (NVML) without being an MPS "
+                "client"
+            )
+    if not any(p.uses_cuda for p in replica.processes):
+        verdict.problems.append("declares no CUDA process: nothing to prove")
+    verdict.passed = not verdict.problems
+    return verdict
 
 
 def _match(server, pid, run_token, declared, environ) -> ClientMatch:
@@ -167,30 +173,6 @@ def _match(server, pid, run_token, declared, environ) -> ClientMatch:
                            f"claims replica {index} but replica {declared[pid][0]} declared it")
     role = declared[pid][1].role if pid in declared else "undeclared"
     return ClientMatch(server, pid, index, role, "run token")
-
-
-def nvml_gpu_pids(gpu: str, nvml=None) -> tuple[set[int] | None, str | None]:
-    """PIDs NVML sees on the GPU (compute and MPS lists), or (None, why NVML cannot say)."""
-    if nvml is None:
-        try:
-            import pynvml as nvml
-        except ImportError:
-            return None, "pynvml is not installed"
-    try:
-        nvml.nvmlInit()
-    except nvml.NVMLError as exc:
-        return None, f"NVML unavailable ({exc})"
-    try:
-        handle = (nvml.nvmlDeviceGetHandleByUUID(gpu) if gpu.startswith(("GPU-", "MIG-"))
-                  else nvml.nvmlDeviceGetHandleByIndex(int(gpu)))
-        pids = {p.pid for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)}
-        with contextlib.suppress(nvml.NVMLError):  # older drivers: the compute list alone
-            pids |= {p.pid for p in nvml.nvmlDeviceGetMPSComputeRunningProcesses(handle)}
-        return pids, None
-    except (nvml.NVMLError, ValueError) as exc:
-        return None, f"NVML could not list GPU processes ({exc})"
-    finally:
-        nvml.nvmlShutdown()
 
 
 def format_text(report: AttachReport) -> str:

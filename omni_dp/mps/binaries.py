@@ -11,12 +11,12 @@ Nothing here starts the daemon; the control binary is only read, never run.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from omni_dp.gpus import nvml_driver_version
 from omni_dp.mps.control import BINARY_ENV, BINARY_NAME, BinaryNotFound
 
 SERVER_NAME = "nvidia-cuda-mps-server"
@@ -106,28 +106,13 @@ def control_version(path: str) -> str | None:
 
 def driver_version() -> str | None:
     """The loaded driver's release: NVML's word, else the kernel module's (/proc); None where
-    there is no driver. pynvml is imported here only, so importing this module stays cheap."""
-    version = None
-    try:
-        import pynvml
-    except ImportError:
-        pynvml = None
-    if pynvml is not None:
-        try:
-            pynvml.nvmlInit()
-        except pynvml.NVMLError:
-            pass  # no driver (NVMLError_LibraryNotFound) or a broken one: /proc may still say
-        else:
-            try:
-                raw = pynvml.nvmlSystemGetDriverVersion()
-                version = raw.decode() if isinstance(raw, bytes) else str(raw)
-            except pynvml.NVMLError:
-                pass
-            finally:
-                with contextlib.suppress(pynvml.NVMLError):
-                    pynvml.nvmlShutdown()
-    if version:
-        return version
+    there is no driver. For a launch that asked NVML already, the version it read with the GPU
+    is used instead (omni_dp.mps.preflight.check_preflight)."""
+    return nvml_driver_version() or kernel_driver_version()
+
+
+def kernel_driver_version() -> str | None:
+    """The release of the loaded kernel module, from /proc; None where it is not loaded."""
     try:
         with open(PROC_VERSION) as proc:
             match = _PROC_VERSION_LINE.search(proc.read())

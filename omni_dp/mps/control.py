@@ -13,6 +13,8 @@ import re
 import subprocess
 from dataclasses import dataclass
 
+from omni_dp.contract import RUN_IDENTITY_ENVS
+
 BINARY_NAME = "nvidia-cuda-mps-control"
 BINARY_ENV = "OMNI_DP_MPS_CONTROL"
 PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
@@ -20,6 +22,9 @@ LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
 # Inherited limits that would silently apply to the run's daemon; set through the protocol
 # instead, and only when asked for.
 LIMIT_ENVS = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
+
+SOCKET_NAME = "control"  # the daemon's socket, inside the pipe directory
+MAX_SOCKET_PATH_BYTES = 107  # sizeof(sun_path) - 1 on Linux
 
 _REJECTIONS = (
     re.compile(r"^Unknown command"),
@@ -56,9 +61,6 @@ class MalformedOutput(MpsControlError):
     pass
 
 
-RUN_IDENTITY_ENVS = ("OMNI_DP_RUN_TOKEN", "OMNI_DP_REPLICA", "OMNI_DP_RUN_ID")
-
-
 def parse_pid_list(text: str) -> list[int]:
     """PIDs, one per line; an empty reply is an empty list; any other line is an error."""
     pids = []
@@ -86,6 +88,32 @@ def parse_mem_limit(text: str) -> int:
         raise MalformedOutput(f"expected a memory limit like 512M or 2G, got {text.strip()!r}")
     unit = {"": 1, "M": 1024**2, "G": 1024**3}[match.group(2)]
     return int(match.group(1)) * unit
+
+
+def socket_path_problems(pipe_dir: str) -> list[str]:
+    """Why the daemon could not listen on `<pipe_dir>/control` (none: it can).
+
+    The path must fit AF_UNIX sun_path (≤ 107 bytes): a longer one lets the daemon start but
+    not bind, and every later command then only says "Cannot find MPS control daemon process".
+    The pipe directory must also be absolute: the daemon and every client must name exactly the
+    same directory.
+    """
+    problems = []
+    if not os.path.isabs(pipe_dir):
+        problems.append(
+            f"MPS pipe directory {pipe_dir!r} is not an absolute path; the daemon and every "
+            "client resolve CUDA_MPS_PIPE_DIRECTORY from their own working directory, so use an "
+            "absolute OMNI_DP_STATE_DIR")
+    socket_path = f"{pipe_dir}/{SOCKET_NAME}"
+    length = len(os.fsencode(socket_path))
+    if length > MAX_SOCKET_PATH_BYTES:
+        over = length - MAX_SOCKET_PATH_BYTES
+        problems.append(
+            f"MPS control socket path {socket_path} is {length} bytes, {over} over the "
+            f"{MAX_SOCKET_PATH_BYTES}-byte limit of a Unix socket path (the daemon would start "
+            "but could not listen); set OMNI_DP_STATE_DIR to a directory at least "
+            f"{over} bytes shorter (e.g. /tmp/omni-dp-$(id -u))")
+    return problems
 
 
 @dataclass(frozen=True)

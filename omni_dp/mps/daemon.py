@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import stat
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -18,16 +17,16 @@ from pathlib import Path
 
 import psutil
 
+from omni_dp.files import PrivateDirError, make_private_dir
 from omni_dp.mps.control import (
     PIPE_ENV,
     DaemonUnreachable,
     MpsControl,
     MpsControlError,
+    socket_path_problems,
 )
 from omni_dp.procs import ProcessIdentity, identify, is_alive, read_environ
 
-SOCKET_NAME = "control"
-MAX_SOCKET_PATH_BYTES = 107  # sizeof(sun_path) - 1 on Linux
 PID_FILE = "nvidia-cuda-mps-control.pid"  # documented; Debian's 535 build writes none
 CONTROL_LOG = "control.log"
 FAULT_LINE = re.compile(r"MpsRpc|cudaErrorMps\w*|exited with status [1-9]\d*|FAULT")
@@ -82,33 +81,6 @@ class DaemonHealth:
                 "servers": self.servers, "faults": self.faults, "error": self.error}
 
 
-def private_dir_problem(path: Path) -> str | None:
-    """Why an existing directory cannot be the run's private pipe/log dir (None if it can)."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    if stat.S_ISLNK(info.st_mode):
-        return f"{path} is a symlink; the MPS directories must be real, private directories"
-    if not stat.S_ISDIR(info.st_mode):
-        return f"{path} exists and is not a directory"
-    if info.st_uid != os.getuid():
-        return f"{path} belongs to uid {info.st_uid}, not to you (uid {os.getuid()})"
-    if info.st_mode & 0o077:
-        return (f"{path} has mode {stat.S_IMODE(info.st_mode):o}; it must not be group- or "
-                "world-accessible (0700)")
-    return None
-
-
-def make_private_dir(path: Path) -> None:
-    problem = private_dir_problem(path)
-    if problem:
-        raise MpsDaemonError(problem)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.mkdir(mode=0o700, exist_ok=True)
-    os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
-
-
 def log_tail(log_dir: str, lines: int = 20) -> str:
     try:
         text = Path(log_dir, CONTROL_LOG).read_text(errors="replace")
@@ -161,13 +133,14 @@ class MpsDaemon:
         ready_timeout_s: float = 10.0,
     ) -> DaemonRecord:
         control = self.control
-        from omni_dp.mps.preflight import check_socket_path  # preflight imports this module
-
-        problems = check_socket_path(control.pipe_dir)
+        problems = socket_path_problems(control.pipe_dir)
         if problems:
-            raise MpsDaemonError("; ".join(p.message for p in problems))
-        for directory in (control.pipe_dir, control.log_dir):
-            make_private_dir(Path(directory))
+            raise MpsDaemonError("; ".join(problems))
+        try:
+            for directory in (control.pipe_dir, control.log_dir):
+                make_private_dir(Path(directory))
+        except PrivateDirError as exc:
+            raise MpsDaemonError(str(exc)) from None
         if self.answers():
             raise MpsDaemonError(
                 f"an MPS control daemon already answers on {control.pipe_dir}; omni-dp never "
