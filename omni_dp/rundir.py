@@ -1,4 +1,5 @@
-"""Where runs live, named once (docs/contracts.md "Run state"); the launcher writes, mps reads.
+"""Where runs live, named once (docs/contracts.md "Run state"); the launcher writes them,
+omni_dp/runfile.py reads them (for the launcher, `status` and `verify-mps` alike).
 
     $OMNI_DP_STATE_DIR (default ${XDG_RUNTIME_DIR:-/tmp}/omni-dp-<uid>)/runs/<run-id>/
         run.json  run_token  events.jsonl  logs/  mps/pipe  mps/log

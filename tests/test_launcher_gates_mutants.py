@@ -31,6 +31,7 @@ from test_launcher_mps import (
 from omni_dp.cli import cli
 from omni_dp.launcher.state import RunState
 from omni_dp.procs import identify
+from omni_dp.runfile import ReplicaState, RunPhase
 
 # --- 1. the KV gate of a restart --------------------------------------------------------------
 
@@ -208,10 +209,13 @@ def test_down_names_a_replica_that_survives_every_signal(tmp_path, monkeypatch):
                                 start_new_session=True)
     try:
         state = RunState.create(_unit_plan(tmp_path))
-        state.update(launcher=None, state="running")  # no process in charge: down does it all
+        state.update(launcher=None)  # no process in charge: down does it all
         identity = identify(survivor.pid)
         assert identity is not None
-        state.update_replica(0, **identity.to_json(), pgid=survivor.pid, state="healthy")
+        state.update_replica(0, identity=identity, pgid=survivor.pid,
+                             state=ReplicaState.STARTING)
+        state.update_replica(0, state=ReplicaState.HEALTHY)
+        state.set_phase(RunPhase.RUNNING)
 
         dropped: list[tuple[str, int, int]] = []
         real_kill, real_killpg = os.kill, os.killpg
@@ -248,7 +252,7 @@ def test_down_names_a_replica_that_survives_every_signal(tmp_path, monkeypatch):
         assert took < 60, took
 
         kept = RunState.load(state.directory)
-        assert kept.data["state"] == "stopping"
+        assert kept.record.state == "stopping"
         finished = [e for e in kept.events() if e["event"] == "teardown_finished"]
         assert finished and finished[-1]["leftovers"] == [line], finished
     finally:

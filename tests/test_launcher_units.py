@@ -14,16 +14,18 @@ import time
 
 import pytest
 
+from omni_dp.contract import TOKEN_ENV
 from omni_dp.launcher.engines import EngineSizing
 from omni_dp.launcher.facts import LaunchFacts
 from omni_dp.launcher.gates import kv_problems
 from omni_dp.launcher.options import LaunchOptions
 from omni_dp.launcher.plan import plan_launch
-from omni_dp.launcher.processes import TOKEN_ENV, child_env
-from omni_dp.launcher.state import RunState, StateError
-from omni_dp.launcher.supervisor import DeathWatch
+from omni_dp.launcher.processes import child_env
+from omni_dp.launcher.state import RunState
 from omni_dp.launcher.topology import Core, CpuTopology
+from omni_dp.mps.attach import DeclaredProcess
 from omni_dp.procs import identify
+from omni_dp.runfile import RunFileError
 
 
 def _plan(tmp_path, **options):
@@ -50,7 +52,7 @@ def test_run_state_is_private_and_written_atomically(tmp_path) -> None:
     state.update_replica(1, kv_tokens=1024)
     state.event("kv_checked", ok=True)
     again = RunState.load(state.directory)
-    assert again.replica(1)["kv_tokens"] == 1024 and again.token == state.token
+    assert again.replica(1).kv_tokens == 1024 and again.token == state.token
     assert [e["event"] for e in again.events()] == ["kv_checked"]
     assert not [p for p in state.directory.iterdir() if p.name.startswith(".")]  # no temp files
     with pytest.raises(FileExistsError):  # a run directory is never reused
@@ -58,19 +60,20 @@ def test_run_state_is_private_and_written_atomically(tmp_path) -> None:
 
 
 def test_run_state_is_readable_by_verify_mps(tmp_path) -> None:
-    from omni_dp.mps.runs import load_run
+    from omni_dp.mps.runs import pick_run
 
     state = RunState.create(_plan(tmp_path))
-    state.update_replica(0, processes=[{"pid": 123, "role": "main", "device": "cuda:0"}])
-    run = load_run(state.directory)
-    assert run.run_id == "run-test" and run.run_token == state.token
-    assert run.replicas[0].processes[0].pid == 123 and run.replicas[1].processes == ()
+    state.update_replica(0, processes=(DeclaredProcess(123, "main", "cuda:0"),))
+    run = pick_run("run-test", tmp_path / "state")
+    assert run.run_id == "run-test" and run.token == state.token
+    replicas = [r.declared() for r in run.record.replicas]
+    assert replicas[0].processes[0].pid == 123 and replicas[1].processes == ()
 
 
 def test_load_refuses_other_schemas(tmp_path) -> None:
     state = RunState.create(_plan(tmp_path))
     (state.directory / "run.json").write_text(json.dumps({"schema": 99}))
-    with pytest.raises(StateError, match="schema"):
+    with pytest.raises(RunFileError, match="schema"):
         RunState.load(state.directory)
 
 
@@ -119,6 +122,8 @@ def test_kv_gate_names_the_replica_that_differs() -> None:
 
 
 def test_death_watch_wakes_when_a_process_that_is_not_our_child_exits() -> None:
+    from omni_dp.launcher.supervisor import DeathWatch
+
     # A grandchild (its parent exits at once), like a replica of a detached supervisor.
     launcher = subprocess.run(
         [sys.executable, "-c", "import subprocess, sys; p = subprocess.Popen(['sleep', '1']); "
@@ -186,7 +191,7 @@ def test_kv_gate_fails_a_run_whose_replicas_report_different_capacities(tmp_path
     finally:
         for server in servers:
             server.close()
-    assert [r["kv_tokens"] for r in state.replicas] == [1024, 512]
+    assert [r.kv_tokens for r in state.replicas] == [1024, 512]
     [passed, failed] = [e for e in state.events() if e["event"] == "kv_checked"]
     assert passed["ok"] is True and failed["ok"] is False
 

@@ -375,7 +375,7 @@ def test_the_real_daemon_runs_the_recorded_server(tmp_path):
                   body=f'echo "$0 $*" > "{marker}"\nexit 1')
     state = _State(tmp_path / "run")
     start_daemon(state, binary, None, str(server))
-    record = DaemonRecord.from_json(state.data["mps"]["daemon"])
+    record = state.data["mps"]
     try:
         assert record.server_binary == str(server)
         assert state.events[-1][1]["server_binary"] == str(server)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from omni_dp.contract import API_KEY_ENV, RUN_ID_ENV
 from omni_dp.launcher.gates import GateFailed, describe_exit, http_json, log_tail
 from omni_dp.launcher.plan import LaunchPlan
-from omni_dp.launcher.processes import API_KEY_ENV, Started, child_env, spawn
+from omni_dp.launcher.processes import Started, child_env, spawn
 from omni_dp.launcher.replicas import ReplicaSet
 from omni_dp.launcher.state import RunState
 from omni_dp.mps.attach import format_text
@@ -20,6 +21,7 @@ from omni_dp.mps.control import MpsControl, MpsControlError
 from omni_dp.mps.daemon import MpsDaemon, MpsDaemonError
 from omni_dp.procs import is_alive
 from omni_dp.rundir import mps_log_dir, mps_pipe_dir
+from omni_dp.runfile import ReplicaState, RouterRecord, RunPhase
 
 ROUTER_READY_TIMEOUT_S = 30.0
 
@@ -36,29 +38,29 @@ def start_daemon(state: RunState, binary: str, gpu_uuid: str | None,
         record = MpsDaemon(control).start(gpu_uuid=gpu_uuid)
     except (MpsDaemonError, MpsControlError) as exc:
         raise BringUpFailed(f"the MPS daemon did not start: {exc}") from None
-    state.update(mps={"daemon": record.to_json()})
+    state.update(mps=record)
     state.event("mps_daemon_started", pid=record.identity.pid, pipe_dir=record.pipe_dir,
                 binary=record.binary, server_binary=record.server_binary)
 
 
 def start_router(state: RunState) -> Started:
-    router = state.plan["router"]
+    router = state.plan.router
     log = state.logs / "router.log"
-    extra = {"OMNI_DP_RUN_ID": state.run_id}
+    extra = {RUN_ID_ENV: state.run_id}
     if state.api_key is not None:  # by environment: argv is readable by every user
         extra[API_KEY_ENV] = state.api_key
-    started = spawn(router["argv"], child_env(extra, state.token), log)
-    state.update(router={**started.identity.to_json(), "pgid": started.pid,
-                         "url": router["url"], "argv": router["argv"], "log": "router.log"})
+    started = spawn(router.argv, child_env(extra, state.token), log)
+    state.update(router=RouterRecord(started.identity, pgid=started.pid, url=router.url,
+                                     argv=router.argv, log=log.name))
     deadline = time.monotonic() + ROUTER_READY_TIMEOUT_S
     while True:
         code = started.popen.poll()
         if code is not None or not is_alive(started.identity):
             raise BringUpFailed(f"the router {describe_exit(code)} before it was ready; last "
                                 f"lines of {log}:\n{log_tail(log)}")
-        status, _ = http_json("GET", router["url"] + "/ready", timeout=2.0)
+        status, _ = http_json("GET", router.url + "/ready", timeout=2.0)
         if status == 200:
-            state.event("router_ready", pid=started.pid, url=router["url"])
+            state.event("router_ready", pid=started.pid, url=router.url)
             return started
         if time.monotonic() > deadline:
             raise BringUpFailed(f"the router was not ready within {ROUTER_READY_TIMEOUT_S:.0f} s"
@@ -74,7 +76,8 @@ def start_replicas(state: RunState, replicas: ReplicaSet, indices: list[int], *,
         try:
             replicas.wait_healthy(i, timeout_s)
         except GateFailed as exc:
-            state.update_replica(i, state="failed", last_error=str(exc).splitlines()[0])
+            state.update_replica(i, state=ReplicaState.FAILED,
+                                 last_error=str(exc).splitlines()[0])
             raise BringUpFailed(f"replica {i} {exc}") from None
         say(f"replica {i} healthy on {replicas.url(i)}")
 
@@ -93,7 +96,7 @@ def start_replicas(state: RunState, replicas: ReplicaSet, indices: list[int], *,
     except GateFailed as exc:
         raise BringUpFailed(str(exc)) from None
     for i in indices:
-        state.update_replica(i, state="healthy")
+        state.update_replica(i, state=ReplicaState.HEALTHY)
 
 
 def verify_attachment(state: RunState, replicas: ReplicaSet) -> str:
@@ -117,13 +120,13 @@ def bring_up(plan: LaunchPlan, state: RunState, replicas: ReplicaSet,
                      found.server if found else None)
     say(f"starting {len(plan.replicas)} replica(s), {plan.start}")
     start_replicas(state, replicas, [r.index for r in plan.replicas],
-                   sequential=plan.start == "sequential", timeout_s=o.health_timeout, say=say)
+                   sequential=plan.start == "sequential", timeout_s=o.start_timeout, say=say)
     say(f"KV capacity equal: {plan.expected_kv_tokens} tokens on every replica")
     if o.mps:
         verify_attachment(state, replicas)
         say("MPS: every CUDA process of every replica is a client of the run's one server")
     say(f"starting the router on {plan.router_url}")
     router = start_router(state)
-    state.update(state="running")
+    state.set_phase(RunPhase.RUNNING)
     state.event("run_ready")
     return router

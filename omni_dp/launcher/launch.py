@@ -13,18 +13,21 @@ import threading
 import time
 from collections.abc import Callable
 
+from omni_dp.contract import API_KEY_ENV, RUN_ID_ENV, ExitCode
 from omni_dp.launcher.bringup import BringUpFailed, bring_up
 from omni_dp.launcher.gates import GateFailed, describe_exit, log_tail
 from omni_dp.launcher.plan import LaunchPlan
-from omni_dp.launcher.processes import API_KEY_ENV, child_env, spawn
+from omni_dp.launcher.processes import child_env, spawn
 from omni_dp.launcher.replicas import ReplicaSet
-from omni_dp.launcher.state import RunState, StateError, identity_of
+from omni_dp.launcher.state import RunState
 from omni_dp.launcher.status import collect, replica_table
 from omni_dp.launcher.supervisor import Supervisor
 from omni_dp.launcher.teardown import teardown
 from omni_dp.mps.daemon import MpsDaemonError
+from omni_dp.runfile import RunFileError, RunPhase
 
 SUPERVISOR_HANDOFF_S = 30.0  # start, record itself, one sweep (health of every replica)
+INTERRUPTED = 130  # the shell's 128 + SIGINT: interrupted during bring-up, and cleaned up
 
 
 class _Interrupted(Exception):
@@ -61,7 +64,7 @@ def launch(plan: LaunchPlan, say: Callable[[str], None]) -> int:
         why = "interrupted" if interrupted else str(exc)
         say("bring-up interrupted; tearing down" if interrupted else f"bring-up FAILED: {why}")
         if not interrupted:
-            state.update(state="failed")
+            state.set_phase(RunPhase.FAILED)
         state.event("bringup_failed", error=why)
         result = teardown(state, drain_timeout=state.requested_drain(5.0),
                           keep_state=not interrupted, say=say,
@@ -73,7 +76,7 @@ def launch(plan: LaunchPlan, say: Callable[[str], None]) -> int:
                        "some processes could not be stopped (above)")
             say(f"{stopped}; the state is kept for diagnosis in {state.directory} (logs/, "
                 f"events.jsonl); remove it with `{plan.command} down {state.run_id}`")
-        return 130 if interrupted and result.clean else 3
+        return INTERRUPTED if interrupted and result.clean else ExitCode.RUNTIME
 
     say(summary(plan, state))
     if plan.options.detach:
@@ -112,7 +115,7 @@ def _hand_off(state: RunState, reap: list, stop: threading.Event,
     through a first sweep of its loop (its heartbeat). If it dies first, or a signal comes,
     the run is torn down instead: never "detached" with no one watching."""
     log = state.logs / "supervisor.log"
-    extra = {"OMNI_DP_RUN_ID": state.run_id}
+    extra = {RUN_ID_ENV: state.run_id}
     if state.api_key is not None:  # by environment, as to the router: never argv, never disk
         extra[API_KEY_ENV] = state.api_key
     started = spawn([sys.executable, "-m", "omni_dp.launcher.supervisor", str(state.directory)],
@@ -123,10 +126,10 @@ def _hand_off(state: RunState, reap: list, stop: threading.Event,
         code = started.popen.poll()
         if code is not None:
             break
-        record = _current(state).data.get("supervisor") or {}
-        if identity_of(record) == started.identity and record.get("supervising_since"):
+        record = _current(state).record.supervisor
+        if record and record.identity == started.identity and record.supervising_since:
             say(f"detached: supervisor pid {started.pid} is supervising (log {log})")
-            return 0
+            return ExitCode.OK
         time.sleep(0.05)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)  # the teardown below must run to its end
@@ -147,9 +150,9 @@ def _hand_off(state: RunState, reap: list, stop: threading.Event,
     if not interrupted:
         state.event("handoff_failed", supervisor_pid=started.pid, exit=code)
         say(f"the state is kept for diagnosis in {state.directory}; remove it with "
-            f"`{state.plan.get('command') or 'omni-dp'} down {state.run_id}`"
+            f"`{state.plan.command} down {state.run_id}`"
             if state.directory.exists() else "nothing is left of the run")
-    return 130 if interrupted and result.clean else 3
+    return INTERRUPTED if interrupted and result.clean else ExitCode.RUNTIME
 
 
 def _current(state: RunState) -> RunState:
@@ -157,5 +160,5 @@ def _current(state: RunState) -> RunState:
     (a supervisor that tore the run down removes it: the copy still names what to stop)."""
     try:
         return RunState.load(state.directory)
-    except StateError:
+    except RunFileError:
         return state

@@ -11,23 +11,26 @@ from __future__ import annotations
 import os
 import sys
 
+from omni_dp.contract import ExitCode
 from omni_dp.launcher.topology import parse_cpu_list
+
+EXEC_FAILED = 127  # the shell's "command not found / not executable"
 
 
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
         print("usage: python -m omni_dp.launcher.pin CPUS -- PROGRAM [ARGS…]", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     try:
         os.sched_setaffinity(0, parse_cpu_list(argv[0]))
     except (ValueError, OSError) as exc:
         print(f"omni-dp pin: cannot pin to CPUs {argv[0]}: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     try:
         os.execvp(argv[2], argv[2:])
     except OSError as exc:
         print(f"omni-dp pin: cannot run {argv[2]}: {exc}", file=sys.stderr)
-        return 127
+        return EXEC_FAILED
 
 
 if __name__ == "__main__":

@@ -12,24 +12,25 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
+# API_KEY_ENV is also imported from here (by omni_dp/launcher/supervisor.py): it is
+# omni_dp.contract's, not a copy.
+from omni_dp.contract import API_KEY_ENV, RUN_IDENTITY_ENVS, TOKEN_ENV
 from omni_dp.launcher.plan import THREAD_VARIABLES
 from omni_dp.launcher.state import append_private
 from omni_dp.mps.control import LIMIT_ENVS
 from omni_dp.procs import ProcessIdentity, identify, is_alive, read_environ
 
-TOKEN_ENV = "OMNI_DP_RUN_TOKEN"
-API_KEY_ENV = "OMNI_DP_API_KEY"  # the router's key: given to the router and supervisor only
 # Inherited values of these would attach a replica to someone else's run or MPS daemon, or
 # silently cap its share of the GPU (an MPS client's limit variables only ever lower what the
 # daemon gives; one replica capped by a stray export breaks the "equal replicas" premise).
 # What the launch itself sets (the plan's env) is applied after and wins.
-_NOT_INHERITED = ("OMNI_DP_RUN_ID", "OMNI_DP_REPLICA", TOKEN_ENV, API_KEY_ENV,
-                  "CUDA_MPS_PIPE_DIRECTORY",
+_NOT_INHERITED = (*RUN_IDENTITY_ENVS, API_KEY_ENV, "CUDA_MPS_PIPE_DIRECTORY",
                   "CUDA_MPS_LOG_DIRECTORY", "CUDA_VISIBLE_DEVICES", *LIMIT_ENVS,
                   *THREAD_VARIABLES)
 
@@ -44,7 +45,7 @@ class Started:
         return self.identity.pid
 
 
-def child_env(extra: dict[str, str], token: str) -> dict[str, str]:
+def child_env(extra: Mapping[str, str], token: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
     env.update(extra)
     env[TOKEN_ENV] = token
@@ -52,10 +53,10 @@ def child_env(extra: dict[str, str], token: str) -> dict[str, str]:
     return env
 
 
-def spawn(argv: list[str], env: dict[str, str], log_path: Path) -> Started:
+def spawn(argv: Sequence[str], env: dict[str, str], log_path: Path) -> Started:
     """Start argv in a session of its own (pgid = pid), output appended to log_path."""
     with append_private(log_path) as log:
-        popen = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
+        popen = subprocess.Popen(list(argv), env=env, stdin=subprocess.DEVNULL, stdout=log,
                                  stderr=subprocess.STDOUT, start_new_session=True,
                                  close_fds=True)
     identity = identify(popen.pid)

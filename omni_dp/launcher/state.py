@@ -1,7 +1,7 @@
 """A run's state directory: run.json (written atomically at every step), events.jsonl, logs/.
 
     <state dir>/runs/<run-id>/      mode 0700
-      run.json      schema 1 (below); the fields omni_dp.mps.runs reads keep their meaning
+      run.json      schema 1: omni_dp/runfile.py types it (RunRecord) and reads it
       run_token     the run's secret, mode 0600; also in every child's environment
       events.jsonl  one JSON object per line: {"ts", "event", ...}
       stop_request.json  {"drain_timeout", "by_pid", "ts"}: written by `omni-dp down` before it
@@ -14,7 +14,7 @@ run.json:
      "launcher": {"pid", "create_time"},  # the `omni-dp launch` process
      "supervisor": {"pid", "create_time", "detached",
                     "supervising_since"} | null,  # set once its loop has run a first sweep
-     "router": {"pid", "create_time", "pgid", "port", "url", "argv", "log"} | null,
+     "router": {"pid", "create_time", "pgid", "url", "argv", "log"} | null,
      "mps": {"daemon": {"pid", "create_time", "binary", "pipe_dir", "log_dir", "gpu_uuid",
                         "server_binary"}} | null,
      "replicas": [{"index", "port", "url", "cpus", "argv", "env", "log",
@@ -36,21 +36,25 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
-from omni_dp.files import atomic_write
+from omni_dp.files import atomic_write, make_private_dir
 from omni_dp.launcher.plan import LaunchPlan
 from omni_dp.launcher.topology import format_cpu_list
-from omni_dp.mps.daemon import make_private_dir
-from omni_dp.procs import ProcessIdentity, identify
+from omni_dp.procs import identify
 from omni_dp.rundir import RUN_FILE, TOKEN_FILE, logs_dir
+from omni_dp.runfile import (
+    PlanRecord,
+    ReplicaRecord,
+    ReplicaState,  # noqa: F401 - re-exported beside RunPhase, for update_replica(state=...)
+    RunPhase,
+    RunRecord,
+    SupervisionSettings,
+    read_run,
+)
 
-SCHEMA = 1
 EVENTS_FILE = "events.jsonl"
 STOP_FILE = "stop_request.json"
-
-
-class StateError(Exception):
-    """The run directory cannot be read or written; the message names it."""
 
 
 def append_private(path: Path):
@@ -58,19 +62,13 @@ def append_private(path: Path):
     return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
 
 
-def identity_of(record: dict | None) -> ProcessIdentity | None:
-    """The process identity stored in a run.json record, if it has one."""
-    if not record or record.get("pid") is None or record.get("create_time") is None:
-        return None
-    return ProcessIdentity(int(record["pid"]), float(record["create_time"]))
-
-
 class RunState:
-    """One run's directory. Thread-safe: the supervisor's threads share one instance."""
+    """One run's directory and its record. Thread-safe: the supervisor's threads share one
+    instance; every change replaces the frozen record and rewrites run.json."""
 
-    def __init__(self, directory: Path, data: dict, token: str) -> None:
+    def __init__(self, directory: Path, record: RunRecord, token: str) -> None:
         self.directory = directory
-        self.data = data
+        self._record = record
         self.token = token
         # The router's API key, in memory only: from the launch options, or (in the detached
         # supervisor) its environment. Never in run.json.
@@ -88,62 +86,50 @@ class RunState:
         logs_dir(plan.run_dir).mkdir(mode=0o700)
         token = secrets.token_hex(16)
         atomic_write(plan.run_dir / TOKEN_FILE, token + "\n")
-        data = {
-            "schema": SCHEMA,
-            "run_id": plan.run_id,
-            "created_at": time.time(),
-            "state": "starting",
-            "gpu": plan.gpu_label,
-            "device": plan.device,
-            "plan": plan.to_json(),
-            "launcher": identify(os.getpid()).to_json(),  # `omni-dp launch`, until it hands off
-            "supervisor": None,
-            "router": None,
-            "mps": None,
-            "replicas": [
-                {"index": r.index, "port": r.port, "url": r.url,
-                 "cpus": format_cpu_list(r.cpus) if r.cpus else None,
-                 "argv": list(r.argv), "env": r.env, "log": r.log_name,
-                 "pid": None, "create_time": None, "pgid": None, "processes": [],
-                 "state": "planned", "kv_tokens": None, "mps_attached": None,
-                 "restarts": [], "last_error": None}
-                for r in plan.replicas
-            ],
-        }
-        state = cls(plan.run_dir, data, token)
+        record = RunRecord(
+            run_id=plan.run_id, created_at=time.time(), state=RunPhase.STARTING,
+            gpu=plan.gpu_label, device=plan.device, plan=PlanRecord.from_json(plan.to_json()),
+            launcher=identify(os.getpid()),  # `omni-dp launch`, until it hands off
+            replicas=tuple(
+                ReplicaRecord(index=r.index, port=r.port, url=r.url,
+                              cpus=format_cpu_list(r.cpus) if r.cpus else None,
+                              argv=tuple(r.argv), env=dict(r.env), log=r.log_name)
+                for r in plan.replicas),
+        )
+        state = cls(plan.run_dir, record, token)
         state.save()
         return state
 
     @classmethod
     def load(cls, directory: Path) -> RunState:
-        try:
-            data = json.loads((directory / RUN_FILE).read_text())
-            token = (directory / TOKEN_FILE).read_text().strip()
-        except FileNotFoundError as exc:
-            raise StateError(f"{exc.filename} is missing: is {directory} a run directory?") \
-                from None
-        except (OSError, ValueError) as exc:
-            raise StateError(f"cannot read the state of {directory}: {exc}") from None
-        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-            raise StateError(f"{directory / RUN_FILE} is not a schema-{SCHEMA} run file")
-        return cls(directory, data, token)
+        """RunFileError (omni_dp.runfile) when the directory is not a readable run."""
+        record, token = read_run(directory)
+        return cls(directory, record, token)
 
     # --- reading --------------------------------------------------------------------------
 
     @property
+    def record(self) -> RunRecord:
+        return self._record
+
+    @property
     def run_id(self) -> str:
-        return self.data["run_id"]
+        return self._record.run_id
 
     @property
-    def replicas(self) -> list[dict]:
-        return self.data["replicas"]
+    def replicas(self) -> tuple[ReplicaRecord, ...]:
+        return self._record.replicas
 
-    def replica(self, index: int) -> dict:
-        return self.data["replicas"][index]
+    def replica(self, index: int) -> ReplicaRecord:
+        return self._record.replicas[index]
 
     @property
-    def plan(self) -> dict:
-        return self.data["plan"]
+    def plan(self) -> PlanRecord:
+        return self._record.plan
+
+    @property
+    def supervision(self) -> SupervisionSettings:
+        return self._record.plan.supervision
 
     @property
     def logs(self) -> Path:
@@ -161,16 +147,28 @@ class RunState:
         with self._lock:
             if self.removed:
                 return  # never recreate a removed run directory
-            atomic_write(self.directory / RUN_FILE, json.dumps(self.data, indent=1) + "\n")
+            atomic_write(self.directory / RUN_FILE,
+                         json.dumps(self._record.to_json(), indent=1) + "\n")
 
-    def update(self, **fields) -> None:
+    def update(self, **fields: Any) -> None:
+        """Replace top-level records (router, mps, supervisor, launcher), typed: a
+        RouterRecord, a DaemonRecord, …; the run's phase goes through set_phase."""
+        assert "state" not in fields, "set_phase() changes the run's phase"
         with self._lock:
-            self.data.update(fields)
+            self._record = self._record.with_records(**fields)
             self.save()
 
-    def update_replica(self, index: int, **fields) -> None:
+    def set_phase(self, phase: RunPhase) -> None:
         with self._lock:
-            self.data["replicas"][index].update(fields)
+            if phase is not self._record.state:
+                self._record = self._record.with_phase(phase)
+                self.save()
+
+    def update_replica(self, index: int, **fields: Any) -> None:
+        """Change one replica's fields, typed (state=ReplicaState.HEALTHY); a `state` change
+        is checked against the lifecycle."""
+        with self._lock:
+            self._record = self._record.with_replica(index, **fields)
             self.save()
 
     def event(self, name: str, **fields) -> None:

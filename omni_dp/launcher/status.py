@@ -7,109 +7,96 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omni_dp.launcher.facts import any_recorded_alive, invoked_as
+from omni_dp import runfile
+from omni_dp.launcher.facts import invoked_as
 from omni_dp.launcher.gates import http_json
-from omni_dp.launcher.state import RunState, StateError, identity_of
+from omni_dp.launcher.state import RunState
 from omni_dp.procs import is_alive
-from omni_dp.rundir import run_dir, runs_dir, state_dir
+from omni_dp.rundir import runs_dir, state_dir
+from omni_dp.runfile import ReplicaState, RunFileError, RunPhase, find_run_dir, stored_runs
 
 
-class NoSuchRun(Exception):
-    """No run matches; the message lists what exists."""
+class NoSuchRun(RunFileError):
+    """No run matches, or the one named cannot be read; the message lists what exists."""
 
 
 def run_dirs(root: Path | None = None) -> list[Path]:
-    runs = runs_dir(root or state_dir())
-    return sorted(p for p in runs.iterdir() if p.is_dir()) if runs.is_dir() else []
+    return runfile.run_dirs(root)
 
 
 def pick(run_id: str | None, command: str) -> RunState:
-    """The named run, or the only live one (the only one at all, if none is live)."""
-    from omni_dp.rundir import RUN_ID
-
-    dirs = run_dirs()
-    if run_id is not None:
-        if not RUN_ID.match(run_id):
-            raise NoSuchRun(f"{run_id!r} is not a run id")
-        directory = run_dir(state_dir(), run_id)
-        if not directory.is_dir():
-            known = ", ".join(d.name for d in dirs) or "none"
-            raise NoSuchRun(f"no run {run_id!r} under {state_dir() / 'runs'} (runs: {known})")
-        return RunState.load(directory)
-    states = []
-    for directory in dirs:
-        try:
-            states.append(RunState.load(directory))
-        except StateError:
-            continue
-    live = [s for s in states if run_is_live(s)]
-    candidates = live or states
-    if len(candidates) == 1:
-        return candidates[0]
-    if not candidates:
-        raise NoSuchRun(f"no runs under {state_dir() / 'runs'}")
-    names = ", ".join(s.run_id for s in candidates)
-    raise NoSuchRun(f"{len(candidates)} runs ({names}): name one, e.g. {invoked_as()} "
-                    f"{command} {candidates[0].run_id}")
+    """The named run, or the only live one (the only readable one at all, if none is live)."""
+    try:
+        if run_id is not None:
+            return RunState.load(find_run_dir(run_id))
+        readable = [run for run in stored_runs() if run.record is not None]
+        live = [run for run in readable if run.live]
+        chosen = runfile.pick_run(live or readable, what="run",
+                                  none=f"no runs under {runs_dir(state_dir())}",
+                                  example=f"{invoked_as()} {command}")
+    except RunFileError as exc:
+        raise NoSuchRun(str(exc)) from None
+    assert chosen.record is not None and chosen.token is not None
+    return RunState(chosen.directory, chosen.record, chosen.token)
 
 
 def run_is_live(state: RunState) -> bool:
-    return any_recorded_alive(state.data)
+    return runfile.run_is_live(state.record)
 
 
 def collect(state: RunState, *, probe: bool = True) -> dict:
-    data = state.data
-    supervisor = identity_of(data.get("supervisor"))
-    router = data.get("router")
-    router_identity = identity_of(router)
+    """`omni-dp status --json` of this run: its record, every recorded process re-checked."""
+    record = state.record
+    supervisor = record.supervisor
+    supervisor_alive = supervisor is not None and is_alive(supervisor.identity)
+    router = record.router
     router_ready = None
-    if router and probe and router_identity and is_alive(router_identity):
-        router_ready = http_json("GET", router["url"] + "/ready", timeout=2.0)[0] == 200
-    mps = data.get("mps")
+    if router and probe and is_alive(router.identity):
+        router_ready = http_json("GET", router.url + "/ready", timeout=2.0)[0] == 200
     replicas = []
-    for r in state.replicas:
-        identity = identity_of(r)
-        alive = identity is not None and is_alive(identity)
+    for r in record.replicas:
+        alive = r.identity is not None and is_alive(r.identity)
         health = "down"
         if alive:
-            health = "starting" if r["state"] == "starting" else "unknown"
+            health = "starting" if r.state is ReplicaState.STARTING else "unknown"
             if probe:
-                status, _ = http_json("GET", r["url"] + "/health", timeout=2.0)
+                status, _ = http_json("GET", r.url + "/health", timeout=2.0)
                 health = "healthy" if status == 200 else f"unhealthy ({status or 'no answer'})"
         replicas.append({
-            "index": r["index"], "pid": r["pid"], "alive": alive, "port": r["port"],
-            "cpus": r["cpus"], "state": r["state"], "health": health,
-            "kv_tokens": r["kv_tokens"], "mps_attached": r["mps_attached"],
-            "restarts": len(r["restarts"]), "last_error": r["last_error"],
+            "index": r.index, "pid": r.pid, "alive": alive, "port": r.port,
+            "cpus": r.cpus, "state": r.state.value, "health": health,
+            "kv_tokens": r.kv_tokens, "mps_attached": r.mps_attached,
+            "restarts": len(r.restarts), "last_error": r.last_error,
         })
-    live = run_is_live(state)
-    run_state = data["state"]
-    launcher = identity_of(data.get("launcher"))
-    owned = any(p is not None and is_alive(p) for p in (supervisor, launcher))
-    if not live and run_state != "failed":
+    live = runfile.run_is_live(record)
+    launcher_alive = record.launcher is not None and is_alive(record.launcher)
+    # Derived here, never stored: what the recorded phase means given who is still running.
+    run_state = record.state.value
+    if not live and record.state is not RunPhase.FAILED:
         run_state = "stopped"
-    elif live and run_state == "starting" and not owned:
+    elif live and record.state is RunPhase.STARTING and not (supervisor_alive
+                                                            or launcher_alive):
         run_state = "abandoned"  # its launch died during bring-up: no one will finish it
-    elif live and run_state in ("running", "degraded") and not (supervisor
-                                                                 and is_alive(supervisor)):
+    elif live and record.state in (RunPhase.RUNNING, RunPhase.DEGRADED) \
+            and not supervisor_alive:
         run_state = "unsupervised"  # its supervisor died: `omni-dp down` still cleans it
     attached = None
-    if mps:
-        flags = [r["mps_attached"] for r in replicas]
+    if record.mps:
+        flags = [r.mps_attached for r in record.replicas]
         attached = None if any(f is None for f in flags) else all(flags)
     return {
         "run_id": state.run_id,
         "state": run_state,
         "directory": str(state.directory),
-        "gpu": data["gpu"],
-        "supervisor": {"pid": supervisor.pid if supervisor else None,
-                       "alive": bool(supervisor and is_alive(supervisor)),
-                       "detached": (data.get("supervisor") or {}).get("detached")},
-        "router": {"pid": router_identity.pid if router_identity else None,
-                   "url": data["plan"]["router"]["url"], "ready": router_ready},
-        "mps": {"daemon_pid": mps["daemon"]["pid"],
-                "daemon_alive": is_alive(identity_of(mps["daemon"])),
-                "attached": attached} if mps else None,
+        "gpu": record.gpu,
+        "supervisor": {"pid": supervisor.identity.pid if supervisor else None,
+                       "alive": supervisor_alive,
+                       "detached": supervisor.detached if supervisor else None},
+        "router": {"pid": router.identity.pid if router else None,
+                   "url": record.plan.router.url, "ready": router_ready},
+        "mps": {"daemon_pid": record.mps.identity.pid,
+                "daemon_alive": is_alive(record.mps.identity),
+                "attached": attached} if record.mps else None,
         "replicas": replicas,
     }
 

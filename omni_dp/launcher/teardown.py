@@ -16,10 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from omni_dp.launcher.processes import signal_ours, stop_processes, token_carriers, wait_gone
-from omni_dp.launcher.state import RunState, identity_of
+from omni_dp.launcher.state import RunState
 from omni_dp.mps.control import MpsControlError
 from omni_dp.mps.daemon import DaemonRecord, MpsDaemon, MpsDaemonError
 from omni_dp.procs import ProcessIdentity, is_alive
+from omni_dp.runfile import ReplicaState, RunPhase, RunRecord
 
 
 @dataclass
@@ -38,15 +39,17 @@ def teardown(state: RunState, *, drain_timeout: float, keep_state: bool = False,
     result = TeardownResult()
     me = os.getpid()
     state.event("teardown_started", by_pid=me)
-    if state.data.get("state") != "failed":
-        state.update(state="stopping")
+    # A failed run stays "failed" (kept for diagnosis); a stopped one had every recorded
+    # process confirmed gone already.
+    if state.record.state not in (RunPhase.FAILED, RunPhase.STOPPED):
+        state.set_phase(RunPhase.STOPPING)
 
     # The process in charge — the supervisor, or `omni-dp launch` still bringing the run up —
     # goes first: it tears the run down itself on SIGTERM (router and replicas drain one after
     # the other, then the daemon), with the drain bound of the stop request written just
     # before; wait for that, then finish whatever it left.
     for role in ("supervisor", "launcher"):
-        owner = identity_of(state.data.get(role))
+        owner = _owner(state.record, role)
         if owner is None or owner.pid == me or not is_alive(owner):
             continue
         say(f"stopping the {role} (pid {owner.pid}), which tears the run down with drain "
@@ -61,14 +64,14 @@ def teardown(state: RunState, *, drain_timeout: float, keep_state: bool = False,
             return result
         state = RunState.load(state.directory)
 
-    router = identity_of(state.data.get("router"))
+    router = state.record.router.identity if state.record.router else None
     if router is not None and is_alive(router):
         say(f"stopping the router (pid {router.pid}); in-flight requests drain "
             f"(≤ {drain_timeout:g} s)")
         _note(result, stop_processes([router], state.token, drain_timeout, grace_s=5.0,
                                      reap=reap), "router")
 
-    replicas = [(r["index"], identity_of(r)) for r in state.replicas]
+    replicas = [(r.index, r.identity) for r in state.replicas]
     live = [(i, ident) for i, ident in replicas if ident is not None and is_alive(ident)]
     if live:
         say(f"stopping {len(live)} replica(s): {', '.join(str(i) for i, _ in live)} "
@@ -76,28 +79,35 @@ def teardown(state: RunState, *, drain_timeout: float, keep_state: bool = False,
         _note(result, stop_processes([ident for _, ident in live], state.token,
                                      drain_timeout, grace_s=10.0, reap=reap), "replica")
         for i, _ in live:
-            state.update_replica(i, state="stopped")
+            state.update_replica(i, state=ReplicaState.STOPPED)
 
-    daemon = identity_of((state.data.get("mps") or {}).get("daemon"))
+    daemon = state.record.mps
     # The daemon is stopped below through `quit`, never by a signal.
-    strays = token_carriers(state.token, exclude={me} | ({daemon.pid} if daemon else set()))
+    strays = token_carriers(state.token,
+                            exclude={me} | ({daemon.identity.pid} if daemon else set()))
     if strays:
         say(f"stopping {len(strays)} unrecorded process(es) carrying the run token: "
             + ", ".join(str(s.pid) for s in strays))
         _note(result, stop_processes(strays, state.token, 10.0), "token carrier")
 
-    mps = state.data.get("mps")
-    if mps and mps.get("daemon"):
-        _stop_daemon(state, DaemonRecord.from_json(mps["daemon"]), result, say)
+    if daemon is not None:
+        _stop_daemon(state, daemon, result, say)
 
     if result.clean and not keep_state:
         state.remove()
         result.removed = True
     else:
         state.event("teardown_finished", leftovers=result.leftovers)
-        if state.data.get("state") != "failed":
-            state.update(state="stopped" if result.clean else "stopping")
+        if state.record.state not in (RunPhase.FAILED, RunPhase.STOPPED):
+            state.set_phase(RunPhase.STOPPED if result.clean else RunPhase.STOPPING)
     return result
+
+
+def _owner(record: RunRecord, role: str) -> ProcessIdentity | None:
+    """The process in charge in this role: the supervisor, or the `omni-dp launch` process."""
+    if role == "supervisor":
+        return record.supervisor.identity if record.supervisor else None
+    return record.launcher
 
 
 def _note(result: TeardownResult, survivors: list[ProcessIdentity], what: str) -> None:

@@ -1,0 +1,627 @@
+"""The run-state format, typed, and its one reader (launcher, `status`, `verify-mps` alike).
+
+    <state dir>/runs/<run-id>/      mode 0700 (omni_dp/rundir.py names the paths)
+      run.json      schema 1: a `RunRecord` (below); written atomically by one process at a time
+      run_token     the run's secret, mode 0600; also in every child's environment
+
+A run.json is parsed field by field into frozen records before anything in it is used; a file
+that does not parse is a `RunFileError` naming the file and what is wrong. States are enums with
+an allowed-transition map, so a state change the design does not allow fails where it is made.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from omni_dp.mps.attach import DeclaredProcess, ReplicaProcesses
+from omni_dp.mps.daemon import DaemonRecord
+from omni_dp.procs import ProcessIdentity, is_alive
+from omni_dp.rundir import RUN_FILE, RUN_ID, TOKEN_FILE, run_dir, runs_dir, state_dir
+
+SCHEMA = 1
+
+
+class RunFileError(Exception):
+    """A run directory cannot be read, or its run.json is not one this omni-dp reads."""
+
+
+class IllegalTransition(RuntimeError):
+    """A state change the lifecycle does not allow: a bug in whoever asked for it."""
+
+
+class RunPhase(str, enum.Enum):
+    """The run's `state` in run.json."""
+
+    STARTING = "starting"
+    RUNNING = "running"  # every replica healthy
+    DEGRADED = "degraded"  # supervised, but some replica is not healthy
+    STOPPING = "stopping"  # teardown began (or left something behind)
+    STOPPED = "stopped"
+    FAILED = "failed"  # bring-up or supervision failed: the state is kept for diagnosis
+
+
+class ReplicaState(str, enum.Enum):
+    PLANNED = "planned"
+    STARTING = "starting"
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"  # failing /health, not yet past the threshold
+    DOWN = "down"  # a restart failed; the next sweep tries again
+    RESTARTING = "restarting"
+    FAILED = "failed"  # out of restarts (or failed at bring-up): stays out of the router
+    STOPPED = "stopped"
+
+
+_P, _R = RunPhase, ReplicaState
+RUN_TRANSITIONS: Mapping[RunPhase, frozenset[RunPhase]] = {
+    _P.STARTING: frozenset({_P.RUNNING, _P.STOPPING, _P.FAILED}),
+    _P.RUNNING: frozenset({_P.DEGRADED, _P.STOPPING, _P.FAILED}),
+    _P.DEGRADED: frozenset({_P.RUNNING, _P.STOPPING, _P.FAILED}),
+    _P.STOPPING: frozenset({_P.STOPPED, _P.FAILED}),
+    _P.STOPPED: frozenset(),
+    _P.FAILED: frozenset(),  # kept as it is until `down` removes it
+}
+REPLICA_TRANSITIONS: Mapping[ReplicaState, frozenset[ReplicaState]] = {
+    _R.PLANNED: frozenset({_R.STARTING, _R.STOPPED}),
+    _R.STARTING: frozenset({_R.HEALTHY, _R.FAILED, _R.DOWN, _R.RESTARTING, _R.STOPPED}),
+    _R.HEALTHY: frozenset({_R.UNHEALTHY, _R.RESTARTING, _R.DOWN, _R.STOPPED}),
+    _R.UNHEALTHY: frozenset({_R.HEALTHY, _R.RESTARTING, _R.DOWN, _R.STOPPED}),
+    _R.DOWN: frozenset({_R.HEALTHY, _R.UNHEALTHY, _R.RESTARTING, _R.STOPPED}),
+    _R.RESTARTING: frozenset({_R.STARTING, _R.FAILED, _R.DOWN, _R.STOPPED}),
+    _R.FAILED: frozenset({_R.RESTARTING, _R.STOPPED}),  # an MPS restart takes every replica
+    _R.STOPPED: frozenset({_R.STARTING, _R.FAILED, _R.DOWN}),
+}
+# The states the supervisor's sweep checks (a restart owns the others).
+WATCHED = frozenset({_R.HEALTHY, _R.UNHEALTHY, _R.DOWN})
+_RUN_PHASES = tuple(p.value for p in RunPhase)
+_REPLICA_STATES = tuple(s.value for s in ReplicaState)
+
+
+def check_transition(old: enum.Enum, new: enum.Enum,
+                     allowed: Mapping[Any, frozenset[Any]]) -> None:
+    if new != old and new not in allowed[old]:
+        raise IllegalTransition(f"{type(old).__name__}: {old.value} -> {new.value} is not an "
+                                "allowed transition")
+
+
+class _Malformed(ValueError):
+    """A field of run.json that is missing or of the wrong type; the message names it."""
+
+
+_REQUIRED: Any = object()
+_JSON_KINDS = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"),
+               (list, "a list"), (dict, "an object"))
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    return next((name for kind, name in _JSON_KINDS if isinstance(value, kind)),
+                type(value).__name__)
+
+
+class _Fields:
+    """One JSON object of run.json, read field by field: each accessor checks the JSON type,
+    and `where` ("replicas[1].processes[0]") names the object in what it raises."""
+
+    def __init__(self, data: Any, where: str) -> None:
+        if not isinstance(data, Mapping):
+            raise _Malformed(f"{where or 'the top level'} is {_kind(data)}, not an object")
+        self.data, self.where = data, where  # where: "" for the top level
+
+    def path(self, key: str) -> str:
+        return f"{self.where}.{key}" if self.where else key
+
+    def _get(self, key: str, default: Any) -> Any:
+        if key in self.data:
+            return self.data[key]
+        if default is _REQUIRED:
+            raise _Malformed(f"{self.where or 'the top level'} has no {key!r}")
+        return default
+
+    def _bad(self, key: str, value: Any, expected: str) -> _Malformed:
+        return _Malformed(f"{self.path(key)} is {_kind(value)}, not {expected}")
+
+    def _check(self, key: str, value: Any, ok: bool, expected: str, optional: bool) -> Any:
+        if value is None and optional:
+            return None
+        if not ok:
+            raise self._bad(key, value, expected + (" or null" if optional else ""))
+        return value
+
+    def str(self, key: str, default: Any = _REQUIRED, *, optional: bool = False) -> Any:
+        value = self._get(key, default)
+        return self._check(key, value, isinstance(value, str), "a string", optional)
+
+    def int(self, key: str, default: Any = _REQUIRED, *, optional: bool = False) -> Any:
+        value = self._get(key, default)
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        return self._check(key, value, ok, "an integer", optional)
+
+    def number(self, key: str, default: Any = _REQUIRED, *, optional: bool = False) -> Any:
+        """int or float, kept as written (a round trip changes no byte of run.json)."""
+        value = self._get(key, default)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return self._check(key, value, ok, "a number", optional)
+
+    def bool(self, key: str, default: Any = _REQUIRED, *, optional: bool = False) -> Any:
+        value = self._get(key, default)
+        return self._check(key, value, isinstance(value, bool), "a boolean", optional)
+
+    def strings(self, key: str, default: Any = _REQUIRED) -> tuple[str, ...]:
+        value = self._get(key, default)
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise self._bad(key, value, "a list of strings")
+        return tuple(value)
+
+    def numbers(self, key: str, default: Any = _REQUIRED) -> tuple[float, ...]:
+        value = self._get(key, default)
+        if not isinstance(value, (list, tuple)) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            raise self._bad(key, value, "a list of numbers")
+        return tuple(value)
+
+    def items(self, key: str, default: Any = _REQUIRED) -> list[_Fields]:
+        """A list of objects."""
+        value = self._get(key, default)
+        if not isinstance(value, (list, tuple)):
+            raise self._bad(key, value, "a list")
+        return [_Fields(item, f"{self.path(key)}[{i}]") for i, item in enumerate(value)]
+
+    def object(self, key: str, *, optional: bool = False) -> _Fields | None:
+        """A nested object; with optional, None when it is absent or null."""
+        value = self._get(key, None if optional else _REQUIRED)
+        if value is None and optional:
+            return None
+        return _Fields(value, self.path(key))
+
+    def string_map(self, key: str) -> dict[str, str]:
+        value = self._get(key, _REQUIRED)
+        if not isinstance(value, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            raise self._bad(key, value, "an object of strings")
+        return dict(value)
+
+    def identity(self) -> ProcessIdentity:
+        """A recorded process: pid + create time, both required."""
+        return ProcessIdentity(self.int("pid"), self.number("create_time"))
+
+    def maybe_identity(self) -> ProcessIdentity | None:
+        """pid + create time; None until the process was started (either is null)."""
+        pid = self.int("pid", None, optional=True)
+        created = self.number("create_time", None, optional=True)
+        return None if pid is None or created is None else ProcessIdentity(pid, created)
+
+
+def _fields(data: Mapping | _Fields, where: str) -> _Fields:
+    return data if isinstance(data, _Fields) else _Fields(data, where)
+
+
+def _identity(data: Mapping | None) -> ProcessIdentity | None:
+    """The identity a run.json object records, if it has one."""
+    return None if not data else _fields(data, "process").maybe_identity()
+
+
+def _daemon(f: _Fields) -> DaemonRecord:
+    return DaemonRecord(f.identity(), f.str("binary"), f.str("pipe_dir"), f.str("log_dir"),
+                        f.str("gpu_uuid", None, optional=True),
+                        f.str("server_binary", None, optional=True))
+
+
+# --- the records --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SupervisionSettings:
+    """How the supervisor watches and restarts (from the launch options)."""
+
+    check_interval: float
+    restart_after_failures: int  # consecutive failed /health before a restart
+    restart_budget: int  # restarts allowed within restart_window
+    restart_window: float
+    on_mps_fault: str  # restart | fail
+    start_timeout: float  # seconds for one replica to start
+    drain_timeout: float
+
+    def to_json(self) -> dict:
+        # run.json keeps the keys of schema 1, named before the launch flags were renamed
+        return {"check_interval": self.check_interval,
+                "health_failures": self.restart_after_failures,
+                "restart_budget": self.restart_budget, "restart_window": self.restart_window,
+                "on_mps_fault": self.on_mps_fault, "health_timeout": self.start_timeout,
+                "drain_timeout": self.drain_timeout}
+
+    @classmethod
+    def from_json(cls, d: Mapping | _Fields) -> SupervisionSettings:
+        f = _fields(d, "plan.supervision")
+        return cls(f.number("check_interval"), f.int("health_failures"),
+                   f.int("restart_budget"), f.number("restart_window"), f.str("on_mps_fault"),
+                   f.number("health_timeout"), f.number("drain_timeout"))
+
+
+@dataclass(frozen=True)
+class RouterPlan:
+    url: str
+    policy: str
+    workers: int
+    argv: tuple[str, ...]
+
+    def to_json(self) -> dict:
+        return {"url": self.url, "policy": self.policy, "workers": self.workers,
+                "argv": list(self.argv)}
+
+    @classmethod
+    def from_json(cls, d: Mapping | _Fields) -> RouterPlan:
+        f = _fields(d, "plan.router")
+        return cls(f.str("url"), f.str("policy"), f.int("workers"), f.strings("argv"))
+
+
+@dataclass(frozen=True)
+class PlanRecord:
+    """What run.json keeps of the launch plan: what the run was asked to be."""
+
+    replicas: int
+    engine: str
+    engine_args: tuple[str, ...]
+    config_file: str | None
+    device: str
+    gpu: str
+    gpu_numa_node: int | None
+    mps: bool
+    start: str  # sequential | parallel
+    cpu_blocks: str
+    kv_cache_bytes: int | None
+    max_total_tokens: int | None
+    expected_kv_tokens: int  # what every replica must report
+    router: RouterPlan
+    supervision: SupervisionSettings
+    log_format: str
+    warnings: tuple[str, ...]
+    command: str  # how the user runs omni-dp, for the commands the supervisor prints
+    api_key_set: bool  # the key itself never goes to disk
+
+    def to_json(self) -> dict:
+        return {
+            "replicas": self.replicas, "engine": self.engine,
+            "engine_args": list(self.engine_args), "config_file": self.config_file,
+            "device": self.device, "gpu": self.gpu, "gpu_numa_node": self.gpu_numa_node,
+            "mps": self.mps, "start": self.start, "cpu_blocks": self.cpu_blocks,
+            "kv_cache_bytes": self.kv_cache_bytes, "max_total_tokens": self.max_total_tokens,
+            "expected_kv_tokens": self.expected_kv_tokens, "router": self.router.to_json(),
+            "supervision": self.supervision.to_json(), "log_format": self.log_format,
+            "warnings": list(self.warnings), "command": self.command,
+            "api_key_set": self.api_key_set,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping | _Fields) -> PlanRecord:
+        f = _fields(d, "plan")
+        return cls(
+            f.int("replicas"), f.str("engine"), f.strings("engine_args"),
+            f.str("config_file", None, optional=True), f.str("device"), f.str("gpu"),
+            f.int("gpu_numa_node", None, optional=True), f.bool("mps"), f.str("start"),
+            f.str("cpu_blocks"), f.int("kv_cache_bytes", None, optional=True),
+            f.int("max_total_tokens", None, optional=True), f.int("expected_kv_tokens"),
+            RouterPlan.from_json(f.object("router")),
+            SupervisionSettings.from_json(f.object("supervision")),
+            f.str("log_format", "text"), f.strings("warnings", ()),
+            f.str("command", None, optional=True) or "omni-dp", f.bool("api_key_set", False),
+        )
+
+
+@dataclass(frozen=True)
+class SupervisorRecord:
+    identity: ProcessIdentity
+    detached: bool
+    supervising_since: float | None = None  # set once its loop has run a first sweep
+
+    def to_json(self) -> dict:
+        data = {**self.identity.to_json(), "detached": self.detached}
+        if self.supervising_since is not None:
+            data["supervising_since"] = self.supervising_since
+        return data
+
+    @classmethod
+    def from_json(cls, d: Mapping | _Fields) -> SupervisorRecord:
+        f = _fields(d, "supervisor")
+        return cls(f.identity(), f.bool("detached", False),
+                   f.number("supervising_since", None, optional=True))
+
+
+@dataclass(frozen=True)
+class RouterRecord:
+    identity: ProcessIdentity
+    pgid: int
+    url: str
+    argv: tuple[str, ...]
+    log: str
+
+    def to_json(self) -> dict:
+        return {**self.identity.to_json(), "pgid": self.pgid, "url": self.url,
+                "argv": list(self.argv), "log": self.log}
+
+    @classmethod
+    def from_json(cls, d: Mapping | _Fields) -> RouterRecord:
+        f = _fields(d, "router")
+        return cls(f.identity(), f.int("pgid"), f.str("url"), f.strings("argv"), f.str("log"))
+
+
+@dataclass(frozen=True)
+class ReplicaRecord:
+    """One replica: what the plan fixed (port, block, argv, env) and what it is now."""
+
+    index: int
+    port: int
+    url: str
+    cpus: str | None  # "0-3", None when unpinned
+    argv: tuple[str, ...]
+    env: Mapping[str, str]  # what the launcher sets; the run token is added at spawn
+    log: str  # its log's name under logs/
+    identity: ProcessIdentity | None = None  # None until started
+    pgid: int | None = None
+    processes: tuple[DeclaredProcess, ...] = ()  # from /get_server_info
+    state: ReplicaState = ReplicaState.PLANNED
+    kv_tokens: int | None = None
+    mps_attached: bool | None = None
+    restarts: tuple[float, ...] = ()  # when each restart began (time.time())
+    last_error: str | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.identity.pid if self.identity else None
+
+    def declared(self) -> ReplicaProcesses:
+        return ReplicaProcesses(self.index, self.processes)
+
+    def to_json(self) -> dict:
+        ident = self.identity
+        return {
+            "index": self.index, "port": self.port, "url": self.url, "cpus": self.cpus,
+            "argv": list(self.argv), "env": dict(self.env), "log": self.log,
+            "pid": ident.pid if ident else None,
+            "create_time": ident.create_time if ident else None, "pgid": self.pgid,
+            "processes": [{"pid": p.pid, "role": p.role, "device": p.device}
+                          for p in self.processes],
+            "state": self.state.value, "kv_tokens": self.kv_tokens,
+            "mps_attached": self.mps_attached, "restarts": list(self.restarts),
+            "last_error": self.last_error,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping | _Fields) -> ReplicaRecord:
+        f = _fields(d, "replica")
+        state = f.str("state")
+        if state not in _REPLICA_STATES:
+            raise _Malformed(f"{f.path('state')} is {state!r}, not one of "
+                             f"{', '.join(_REPLICA_STATES)}")
+        return cls(
+            f.int("index"), f.int("port"), f.str("url"), f.str("cpus", None, optional=True),
+            f.strings("argv"), f.string_map("env"), f.str("log"), f.maybe_identity(),
+            f.int("pgid", None, optional=True),
+            tuple(DeclaredProcess(p.int("pid"), p.str("role"), p.str("device"))
+                  for p in f.items("processes", ())),
+            ReplicaState(state), f.int("kv_tokens", None, optional=True),
+            f.bool("mps_attached", None, optional=True), f.numbers("restarts", ()),
+            f.str("last_error", None, optional=True),
+        )
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    run_id: str
+    created_at: float
+    state: RunPhase
+    gpu: str  # "GPU-<uuid>", an index, or "cpu"
+    device: str  # "cpu" or "cuda"
+    plan: PlanRecord
+    launcher: ProcessIdentity | None  # the `omni-dp launch` process
+    replicas: tuple[ReplicaRecord, ...]
+    supervisor: SupervisorRecord | None = None
+    router: RouterRecord | None = None
+    mps: DaemonRecord | None = None  # run.json: {"mps": {"daemon": {...}}}
+    schema: int = field(default=SCHEMA)
+
+    @property
+    def supervision(self) -> SupervisionSettings:
+        return self.plan.supervision
+
+    def identities(self) -> Iterator[ProcessIdentity]:
+        """Every process this run recorded as its own."""
+        for ident in (self.launcher, self.supervisor and self.supervisor.identity,
+                      self.router and self.router.identity, self.mps and self.mps.identity,
+                      *(r.identity for r in self.replicas)):
+            if ident is not None:
+                yield ident
+
+    def to_json(self) -> dict:
+        return {
+            "schema": self.schema, "run_id": self.run_id, "created_at": self.created_at,
+            "state": self.state.value, "gpu": self.gpu, "device": self.device,
+            "plan": self.plan.to_json(),
+            "launcher": self.launcher.to_json() if self.launcher else None,
+            "supervisor": self.supervisor.to_json() if self.supervisor else None,
+            "router": self.router.to_json() if self.router else None,
+            "mps": {"daemon": self.mps.to_json()} if self.mps else None,
+            "replicas": [r.to_json() for r in self.replicas],
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping | _Fields) -> RunRecord:
+        """The record of a parsed run.json; a ValueError naming the field that is missing or of
+        the wrong type (read_run turns it into a RunFileError naming the file)."""
+        f = _fields(d, "")
+        state = f.str("state")
+        if state not in _RUN_PHASES:
+            raise _Malformed(f"state is {state!r}, not one of {', '.join(_RUN_PHASES)}")
+        launcher = f.object("launcher", optional=True)
+        supervisor = f.object("supervisor", optional=True)
+        router = f.object("router", optional=True)
+        mps = f.object("mps", optional=True)
+        return cls(
+            f.str("run_id"), f.number("created_at"), RunPhase(state), f.str("gpu"),
+            f.str("device"), PlanRecord.from_json(f.object("plan")),
+            launcher.maybe_identity() if launcher else None,
+            tuple(ReplicaRecord.from_json(r) for r in f.items("replicas")),
+            SupervisorRecord.from_json(supervisor) if supervisor else None,
+            RouterRecord.from_json(router) if router else None,
+            _daemon(mps.object("daemon")) if mps else None,
+            f.int("schema"),
+        )
+
+    def with_replica(self, index: int, **fields: Any) -> RunRecord:
+        """This record with one replica's fields changed (their types and its state change
+        checked: TypeError for a plain "healthy" or a dict where a record goes)."""
+        old = self.replicas[index]
+        check_types("replica", fields, REPLICA_FIELD_TYPES)
+        if "state" in fields:
+            check_transition(old.state, fields["state"], REPLICA_TRANSITIONS)
+        replicas = list(self.replicas)
+        replicas[index] = replace(old, **fields)
+        return replace(self, replicas=tuple(replicas))
+
+    def with_phase(self, phase: RunPhase) -> RunRecord:
+        check_types("run", {"state": phase}, {"state": (RunPhase,)})
+        check_transition(self.state, phase, RUN_TRANSITIONS)
+        return replace(self, state=phase)
+
+    def with_records(self, **fields: Any) -> RunRecord:
+        """This record with top-level records replaced (launcher, supervisor, router, mps);
+        the phase changes through with_phase."""
+        if "state" in fields:
+            raise TypeError("the run's phase changes through with_phase()")
+        check_types("run", fields, RUN_FIELD_TYPES)
+        return replace(self, **fields)
+
+
+_NONE = type(None)
+# What each changeable field holds: a write of anything else is a bug where it is made, not a
+# run.json that cannot be written (or read back) later.
+RUN_FIELD_TYPES: Mapping[str, tuple[type, ...]] = {
+    "launcher": (ProcessIdentity, _NONE), "supervisor": (SupervisorRecord, _NONE),
+    "router": (RouterRecord, _NONE), "mps": (DaemonRecord, _NONE),
+}
+REPLICA_FIELD_TYPES: Mapping[str, tuple[type, ...]] = {
+    "port": (int,), "url": (str,), "cpus": (str, _NONE), "argv": (tuple,), "env": (Mapping,),
+    "log": (str,), "identity": (ProcessIdentity, _NONE), "pgid": (int, _NONE),
+    "processes": (tuple,), "state": (ReplicaState,), "kv_tokens": (int, _NONE),
+    "mps_attached": (bool, _NONE), "restarts": (tuple,), "last_error": (str, _NONE),
+}
+
+
+def check_types(what: str, fields: Mapping[str, Any],
+                types: Mapping[str, tuple[type, ...]]) -> None:
+    for name, value in fields.items():
+        if name not in types:
+            raise TypeError(f"{what} record: {name!r} is not a field that changes")
+        if not isinstance(value, types[name]):
+            expected = " or ".join("None" if t is _NONE else t.__name__ for t in types[name])
+            raise TypeError(f"{what} record: {name} must be {expected}, got {value!r}")
+    for item in fields.get("processes", ()):
+        if not isinstance(item, DeclaredProcess):
+            raise TypeError(f"{what} record: processes must be DeclaredProcess, got {item!r}")
+
+
+# --- reading: one reader, one definition of "live" ----------------------------------------
+
+
+@dataclass(frozen=True)
+class StoredRun:
+    """A run directory as read: its record and token, or why it could not be read."""
+
+    directory: Path
+    record: RunRecord | None
+    token: str | None
+    error: str | None = None
+
+    @classmethod
+    def read(cls, directory: Path) -> StoredRun:
+        """This directory's run, readable (RunFileError when it is not)."""
+        record, token = read_run(directory)
+        return cls(directory, record, token)
+
+    @property
+    def run_id(self) -> str:
+        return self.record.run_id if self.record else self.directory.name
+
+    @property
+    def live(self) -> bool:
+        return self.record is not None and run_is_live(self.record)
+
+
+def run_is_live(record: RunRecord) -> bool:
+    """A run is live while any process it recorded still runs as itself (pid + create time)."""
+    return any(is_alive(ident) for ident in record.identities())
+
+
+def read_run(directory: Path) -> tuple[RunRecord, str]:
+    """The record and token of one run directory; RunFileError naming what is wrong."""
+    try:
+        text = (directory / RUN_FILE).read_text()
+        token = (directory / TOKEN_FILE).read_text().strip()
+    except FileNotFoundError as exc:
+        raise RunFileError(f"{exc.filename} is missing: is {directory} a run directory?") \
+            from None
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8
+        raise RunFileError(f"cannot read the state of {directory}: {exc}") from None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise RunFileError(f"cannot read the state of {directory}: {directory / RUN_FILE} is "
+                           f"not JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        found = data.get("schema") if isinstance(data, dict) else None
+        raise RunFileError(f"{directory / RUN_FILE} has schema {found!r}; this omni-dp reads "
+                           f"schema {SCHEMA}")
+    try:
+        return RunRecord.from_json(data), token
+    except _Malformed as exc:
+        raise RunFileError(f"{directory / RUN_FILE} is malformed: {exc}") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise RunFileError(f"{directory / RUN_FILE} is malformed: {exc!r}") from None
+
+
+def run_dirs(root: Path | None = None) -> list[Path]:
+    parent = runs_dir(root or state_dir())
+    return sorted(p for p in parent.iterdir() if p.is_dir()) if parent.is_dir() else []
+
+
+def stored_runs(root: Path | None = None) -> list[StoredRun]:
+    """Every run directory under the state dir, readable or not, in name order."""
+    runs = []
+    for directory in run_dirs(root):
+        try:
+            runs.append(StoredRun.read(directory))
+        except RunFileError as exc:
+            runs.append(StoredRun(directory, None, None, str(exc)))
+    return runs
+
+
+def find_run_dir(run_id: str, root: Path | None = None) -> Path:
+    """The directory of the named run; RunFileError when the id is malformed or unknown."""
+    root = root or state_dir()
+    if not RUN_ID.match(run_id):
+        raise RunFileError(f"{run_id!r} is not a run id (letters, digits, '_', '.', '-')")
+    directory = run_dir(root, run_id)
+    if not directory.is_dir():
+        known = ", ".join(d.name for d in run_dirs(root)) or "none"
+        raise RunFileError(f"no run {run_id!r} under {runs_dir(root)} (runs: {known})")
+    return directory
+
+
+def pick_run(candidates: list[StoredRun], *, what: str, example: str,
+             plural: str | None = None, none: str | None = None) -> StoredRun:
+    """The only one of these runs; RunFileError naming them when there are none or several.
+    `what` names the kind ("live run with an MPS daemon"), `plural` several of them (default
+    what + "s"), `none` the whole message when there is none (default "no " + what);
+    `example` the command that names one ("omni-dp verify-mps")."""
+    if len(candidates) == 1:
+        return candidates[0]
+    if not candidates:
+        raise RunFileError(none or f"no {what}")
+    names = ", ".join(run.run_id for run in candidates)
+    raise RunFileError(f"{len(candidates)} {plural or what + 's'} ({names}): name one, e.g. "
+                       f"{example} {candidates[0].run_id}")
