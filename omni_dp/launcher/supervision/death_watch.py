@@ -1,0 +1,50 @@
+"""Waking the supervision loop the moment a watched process exits or a signal arrives."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+
+from omni_dp.procs import ProcessIdentity, is_alive
+
+
+class DeathWatch:
+    """Wakes the loop the moment a watched process exits or a signal arrives, else after the
+    sweep interval. pidfds (Linux ≥ 5.3) work for processes that are not our children, which
+    the replicas of a detached supervisor are not; without them the interval bounds detection.
+    """
+
+    def __init__(self) -> None:
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        signal.set_wakeup_fd(self._wake_w)  # the signal handlers run in the main thread
+
+    def wait(self, identities: list[ProcessIdentity], timeout_s: float) -> None:
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        fds = []
+        try:
+            for identity in identities:
+                try:
+                    fd = os.pidfd_open(identity.pid)
+                except (OSError, AttributeError):
+                    continue
+                fds.append(fd)
+                if not is_alive(identity):  # the pid was recycled before we opened it
+                    return
+                poller.register(fd, select.POLLIN)
+            poller.poll(timeout_s * 1000)
+        finally:
+            for fd in fds:
+                os.close(fd)
+            with contextlib.suppress(BlockingIOError):
+                while os.read(self._wake_r, 64):
+                    pass
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(-1)
+        os.close(self._wake_r)
+        os.close(self._wake_w)

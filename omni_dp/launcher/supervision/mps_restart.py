@@ -1,0 +1,77 @@
+"""After an MPS fault every client is suspect: the replicas that depend on the daemon are taken
+out of the router and stopped, the daemon is replaced (its old logs set aside, so their faults
+do not condemn the new one), and the replicas come back through the gates of bring-up. A
+failure here stops the run: there is nothing left to fall back on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from omni_dp.launcher.bringup import BringUpFailed, start_daemon, start_replicas
+from omni_dp.launcher.gates import GateFailed
+from omni_dp.launcher.processes import stop_processes
+from omni_dp.launcher.supervision.crew import Crew
+from omni_dp.launcher.supervision.router_link import RouterLink
+from omni_dp.mps.daemon import CONTROL_LOG, DaemonRecord, MpsDaemon, MpsDaemonError
+from omni_dp.mps.faults import FaultScanner
+from omni_dp.runfile import ReplicaState
+
+
+class GroupRestart:
+    def __init__(self, crew: Crew, router: RouterLink, scanner: FaultScanner,
+                 passed: Callable[[int], None] = lambda index: None) -> None:
+        self.crew = crew
+        self.router = router
+        self.scanner = scanner
+        self.passed = passed  # told for each replica that passed every gate
+
+    def __call__(self, record: DaemonRecord, fault: str, indices: list[int],
+                 delay: float = 0.0) -> None:
+        """The restart thread's body: the daemon of record and these replicas, its clients."""
+        try:
+            for i in indices:
+                self.router.set_disabled(i, True)
+                self.crew.state.update_replica(i, state=ReplicaState.RESTARTING, last_error=fault)
+            if self.crew.stop.wait(delay) or not self._replace_daemon(record, indices):
+                return
+            self._bring_back(indices)
+        except (BringUpFailed, GateFailed, MpsDaemonError) as exc:
+            self.crew.state.event("mps_restart_failed", error=str(exc))
+            self.crew.say(f"restarting after the MPS fault failed: {exc}; stopping the run")
+            self.crew.fail()
+
+    def _replace_daemon(self, record: DaemonRecord, indices: list[int]) -> bool:
+        """False when teardown began meanwhile (nothing was started)."""
+        crew = self.crew
+        crew.replicas.stop(indices, crew.drain_timeout)
+        try:
+            MpsDaemon(record.control()).stop(record, force=True)
+        except MpsDaemonError:
+            stop_processes([record.identity], None, 5.0)
+        logs = [crew.state.logs / crew.state.replica(i).log for i in indices]
+        self.scanner.set_aside([Path(record.log_dir, CONTROL_LOG), *logs], int(time.time()))
+        with crew.gate.open() as may:
+            if not may:
+                return False
+            start_daemon(crew.state, record.binary, record.gpu_uuid, record.server_binary)
+        return True
+
+    def _bring_back(self, indices: list[int]) -> None:
+        crew = self.crew
+        start_replicas(crew.state, crew.replicas, indices,
+                       sequential=crew.state.plan.start == "sequential",
+                       timeout_s=crew.state.supervision.start_timeout, say=crew.say)
+        if not crew.replicas.verify_attachment().passed:
+            raise BringUpFailed("MPS attachment FAILED after the daemon restart")
+        for i in indices:  # the fault is resolved for every replica
+            self.passed(i)
+            crew.state.update_replica(i, last_error=None)
+        out = [i for i in indices if not self.router.set_disabled(i, False)]
+        self.router.not_in_router.update(out)
+        crew.state.event("mps_restarted", not_in_router=out)
+        crew.say("MPS daemon and every replica restarted and verified"
+                 + (f"; replica(s) {', '.join(map(str, out))} NOT back in the router "
+                    "(above), retried at every sweep" if out else "; all back in the router"))

@@ -1,0 +1,125 @@
+"""The supervisor's side of the router: taking a replica out and back in (PUT /workers/INDEX
+with the run's API key), the healthy replicas it did not take back (asked again every sweep),
+and restarting a router that died. A call counts as done only on a 2xx; every other outcome is
+said, recorded and never reported as done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from omni_dp.contract import API_KEY_ENV
+from omni_dp.launcher.bringup import BringUpFailed, start_router
+from omni_dp.launcher.gates import http_json
+from omni_dp.launcher.supervision.crew import Crew
+from omni_dp.launcher.supervision.restart_policy import GiveUp
+from omni_dp.runfile import ReplicaState
+
+
+def admin_error(index: int, disabled: bool, status: int, body: object) -> str:
+    """What a refused PUT /workers/INDEX means, in words (with the fix for a 401)."""
+    said = body.get("error") if isinstance(body, dict) else None
+    return (f"the router did not take replica {index} " + ("out" if disabled else "back")
+            + f": PUT /workers/{index} answered {status or 'nothing'}"
+            + (f" ({said})" if said else "")
+            + (f"; the router wants an API key: launch with --api-key (or {API_KEY_ENV}) so "
+               "that the supervisor sends it" if status == 401 else ""))
+
+
+class RouterLink:
+    def __init__(self, crew: Crew, *, http: Callable[..., tuple[int, object]] = http_json
+                 ) -> None:
+        self.crew = crew
+        self.http = http
+        self.not_in_router: set[int] = set()  # healthy, but the router did not take it back
+        self.restarts: tuple[float, ...] = ()  # when each router restart began
+
+    # --- admin calls ------------------------------------------------------------------------
+
+    def set_disabled(self, index: int, disabled: bool, *, warn: bool = True) -> bool:
+        """True only on a 2xx; any other answer is an event and, with warn, a warning and the
+        replica's last_error."""
+        state = self.crew.state
+        status, body = self._put(index, disabled)
+        action = "disabled" if disabled else "enabled"
+        if 200 <= status < 300:
+            state.event("router_" + action, replica=index, status=status)
+            return True
+        error = admin_error(index, disabled, status, body)
+        state.event("router_admin_failed", replica=index, action=action, status=status,
+                    error=error)
+        if warn:
+            state.update_replica(index, last_error=error)
+            self.crew.say(f"warning: {error}")
+        return False
+
+    def _put(self, index: int, disabled: bool) -> tuple[int, object]:
+        router = self.crew.state.record.router
+        if router is None:
+            return 0, None  # no router recorded: nothing answered
+        key = self.crew.state.api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return self.http("PUT", f"{router.url}/workers/{index}", {"disabled": disabled},
+                         headers=headers)
+
+    def enable(self, index: int) -> bool:
+        """Back in the router, or remembered as not (retried by retry_enable)."""
+        back = self.set_disabled(index, False)
+        if back:
+            self.not_in_router.discard(index)
+        else:
+            self.not_in_router.add(index)
+        return back
+
+    def retry_enable(self, skip: Callable[[int], bool]) -> None:
+        """Put back the healthy replicas the router did not take back (skip: a restart owns
+        that replica now)."""
+        state = self.crew.state
+        for index in sorted(self.not_in_router):
+            if skip(index) or state.replica(index).state is not ReplicaState.HEALTHY:
+                continue
+            if self.set_disabled(index, False, warn=False):
+                self.not_in_router.discard(index)
+                state.update_replica(index, last_error=None)
+                self.crew.say(f"replica {index}: back in the router")
+
+    # --- a router that died -----------------------------------------------------------------
+
+    def died(self, pid: int) -> float | None:
+        """Say so and decide: the delay before restarting it, or None when the restart budget
+        is spent (the run is stopped: nothing serves without a router)."""
+        state = self.crew.state
+        decision = self.crew.policy.decide(self.restarts, self.crew.clock())
+        if isinstance(decision, GiveUp):
+            why = f"restart budget exhausted ({decision.reason})"
+            self.crew.say(f"the router died; {why}; stopping the run")
+            state.event("router_died", pid=pid)
+            state.event("router_failed", reason=why)
+            self.crew.fail()
+            return None
+        self.crew.say("the router died; restarting it")
+        state.event("router_died", pid=pid)
+        self.restarts = decision.history
+        return decision.delay
+
+    def restart(self, delay: float, reap: list) -> None:
+        """The restart thread: a new router; every replica not healthy is taken out of it (a
+        new router starts with every replica in)."""
+        if self.crew.stop.wait(delay):
+            return
+        with self.crew.gate.open() as may:
+            if not may:
+                return
+            try:
+                router = start_router(self.crew.state)
+            except (BringUpFailed, OSError) as exc:  # OSError: its argv cannot be run
+                self.crew.state.event("router_restart_failed", error=str(exc))
+                first = (str(exc).splitlines() or [""])[0]
+                self.crew.say(f"the router restart failed: {first}")
+                return
+        reap.append(router.popen)
+        self.crew.say(f"router restarted (pid {router.pid}), ready")
+        self.not_in_router.clear()
+        for record in self.crew.state.replicas:
+            if record.state is not ReplicaState.HEALTHY:
+                self.set_disabled(record.index, True)

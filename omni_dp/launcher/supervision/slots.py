@@ -1,0 +1,134 @@
+"""What the supervisor can restart, what a restart takes with it, and which restarts run now.
+
+A slot is one restartable part of a run: a replica, the router, the MPS daemon. A slot depends
+on another when restarting that other restarts it too: every replica is a client of the run's
+one MPS daemon. The dependencies are declared in one place, `run_slots`. A sweep leaves a slot
+alone while a restart thread owns it, anything it depends on, or anything depending on it, so
+no two threads ever restart the same process.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from omni_dp.runfile import RunRecord
+
+
+@dataclass(frozen=True)
+class Slot:
+    kind: str  # replica | router | mps
+    index: int | None = None  # a replica's
+
+    @classmethod
+    def replica(cls, index: int) -> Slot:
+        return cls("replica", index)
+
+    def __str__(self) -> str:
+        return self.kind if self.index is None else f"{self.kind} {self.index}"
+
+
+ROUTER = Slot("router")
+MPS = Slot("mps")
+
+
+class Dependencies:
+    """The slots of a run (in the order they were named) and what depends on what."""
+
+    def __init__(self, slots: Iterable[Slot]) -> None:
+        self.slots = list(slots)
+        self._on: dict[Slot, set[Slot]] = {s: set() for s in self.slots}
+
+    def declare(self, dependent: Slot, *, on: Slot) -> None:
+        """A restart of `on` restarts `dependent` too."""
+        if dependent == on or dependent in self.prerequisites(on):
+            raise ValueError(f"{dependent} → {on} would make a cycle")
+        self._on[dependent].add(on)
+
+    def prerequisites(self, slot: Slot) -> set[Slot]:
+        """Everything slot depends on, directly or not."""
+        found: set[Slot] = set()
+        todo = list(self._on.get(slot, ()))
+        while todo:
+            s = todo.pop()
+            if s not in found:
+                found.add(s)
+                todo += self._on[s]
+        return found
+
+    def dependents(self, slot: Slot) -> list[Slot]:
+        """Everything a restart of slot takes with it, in slot order."""
+        return [s for s in self.slots if slot in self.prerequisites(s)]
+
+    def related(self, slot: Slot) -> set[Slot]:
+        return {slot, *self.prerequisites(slot), *self.dependents(slot)}
+
+    def order(self) -> list[Slot]:
+        """Every slot, each after what it depends on (a sweep checks the daemon before its
+        clients: one fault, one group restart), otherwise in slot order."""
+        done: list[Slot] = []
+
+        def visit(slot: Slot) -> None:
+            if slot not in done:
+                for s in sorted(self._on[slot], key=self.slots.index):
+                    visit(s)
+                done.append(slot)
+
+        for slot in self.slots:
+            visit(slot)
+        return done
+
+
+def run_slots(record: RunRecord) -> Dependencies:
+    """The one place a run's dependencies are declared (a weight-sharing leader and its
+    followers would be one more line: deps.declare(follower, on=leader))."""
+    replicas = [Slot.replica(r.index) for r in record.replicas]
+    deps = Dependencies([*replicas, ROUTER, *([MPS] if record.plan.mps else [])])
+    if record.plan.mps:
+        for slot in replicas:
+            deps.declare(slot, on=MPS)
+    return deps
+
+
+class Busy:
+    """The slots with a restart thread running (a thread releases its slot when it ends)."""
+
+    def __init__(self, deps: Dependencies) -> None:
+        self.deps = deps
+        self._threads: dict[Slot, threading.Thread] = {}
+        self._lock = threading.Lock()
+
+    def start(self, slot: Slot, target: Callable[..., None], *args: object,
+              name: str | None = None) -> threading.Thread:
+        thread = threading.Thread(target=self._run, args=(slot, target, args),
+                                  name=name or f"restart-{slot}", daemon=True)
+        with self._lock:
+            self._threads[slot] = thread
+        thread.start()
+        return thread
+
+    def _run(self, slot: Slot, target: Callable[..., None], args: tuple) -> None:
+        try:
+            target(*args)
+        finally:
+            with self._lock:
+                self._threads.pop(slot, None)
+
+    def __contains__(self, slot: object) -> bool:
+        with self._lock:
+            return slot in self._threads
+
+    def slots(self) -> set[Slot]:
+        with self._lock:
+            return set(self._threads)
+
+    def skipped(self, slot: Slot) -> bool:
+        """Leave slot alone: a running restart owns it or will restart it."""
+        return not self.slots().isdisjoint(self.deps.related(slot))
+
+    def join(self, timeout_s: float) -> None:
+        with self._lock:
+            threads = list(self._threads.values())
+        for thread in threads:
+            thread.join(timeout_s)

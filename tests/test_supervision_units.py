@@ -1,0 +1,653 @@
+"""The supervisor's decisions on their own: a fake clock, a fake world (process table, /health,
+ports, the MPS daemon), a fake replica set and a fake router; no process is started."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from omni_dp.contract import API_KEY_ENV
+from omni_dp.launcher.bringup import BringUpFailed
+from omni_dp.launcher.gates import GateFailed
+from omni_dp.launcher.state import RunState
+from omni_dp.launcher.supervision import mps_restart, router_link
+from omni_dp.launcher.supervision.crew import Probe
+from omni_dp.launcher.supervision.mps_watch import MpsWatch, describe_fault
+from omni_dp.launcher.supervision.replica_watch import ReplicaWatch, Seen, Verdict
+from omni_dp.launcher.supervision.restart_policy import GiveUp, Restart, RestartPolicy
+from omni_dp.launcher.supervision.slots import MPS, ROUTER, Busy, Dependencies, Slot, run_slots
+from omni_dp.launcher.supervisor import Supervisor
+from omni_dp.mps.daemon import DaemonHealth, DaemonRecord
+from omni_dp.mps.faults import FaultScanner
+from omni_dp.procs import ProcessIdentity
+from omni_dp.runfile import (
+    PlanRecord,
+    ReplicaRecord,
+    ReplicaState,
+    RouterPlan,
+    RouterRecord,
+    RunPhase,
+    RunRecord,
+    SupervisionSettings,
+)
+
+H, U, R = ReplicaState.HEALTHY, ReplicaState.UNHEALTHY, ReplicaState.RESTARTING
+NOW = 1_000_000.0
+
+
+# --- the fakes ---------------------------------------------------------------------------
+
+
+def make_state(tmp_path, *, replicas: int = 2, mps: bool = False, budget: int = 3,
+               window: float = 600.0, failures: int = 3, on_mps_fault: str = "restart",
+               restarts: tuple[float, ...] = ()) -> RunState:
+    settings = SupervisionSettings(
+        check_interval=0.5, restart_after_failures=failures, restart_budget=budget,
+        restart_window=window, on_mps_fault=on_mps_fault, start_timeout=5.0,
+        drain_timeout=1.0)
+    plan = PlanRecord(
+        replicas=replicas, engine="stub", engine_args=(), config_file=None, device="cpu",
+        gpu="cpu", gpu_numa_node=None, mps=mps, start="parallel", cpu_blocks="none",
+        kv_cache_bytes=None, max_total_tokens=1024, expected_kv_tokens=1024,
+        router=RouterPlan("http://router.test", "least_inflight", 1, ()),
+        supervision=settings, log_format="text", warnings=(), command="omni-dp",
+        api_key_set=False)
+    record = RunRecord(
+        run_id="run-units", created_at=NOW, state=RunPhase.RUNNING, gpu="cpu", device="cpu",
+        plan=plan, launcher=None,
+        replicas=tuple(ReplicaRecord(
+            index=i, port=41000 + i, url=f"http://replica-{i}.test", cpus=None,
+            argv=("serve",), env={}, log=f"replica_{i}.log",
+            identity=ProcessIdentity(1000 + i, 1.0), pgid=1000 + i, state=H,
+            restarts=restarts) for i in range(replicas)),
+        router=RouterRecord(ProcessIdentity(900, 1.0), 900, "http://router.test", (),
+                            "router.log"),
+        mps=DaemonRecord(ProcessIdentity(800, 1.0), "mps-control", str(tmp_path / "pipe"),
+                         str(tmp_path / "mpslog"), None) if mps else None)
+    directory = tmp_path / "run"
+    (directory / "logs").mkdir(parents=True)
+    (tmp_path / "mpslog").mkdir()
+    state = RunState(directory, record, "token")
+    state.save()
+    return state
+
+
+class FakeWorld(Probe):
+    """The process table (live pids), /health answers by url, taken ports, the daemon."""
+
+    def __init__(self, live: set[int]) -> None:
+        self.live = set(live)
+        self.health_of: dict[str, int] = {}
+        self.taken: set[int] = set()
+        self.daemon = DaemonHealth(alive=True, reachable=True)
+        self.daemon_checks = 0
+
+    def alive(self, identity):
+        return identity is not None and identity.pid in self.live
+
+    def health(self, url, timeout_s):
+        return self.health_of.get(url, 200)
+
+    def port_taken(self, port):
+        return port in self.taken
+
+    def daemon_health(self, record):
+        self.daemon_checks += 1
+        return replace(self.daemon, faults=list(self.daemon.faults))
+
+
+class FakeReplicas:
+    """ReplicaSet's interface; each call makes the state change the real one makes."""
+
+    def __init__(self, state: RunState, world: FakeWorld, *, healthy: bool = True) -> None:
+        self.state, self.world, self.healthy = state, world, healthy
+        self.popens: dict = {}
+        self.calls: list[tuple] = []
+        self._next_pid = 5000
+
+    def start(self, index):
+        self.calls.append(("start", index))
+        self._next_pid += 1
+        self.world.live.add(self._next_pid)
+        self.state.update_replica(index, identity=ProcessIdentity(self._next_pid, 2.0),
+                                  state=ReplicaState.STARTING)
+
+    def wait_healthy(self, index, timeout_s):
+        self.calls.append(("wait_healthy", index))
+        if not self.healthy:
+            raise GateFailed("not healthy within 5 s (last /health: 503); last lines of x:\n  y")
+
+    def check_kv(self, indices):
+        self.calls.append(("check_kv", *indices))
+
+    def verify_attachment(self):
+        return SimpleNamespace(passed=True, problems=[], replicas=[])
+
+    def stop(self, indices, timeout_s):
+        self.calls.append(("stop", *indices))
+        for i in indices:
+            self.world.live.discard(self.state.replica(i).pid)
+            self.state.update_replica(i, state=ReplicaState.STOPPED)
+
+    def url(self, index):
+        return self.state.replica(index).url
+
+
+class FakeRouter:
+    """The router's admin API: answers (status, body) per enable/disable, records the calls."""
+
+    def __init__(self, status: int = 200, body: object = None) -> None:
+        self.answer = {True: (status, body), False: (status, body)}  # by "disabled"
+        self.calls: list[tuple[str, bool, dict]] = []
+
+    def __call__(self, method, url, body=None, timeout=3.0, headers=None):
+        assert method == "PUT"
+        self.calls.append((url, body["disabled"], headers or {}))
+        return self.answer[body["disabled"]]
+
+
+class FakeStop:
+    """The stop event, without the waiting: records each backoff."""
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+        self._set = False
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        return self._set
+
+    def is_set(self):
+        return self._set
+
+    def set(self):
+        self._set = True
+
+
+class Clock:
+    def __init__(self, now: float = NOW) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def supervisor(state: RunState, *, router: FakeRouter | None = None,
+               healthy: bool = True) -> tuple[Supervisor, FakeWorld, list[str]]:
+    world = FakeWorld({r.pid for r in state.replicas} | {900, 800})
+    said: list[str] = []
+    sup = Supervisor(state, FakeReplicas(state, world, healthy=healthy), detached=True,
+                     say=said.append)
+    sup.crew.probe = world
+    sup.crew.clock = Clock()
+    sup.router.http = router or FakeRouter()
+    return sup, world, said
+
+
+def events(state: RunState) -> list[dict]:
+    return state.events()
+
+
+def names(state: RunState) -> list[str]:
+    return [e["event"] for e in state.events()]
+
+
+# --- the restart policy --------------------------------------------------------------------
+
+
+def test_the_first_restart_is_immediate_and_the_budget_counts_restarts_in_the_window():
+    policy = RestartPolicy(budget=3, window=600.0)
+    assert policy.decide((), NOW) == Restart(delay=0.0, attempt=1, history=(NOW,))
+    assert policy.decide((NOW - 2, NOW - 1), NOW) == Restart(2.0, 3, (NOW - 2, NOW - 1, NOW))
+    over = policy.decide((NOW - 3, NOW - 2, NOW - 1), NOW)
+    assert over == GiveUp(restarts=3, window=600.0)
+    assert over.reason == "3 restarts within 600 s"
+
+
+def test_backoff_doubles_from_one_second_up_to_its_cap():
+    policy = RestartPolicy(budget=100, window=1e9)
+    history: tuple[float, ...] = ()
+    delays = []
+    for k in range(9):
+        decision = policy.decide(history, NOW + k)
+        assert isinstance(decision, Restart) and decision.attempt == k + 1
+        delays.append(decision.delay)
+        history = decision.history
+    assert delays == [0, 1, 2, 4, 8, 16, 30, 30, 30]
+
+
+def test_restarts_older_than_the_window_no_longer_count():
+    policy = RestartPolicy(budget=2, window=60.0)
+    history = (NOW, NOW + 10)
+    assert isinstance(policy.decide(history, NOW + 50), GiveUp)
+    # the first has left the window: one counts, backoff 1 s, the old one is forgotten
+    assert policy.decide(history, NOW + 65) == Restart(1.0, 2, (NOW + 10, NOW + 65))
+    assert policy.decide(history, NOW + 75) == Restart(0.0, 1, (NOW + 75,))
+
+
+def test_a_budget_of_zero_never_restarts():
+    assert RestartPolicy(budget=0, window=600.0).decide((), NOW) == GiveUp(0, 600.0)
+
+
+# --- health counting -----------------------------------------------------------------------
+
+
+def test_a_restart_is_due_only_after_threshold_failed_health_checks_in_a_row():
+    watch = ReplicaWatch(threshold=3)
+    first = watch.observe(H, Seen(alive=True, health=503))
+    assert first == Verdict(U, "/health answered 503 (1 in a row)", None)
+    assert watch.observe(U, Seen(alive=True, health=0)).restart is None
+    third = watch.observe(U, Seen(alive=True, health=503))
+    assert third.restart == "/health answered 503 (3 in a row)" == third.error
+
+
+def test_one_good_health_check_recovers_and_restarts_the_count():
+    watch = ReplicaWatch(threshold=2)
+    assert watch.observe(H, Seen(alive=True, health=500)).state is U
+    assert watch.observe(U, Seen(alive=True, health=200)) == Verdict(H)  # recovered
+    assert watch.observe(H, Seen(alive=True, health=200)) == Verdict()  # nothing to record
+    again = watch.observe(H, Seen(alive=True, health=0))
+    assert again.error == "/health answered nothing (1 in a row)" and again.restart is None
+
+
+def test_a_dead_process_is_restarted_at_once_naming_how_it_ended():
+    watch = ReplicaWatch(threshold=3)
+    assert watch.observe(H, Seen(alive=False, exit_code=-9)).restart == \
+        "its process was killed by SIGKILL"
+    assert watch.observe(U, Seen(alive=False, exit_code=1)).restart == \
+        "its process exited with code 1"
+    assert watch.observe(H, Seen(alive=False)) == Verdict(restart="its process is gone")
+
+
+def test_the_sweep_counts_failed_health_checks_and_restarts_past_the_threshold(tmp_path):
+    state = make_state(tmp_path, failures=2)
+    sup, world, said = supervisor(state)
+    started: list[tuple[int, str]] = []
+    sup.restart_replica = lambda index, reason: started.append((index, reason))
+    world.health_of["http://replica-0.test"] = 503
+    sup.sweep()
+    assert state.replica(0).state is U and started == []
+    assert state.replica(0).last_error == "/health answered 503 (1 in a row)"
+    assert state.record.state is RunPhase.DEGRADED
+    sup.sweep()
+    sup.busy.join(5)
+    assert started == [(0, "/health answered 503 (2 in a row)")]
+    assert state.replica(0).state is R and state.replica(1).state is H
+    assert said == ["replica 0: /health answered 503 (2 in a row); restarting"]
+
+
+# --- restarting one replica ----------------------------------------------------------------
+
+
+def test_past_the_budget_a_replica_is_failed_and_stays_out_of_the_router(tmp_path):
+    state = make_state(tmp_path, budget=2, restarts=(NOW - 20, NOW - 10))
+    router = FakeRouter()
+    sup, _, said = supervisor(state, router=router)
+    state.update_replica(0, state=R)
+    sup.restart_replica.through_gates(0, "its process is gone")
+    record = state.replica(0)
+    why = "restart budget exhausted (2 restarts within 600 s); last: its process is gone"
+    assert record.state is ReplicaState.FAILED and record.last_error == why
+    assert [c for c in sup.replicas.calls if c[0] == "start"] == []
+    assert [(u, d) for u, d, _ in router.calls] == [("http://router.test/workers/0", True)]
+    assert names(state) == ["router_disabled", "replica_failed"]
+    assert said == [f"replica 0: {why}; it stays out of the router"]
+
+
+def test_a_restart_backs_off_passes_the_gates_and_is_back_in_the_router(tmp_path):
+    state = make_state(tmp_path, restarts=(NOW - 30,))
+    sup, _, said = supervisor(state)
+    sup.crew.stop = FakeStop()
+    sup.watches[0].failures = 2
+    state.update_replica(0, state=R)
+    sup.restart_replica.through_gates(0, "its process is gone")
+    assert sup.crew.stop.waits == [1.0]  # one restart within the window before this one
+    record = state.replica(0)
+    assert record.state is H and record.last_error is None and record.restarts == (NOW - 30, NOW)
+    assert sup.replicas.calls == [("stop", 0), ("start", 0), ("wait_healthy", 0), ("check_kv", 0)]
+    [started] = [e for e in events(state) if e["event"] == "restart_started"]
+    assert (started["attempt"], started["backoff_s"]) == (2, 1.0)
+    assert names(state)[-2:] == ["router_enabled", "restart_completed"]
+    assert said == [f"replica 0: restarted (pid {record.pid}), passed health and KV checks, "
+                    "back in the router"]
+    assert sup.watches[0].failures == 0
+
+
+def test_a_replica_failing_its_gates_is_down_and_stopped_again(tmp_path):
+    state = make_state(tmp_path)
+    sup, world, said = supervisor(state, healthy=False)
+    state.update_replica(0, state=R)
+    sup.restart_replica(0, "its process is gone")
+    record = state.replica(0)
+    assert record.state is ReplicaState.DOWN
+    assert record.last_error == "not healthy within 5 s (last /health: 503); last lines of x:"
+    assert sup.replicas.calls[-1] == ("stop", 0) and record.pid not in world.live
+    assert said == ["replica 0: restart failed: not healthy within 5 s (last /health: 503); "
+                    "last lines of x:"]
+
+
+def test_a_port_that_stays_busy_fails_the_restart(tmp_path, monkeypatch):
+    from omni_dp.launcher.supervision import replica_restart
+
+    monkeypatch.setattr(replica_restart, "PORT_FREE_TIMEOUT_S", 0.2)
+    state = make_state(tmp_path)
+    sup, world, said = supervisor(state)
+    world.taken.add(41000)
+    state.update_replica(0, state=R)
+    sup.restart_replica(0, "its process is gone")
+    assert state.replica(0).state is ReplicaState.DOWN
+    assert ("start", 0) not in sup.replicas.calls
+    assert said == ["replica 0: restart failed: port 41000 still busy after 0 s"]
+
+
+# --- the router link -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [401, 500])
+def test_a_refused_admin_call_is_a_warning_with_the_routers_words_never_a_success(tmp_path,
+                                                                                 status):
+    state = make_state(tmp_path)
+    state.api_key = "k3y"
+    router = FakeRouter(status, {"error": "nope"})
+    sup, _, said = supervisor(state, router=router)
+    assert sup.router.set_disabled(1, True) is False
+    error = ("the router did not take replica 1 out: PUT /workers/1 answered "
+             f"{status} (nope)")
+    if status == 401:
+        error += (f"; the router wants an API key: launch with --api-key (or {API_KEY_ENV}) "
+                  "so that the supervisor sends it")
+    assert state.replica(1).last_error == error and said == [f"warning: {error}"]
+    [event] = events(state)
+    assert (event["event"], event["action"], event["status"]) == ("router_admin_failed",
+                                                                  "disabled", status)
+    assert router.calls == [("http://router.test/workers/1", True,
+                             {"Authorization": "Bearer k3y"})]
+
+
+def test_without_a_router_recorded_nothing_answers_and_nothing_is_done(tmp_path):
+    state = make_state(tmp_path)
+    state.update(router=None)
+    sup, _, said = supervisor(state)
+    assert sup.router.set_disabled(0, False, warn=False) is False
+    assert sup.router.http.calls == [] and said == []
+    assert events(state)[0]["error"] == ("the router did not take replica 0 back: "
+                                         "PUT /workers/0 answered nothing")
+
+
+def test_a_restarted_replica_the_router_refuses_is_not_reported_back_and_is_asked_again(
+        tmp_path):
+    state = make_state(tmp_path)
+    router = FakeRouter()
+    router.answer[False] = (503, None)
+    sup, _, said = supervisor(state, router=router)
+    state.update_replica(0, state=R)
+    sup.restart_replica(0, "its process is gone")
+    assert sup.router.not_in_router == {0}
+    assert said[-1].endswith("but NOT back in the router (above); retrying at every sweep")
+    assert not any(s.endswith("back in the router") for s in said)
+    assert events(state)[-1]["in_router"] is False
+    assert "answered 503" in state.replica(0).last_error
+    sup.sweep()  # still refused: said once, not again
+    assert sup.router.not_in_router == {0} and len(said) == 2
+    router.answer[False] = (200, None)
+    sup.sweep()
+    assert sup.router.not_in_router == set() and said[-1] == "replica 0: back in the router"
+    assert state.replica(0).last_error is None
+
+
+@pytest.mark.parametrize("error", [
+    BringUpFailed("the router was not ready within 30 s (last /ready: 503); last lines of "
+                  "router.log:\n    boom"),
+    FileNotFoundError(2, "No such file or directory")])
+def test_a_failed_router_restart_is_said_and_never_reported_as_done(tmp_path, monkeypatch,
+                                                                    error):
+    def fails(state):
+        raise error
+
+    monkeypatch.setattr(router_link, "start_router", fails)
+    state = make_state(tmp_path)
+    sup, world, said = supervisor(state)
+    sup.router.not_in_router.add(1)
+    world.live.discard(900)
+    sup.router.restart(0.0, [])
+    assert said == [f"the router restart failed: {str(error).splitlines()[0]}"]
+    assert names(state) == ["router_restart_failed"]
+    assert sup.router.not_in_router == {1}  # nothing pretends a new router took them
+
+
+def test_a_restarted_router_is_told_which_replicas_are_not_healthy(tmp_path, monkeypatch):
+    popen = object()
+    monkeypatch.setattr(router_link, "start_router",
+                        lambda state: SimpleNamespace(pid=901, popen=popen))
+    state = make_state(tmp_path, replicas=3)
+    state.update_replica(1, state=U)
+    router = FakeRouter()
+    sup, _, said = supervisor(state, router=router)
+    sup.router.not_in_router.add(2)
+    reap: list = []
+    sup.router.restart(0.0, reap)
+    assert reap == [popen] and said == ["router restarted (pid 901), ready"]
+    assert [(u, d) for u, d, _ in router.calls] == [("http://router.test/workers/1", True)]
+    assert sup.router.not_in_router == set()
+
+
+def test_the_router_is_restarted_within_the_budget_then_the_run_stops(tmp_path):
+    state = make_state(tmp_path, budget=1)
+    sup, world, said = supervisor(state)
+    restarts: list[float] = []
+    sup.router.restart = lambda delay, reap: restarts.append(delay)
+    world.live.discard(900)
+    sup.sweep()
+    sup.busy.join(5)
+    assert restarts == [0.0] and said == ["the router died; restarting it"]
+    sup.sweep()  # died again (the fake restart started nothing): the budget is spent
+    assert restarts == [0.0] and sup.exit_code == 3 and sup.stop_requested.is_set()
+    assert said[-1] == ("the router died; restart budget exhausted (1 restarts within 600 s); "
+                        "stopping the run")
+    assert names(state) == ["router_died", "router_died", "router_failed"]
+
+
+# --- slots and their dependencies ----------------------------------------------------------
+
+
+def test_a_new_dependency_is_one_declaration():
+    leader, f1, f2, other = (Slot.replica(i) for i in range(4))
+    deps = Dependencies([f1, leader, f2, other])
+    deps.declare(f1, on=leader)
+    deps.declare(f2, on=leader)
+    assert deps.dependents(leader) == [f1, f2]
+    assert deps.order() == [leader, f1, f2, other]  # what a slot depends on is checked first
+    busy = Busy(deps)
+    hold = threading.Event()
+    busy.start(leader, hold.wait)
+    try:
+        assert busy.skipped(f1) and busy.skipped(f2) and busy.skipped(leader)
+        assert not busy.skipped(other)
+    finally:
+        hold.set()
+        busy.join(5)
+    assert not busy.skipped(f1)
+    with pytest.raises(ValueError, match="cycle"):
+        deps.declare(leader, on=f2)
+
+
+def test_under_mps_every_replica_depends_on_the_daemon(tmp_path):
+    deps = run_slots(make_state(tmp_path, replicas=3, mps=True).record)
+    assert deps.dependents(MPS) == [Slot.replica(0), Slot.replica(1), Slot.replica(2)]
+    assert deps.order()[0] == MPS and deps.dependents(ROUTER) == []
+    assert MPS not in run_slots(make_state(tmp_path / "plain").record).slots
+
+
+# --- the MPS daemon --------------------------------------------------------------------------
+
+
+def test_an_mps_fault_restarts_every_dependent_replica_and_no_sweep_touches_them_meanwhile(
+        tmp_path):
+    state = make_state(tmp_path, mps=True)
+    sup, world, said = supervisor(state)
+    began, release, groups = threading.Event(), threading.Event(), []
+
+    def group_restart(record, fault, indices, delay):
+        groups.append((record.identity.pid, fault, indices, delay))
+        began.set()
+        release.wait(10)
+
+    replica_restarts: list[int] = []
+    sup.restart_group = group_restart
+    sup.restart_replica = lambda index, reason: replica_restarts.append(index)
+    world.daemon = DaemonHealth(alive=False, reachable=False)
+    world.live -= {800, 1000}  # the daemon and one of its clients are gone
+    world.health_of["http://replica-1.test"] = 503
+    try:
+        sup.sweep()
+        assert began.wait(5)
+        assert groups == [(800, "the MPS daemon is gone", [0, 1], 0.0)]
+        assert said == ["the MPS daemon is gone: every replica is suspect"]
+        assert replica_restarts == []  # the daemon was checked first: one fault, one restart
+        for _ in range(3):  # meanwhile: no sweep looks at the replicas or the daemon
+            sup.sweep()
+        assert replica_restarts == [] and world.daemon_checks == 1
+        assert [r.state for r in state.replicas] == [H, H] and sup.watches[1].failures == 0
+        assert sup._watched() == [state.record.router.identity]
+        [fault] = [e for e in events(state) if e["event"] == "mps_fault"]
+        assert (fault["action"], fault["restarts_in_window"]) == ("restart", 0)
+    finally:
+        release.set()
+        sup.busy.join(5)
+    world.daemon = DaemonHealth(alive=True, reachable=True)
+    sup.sweep()  # the restart is over: the replicas are watched again
+    sup.busy.join(5)
+    assert replica_restarts == [0] and world.daemon_checks == 2
+
+
+def test_a_replica_restart_in_progress_defers_the_daemon_check(tmp_path):
+    state = make_state(tmp_path, mps=True)
+    sup, world, _ = supervisor(state)
+    release = threading.Event()
+    sup.restart_replica = lambda index, reason: release.wait(10)
+    world.live.discard(1000)
+    try:
+        sup.sweep()  # the daemon is fine, replica 0 is dead: its restart begins
+        assert Slot.replica(0) in sup.busy and world.daemon_checks == 1
+        world.daemon = DaemonHealth(alive=False, reachable=False)
+        sup.sweep()  # a group restart now would race the replica's restart
+        assert world.daemon_checks == 1 and "mps_fault" not in names(state)
+    finally:
+        release.set()
+        sup.busy.join(5)
+    sup.restart_group = lambda *args: None
+    sup.sweep()
+    assert "mps_fault" in names(state)
+
+
+def test_mps_restarts_are_budgeted_like_every_other(tmp_path):
+    state = make_state(tmp_path, mps=True, budget=1)
+    sup, world, said = supervisor(state)
+    sup.restart_group = lambda *args: None
+    world.daemon = DaemonHealth(alive=True, reachable=False, error="timed out")
+    sup.sweep()
+    sup.busy.join(5)
+    assert not sup.stop_requested.is_set()
+    sup.crew.clock.now += 5
+    sup.sweep()
+    assert sup.exit_code == 3 and sup.stop_requested.is_set()
+    assert said[-1] == ("1 MPS restarts within 600 s: the restart budget is spent; stopping "
+                        "the run")
+    faults = [e for e in events(state) if e["event"] == "mps_fault"]
+    assert [(f["action"], f["restarts_in_window"]) for f in faults] == [("restart", 0),
+                                                                       ("fail", 1)]
+    assert faults[0]["detail"] == "the MPS daemon does not answer (timed out)"
+
+
+def test_a_sweep_that_stopped_the_run_begins_no_restart(tmp_path):
+    state = make_state(tmp_path, mps=True, on_mps_fault="fail")
+    sup, world, said = supervisor(state)
+    sup.restart_replica = lambda index, reason: pytest.fail("a restart during the teardown")
+    world.daemon = DaemonHealth(alive=False, reachable=False)
+    world.live.discard(1000)  # its client died with it
+    sup.sweep()
+    sup.busy.join(5)
+    assert sup.exit_code == 3 and sup.stop_requested.is_set()
+    assert said == ["the MPS daemon is gone: every replica is suspect"]
+    assert state.replica(0).state is H and sup.busy.slots() == set()
+
+
+def test_on_mps_fault_fail_stops_without_restarting():
+    watch = MpsWatch(RestartPolicy(5, 600.0), "fail")
+    act = watch.decide(NOW, "the MPS daemon is gone")
+    assert (act.action, act.over_budget) == ("fail", False) and watch.restarts == ()
+    watch = MpsWatch(RestartPolicy(5, 600.0), "restart")
+    assert watch.decide(NOW, "x").delay == 0.0 and watch.decide(NOW + 1, "x").delay == 1.0
+
+
+def test_faults_in_the_logs_are_named_three_at_most():
+    health = DaemonHealth(alive=True, reachable=True,
+                          faults=["a: MpsRpc 1", "b: FAULT 2", "c: FAULT 3", "d: FAULT 4"])
+    assert describe_fault(health) == "MPS faults in the logs: a: MpsRpc 1; b: FAULT 2; c: FAULT 3"
+    assert describe_fault(DaemonHealth(alive=True, reachable=True)) is None
+
+
+def test_the_group_restart_brings_every_client_back_through_the_gates(tmp_path, monkeypatch):
+    state = make_state(tmp_path, mps=True)
+    sup, _, said = supervisor(state)
+    daemons: list[str] = []
+    monkeypatch.setattr(mps_restart, "MpsDaemon", lambda control: SimpleNamespace(
+        stop=lambda record, force: daemons.append(f"stop {record.identity.pid}")))
+    monkeypatch.setattr(mps_restart, "start_daemon",
+                        lambda state, binary, gpu, server: daemons.append(binary))
+
+    def start_replicas(state, replicas, indices, *, sequential, timeout_s, say):
+        for i in indices:
+            replicas.start(i)
+            state.update_replica(i, state=H)
+
+    monkeypatch.setattr(mps_restart, "start_replicas", start_replicas)
+    old_log = state.logs / "replica_0.log"
+    old_log.write_text("cudaErrorMpsServerNotReady\n")
+    sup.watches[1].failures = 1
+    sup.restart_group(state.record.mps, "the MPS daemon is gone", [0, 1])
+    assert daemons == ["stop 800", "mps-control"]
+    assert ("stop", 0, 1) in sup.replicas.calls
+    assert [r.state for r in state.replicas] == [H, H]
+    assert [r.last_error for r in state.replicas] == [None, None]
+    assert not old_log.exists() and list(state.logs.glob("replica_0.log.*"))
+    assert names(state)[-1] == "mps_restarted" and sup.watches[1].failures == 0
+    assert said == ["MPS daemon and every replica restarted and verified; all back in the "
+                    "router"]
+
+
+def test_a_failed_group_restart_stops_the_run(tmp_path, monkeypatch):
+    def no_daemon(*args):
+        raise BringUpFailed("the MPS daemon did not start: no GPU")
+
+    monkeypatch.setattr(mps_restart, "start_daemon", no_daemon)
+    monkeypatch.setattr(mps_restart, "MpsDaemon",
+                        lambda control: SimpleNamespace(stop=lambda record, force: True))
+    state = make_state(tmp_path, mps=True)
+    sup, _, said = supervisor(state)
+    sup.restart_group(state.record.mps, "the MPS daemon is gone", [0, 1])
+    assert sup.exit_code == 3 and sup.stop_requested.is_set()
+    assert said[-1] == ("restarting after the MPS fault failed: the MPS daemon did not start: "
+                        "no GPU; stopping the run")
+    assert [r.state for r in state.replicas] == [ReplicaState.STOPPED] * 2
+
+
+def test_replica_logs_are_scanned_for_new_fault_lines_only(tmp_path):
+    log = tmp_path / "replica_0.log"
+    log.write_text("ok\ncudaErrorMpsConnectionFailed here\n")
+    scanner = FaultScanner()
+    assert scanner.new_faults([log, tmp_path / "missing.log"]) == [
+        "replica_0.log: cudaErrorMpsConnectionFailed here"]
+    assert scanner.new_faults([log]) == []
+    with log.open("a") as f:
+        f.write("still ok\nMpsRpc broke\n")
+    assert scanner.new_faults([log]) == ["replica_0.log: MpsRpc broke"]
+    log.write_text("FAULT x\n")  # replaced by a shorter file: read from its start
+    assert scanner.new_faults([log]) == ["replica_0.log: FAULT x"]
+    scanner.set_aside([log], 7)
+    assert not log.exists() and (tmp_path / "replica_0.log.7").read_text() == "FAULT x\n"
+    log.write_text("FAULT y\nthe new log is longer than the old one\n")
+    assert scanner.new_faults([log]) == ["replica_0.log: FAULT y"]  # not read from byte 8
