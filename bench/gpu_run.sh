@@ -160,4 +160,4 @@ step "DP table" "$room" scaling.txt bash -c "cd bench && exec \"\$PY\" launch_sc
     --configs '$CONFIGS' --concurrency '$CONCURRENCY' --requests '$REQUESTS' \
     --serve-args '--model $MODEL' --gpu '$GPU' --state-dir '$STATE' --out '$OUT' \
     --artifacts '$WORK/artifacts' --watch-dir '$WORK' --config-timeout '$CONFIG_TIMEOUT' --budget $((room - 25)) \
-    --launch-args '--health-timeout 90 --on-mps-fault fail'"
+    --launch-args '--start-timeout 90 --on-mps-fault fail'"

@@ -11,7 +11,7 @@ killed run still leaves every finished row behind. `--cleanup` tears down whatev
 left in its state directory (the device script's exit trap calls it).
 
     python bench/launch_scaling.py --configs 1,2mps,3mps,2,3 --serve-args "--model small" \\
-        --state-dir /tmp/odp --out results/ --launch-args "--health-timeout 90"
+        --state-dir /tmp/odp --out results/ --launch-args "--start-timeout 90"
 """
 
 from __future__ import annotations
@@ -283,7 +283,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpu", default="0")
     parser.add_argument("--serve-args", default="--model small")
     parser.add_argument("--launch-args", default="",
-                        help="more `omni-dp launch` flags, e.g. \"--health-timeout 90 "
+                        help="more `omni-dp launch` flags, e.g. \"--start-timeout 90 "
                              "--on-mps-fault fail\"")
     parser.add_argument("--state-dir", default=None,
                         help="OMNI_DP_STATE_DIR of the runs [default: a new temporary dir, kept]")

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
 
+import click
 import pytest
 
 from omni_dp.engine.config import CONFIG_FILE, WEIGHTS_FILE
+from omni_dp.sizes import parse_size
 
 from conftest import post_json
 
@@ -42,6 +45,241 @@ def test_help_does_not_import_torch():
     code = "import sys; from omni_dp.cli import cli; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "False"
+
+
+_HELP_IMPORTS = """
+import contextlib, io, json, sys
+from omni_dp.cli import main
+sys.argv = ["omni-dp", *sys.argv[1:]]
+with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):
+    main()
+print(json.dumps({"help": out.getvalue(), "torch": "torch" in sys.modules,
+                  "commands": sorted(m for m in sys.modules if m.startswith("omni_dp.cli."))}))
+"""
+
+
+@pytest.mark.parametrize("args", [["--help"], ["launch", "--help"]])
+def test_help_of_the_top_level_and_of_launch_does_not_import_torch(args):
+    result = subprocess.run([sys.executable, "-c", _HELP_IMPORTS, *args], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout)
+    assert "Usage: omni-dp" in seen["help"]
+    assert seen["torch"] is False
+    if args == ["--help"]:  # rendered from the table: no command module is imported
+        assert seen["commands"] == ["omni_dp.cli.common"], seen["commands"]
+    else:
+        assert "omni_dp.cli.commands.launch" in seen["commands"]
+
+
+def test_the_commands_table_lists_every_command_with_its_own_short_help():
+    from omni_dp.cli import CLI_COMMANDS, cli
+
+    result = omni_dp("--help")
+    assert result.returncode == 0
+    listed = [line.split()[0] for line in result.stdout.split("Commands:")[1].splitlines()
+              if line.strip()]
+    assert listed == sorted(CLI_COMMANDS)
+    eager = click.Group(cli.name, help=cli.help, params=cli.params,
+                        context_settings=cli.context_settings)
+    for name, entry in CLI_COMMANDS.items():
+        command = cli.get_command(None, name)
+        assert isinstance(command, click.Command), name
+        assert command.get_short_help_str(10**6) == entry.short_help, name
+        eager.add_command(command, name)
+    for width in (60, 80, 100, 200):  # the table renders exactly what click would
+        def render(group, width=width):
+            ctx = click.Context(group, info_name="omni-dp", terminal_width=width,
+                                max_content_width=100)
+            return group.get_help(ctx)
+
+        assert render(cli) == render(eager)
+
+
+def test_every_command_loads_by_name_and_as_an_attribute():
+    import omni_dp.cli
+    from omni_dp.cli import CLI_COMMANDS
+
+    for name, entry in CLI_COMMANDS.items():
+        attribute = entry.target.partition(":")[2]
+        command = getattr(omni_dp.cli, attribute)
+        assert isinstance(command, click.Command) and command.name == name
+    with pytest.raises(AttributeError):
+        _ = omni_dp.cli.no_such_command
+
+
+# --- every default written once: the options are generated from the settings dataclasses ---
+
+
+def _generated_defaults(command, *dataclasses_with_prefix):
+    """(flag, click default, dataclass default) for every flag field, and the options whose
+    name is a field's but that were not generated from it (a second home of a default)."""
+    from omni_dp.cli.common import FieldOption, cli_fields
+
+    options = {p.name: p for p in command.params}
+    pairs, second_homes = [], []
+    for cls, prefix in dataclasses_with_prefix:
+        for f in cli_fields(cls):
+            option = options[prefix + f.name]
+            if not isinstance(option, FieldOption) or option.field is not f:
+                second_homes.append(option.opts[0])
+                continue
+            default = option.default
+            if f.metadata.get("size") and default is not None:
+                default = parse_size(default)
+            if f.metadata.get("invert"):
+                default = not default
+            pairs.append((option.opts[0], default, f.default))
+    return pairs, second_homes
+
+
+def _commands_and_settings():
+    from omni_dp.cli import launch, router, serve
+    from omni_dp.engine.options import ServeOptions
+    from omni_dp.launcher.options import LaunchOptions
+    from omni_dp.router.config import HealthConfig, RouterConfig
+
+    return {"serve": (serve, [(ServeOptions, "")]),
+            "router": (router, [(RouterConfig, ""), (HealthConfig, "health_")]),
+            "launch": (launch, [(LaunchOptions, "")])}
+
+
+@pytest.mark.parametrize("name", ["serve", "router", "launch"])
+def test_every_option_default_is_the_dataclass_field_default(name):
+    command, settings = _commands_and_settings()[name]
+    pairs, second_homes = _generated_defaults(command, *settings)
+    assert not second_homes, f"written by hand, not generated from the dataclass: {second_homes}"
+    assert len(pairs) >= 15
+    for flag, click_default, field_default in pairs:
+        assert click_default == field_default, flag
+
+
+def test_save_weights_takes_its_defaults_from_serve():
+    from omni_dp.cli import save_weights
+    from omni_dp.engine.options import ServeOptions
+
+    defaults = {p.name: p.default for p in save_weights.params}
+    assert defaults["model"] == ServeOptions.model == "tiny"
+    assert defaults["weight_seed"] == ServeOptions.weight_seed == 0
+
+
+def test_the_serve_options_agree_with_the_engine():
+    from omni_dp.engine import kv_cache, plan
+    from omni_dp.engine.options import DTYPE_NAMES, ServeOptions
+
+    assert ServeOptions().page_size == kv_cache.DEFAULT_PAGE_SIZE
+    assert tuple(plan.DTYPES) == DTYPE_NAMES
+    assert plan.ServeOptions is ServeOptions  # still importable from where it was
+
+
+def test_plan_errors_are_problems():
+    from omni_dp.contract import Problems
+    from omni_dp.engine.plan import ServePlanError
+    from omni_dp.router.config import RouterConfigError
+
+    for error in (ServePlanError, RouterConfigError):
+        raised = error(["one", "two"])
+        assert isinstance(raised, Problems) and isinstance(raised, ValueError)
+        assert raised.problems == ["one", "two"] and str(raised) == "one\ntwo"
+
+
+# --- launch's start-up flags, renamed apart from the router's health flags --------------------
+
+
+@pytest.fixture
+def launch_options(monkeypatch):
+    """Run `omni-dp launch ARGS` in process up to its plan: (the options it would plan with,
+    its stderr). Nothing is read of the machine, nothing started."""
+    from click.testing import CliRunner
+
+    from omni_dp.cli import cli
+
+    seen = []
+
+    def planned(options, problems):
+        seen.append((options, problems))
+        sys.exit(0)
+
+    monkeypatch.setattr("omni_dp.cli.commands.launch._plan", planned)
+
+    def run(*args: str):
+        result = CliRunner().invoke(cli, ["launch", *args], prog_name="omni-dp")
+        assert result.exit_code == 0, result.output
+        options, problems = seen.pop()
+        assert problems == []
+        return options, result.stderr
+
+    return run
+
+
+DEPRECATED = "is deprecated (it goes in the next release); use"
+
+
+def test_launch_start_timeout_and_restart_after_failures(launch_options):
+    options, stderr = launch_options("--start-timeout", "7", "--restart-after-failures", "4")
+    assert (options.start_timeout, options.restart_after_failures) == (7.0, 4)
+    assert DEPRECATED not in stderr
+    defaults, _ = launch_options()
+    assert (defaults.start_timeout, defaults.restart_after_failures) == (300.0, 3)
+
+
+def test_launch_old_spellings_still_work_with_a_warning(launch_options):
+    options, stderr = launch_options("--health-timeout", "7", "--health-failures", "4")
+    assert (options.start_timeout, options.restart_after_failures) == (7.0, 4)
+    warnings = [line for line in stderr.splitlines() if DEPRECATED in line]
+    assert warnings == [
+        f"omni-dp launch: --health-timeout {DEPRECATED} --start-timeout",
+        f"omni-dp launch: --health-failures {DEPRECATED} --restart-after-failures"]
+    both, stderr = launch_options("--start-timeout", "5", "--health-timeout", "9")
+    assert both.start_timeout == 5.0 and DEPRECATED in stderr  # the new spelling wins
+
+
+@pytest.mark.parametrize("key", ["health-timeout", "health_timeout"])
+def test_launch_config_file_old_key_still_works_with_a_warning(launch_options, tmp_path, key):
+    config = tmp_path / "launch.yaml"
+    config.write_text(f"{key}: 9\nrestart-after-failures: 6\n")
+    options, stderr = launch_options("--config", str(config))
+    assert (options.start_timeout, options.restart_after_failures) == (9.0, 6)
+    assert f"omni-dp launch: --config {config}: {key} {DEPRECATED} start-timeout" in stderr
+    flag_wins, _ = launch_options("--config", str(config), "--start-timeout", "11")
+    assert flag_wins.start_timeout == 11.0
+
+
+def test_launch_config_file_new_and_old_key_together_are_set_twice(tmp_path):
+    from omni_dp.launcher.options import load_config_file
+
+    problems: list[str] = []
+    config = tmp_path / "launch.yaml"
+    config.write_text("start-timeout: 5\nhealth_timeout: 9\n")
+    load_config_file(str(config), problems)
+    assert problems == [f"--config {config}: start-timeout is set twice (as 'start-timeout' "
+                        "and 'health_timeout'); keep one"]
+
+
+def test_launch_help_shows_the_new_flags_only_and_the_router_keeps_its_own():
+    launch_help = omni_dp("launch", "--help").stdout
+    assert "--start-timeout" in launch_help and "--restart-after-failures" in launch_help
+    assert "--health-timeout FLOAT" not in launch_help
+    assert "--health-failures INTEGER" not in launch_help
+    router_help = omni_dp("router", "--help").stdout
+    assert "--health-timeout FLOAT" in router_help and "--health-failures INTEGER" in router_help
+    assert "--start-timeout" not in router_help
+
+
+def test_launch_dry_run_with_old_spellings_plans_the_same_run(tmp_path):
+    config = tmp_path / "launch.yaml"
+    config.write_text("health_failures: 4\n")
+    args = ["launch", "--gpu", "none", "--max-total-tokens", "1024", "--dry-run", "--json",
+            "--base-port", "18100", "--router-port", "18000"]
+    old = omni_dp(*args, "--health-timeout", "7", "--config", str(config))
+    new = omni_dp(*args, "--start-timeout", "7", "--restart-after-failures", "4")
+    assert old.returncode == new.returncode == 0, old.stderr + new.stderr
+    assert "--health-timeout is deprecated" in old.stderr
+    assert "health_failures is deprecated" in old.stderr
+    assert "deprecated" not in new.stderr
+    supervision = json.loads(old.stdout)["supervision"]
+    assert (supervision["health_timeout"], supervision["health_failures"]) == (7.0, 4)
+    assert json.loads(new.stdout)["supervision"] == supervision
 
 
 BAD_OPTIONS = [
@@ -124,8 +362,15 @@ def test_other_weight_seed_gives_other_audio(replica, start_replica):
 
 def test_policy_names_agree_everywhere():
     """`--policy` of router and launch, the launcher's plan and the router itself."""
-    from omni_dp.cli import POLICIES
+    from omni_dp.cli.common import POLICIES
     from omni_dp.launcher import plan
     from omni_dp.router import policies
 
     assert set(POLICIES) == set(plan.POLICIES) == set(policies.POLICIES)
+
+
+def test_log_formats_agree_everywhere():
+    from omni_dp import logs
+    from omni_dp.cli.common import LOG_FORMATS
+
+    assert LOG_FORMATS == logs.LOG_FORMATS

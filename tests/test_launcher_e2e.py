@@ -533,7 +533,7 @@ def test_restart_budget_exhausted_marks_the_replica_failed(runs):
 
 def test_failed_bringup_exits_3_and_keeps_only_the_state(runs):
     run = runs(2)
-    result = run.launch("--health-timeout", "0.05", check=False)
+    result = run.launch("--start-timeout", "0.05", check=False)
     output = result.stdout + result.stderr
     assert result.returncode == 3, describe(result)
     assert "FAILED" in output
@@ -557,7 +557,7 @@ def test_failed_bringup_exits_3_and_keeps_only_the_state(runs):
 
 def test_every_state_file_is_private(runs):
     run = runs(1)
-    result = run.launch("--health-timeout", "0.05", check=False)  # keeps the state, quickly
+    result = run.launch("--start-timeout", "0.05", check=False)  # keeps the state, quickly
     assert result.returncode == 3, describe(result)
     old_umask = os.umask(0)
     os.umask(old_umask)
@@ -634,7 +634,7 @@ def test_a_dead_router_is_restarted_and_serves_again(runs):
 
 def test_a_hung_replica_is_restarted_after_consecutive_failed_health_checks(runs):
     run = runs(2)
-    run.launch("--health-failures", "2", *SUPERVISION)
+    run.launch("--restart-after-failures", "2", *SUPERVISION)
     hung = run.run_json()["replicas"][0]["pid"]
     os.kill(hung, signal.SIGSTOP)  # alive, but answers nothing
     try:

@@ -42,7 +42,7 @@ FLAG_CASES = [
      ["--check-interval", "nan"]),
     ("drain-timeout-inf", ["--drain-timeout", "inf"], None, ["--drain-timeout", "inf"]),
     ("restart-window-minus-inf", ["--restart-window", "-inf"], None, ["--restart-window"]),
-    ("health-timeout-nan", ["--health-timeout", "NaN"], None, ["--health-timeout", "nan"]),
+    ("start-timeout-nan", ["--start-timeout", "NaN"], None, ["--start-timeout", "nan"]),
     ("memory-headroom-nan", ["--memory-headroom", "nan"], None, ["--memory-headroom"]),
     ("memory-headroom-inf", ["--memory-headroom", "inf"], None, ["--memory-headroom"]),
     ("check-interval-zero", ["--check-interval", "0"], None, ["--check-interval"]),
@@ -65,7 +65,8 @@ FLAG_CASES = [
     ("router-workers-zero", ["--router-workers", "0"], None, ["--router-workers"]),
     ("router-workers-fork-bomb", ["--router-workers", "100000"], None,
      ["--router-workers 100000", "at most"]),
-    ("health-failures-zero", ["--health-failures", "0"], None, ["--health-failures"]),
+    ("restart-after-failures-zero", ["--restart-after-failures", "0"], None,
+     ["--restart-after-failures"]),
     ("restart-budget-negative", ["--restart-budget", "-1"], None, ["--restart-budget"]),
     ("two-kv-pins", ["--kv-cache-bytes", "1GiB", "--max-total-tokens", "1024"], None,
      ["--kv-cache-bytes and --max-total-tokens"]),
@@ -113,7 +114,7 @@ YAML_CASES = [
     ("yaml-nan", [], "check_interval: .nan\n", ["check-interval must be a finite number"]),
     ("yaml-inf", [], "drain-timeout: .inf\n", ["drain-timeout must be a finite number"]),
     ("yaml-minus-inf", [], "restart_window: -.inf\n", ["restart-window must be a finite"]),
-    ("yaml-overflowing-float", [], "health_timeout: 1.0e+400\n", ["health-timeout must be"]),
+    ("yaml-overflowing-float", [], "start_timeout: 1.0e+400\n", ["start-timeout must be"]),
     ("yaml-headroom-nan", [], "memory_headroom: .NaN\n", ["memory-headroom must be"]),
     ("yaml-integer-too-large-for-float", [], "check_interval: " + "9" * 400 + "\n",
      ["check-interval must be a finite number"]),
@@ -357,6 +358,31 @@ def _unit_plan(tmp_path: Path, **options):
                                         "cpu_blocks": "none", **options}), facts)
 
 
+def _healthy(state, index: int = 0, **fields) -> None:
+    """A replica as bring-up leaves it: started, then healthy (the lifecycle's only way)."""
+    from omni_dp.runfile import ReplicaState
+
+    state.update_replica(index, state=ReplicaState.STARTING, **fields)
+    state.update_replica(index, state=ReplicaState.HEALTHY)
+
+
+def _started_healthy(state, pid: int, url: str) -> None:
+    """Replica 0 recorded as this live process, listening on url, healthy."""
+    from omni_dp.procs import identify
+
+    _healthy(state, identity=identify(pid), pgid=pid, url=url)
+
+
+def _no_router_process(state, url: str):
+    """A router record for a stub at url with no process of its own: its identity is this
+    test process's pid with another create time, so nothing ever takes it for alive."""
+    from omni_dp.procs import ProcessIdentity
+    from omni_dp.runfile import RouterRecord
+
+    return RouterRecord(ProcessIdentity(os.getpid(), 0.0), 0, url, state.plan.router.argv,
+                        "router.log")
+
+
 @pytest.fixture
 def silent_replica():
     """A live process standing in for a replica, and a port that accepts but never answers
@@ -385,23 +411,22 @@ def test_detach_is_not_reported_when_the_supervisor_dies_before_supervising(
 
     from omni_dp.launcher import launch
     from omni_dp.launcher.state import RunState
-    from omni_dp.procs import identify
+    from omni_dp.runfile import RunPhase
 
     sleeper, url = silent_replica
     state = RunState.create(_unit_plan(tmp_path))
     state.update(launcher=None)  # this test process: the supervisor's teardown must spare it
-    state.update_replica(0, **identify(sleeper.pid).to_json(), pgid=sleeper.pid, url=url,
-                         state="healthy")
-    state.update(state="running")
+    _started_healthy(state, sleeper.pid, url)
+    state.set_phase(RunPhase.RUNNING)
     killed: list[int] = []
 
     def kill_once_recorded() -> None:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            record = RunState.load(state.directory).data.get("supervisor")
+            record = RunState.load(state.directory).record.supervisor
             if record:
-                os.kill(record["pid"], signals.SIGKILL)
-                killed.append(record["pid"])
+                os.kill(record.identity.pid, signals.SIGKILL)
+                killed.append(record.identity.pid)
                 return
             time.sleep(0.005)
 
@@ -433,20 +458,20 @@ def test_detach_waits_for_the_supervisors_first_sweep(tmp_path, silent_replica):
     from omni_dp.launcher import launch
     from omni_dp.launcher.state import RunState
     from omni_dp.launcher.teardown import teardown
-    from omni_dp.procs import identify
+    from omni_dp.runfile import RunPhase
 
     sleeper, url = silent_replica
     state = RunState.create(_unit_plan(tmp_path))
     state.update(launcher=None)  # this test process: the supervisor's teardown must spare it
-    state.update_replica(0, **identify(sleeper.pid).to_json(), pgid=sleeper.pid, url=url,
-                         state="healthy")
+    _started_healthy(state, sleeper.pid, url)
+    state.set_phase(RunPhase.RUNNING)  # as bring-up leaves it before the hand-off
     handlers = {sig: signals.getsignal(sig) for sig in (signals.SIGTERM, signals.SIGINT)}
     said: list[str] = []
     try:
         code = launch._hand_off(state, [], threading.Event(), said.append)
-        record = RunState.load(state.directory).data["supervisor"]
+        record = RunState.load(state.directory).record.supervisor
         assert code == 0, said
-        assert record["supervising_since"] and psutil.pid_exists(record["pid"])
+        assert record.supervising_since and psutil.pid_exists(record.identity.pid)
         assert "supervisor_supervising" in [e["event"] for e in
                                             RunState.load(state.directory).events()]
     finally:
@@ -540,16 +565,16 @@ def test_a_failed_router_admin_call_is_a_visible_warning_never_a_success(tmp_pat
     try:
         state = RunState.create(_unit_plan(tmp_path))
         state.api_key = "s3cret-key"
-        state.update(router={"pid": None, "create_time": None, "url": stub.url})
-        state.update_replica(0, state="healthy")
+        state.update(router=_no_router_process(state, stub.url))
+        _healthy(state)
         said: list[str] = []
         supervisor = Supervisor(state, ReplicaSet(state), detached=True, say=said.append)
-        assert supervisor._set_disabled(0, False) is False
+        assert supervisor.router.set_disabled(0, False) is False
     finally:
         stub.close()
     assert stub.seen == [("/workers/0", "Bearer s3cret-key", b'{"disabled": false}')]
     record = RunState.load(state.directory).replica(0)
-    assert f"answered {status}" in record["last_error"]
+    assert f"answered {status}" in record.last_error
     assert any(line.startswith("warning: ") and f"answered {status}" in line for line in said)
     events = RunState.load(state.directory).events()
     assert [e["event"] for e in events] == ["router_admin_failed"]
@@ -558,7 +583,7 @@ def test_a_failed_router_admin_call_is_a_visible_warning_never_a_success(tmp_pat
     assert "s3cret-key" not in (state.directory / "run.json").read_text()
     assert "s3cret-key" not in (state.directory / "events.jsonl").read_text()
     if status == 401:
-        assert "--api-key" in record["last_error"]
+        assert "--api-key" in record.last_error
 
 
 def test_a_router_that_refused_a_replica_is_asked_again_until_it_takes_it(tmp_path):
@@ -569,21 +594,21 @@ def test_a_router_that_refused_a_replica_is_asked_again_until_it_takes_it(tmp_pa
     refusing, accepting = _AdminStub(503), _AdminStub(200)
     try:
         state = RunState.create(_unit_plan(tmp_path))
-        state.update(router={"pid": None, "create_time": None, "url": refusing.url})
-        state.update_replica(0, state="healthy")
+        state.update(router=_no_router_process(state, refusing.url))
+        _healthy(state)
         said: list[str] = []
         supervisor = Supervisor(state, ReplicaSet(state), detached=True, say=said.append)
-        supervisor.not_in_router.add(0)
-        supervisor._retry_router_enable()
-        assert supervisor.not_in_router == {0} and not any("back in" in s for s in said)
-        state.update(router={"pid": None, "create_time": None, "url": accepting.url})
-        supervisor._retry_router_enable()
+        supervisor.router.not_in_router.add(0)
+        supervisor.router.retry_enable(skip=lambda index: False)
+        assert supervisor.router.not_in_router == {0} and not any("back in" in s for s in said)
+        state.update(router=_no_router_process(state, accepting.url))
+        supervisor.router.retry_enable(skip=lambda index: False)
     finally:
         refusing.close()
         accepting.close()
-    assert supervisor.not_in_router == set()
+    assert supervisor.router.not_in_router == set()
     assert said[-1] == "replica 0: back in the router"
-    assert state.replica(0)["last_error"] is None
+    assert state.replica(0).last_error is None
 
 
 # --- end to end: real replicas and router on loopback ---------------------------------------

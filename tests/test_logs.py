@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from launcher_helpers import Run, describe, environ, free_ports, http, speech, wait_for
 from test_launcher_plan import h200, opts, plan, problems_of, sizing, smt_topology
+from test_mps_cli import run_record
 
 from omni_dp.launcher.facts import LaunchFacts
 from omni_dp.launcher.options import load_config_file, merge_options
@@ -270,7 +271,7 @@ def fake_run(tmp_path) -> tuple[dict[str, str], Path]:
     root = tmp_path / "state"
     directory = root / "runs" / "r1"
     (directory / "logs").mkdir(parents=True)
-    (directory / "run.json").write_text(json.dumps({"schema": 1, "run_id": "r1"}))
+    (directory / "run.json").write_text(json.dumps(run_record("r1", [{"index": 0}])))
     (directory / "run_token").write_text("t\n")
     (directory / "logs" / "replica_0.log").write_bytes(b"one\ntwo\nthree\n")
     env = {**os.environ, "OMNI_DP_STATE_DIR": str(root)}
@@ -288,6 +289,37 @@ def test_logs_n_prints_that_many_last_lines_and_0_none(fake_run):
     none = logs_cli(env, "--replica", "0", "-n", "0")
     assert none.returncode == 0 and none.stdout == ""
     assert logs_cli(env, "--replica", "0", "-n", "-1").returncode == 2
+
+
+def test_logs_of_several_logs_prefix_each_line_and_a_missing_one_exits_2(fake_run):
+    env, directory = fake_run
+    (directory / "logs" / "router.log").write_bytes(b"up\nready\n")
+    every = logs_cli(env, "-n", "1")
+    assert every.returncode == 0 and every.stdout == "[replica_0] three\n[router] ready\n"
+    assert logs_cli(env, "--router").stdout == "up\nready\n"  # one log: no prefix
+    missing = logs_cli(env, "--replica", "7")
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert f"omni-dp logs: no replica_7.log in {directory / 'logs'}" in missing.stderr
+
+
+def test_logview_selects_and_shows_without_a_command_line(tmp_path):
+    from omni_dp.launcher.logview import LogError, select_logs, show_logs
+
+    (tmp_path / "replica_0.log").write_bytes(b"a\nb\npartial")
+    (tmp_path / "supervisor.log").write_bytes(b"s\n")
+    assert select_logs(tmp_path) == [tmp_path / "replica_0.log", tmp_path / "supervisor.log"]
+    assert select_logs(tmp_path, supervisor=True) == [tmp_path / "supervisor.log"]
+    with pytest.raises(LogError, match=r"no router\.log in"):
+        select_logs(tmp_path, router=True)
+    written: list[str] = []
+    show_logs(select_logs(tmp_path), lines=2, follow=False, write=written.append)
+    assert written == ["[replica_0] b", "[replica_0] partial", "[supervisor] s"]
+    written.clear()  # following: whole lines only, and stopped once the run is gone
+    show_logs([tmp_path / "replica_0.log"], lines=5, follow=True, write=written.append,
+              running=lambda: False)
+    assert written == ["a", "b"]
+    with pytest.raises(LogError, match="cannot read"):
+        show_logs([tmp_path / "gone.log"], lines=1, follow=False, write=written.append)
 
 
 class Followed:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,36 @@ def omni_dp(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           stdin=subprocess.DEVNULL)
 
 
+def run_record(run_id: str, replicas: list[dict], daemon: dict | None = None,
+               gpu: str = "GPU-test") -> dict:
+    """A whole run.json (schema 1) as the launcher writes it; `replicas` holds what differs
+    per replica (index and processes at least)."""
+    device = "cuda" if daemon else "cpu"
+    return {
+        "schema": 1, "run_id": run_id, "created_at": time.time(), "state": "running",
+        "gpu": gpu, "device": device,
+        "plan": {
+            "replicas": len(replicas), "engine": "builtin", "engine_args": [],
+            "config_file": None, "device": device, "gpu": gpu, "gpu_numa_node": None,
+            "mps": daemon is not None, "start": "parallel", "cpu_blocks": "none",
+            "kv_cache_bytes": None, "max_total_tokens": 1024, "expected_kv_tokens": 1024,
+            "router": {"url": "http://127.0.0.1:1", "policy": "least_request", "workers": 1,
+                       "argv": []},
+            "supervision": {"check_interval": 2.0, "health_failures": 3, "restart_budget": 5,
+                            "restart_window": 600.0, "on_mps_fault": "restart",
+                            "health_timeout": 300.0, "drain_timeout": 30.0},
+            "log_format": "text", "warnings": [], "command": "omni-dp", "api_key_set": False,
+        },
+        "launcher": None, "supervisor": None, "router": None,
+        "mps": {"daemon": daemon} if daemon else None,
+        "replicas": [{"port": 1 + r["index"], "url": f"http://127.0.0.1:{1 + r['index']}",
+                      "cpus": None, "argv": [], "env": {}, "log": f"replica_{r['index']}.log",
+                      "pid": None, "create_time": None, "pgid": None, "processes": [],
+                      "state": "healthy", "kv_tokens": 1024, "mps_attached": None,
+                      "restarts": [], "last_error": None, **r} for r in replicas],
+    }
+
+
 def write_run(root: Path, run_id: str, standin, daemon_pid: int, replicas: list[dict],
               mps: bool = True) -> Path:
     """A run state as the launcher writes it (schema 1), with a stand-in daemon record."""
@@ -31,8 +62,7 @@ def write_run(root: Path, run_id: str, standin, daemon_pid: int, replicas: list[
     daemon = {"pid": identity.pid, "create_time": identity.create_time,
               "binary": str(standin.binary), "pipe_dir": str(run_dir / "mps" / "pipe"),
               "log_dir": str(run_dir / "mps" / "log"), "gpu_uuid": "GPU-test"}
-    state = {"schema": 1, "run_id": run_id, "gpu": "GPU-test",
-             "mps": {"daemon": daemon} if mps else None, "replicas": replicas}
+    state = run_record(run_id, replicas, daemon if mps else None)
     (run_dir / "run.json").write_text(json.dumps(state))
     (run_dir / "run_token").write_text(TOKEN)
     return run_dir

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from omni_dp.contract import Problems
 from omni_dp.engine.config import ModelConfig, ModelConfigError, resolve_model
-from omni_dp.engine.kv_cache import DEFAULT_PAGE_SIZE, KVCacheSpec, KVSizingError, plan_kv_cache
+from omni_dp.engine.kv_cache import KVCacheSpec, KVSizingError, plan_kv_cache
+from omni_dp.engine.options import DTYPE_NAMES, ServeOptions
 from omni_dp.sizes import format_size
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
-          "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 # What a replica holds besides its weights and KV pool; used only to refuse a plan that cannot
 # fit, never to size anything. On CPU: activations and allocator slack. On a GPU the CUDA
 # context itself (~0.5 GiB on Hopper with lazy module loading), cuBLAS workspaces, activations
@@ -37,30 +38,8 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-class ServePlanError(ValueError):
-    def __init__(self, problems: list[str]) -> None:
-        super().__init__("\n".join(problems))
-        self.problems = problems
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    host: str = "127.0.0.1"
-    port: int = 8100
-    model: str = "tiny"
-    weight_seed: int = 0
-    device: str = "auto"
-    dtype: str = "auto"
-    threads: int | None = None
-    kv_cache_bytes: int | None = None
-    max_total_tokens: int | None = None
-    page_size: int = DEFAULT_PAGE_SIZE
-    max_running_requests: int = 32
-    max_queued_requests: int = 256
-    max_input_chars: int = 2000
-    max_body_bytes: int = 64 * 1024
-    drain_timeout: float = 30.0
-    served_model_name: str | None = None
+class ServePlanError(Problems):
+    """Every problem of a serve command line; nothing was started."""
 
 
 @dataclass(frozen=True)

@@ -15,51 +15,122 @@ import yaml.composer
 import yaml.constructor
 import yaml.reader
 
+from omni_dp.contract import API_KEY_ENV
 from omni_dp.sizes import parse_size
 
 START_MODES = ("sequential", "parallel")
 MPS_FAULT_ACTIONS = ("restart", "fail")
 
 
+_MPS_CONTROL_HELP = (
+    "The nvidia-cuda-mps-control binary (its nvidia-cuda-mps-server is found beside it). "
+    "[default: $OMNI_DP_MPS_CONTROL, then PATH, /usr/local/nvidia/bin, /usr/bin, next to "
+    "nvidia-smi]")
+
+
+# The flags of `omni-dp launch` are generated from these fields, in this order (omni_dp/cli
+# reads the metadata: help, flag, ...); each default is written here only. A field's flag
+# (without the dashes) is also its --config key.
 @dataclass(frozen=True)
 class LaunchOptions:
-    replicas: int = 1
-    mps: bool = False
-    gpu: str = "auto"  # auto | none | INDEX | GPU-UUID
-    cpu_blocks: str = "auto"  # auto | none | "0-3 4-7 …"
-    kv_cache_bytes: int | None = None
-    max_total_tokens: int | None = None
-    start: str | None = None  # None: parallel when every replica's KV is a fixed size
-    host: str = "127.0.0.1"  # the router's address; replicas always listen on loopback
-    router_port: int = 8000
-    base_port: int = 8100
-    policy: str = "least_request"
-    router_workers: int = 1
-    run_id: str | None = None
-    detach: bool = False
-    engine: str = "builtin"
-    engine_args: tuple[str, ...] = ()
-    mps_control: str | None = None
-    no_gpu_check: bool = False  # --mps where NVML sees no GPU: exercises the daemon only
-    memory_headroom: float = 0.05  # fraction of device memory kept free by the fit check
-    health_timeout: float = 300.0  # per replica start, seconds
-    drain_timeout: float = 30.0
-    check_interval: float = 2.0  # supervision sweep
-    health_failures: int = 3  # consecutive failed /health before a restart
-    restart_budget: int = 5
-    restart_window: float = 600.0
-    on_mps_fault: str = "restart"
+    replicas: int = field(default=1, metadata={
+        "short": "-n", "help": "How many complete replicas of the pipeline to run."})
+    mps: bool = field(default=False, metadata={
+        "help": "Run the replicas under a private CUDA MPS daemon and prove every GPU process "
+                "attached."})
+    gpu: str = field(default="auto", metadata={  # auto | none | INDEX | GPU-UUID
+        "metavar": "auto|none|INDEX|UUID",
+        "help": "The one GPU (auto: GPU 0 when there is one; none: run on CPU)."})
+    cpu_blocks: str = field(default="auto", metadata={  # auto | none | "0-3 4-7 …"
+        "metavar": 'auto|none|"0-3 4-7"',
+        "help": "CPU cores per replica: auto (disjoint whole cores, GPU's NUMA node first), "
+                "none (unpinned) or one CPU list per replica."})
+    kv_cache_bytes: int | None = field(default=None, metadata={
+        "size": True, "help": "Pin every replica's KV pool to this many bytes, e.g. 2GiB."})
+    max_total_tokens: int | None = field(default=None, metadata={
+        "help": "Pin every replica's KV pool to this many tokens."})
+    # None: parallel when every replica's KV is a fixed size
+    start: str | None = field(default=None, metadata={
+        "choices": START_MODES,
+        "help": "Start the replicas one after another, or together.  [default: parallel "
+                "(every replica's KV is a fixed size)]"})
+    # the router's address; replicas always listen on loopback
+    host: str = field(default="127.0.0.1", metadata={
+        "help": "Address the router listens on (replicas always listen on 127.0.0.1)."})
+    router_port: int = field(default=8000, metadata={"help": None})
+    base_port: int = field(default=8100, metadata={
+        "help": "Replica i listens on BASE_PORT + i."})
+    policy: str = field(default="least_request", metadata={  # choices: the router's
+        "help": "The router's load-balancing policy."})
+    router_workers: int = field(default=1, metadata={
+        "help": "Router processes sharing the port (SO_REUSEPORT)."})
+    run_id: str | None = field(default=None, metadata={
+        "help": "Name the run (default: run-DATE-TIME-XXXX)."})
+    detach: bool = field(default=False, metadata={
+        "help": "Return once the run is verified; a background supervisor keeps it up."})
+    config_file: str | None = field(default=None, compare=False, metadata={
+        "flag": "--config", "metavar": "FILE",
+        "help": "A YAML file with these settings (dashes or underscores); flags win."})
+    engine: str = field(default="builtin", metadata={"flag": None})
+    # what follows `--` on the command line
+    engine_args: tuple[str, ...] = field(default=(), metadata={"flag": None})
+    mps_control: str | None = field(default=None, metadata={
+        "metavar": "PATH", "help": _MPS_CONTROL_HELP})
+    # --mps where NVML sees no GPU: exercises the daemon only
+    no_gpu_check: bool = field(default=False, metadata={
+        "help": "With --mps where NVML sees no GPU: start the daemon anyway (exercises the "
+                "machinery; attach verification cannot pass without GPU clients)."})
+    # per replica start, seconds
+    start_timeout: float = field(default=300.0, metadata={
+        "deprecated": ("--health-timeout",),
+        "help": "Seconds a replica may take to become healthy (formerly --health-timeout)."})
+    drain_timeout: float = field(default=30.0, metadata={
+        "help": "Seconds in-flight requests get when a replica or the router stops."})
+    check_interval: float = field(default=2.0, metadata={  # supervision sweep
+        "help": "Seconds between supervision sweeps."})
+    # consecutive failed /health before a restart
+    restart_after_failures: int = field(default=3, metadata={
+        "deprecated": ("--health-failures",),
+        "help": "Consecutive failed /health checks before a replica is restarted (formerly "
+                "--health-failures)."})
+    restart_budget: int = field(default=5, metadata={
+        "help": "Restarts per replica within --restart-window before it is marked failed."})
+    restart_window: float = field(default=600.0, metadata={"help": None})
+    on_mps_fault: str = field(default="restart", metadata={
+        "choices": MPS_FAULT_ACTIONS,
+        "help": "If the MPS daemon dies or logs a fault: restart it and every replica, or "
+                "stop the run."})
+    # fraction of device memory kept free by the fit check
+    memory_headroom: float = field(default=0.05, metadata={
+        "help": "Fraction of GPU memory the fit check keeps free."})
     # The router's API key; kept out of run.json, argv and repr (it goes by environment).
-    api_key: str | None = field(default=None, repr=False)
-    log_format: str = "text"  # text | json, for the launcher, supervisor, replicas and router
-    config_file: str | None = field(default=None, compare=False)
+    api_key: str | None = field(default=None, repr=False, metadata={
+        "envvar": API_KEY_ENV, "metavar": "KEY",
+        "help": "The router requires `Authorization: Bearer KEY` (but on /health, /ready, "
+                "/live, /metrics); the supervisor's admin calls send it. Passed by "
+                f"environment, never written to the run's state. Also read from {API_KEY_ENV}."})
+    # text | json, for the launcher, supervisor, replicas and router; help: the CLI's
+    log_format: str = field(default="text", metadata={"help": None})
 
 
-FIELDS = {f.name: f for f in dataclasses.fields(LaunchOptions) if f.name != "config_file"}
-# What a --config file may set: every launch flag's setting, and engine_args (what follows `--`).
-# `engine` has no flag while there is one built-in engine; its key comes with the flag.
+def setting_name(f: dataclasses.Field) -> str:
+    """A field's --config key and the name problems give it: its flag without the dashes,
+    underscored."""
+    flag = f.metadata.get("flag", f.name)
+    return (flag or f.name).lstrip("-").replace("-", "_")
+
+
+# Every setting by its name (as in the flags and the --config file) -> its field; config_file
+# is the file itself. `engine` has no flag while there is one built-in engine; its key comes
+# with the flag.
+FIELDS = {setting_name(f): f for f in dataclasses.fields(LaunchOptions)
+          if f.name != "config_file"}
 FILE_KEYS = {name for name in FIELDS if name != "engine"}
-_SIZE_FIELDS = {"kv_cache_bytes"}
+# The old names of renamed settings (health_timeout -> start_timeout): accepted in a --config
+# file for one release, with a warning.
+DEPRECATED_KEYS = {old.lstrip("-").replace("-", "_"): name for name, f in FIELDS.items()
+                   for old in f.metadata.get("deprecated", ())}
+_SIZE_FIELDS = {f.name for f in FIELDS.values() if f.metadata.get("size")}
 MAX_CONFIG_BYTES = 1024**2  # a settings file is a few lines; /dev/zero must not fill memory
 # The deepest a setting nests is 2 (the top mapping, then the engine_args list); PyYAML's
 # composer recurses per level, so an unbounded document would end in a RecursionError.
@@ -96,15 +167,15 @@ def _dashed(name: str) -> str:
     return name.replace("_", "-")
 
 
-def _coerce(name: str, value, problems: list[str], source: str):
-    """A YAML value to the field's type, or a problem naming the key."""
+def _coerce(f: dataclasses.Field, value, problems: list[str], source: str, shown: str):
+    """A YAML value to the field's type, or a problem naming the key as shown."""
     if value is None:
         return None
-    expected = FIELDS[name].type
+    expected = f.type
     try:
-        if name in _SIZE_FIELDS:
+        if f.name in _SIZE_FIELDS:
             return parse_size(str(value))
-        if name == "engine_args":
+        if f.name == "engine_args":
             if isinstance(value, str):
                 value = value.split()
             if not (isinstance(value, list) and all(
@@ -143,7 +214,7 @@ def _coerce(name: str, value, problems: list[str], source: str):
             raise ValueError("a string without NUL characters")
         return text
     except ValueError as exc:
-        problems.append(f"{source}: {_dashed(name)} must be {exc}")
+        problems.append(f"{source}: {shown} must be {exc}")
         return None
 
 
@@ -188,8 +259,10 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return str(exc).splitlines()[0]
 
 
-def load_config_file(path: str, problems: list[str]) -> dict:
-    """The settings of a YAML file as field values; problems appended, nothing raised."""
+def load_config_file(path: str, problems: list[str],
+                     deprecations: list[str] | None = None) -> dict:
+    """The settings of a YAML file as field values; problems appended, nothing raised. A key
+    of a renamed setting still counts, and appends a warning to `deprecations`."""
     source = f"--config {path}"
     text = _read_text(path, source, problems)
     if text is None:
@@ -203,7 +276,8 @@ def load_config_file(path: str, problems: list[str]) -> dict:
         if not isinstance(root, yaml.MappingNode):
             problems.append(f"{source}: the top level must be a mapping of settings")
             return {}
-        return _settings(loader, root, source, problems)
+        return _settings(loader, root, source, problems,
+                         [] if deprecations is None else deprecations)
     except yaml.YAMLError as exc:
         problems.append(f"{source}: cannot read it as YAML: {_yaml_problem(exc)}")
         return {}
@@ -213,11 +287,11 @@ def load_config_file(path: str, problems: list[str]) -> dict:
 
 
 def _settings(loader: _ConfigLoader, root: yaml.MappingNode, source: str,
-              problems: list[str]) -> dict:
+              problems: list[str], deprecations: list[str]) -> dict:
     """The top mapping key by key, so that a problem names its setting and line, and a key
     given twice is a problem (safe_load keeps the last one silently)."""
-    values: dict = {}
-    seen: dict[str, tuple[str, int]] = {}  # field name -> (key as written, line)
+    values: dict = {}  # field name -> value
+    seen: dict[str, tuple[str, int]] = {}  # setting name -> (key as written, line)
     for key_node, value_node in root.value:
         line = key_node.start_mark.line + 1
         if not isinstance(key_node, yaml.ScalarNode):
@@ -226,30 +300,43 @@ def _settings(loader: _ConfigLoader, root: yaml.MappingNode, source: str,
                             f"{kind}")
             continue
         key = key_node.value  # never constructed: a name is its text, whatever its tag
-        name = key.replace("-", "_")
+        written = key.replace("-", "_")
+        name = DEPRECATED_KEYS.get(written, written)
         if name in seen:
-            first, first_line = seen[name]
-            how = (f"lines {first_line} and {line}" if first == key else
-                   f"as {first!r} and {key!r}")
-            problems.append(f"{source}: {_dashed(name)} is set twice ({how}); keep one")
-            values.pop(name, None)
+            problems.append(_set_twice(source, name, seen[name], key, line))
+            if name in FIELDS:
+                values.pop(FIELDS[name].name, None)
             continue
         seen[name] = (key, line)
         if name not in FILE_KEYS:
-            known = ", ".join(sorted(_dashed(n) for n in FILE_KEYS))
-            shown = key if len(key) <= 60 else key[:57] + "..."
-            problems.append(f"{source}: unknown setting {shown!r} (known: {known})")
+            problems.append(_unknown(source, key))
             continue
+        if name != written:
+            deprecations.append(f"{source}: {key} is deprecated (it goes in the next release); "
+                                f"use {_dashed(name)}")
+        f = FIELDS[name]
         try:
             value = loader.construct_object(value_node, deep=True)
         except (yaml.YAMLError, ValueError, OverflowError) as exc:
             why = (_yaml_problem(exc) if isinstance(exc, yaml.YAMLError) else
                    f"cannot read this value ({str(exc).split(';')[0]})")
-            problems.append(f"{source}: {_dashed(name)} (line {line}): {why}")
-            values[name] = None
+            problems.append(f"{source}: {_dashed(written)} (line {line}): {why}")
+            values[f.name] = None
             continue
-        values[name] = _coerce(name, value, problems, source)
+        values[f.name] = _coerce(f, value, problems, source, _dashed(written))
     return values
+
+
+def _set_twice(source: str, name: str, first: tuple[str, int], key: str, line: int) -> str:
+    first_key, first_line = first
+    how = f"lines {first_line} and {line}" if first_key == key else f"as {first_key!r} and {key!r}"
+    return f"{source}: {_dashed(name)} is set twice ({how}); keep one"
+
+
+def _unknown(source: str, key: str) -> str:
+    known = ", ".join(sorted(_dashed(n) for n in FILE_KEYS))
+    shown = key if len(key) <= 60 else key[:57] + "..."
+    return f"{source}: unknown setting {shown!r} (known: {known})"
 
 
 def replica_ports(o: LaunchOptions) -> range:

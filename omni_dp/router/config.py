@@ -7,48 +7,96 @@ import ipaddress
 import math
 from dataclasses import dataclass, field
 
+from omni_dp.contract import API_KEY_ENV, Problems
 from omni_dp.router.policies import POLICIES
 from omni_dp.router.replicas import ReplicaError, validate_id, validate_url
 
 
-class RouterConfigError(ValueError):
-    def __init__(self, problems: list[str]) -> None:
-        super().__init__("\n".join(problems))
-        self.problems = problems
+class RouterConfigError(Problems):
+    """Every problem of a router command line or config; nothing was started."""
+
+
+# The flags of `omni-dp router` are generated from these fields (omni_dp/cli/common.py reads
+# the metadata: help, flag, ...); each default is written here only.
 
 
 @dataclass(frozen=True)
 class HealthConfig:
-    interval_s: float = 5.0
-    timeout_s: float = 2.0
-    failure_threshold: int = 3  # consecutive failures (active or passive) that eject
-    success_threshold: int = 2  # consecutive successful checks that re-admit
-    jitter: float = 0.2  # each interval is scaled by a random factor in [1 - jitter, 1 + jitter]
-    path: str = "/health"
+    interval_s: float = field(default=5.0, metadata={
+        "flag": "--health-interval",
+        "help": "Seconds between active /health checks of each replica."})
+    timeout_s: float = field(default=2.0, metadata={
+        "flag": "--health-timeout", "help": "Seconds a /health check may take."})
+    # consecutive failures (active or passive) that eject
+    failure_threshold: int = field(default=3, metadata={
+        "flag": "--health-failures",
+        "help": "Consecutive failures (checks, connection errors, 502/504) that eject."})
+    # consecutive successful checks that re-admit
+    success_threshold: int = field(default=2, metadata={
+        "flag": "--health-successes",
+        "help": "Consecutive passing checks that re-admit an ejected replica."})
+    # each interval is scaled by a random factor in [1 - jitter, 1 + jitter]
+    jitter: float = field(default=0.2, metadata={
+        "flag": "--health-jitter",
+        "help": "Each check interval is scaled by a random factor in [1-J, 1+J]."})
+    path: str = field(default="/health", metadata={"flag": None})
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    replicas: tuple[tuple[str, str], ...] = ()  # (id, url)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    policy: str = "least_request"
-    workers: int = 1
-    api_key: str | None = None
-    admin_allow_remote: bool = False
-    max_inflight: int | None = None  # None: max_inflight_per_replica × replicas
-    max_inflight_per_replica: int = 256
-    max_body_bytes: int = 64 * 1024**2
+    replicas: tuple[tuple[str, str], ...] = field(default=(), metadata={  # (id, url)
+        "flag": "--replica", "multiple": True, "metavar": "[ID=]URL",
+        "help": "A replica to route to, e.g. http://127.0.0.1:8101 or 0=http://…; repeat for "
+                "each. The id defaults to the position. More can be added at runtime with POST "
+                "/workers."})
+    host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on."})
+    port: int = field(default=8000, metadata={"help": "TCP port to listen on."})
+    policy: str = field(default="least_request", metadata={
+        "choices": tuple(POLICIES),
+        "help": "How a replica is chosen among the routable ones with room."})
+    workers: int = field(default=1, metadata={
+        "help": "Router processes sharing the port (SO_REUSEPORT), for when one core is the "
+                "limit. Bounds are split between them."})
+    api_key: str | None = field(default=None, metadata={
+        "envvar": API_KEY_ENV,
+        "help": "Require `Authorization: Bearer KEY` (or X-API-Key) on every route but "
+                f"/health, /ready, /live and /metrics. Also read from {API_KEY_ENV}."})
+    admin_allow_remote: bool = field(default=False, metadata={
+        "help": "Let non-loopback clients use /workers (loopback only by default)."})
+    # None: max_inflight_per_replica × replicas
+    max_inflight: int | None = field(default=None, metadata={
+        "help": "Requests in flight through the router; more get 503 + Retry-After at once. "
+                "[default: --max-inflight-per-replica × replicas]"})
+    max_inflight_per_replica: int = field(default=256, metadata={
+        "help": "Requests in flight to one replica; also its upstream connection pool size."})
+    max_body_bytes: int = field(default=64 * 1024**2, metadata={
+        "size": True, "help": "Largest accepted request body (413 beyond)."})
     # Bodies are read before a request is admitted, so a slow sender holds a reader slot (its
     # own bound) for at most body_timeout_s, never one of the in-flight slots.
-    max_body_readers: int | None = None  # None: 4 × the in-flight bound
-    body_timeout_s: float = 30.0
-    header_timeout_s: float = 30.0  # request headers, and idle keep-alive connections
-    connect_timeout_s: float = 5.0
-    request_timeout_s: float = 1800.0
-    retry_connect_failures: bool = True
-    health: HealthConfig = field(default_factory=HealthConfig)
-    seed: int | None = None  # for the random policies; tests fix it
+    max_body_readers: int | None = field(default=None, metadata={  # None: 4 × in-flight bound
+        "help": "Requests whose body is still arriving; more get 503 + Retry-After. Bodies are "
+                "read before a request takes an in-flight slot, so slow senders never hold "
+                "those. [default: 4 × the --max-inflight bound]"})
+    body_timeout_s: float = field(default=30.0, metadata={
+        "flag": "--body-timeout",
+        "help": "Seconds a request body may take to arrive (408 beyond)."})
+    # request headers, and idle keep-alive connections
+    header_timeout_s: float = field(default=30.0, metadata={
+        "flag": "--header-timeout",
+        "help": "Seconds a connection may take to send a complete request head, from when it "
+                "opened or its previous response ended; idle keep-alive connections close "
+                "after it too."})
+    connect_timeout_s: float = field(default=5.0, metadata={
+        "flag": "--connect-timeout", "help": "Seconds to connect to a replica."})
+    request_timeout_s: float = field(default=1800.0, metadata={
+        "flag": "--request-timeout", "help": "Seconds a whole proxied request may take."})
+    retry_connect_failures: bool = field(default=True, metadata={
+        "flag": "--no-retry", "invert": True,
+        "help": "Never retry, not even a request whose connection failed before any byte was "
+                "sent (retried once on another replica by default)."})
+    health: HealthConfig = field(default_factory=HealthConfig, metadata={"flag": None})
+    # for the random policies; tests fix it
+    seed: int | None = field(default=None, metadata={"flag": None})
 
     def inflight_bound(self, num_replicas: int) -> int:
         if self.max_inflight is not None:

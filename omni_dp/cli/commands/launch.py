@@ -1,0 +1,109 @@
+"""`omni-dp launch`: its flags are the fields of omni_dp/launcher/options.py; the machine is
+read and the plan made by omni_dp/launcher, which then runs it."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+from click.core import ParameterSource
+
+from omni_dp.cli.common import (
+    POLICIES,
+    emit,
+    exit_with_problems,
+    log_format_attrs,
+    options_from,
+    take_deprecated,
+)
+from omni_dp.launcher.options import LaunchOptions, load_config_file, merge_options
+
+
+@click.command(context_settings={"ignore_unknown_options": False})
+@options_from(LaunchOptions, policy={"type": click.Choice(POLICIES)},
+              log_format=log_format_attrs("OMNI_DP_LOG_FORMAT",
+                                          " Passed on to the supervisor, replicas and router."))
+@click.option("--dry-run", is_flag=True, help="Print the plan and exit; start nothing.")
+@click.option("--json", "as_json", is_flag=True, help="With --dry-run: the plan as JSON.")
+@click.argument("engine_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- ENGINE ARGS]")
+@click.pass_context
+def launch(ctx, dry_run, as_json, engine_args, **flags) -> None:
+    """Run N replicas on one GPU behind one router, verified, and supervise them.
+
+    Preflight checks everything first and exits 2 with every problem before anything exists.
+    Then: state dir, (--mps) private MPS daemon, replicas pinned to CPU blocks, health, equal
+    KV, (--mps) attachment of every CUDA process, router. Arguments after `--` go to every
+    replica's engine (e.g. -- --model small).
+
+    Exit codes: 0 stopped cleanly (or detached), 2 bad options/machine (nothing created),
+    3 a failure after start (torn down; state kept for diagnosis).
+    """
+    problems: list[str] = []
+    notes = take_deprecated(ctx, flags)
+    options = _options(ctx, flags, tuple(engine_args), problems, notes)
+    say = _launch_say(options.log_format)
+    for note in notes:
+        _note(options.log_format, note)
+    _note(options.log_format, "preflight (CPU topology, GPU, ports, engine dry run)…")
+    plan = _plan(options, problems)
+    if dry_run:
+        emit({"run_id": plan.run_id, **plan.to_json(),
+              "replica_plans": [{"index": r.index, "port": r.port, "cpus": r.cpus,
+                                 "argv": list(r.argv)} for r in plan.replicas]},
+             "\n".join(plan.describe()), as_json)
+        return
+    if options.log_format == "json":
+        say("\n".join(plan.describe()))
+    else:
+        click.echo("\n".join(plan.describe()))
+    from omni_dp.launcher.launch import launch as run_launch
+
+    sys.exit(run_launch(plan, say=say))
+
+
+def _options(ctx: click.Context, flags: dict, engine_args: tuple[str, ...],
+             problems: list[str], notes: list[str]) -> LaunchOptions:
+    """The dataclass's defaults, then the --config file, then the flags given (an environment
+    variable counts as given)."""
+    config_file = flags.pop("config_file")
+    file_values = load_config_file(config_file, problems, notes) if config_file else {}
+    given = {name: value for name, value in flags.items()
+             if ctx.get_parameter_source(name) != ParameterSource.DEFAULT}
+    if engine_args:
+        given["engine_args"] = engine_args
+    return merge_options(file_values, given, config_file)
+
+
+def _plan(options: LaunchOptions, problems: list[str]):
+    """Read the machine and plan; the config file's problems and the plan's, all at once."""
+    from omni_dp.launcher.facts import gather_facts
+    from omni_dp.launcher.plan import LaunchPlanError, check_options, plan_launch
+
+    facts = gather_facts(options, option_problems=problems + check_options(options))
+    try:
+        return plan_launch(options, facts, earlier_problems=problems)
+    except LaunchPlanError as exc:
+        exit_with_problems("launch", exc.problems)
+
+
+def _note(log_format: str, message: str) -> None:
+    """A line about the launch itself, on stderr in both formats (stdout may be --json's)."""
+    if log_format == "json":
+        from omni_dp.logs import json_line
+
+        click.echo(json_line("omni_dp.launch", message), err=True)
+    else:
+        click.echo(f"omni-dp launch: {message}", err=True)
+
+
+def _launch_say(log_format: str):
+    """How launch and its foreground supervisor report: `omni-dp: …` lines, or with json one
+    JSON log line each; both on stdout."""
+    if log_format != "json":
+        return lambda line: click.echo(f"omni-dp: {line}")
+    import logging
+
+    from omni_dp.logs import setup_logging
+
+    setup_logging("info", "json", stream=sys.stdout)
+    return logging.getLogger("omni_dp.launch").info

@@ -1,0 +1,122 @@
+"""`omni-dp verify-mps` (a run's attachment proof) and `omni-dp mps start|stop|status` (a
+private daemon on its own: omni_dp/mps/standalone.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from omni_dp.cli.common import CHECK_FAILED, SIZE, emit, fail, finite, json_option
+from omni_dp.contract import ExitCode
+
+
+@click.command("verify-mps")
+@click.argument("run_id", required=False)
+@json_option("the report")
+@click.option("--no-nvml", is_flag=True, help="Skip the NVML cross-check of GPU processes.")
+def verify_mps(run_id: str | None, as_json: bool, no_nvml: bool) -> None:
+    """Re-prove that every GPU process of every replica of a live run is an MPS client.
+
+    Reads the run's state (OMNI_DP_STATE_DIR, default $XDG_RUNTIME_DIR or /tmp /omni-dp-UID),
+    queries the run's private MPS daemon, rewrites mps_attach.txt/.json in the run directory and
+    prints the map. With no RUN_ID it takes the only live run.
+
+    Exit codes: 0 PASS, 1 FAIL, 2 cannot check (the message says why).
+    """
+    from omni_dp.mps.attach import format_text
+    from omni_dp.mps.runs import CannotCheck, pick_run, verify_run
+
+    try:
+        run = pick_run(run_id)
+        report = verify_run(run, use_nvml=not no_nvml)
+    except CannotCheck as exc:
+        if as_json:
+            click.echo(json.dumps({"result": "CANNOT_CHECK", "reason": str(exc)}, indent=2))
+        else:
+            click.echo(f"omni-dp verify-mps: cannot check: {exc}", err=True)
+        sys.exit(ExitCode.USAGE)
+    emit({"run_id": run.run_id, **report.to_json()},
+         f"run {run.run_id}\n{format_text(report)}", as_json)
+    sys.exit(ExitCode.OK if report.passed else CHECK_FAILED)
+
+
+@click.group()
+def mps() -> None:
+    """Manage a private MPS control daemon on its own (the launcher does this for a run)."""
+
+
+_STATE_DIR = click.option(
+    "--state-dir", required=True, type=click.Path(file_okay=False),
+    help="Directory that holds mps/pipe, mps/log and mps/daemon.json (keep its path short: "
+         "the control socket path must fit in 107 bytes).")
+_MPS_CONTROL = click.option(
+    "--mps-control", default=None, metavar="PATH",
+    help="The nvidia-cuda-mps-control binary (its nvidia-cuda-mps-server is found beside it). "
+         "[default: $OMNI_DP_MPS_CONTROL, then PATH, /usr/local/nvidia/bin, /usr/bin, next to "
+         "nvidia-smi]")
+
+
+@mps.command("start")
+@_STATE_DIR
+@_MPS_CONTROL
+@click.option("--gpu", default="0", show_default=True, metavar="INDEX|UUID",
+              help="The GPU the daemon serves (its UUID goes into CUDA_VISIBLE_DEVICES).")
+@click.option("--mps-thread-percentage", type=click.FloatRange(0, 100, min_open=True),
+              default=None, callback=finite,
+              help="Default active thread percentage for the MPS server.")
+@click.option("--mps-memory-limit", type=SIZE, default=None,
+              help="Default pinned device memory limit per client, e.g. 20GiB.")
+@click.option("--no-gpu-check", is_flag=True,
+              help="Start even where NVML sees no usable GPU (to test the daemon itself; no "
+                   "client can attach there).")
+@json_option("the daemon record")
+def mps_start(state_dir, mps_control, gpu, mps_thread_percentage, mps_memory_limit,
+              no_gpu_check, as_json) -> None:
+    """Start a private MPS control daemon under --state-dir and record it."""
+    from omni_dp.mps.standalone import StandaloneError, start_daemon
+
+    try:
+        record = start_daemon(
+            state_dir, control_binary=mps_control, gpu=gpu,
+            thread_percentage=mps_thread_percentage, memory_limit_bytes=mps_memory_limit,
+            gpu_check=not no_gpu_check, say=lambda line: click.echo(line, err=as_json))
+    except StandaloneError as exc:
+        fail("mps start", str(exc), exc.code)
+    emit(record.to_json(), f"MPS control daemon pid {record.identity.pid} serving "
+         f"CUDA_MPS_PIPE_DIRECTORY={record.pipe_dir}", as_json)
+
+
+@mps.command("stop")
+@_STATE_DIR
+@click.option("--force", is_flag=True, help="Quit even while MPS clients are attached.")
+def mps_stop(state_dir, force) -> None:
+    """Stop the daemon recorded under --state-dir: quit, then wait for its pid to exit."""
+    from omni_dp.mps.standalone import StandaloneError, stop_daemon
+
+    try:
+        record, was_running = stop_daemon(state_dir, force=force)
+    except StandaloneError as exc:
+        fail("mps stop", str(exc), exc.code)
+    click.echo(f"MPS control daemon pid {record.identity.pid} "
+               + ("stopped" if was_running else "was not running; its record is removed"))
+
+
+@mps.command("status")
+@_STATE_DIR
+@json_option("the health")
+def mps_status(state_dir, as_json) -> None:
+    """Is the recorded daemon alive, answering, which servers, any MPS faults in its logs.
+
+    Exit codes: 0 healthy, 1 not (dead, unreachable or faults logged), 2 nothing recorded.
+    """
+    from omni_dp.mps.standalone import StandaloneError, daemon_health, format_health
+
+    try:
+        record, health = daemon_health(state_dir)
+    except StandaloneError as exc:
+        fail("mps status", str(exc), exc.code)
+    emit({"daemon": record.to_json(), **health.to_json()}, format_health(record, health),
+         as_json)
+    sys.exit(ExitCode.OK if health.ok else CHECK_FAILED)

@@ -1,0 +1,111 @@
+"""A run after `launch`: `omni-dp status`, `list`, `logs` and `down`."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from omni_dp.cli.common import CHECK_FAILED, emit, fail, finite, json_option
+from omni_dp.contract import ExitCode
+
+
+def _pick_run(run_id: str | None, command: str):
+    from omni_dp.launcher.status import pick
+    from omni_dp.runfile import RunFileError
+
+    try:
+        return pick(run_id, command)
+    except RunFileError as exc:  # NoSuchRun is one
+        fail(command, str(exc))
+
+
+@click.command()
+@click.argument("run_id", required=False)
+@json_option("the status")
+def status(run_id: str | None, as_json: bool) -> None:
+    """A run's replicas (pid, CPU block, port, health, KV, MPS, restarts), router, daemon.
+
+    With no RUN_ID: the only live run. Exit codes: 0 every replica healthy, 1 not (or the run
+    is abandoned: nothing owns it), 2 no such run.
+    """
+    from omni_dp.launcher.facts import invoked_as
+    from omni_dp.launcher.status import collect, format_status
+
+    report = collect(_pick_run(run_id, "status"))
+    emit(report, format_status(report, invoked_as()), as_json)
+    healthy = report["replicas"] and all(r["health"] == "healthy" for r in report["replicas"])
+    sys.exit(ExitCode.OK if healthy and report["state"] != "abandoned" else CHECK_FAILED)
+
+
+@click.command("list")
+@json_option("the runs")
+def list_runs(as_json: bool) -> None:
+    """Every run under the state directory, live or kept after a failure."""
+    from omni_dp.launcher.listing import format_runs, list_runs
+
+    rows = list_runs()
+    emit({"runs": rows}, format_runs(rows), as_json)
+
+
+@click.command()
+@click.argument("run_id", required=False)
+@click.option("--replica", type=int, default=None, help="Only this replica's log.")
+@click.option("--router", "router_log", is_flag=True, help="Only the router's log.")
+@click.option("--supervisor", "supervisor_log", is_flag=True, help="Only the supervisor's log.")
+@click.option("-f", "--follow", is_flag=True,
+              help="Keep printing lines as they are completed (Ctrl-C stops; so does `down`).")
+@click.option("-n", "--lines", type=click.IntRange(min=0), default=50, show_default=True,
+              help="How many last lines to print first (0: none).")
+def logs(run_id, replica, router_log, supervisor_log, follow, lines) -> None:
+    """Print a run's logs (replicas, router, supervisor), optionally following them.
+
+    With several logs each line is prefixed with its log's name. Following prints whole lines
+    only, and goes on in a log the supervisor replaced (after an MPS fault) from its start.
+    """
+    from omni_dp.launcher.logview import LogError, select_logs, show_logs
+
+    state = _pick_run(run_id, "logs")
+    try:
+        paths = select_logs(state.logs, replica=replica, router=router_log,
+                            supervisor=supervisor_log)
+        show_logs(paths, lines=lines, follow=follow, write=click.echo,
+                  running=state.directory.exists)
+    except LogError as exc:
+        fail("logs", str(exc))
+
+
+@click.command()
+@click.argument("run_id", required=False)
+@click.option("--drain-timeout", type=click.FloatRange(min=0), default=None, callback=finite,
+              help="Seconds in-flight requests get, also when the run's supervisor does the "
+                   "teardown. [default: the run's]")
+@json_option("the result")
+def down(run_id: str | None, drain_timeout: float | None, as_json: bool) -> None:
+    """Stop a run and everything it started, and nothing else; remove its state.
+
+    Order: supervisor, router (drains), replicas (drain, then SIGKILL of proven processes
+    only), MPS daemon (after its clients are gone). A run already down just has its state
+    removed; one whose state is gone is nothing to stop. Exit codes: 0 nothing left, 2 which
+    run is ambiguous, 3 something could not be stopped (its state is kept and the leftovers
+    named).
+    """
+    from omni_dp.launcher.listing import no_state_left
+    from omni_dp.launcher.teardown import teardown
+    from omni_dp.rundir import state_dir
+
+    if no_state_left(run_id):  # already down: nothing to stop is success
+        what = f"run {run_id}" if run_id else "any run"
+        emit({"run_id": run_id, "clean": True, "removed": False, "leftovers": []},
+             f"no state of {what} under {state_dir() / 'runs'}: nothing to stop", as_json)
+        return
+    state = _pick_run(run_id, "down")
+    drain = drain_timeout if drain_timeout is not None else state.supervision.drain_timeout
+    say = (lambda line: None) if as_json else (lambda line: click.echo(f"omni-dp: {line}"))
+    result = teardown(state, drain_timeout=drain, say=say)
+    text = (f"run {state.run_id} is down; nothing left behind" if result.clean else
+            f"run {state.run_id}: could not confirm everything stopped; state kept in "
+            f"{state.directory}\n" + "\n".join(f"  {line}" for line in result.leftovers))
+    emit({"run_id": state.run_id, "clean": result.clean, "removed": result.removed,
+          "leftovers": result.leftovers}, text, as_json)
+    sys.exit(ExitCode.OK if result.clean else ExitCode.RUNTIME)

@@ -1,0 +1,55 @@
+"""`omni-dp serve` options: each default once, with what its flag's help says (the command's
+click options are generated from these fields). Torch-free, so that `--help` never loads it;
+engine/plan.py turns the options into a plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The talker's dtypes besides auto, by torch's names (engine/plan.py maps them to torch's).
+DTYPE_NAMES = ("float64", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on."})
+    port: int = field(default=8100, metadata={
+        "help": "TCP port to listen on (0 picks a free one and logs it)."})
+    model: str = field(default="tiny", metadata={
+        "metavar": "tiny|small|DIR",
+        "help": "A preset with seeded weights (tiny: ~3M params, for CPU and tests; small: "
+                "~80M, for GPU demos), or a directory written by `omni-dp save-weights`."})
+    weight_seed: int = field(default=0, metadata={
+        "help": "Seed of a preset's weights; replicas with equal seeds sound the same."})
+    device: str = field(default="auto", metadata={
+        "metavar": "auto|cpu|cuda[:N]",
+        "help": "Where the talker and vocoder run; auto = cuda:0 when CUDA is available."})
+    dtype: str = field(default="auto", metadata={
+        "choices": ("auto", *DTYPE_NAMES),
+        "help": "Talker weights and KV dtype. auto = float64 on CPU (output independent of "
+                "batching) and bfloat16 on CUDA."})
+    threads: int | None = field(default=None, metadata={
+        "help": "Torch intra-op threads. [default: the CPUs this process may run on]"})
+    kv_cache_bytes: int | None = field(default=None, metadata={
+        "size": True,
+        "help": "Size the KV pool by memory: floor(SIZE / (page × bytes per token)) pages."})
+    max_total_tokens: int | None = field(default=None, metadata={
+        "help": "Size the KV pool by capacity: exactly this many tokens (a whole number of "
+                "pages). [default: 16384 when neither knob is given]"})
+    # kv_cache.DEFAULT_PAGE_SIZE, which imports torch; a test keeps the two equal.
+    page_size: int = field(default=16, metadata={"help": "Tokens per KV page."})
+    max_running_requests: int = field(default=32, metadata={
+        "help": "Largest running batch; more requests wait in the queue."})
+    max_queued_requests: int = field(default=256, metadata={
+        "help": "Requests that may wait beyond the running batch; more get 503 + Retry-After."})
+    max_input_chars: int = field(default=2000, metadata={
+        "help": "Longest accepted input text, after normalisation."})
+    max_body_bytes: int = field(default=64 * 1024, metadata={
+        "size": True, "help": "Largest accepted request body."})
+    drain_timeout: float = field(default=30.0, metadata={
+        "help": "Seconds in-flight requests may take to finish after SIGTERM."})
+    served_model_name: str | None = field(default=None, metadata={
+        "help": "Model id shown by /v1/models and in the metrics' model_name label; a "
+                "request's `model` must be it, absent, or an OpenAI TTS name (tts-1, "
+                "tts-1-hd, gpt-4o-mini-tts), else 404. [default: omni-dp-<preset>]"})
