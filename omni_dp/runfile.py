@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from omni_dp.jsonfields import JsonFields, Malformed
 from omni_dp.mps.attach import DeclaredProcess, ReplicaProcesses
 from omni_dp.mps.daemon import DaemonRecord
 from omni_dp.procs import ProcessIdentity, is_alive
@@ -88,117 +89,8 @@ def check_transition(old: enum.Enum, new: enum.Enum,
                                 "allowed transition")
 
 
-class _Malformed(ValueError):
-    """A field of run.json that is missing or of the wrong type; the message names it."""
-
-
-_REQUIRED: Any = object()
-_JSON_KINDS = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"),
-               (list, "a list"), (dict, "an object"))
-
-
-def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    return next((name for kind, name in _JSON_KINDS if isinstance(value, kind)),
-                type(value).__name__)
-
-
-class _Fields:
-    """One JSON object of run.json, read field by field: each accessor checks the JSON type,
-    and `where` ("replicas[1].processes[0]") names the object in what it raises."""
-
-    def __init__(self, data: Any, where: str) -> None:
-        if not isinstance(data, Mapping):
-            raise _Malformed(f"{where or 'the top level'} is {_kind(data)}, not an object")
-        self.data, self.where = data, where  # where: "" for the top level
-
-    def path(self, key: str) -> str:
-        return f"{self.where}.{key}" if self.where else key
-
-    def _get(self, key: str, default: Any) -> Any:
-        if key in self.data:
-            return self.data[key]
-        if default is _REQUIRED:
-            raise _Malformed(f"{self.where or 'the top level'} has no {key!r}")
-        return default
-
-    def _bad(self, key: str, value: Any, expected: str) -> _Malformed:
-        return _Malformed(f"{self.path(key)} is {_kind(value)}, not {expected}")
-
-    def _check(self, key: str, value: Any, ok: bool, expected: str, optional: bool) -> Any:
-        if value is None and optional:
-            return None
-        if not ok:
-            raise self._bad(key, value, expected + (" or null" if optional else ""))
-        return value
-
-    def str(self, key: str, default: Any = _REQUIRED, *, optional: bool = False) -> Any:
-        value = self._get(key, default)
-        return self._check(key, value, isinstance(value, str), "a string", optional)
-
-    def int(self, key: str, default: Any = _REQUIRED, *, optional: bool = False) -> Any:
-        value = self._get(key, default)
-        ok = isinstance(value, int) and not isinstance(value, bool)
-        return self._check(key, value, ok, "an integer", optional)
-
-    def number(self, key: str, default: Any = _REQUIRED, *, optional: bool = False) -> Any:
-        """int or float, kept as written (a round trip changes no byte of run.json)."""
-        value = self._get(key, default)
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return self._check(key, value, ok, "a number", optional)
-
-    def bool(self, key: str, default: Any = _REQUIRED, *, optional: bool = False) -> Any:
-        value = self._get(key, default)
-        return self._check(key, value, isinstance(value, bool), "a boolean", optional)
-
-    def strings(self, key: str, default: Any = _REQUIRED) -> tuple[str, ...]:
-        value = self._get(key, default)
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-            raise self._bad(key, value, "a list of strings")
-        return tuple(value)
-
-    def numbers(self, key: str, default: Any = _REQUIRED) -> tuple[float, ...]:
-        value = self._get(key, default)
-        if not isinstance(value, (list, tuple)) or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-            raise self._bad(key, value, "a list of numbers")
-        return tuple(value)
-
-    def items(self, key: str, default: Any = _REQUIRED) -> list[_Fields]:
-        """A list of objects."""
-        value = self._get(key, default)
-        if not isinstance(value, (list, tuple)):
-            raise self._bad(key, value, "a list")
-        return [_Fields(item, f"{self.path(key)}[{i}]") for i, item in enumerate(value)]
-
-    def object(self, key: str, *, optional: bool = False) -> _Fields | None:
-        """A nested object; with optional, None when it is absent or null."""
-        value = self._get(key, None if optional else _REQUIRED)
-        if value is None and optional:
-            return None
-        return _Fields(value, self.path(key))
-
-    def string_map(self, key: str) -> dict[str, str]:
-        value = self._get(key, _REQUIRED)
-        if not isinstance(value, Mapping) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-            raise self._bad(key, value, "an object of strings")
-        return dict(value)
-
-    def identity(self) -> ProcessIdentity:
-        """A recorded process: pid + create time, both required."""
-        return ProcessIdentity(self.int("pid"), self.number("create_time"))
-
-    def maybe_identity(self) -> ProcessIdentity | None:
-        """pid + create time; None until the process was started (either is null)."""
-        pid = self.int("pid", None, optional=True)
-        created = self.number("create_time", None, optional=True)
-        return None if pid is None or created is None else ProcessIdentity(pid, created)
-
-
-def _fields(data: Mapping | _Fields, where: str) -> _Fields:
-    return data if isinstance(data, _Fields) else _Fields(data, where)
+def _fields(data: Mapping | JsonFields, where: str) -> JsonFields:
+    return data if isinstance(data, JsonFields) else JsonFields(data, where)
 
 
 def _identity(data: Mapping | None) -> ProcessIdentity | None:
@@ -206,7 +98,7 @@ def _identity(data: Mapping | None) -> ProcessIdentity | None:
     return None if not data else _fields(data, "process").maybe_identity()
 
 
-def _daemon(f: _Fields) -> DaemonRecord:
+def _daemon(f: JsonFields) -> DaemonRecord:
     return DaemonRecord(f.identity(), f.str("binary"), f.str("pipe_dir"), f.str("log_dir"),
                         f.str("gpu_uuid", None, optional=True),
                         f.str("server_binary", None, optional=True))
@@ -236,7 +128,7 @@ class SupervisionSettings:
                 "drain_timeout": self.drain_timeout}
 
     @classmethod
-    def from_json(cls, d: Mapping | _Fields) -> SupervisionSettings:
+    def from_json(cls, d: Mapping | JsonFields) -> SupervisionSettings:
         f = _fields(d, "plan.supervision")
         return cls(f.number("check_interval"), f.int("health_failures"),
                    f.int("restart_budget"), f.number("restart_window"), f.str("on_mps_fault"),
@@ -255,7 +147,7 @@ class RouterPlan:
                 "argv": list(self.argv)}
 
     @classmethod
-    def from_json(cls, d: Mapping | _Fields) -> RouterPlan:
+    def from_json(cls, d: Mapping | JsonFields) -> RouterPlan:
         f = _fields(d, "plan.router")
         return cls(f.str("url"), f.str("policy"), f.int("workers"), f.strings("argv"))
 
@@ -298,7 +190,7 @@ class PlanRecord:
         }
 
     @classmethod
-    def from_json(cls, d: Mapping | _Fields) -> PlanRecord:
+    def from_json(cls, d: Mapping | JsonFields) -> PlanRecord:
         f = _fields(d, "plan")
         return cls(
             f.int("replicas"), f.str("engine"), f.strings("engine_args"),
@@ -326,7 +218,7 @@ class SupervisorRecord:
         return data
 
     @classmethod
-    def from_json(cls, d: Mapping | _Fields) -> SupervisorRecord:
+    def from_json(cls, d: Mapping | JsonFields) -> SupervisorRecord:
         f = _fields(d, "supervisor")
         return cls(f.identity(), f.bool("detached", False),
                    f.number("supervising_since", None, optional=True))
@@ -345,7 +237,7 @@ class RouterRecord:
                 "argv": list(self.argv), "log": self.log}
 
     @classmethod
-    def from_json(cls, d: Mapping | _Fields) -> RouterRecord:
+    def from_json(cls, d: Mapping | JsonFields) -> RouterRecord:
         f = _fields(d, "router")
         return cls(f.identity(), f.int("pgid"), f.str("url"), f.strings("argv"), f.str("log"))
 
@@ -392,11 +284,11 @@ class ReplicaRecord:
         }
 
     @classmethod
-    def from_json(cls, d: Mapping | _Fields) -> ReplicaRecord:
+    def from_json(cls, d: Mapping | JsonFields) -> ReplicaRecord:
         f = _fields(d, "replica")
         state = f.str("state")
         if state not in _REPLICA_STATES:
-            raise _Malformed(f"{f.path('state')} is {state!r}, not one of "
+            raise Malformed(f"{f.path('state')} is {state!r}, not one of "
                              f"{', '.join(_REPLICA_STATES)}")
         return cls(
             f.int("index"), f.int("port"), f.str("url"), f.str("cpus", None, optional=True),
@@ -450,13 +342,13 @@ class RunRecord:
         }
 
     @classmethod
-    def from_json(cls, d: Mapping | _Fields) -> RunRecord:
+    def from_json(cls, d: Mapping | JsonFields) -> RunRecord:
         """The record of a parsed run.json; a ValueError naming the field that is missing or of
         the wrong type (read_run turns it into a RunFileError naming the file)."""
         f = _fields(d, "")
         state = f.str("state")
         if state not in _RUN_PHASES:
-            raise _Malformed(f"state is {state!r}, not one of {', '.join(_RUN_PHASES)}")
+            raise Malformed(f"state is {state!r}, not one of {', '.join(_RUN_PHASES)}")
         launcher = f.object("launcher", optional=True)
         supervisor = f.object("supervisor", optional=True)
         router = f.object("router", optional=True)
@@ -578,7 +470,7 @@ def read_run(directory: Path) -> tuple[RunRecord, str]:
                            f"schema {SCHEMA}")
     try:
         return RunRecord.from_json(data), token
-    except _Malformed as exc:
+    except Malformed as exc:
         raise RunFileError(f"{directory / RUN_FILE} is malformed: {exc}") from None
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise RunFileError(f"{directory / RUN_FILE} is malformed: {exc!r}") from None
