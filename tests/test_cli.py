@@ -13,7 +13,7 @@ import pytest
 from omni_dp.engine.config import CONFIG_FILE, WEIGHTS_FILE
 from omni_dp.sizes import parse_size
 
-from conftest import post_json
+from support.http_client import post_json
 
 
 def omni_dp(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -89,8 +89,11 @@ def test_the_commands_table_lists_every_command_with_its_own_short_help():
         eager.add_command(command, name)
     for width in (60, 80, 100, 200):  # the table renders exactly what click would
         def render(group, width=width):
+            # the group's own settings, as make_context applies them (-h, --help; width 100):
+            # else the result hangs on whether an earlier test already invoked `cli` in this
+            # process (click keeps the help option of the first context it made)
             ctx = click.Context(group, info_name="omni-dp", terminal_width=width,
-                                max_content_width=100)
+                                **group.context_settings)
             return group.get_help(ctx)
 
         assert render(cli) == render(eager)

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from mps_fixtures import real_control_binary
 
 from omni_dp.procs import read_environ
+
+from support.mps import real_control_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"

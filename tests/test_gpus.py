@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import pynvml
 import pytest
-from test_mps_preflight import H100_UUID, L4_UUID, FakeGpu, FakeNvml
 
 from omni_dp.gpus import (
     NO_DRIVER,
@@ -23,6 +22,8 @@ from omni_dp.launcher.facts import gather_facts
 from omni_dp.launcher.options import LaunchOptions
 from omni_dp.mps import binaries
 from omni_dp.mps.preflight import NO_DRIVER_MESSAGE, lookup_gpu, run_preflight
+
+from support.nvml import H100_UUID, L4_UUID, FakeGpu, FakeNvml
 
 DRIVER = "580.159.03"
 

@@ -15,15 +15,16 @@ import time
 from pathlib import Path
 
 import pytest
-from launcher_helpers import Run, describe, environ, free_ports, http, speech, wait_for
-from test_launcher_plan import h200, opts, plan, problems_of, sizing, smt_topology
-from test_mps_cli import run_record
 
 from omni_dp.launcher.facts import LaunchFacts
 from omni_dp.launcher.options import load_config_file, merge_options
 from omni_dp.logs import FIELDS, Follower, JsonLines, formatter, setup_logging
 
-from conftest import get
+from support.http_client import get, request, speech
+from support.launcher import Run, describe, environ
+from support.plans import healthy_facts, opts, plan, problems_of, run_record
+from support.ports import free_port, free_ports
+from support.wait import wait_for
 
 CORE_KEYS = ("time", "level", "logger", "message")
 
@@ -146,7 +147,7 @@ def start_router():
 def test_serve_and_a_two_worker_router_write_only_json_lines(tmp_path, start_replica,
                                                                start_router):
     replica = start_replica("--log-format", "json")
-    port = free_ports(1)[0]
+    port = free_port()
     router_log = tmp_path / "router.log"
     router = start_router(router_log, port, replica.url)
     url = f"http://127.0.0.1:{port}"
@@ -155,7 +156,7 @@ def test_serve_and_a_two_worker_router_write_only_json_lines(tmp_path, start_rep
     wait_for("the router to be ready", lambda: get(url + "/ready")[0] == 200, 60)
     status, _, body = speech(url, "Logged as JSON.")
     assert status == 200, body[:200]
-    status, _, _ = http("POST", url + "/v1/audio/speech", {"input": "x", "voice": "nope"})
+    status, _, _ = request("POST", url + "/v1/audio/speech", {"input": "x", "voice": "nope"})
     assert status == 400
     router.send_signal(signal.SIGTERM)
     assert router.wait(60) == 0
@@ -231,12 +232,8 @@ def test_launch_dry_run_json_keeps_stdout_the_plan_and_logs_json_on_stderr(tmp_p
 
 @pytest.fixture
 def machine(tmp_path) -> LaunchFacts:
-    """test_launcher_plan's healthy machine: one H200, free ports, no earlier runs."""
-    return LaunchFacts(
-        state_root=tmp_path / "state", new_run_id="run-test-0001", topology=smt_topology(),
-        gpu=h200(), gpu_problems=(), gpu_numa_node=1, mps_binary=None, mps_problems=(),
-        taken_ports=frozenset(), runs=(), sizing=sizing(), engine_problems=(),
-        host_memory_available=64 * 1024**3, numactl=None)
+    """The healthy machine of the plan tests: one H200, free ports, no earlier runs."""
+    return healthy_facts(tmp_path)
 
 
 def test_the_plan_passes_the_log_format_to_every_replica_and_the_router(machine):

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from launcher_helpers import wait_for
 from prometheus_client.parser import text_string_to_metric_families
-from router_backends import make_config, serve, until
 
-from conftest import get, post_json
+from support.http_client import get, post_json
+from support.router import make_config, serve
+from support.wait import until, wait_for
 
 SPEECH = "/v1/audio/speech"
 _CACHED = Path(__file__).resolve().parents[1] / ".cache/promtool/usr/bin/promtool"

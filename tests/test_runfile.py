@@ -10,7 +10,6 @@ import subprocess
 from dataclasses import replace
 
 import pytest
-from test_launcher_units import _plan
 
 from omni_dp.launcher.state import RunState
 from omni_dp.mps.attach import DeclaredProcess
@@ -33,6 +32,8 @@ from omni_dp.runfile import (
     run_is_live,
     stored_runs,
 )
+
+from support.plans import two_replica_plan
 
 _P, _R = RunPhase, ReplicaState
 
@@ -89,7 +90,7 @@ def _filled(state: RunState, alive: ProcessIdentity, dead: ProcessIdentity) -> N
 
 
 def test_a_new_run_json_keeps_its_layout_and_round_trips_byte_for_byte(tmp_path):
-    plan = _plan(tmp_path)
+    plan = two_replica_plan(tmp_path)
     state = RunState.create(plan)
     text = _text(state)
     assert _round_trip(text) == text
@@ -106,7 +107,7 @@ def test_a_new_run_json_keeps_its_layout_and_round_trips_byte_for_byte(tmp_path)
 
 
 def test_a_run_json_with_every_record_set_round_trips_byte_for_byte(tmp_path, dead_identity):
-    state = RunState.create(_plan(tmp_path))
+    state = RunState.create(two_replica_plan(tmp_path))
     _filled(state, identify(os.getpid()), dead_identity)
     text = _text(state)
     assert _round_trip(text) == text
@@ -154,7 +155,7 @@ def test_the_maps_are_the_design():
 
 @pytest.fixture(scope="module")
 def base_record(tmp_path_factory) -> RunRecord:
-    return RunState.create(_plan(tmp_path_factory.mktemp("runfile"))).record
+    return RunState.create(two_replica_plan(tmp_path_factory.mktemp("runfile"))).record
 
 
 @pytest.mark.parametrize(("old", "new"), [(a, b) for a in _P for b in _P])
@@ -181,7 +182,7 @@ def test_every_replica_transition(base_record, old, new):
 
 
 def test_a_forbidden_change_through_the_run_state_writes_nothing(tmp_path):
-    state = RunState.create(_plan(tmp_path))
+    state = RunState.create(two_replica_plan(tmp_path))
     state.set_phase(_P.STOPPING)
     state.set_phase(_P.STOPPED)
     before = _text(state)
@@ -198,7 +199,7 @@ def test_a_forbidden_change_through_the_run_state_writes_nothing(tmp_path):
 def test_a_write_of_a_plain_string_or_dict_is_refused_before_anything_changes(tmp_path):
     """States are enums and records are records: "healthy" or a dict is a bug where it is
     written, not a run.json that cannot be saved (or read back) later."""
-    state = RunState.create(_plan(tmp_path))
+    state = RunState.create(two_replica_plan(tmp_path))
     before, record = _text(state), state.record
     with pytest.raises(TypeError, match="state must be ReplicaState, got 'starting'"):
         state.update_replica(0, state="starting")
@@ -256,7 +257,7 @@ def _set(value, *path):
 ])
 def test_a_malformed_run_json_is_a_run_file_error_naming_the_file_and_field(tmp_path, edit,
                                                                            why):
-    state = RunState.create(_plan(tmp_path))
+    state = RunState.create(two_replica_plan(tmp_path))
     data = json.loads(_text(state))
     edit(data)
     (state.directory / "run.json").write_text(json.dumps(data))
@@ -278,7 +279,7 @@ def test_a_malformed_run_json_is_a_run_file_error_naming_the_file_and_field(tmp_
     ("", "is not JSON"),
 ])
 def test_a_run_json_of_another_schema_or_not_json_names_the_file(tmp_path, content, why):
-    state = RunState.create(_plan(tmp_path))
+    state = RunState.create(two_replica_plan(tmp_path))
     (state.directory / "run.json").write_text(content)
     with pytest.raises(RunFileError, match=r"schema|JSON") as caught:
         read_run(state.directory)
@@ -286,7 +287,7 @@ def test_a_run_json_of_another_schema_or_not_json_names_the_file(tmp_path, conte
 
 
 def test_a_run_directory_without_its_token_or_run_json_says_which_is_missing(tmp_path):
-    state = RunState.create(_plan(tmp_path))
+    state = RunState.create(two_replica_plan(tmp_path))
     (state.directory / "run_token").unlink()
     with pytest.raises(RunFileError, match=r"run_token is missing: is .* a run directory"):
         read_run(state.directory)
@@ -300,7 +301,7 @@ def test_a_run_directory_without_its_token_or_run_json_says_which_is_missing(tmp
 
 def test_a_run_whose_only_live_process_is_its_router_is_live(tmp_path, sleeper,
                                                               dead_identity):
-    state = RunState.create(_plan(tmp_path))
+    state = RunState.create(two_replica_plan(tmp_path))
     state.update(launcher=None)  # this test process: it would make any run live
     assert not run_is_live(state.record)  # nothing started yet
     router = identify(sleeper.pid)
@@ -318,7 +319,7 @@ def test_a_run_whose_recorded_processes_are_dead_or_recycled_is_not_live(tmp_pat
                                                                          dead_identity):
     me = identify(os.getpid())
     recycled = ProcessIdentity(me.pid, me.create_time + 1.0)  # our pid, another process's time
-    state = RunState.create(_plan(tmp_path))
+    state = RunState.create(two_replica_plan(tmp_path))
     assert run_is_live(state.record)  # the launcher (this process) runs
     state.update(launcher=recycled,
                  router=RouterRecord(dead_identity, dead_identity.pid, state.plan.router.url,
@@ -336,7 +337,7 @@ def test_a_run_whose_recorded_processes_are_dead_or_recycled_is_not_live(tmp_pat
 
 
 def test_find_run_dir_refuses_malformed_and_unknown_ids(tmp_path):
-    state = RunState.create(_plan(tmp_path))
+    state = RunState.create(two_replica_plan(tmp_path))
     root = tmp_path / "state"
     assert find_run_dir(state.run_id, root) == state.directory
     with pytest.raises(RunFileError, match=r"'\.\./etc' is not a run id"):

@@ -1,0 +1,213 @@
+"""Launcher parts on their own: run state files, the pinning wrapper, child environments, the
+KV gate's verdict, the supervisor's death watch."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import stat
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from omni_dp.contract import TOKEN_ENV
+from omni_dp.launcher.gates import kv_problems
+from omni_dp.launcher.options import LaunchOptions
+from omni_dp.launcher.processes import child_env
+from omni_dp.launcher.state import RunState
+from omni_dp.mps.attach import DeclaredProcess
+from omni_dp.procs import identify
+from omni_dp.runfile import RunFileError
+
+from support.plans import two_replica_plan
+
+
+def test_run_state_is_private_and_written_atomically(tmp_path) -> None:
+    state = RunState.create(two_replica_plan(tmp_path))
+    assert stat.S_IMODE(os.stat(state.directory).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(state.directory.parent.parent).st_mode) == 0o700
+    for name in ("run.json", "run_token"):
+        assert stat.S_IMODE(os.stat(state.directory / name).st_mode) == 0o600
+    assert len(state.token) == 32 and state.token not in (state.directory / "run.json").read_text()
+    state.update_replica(1, kv_tokens=1024)
+    state.event("kv_checked", ok=True)
+    again = RunState.load(state.directory)
+    assert again.replica(1).kv_tokens == 1024 and again.token == state.token
+    assert [e["event"] for e in again.events()] == ["kv_checked"]
+    assert not [p for p in state.directory.iterdir() if p.name.startswith(".")]  # no temp files
+    with pytest.raises(FileExistsError):  # a run directory is never reused
+        RunState.create(two_replica_plan(tmp_path))
+
+
+def test_run_state_is_readable_by_verify_mps(tmp_path) -> None:
+    from omni_dp.mps.runs import pick_run
+
+    state = RunState.create(two_replica_plan(tmp_path))
+    state.update_replica(0, processes=(DeclaredProcess(123, "main", "cuda:0"),))
+    run = pick_run("run-test", tmp_path / "state")
+    assert run.run_id == "run-test" and run.token == state.token
+    replicas = [r.declared() for r in run.record.replicas]
+    assert replicas[0].processes[0].pid == 123 and replicas[1].processes == ()
+
+
+def test_load_refuses_other_schemas(tmp_path) -> None:
+    state = RunState.create(two_replica_plan(tmp_path))
+    (state.directory / "run.json").write_text(json.dumps({"schema": 99}))
+    with pytest.raises(RunFileError, match="schema"):
+        RunState.load(state.directory)
+
+
+def test_pin_wrapper_pins_before_exec() -> None:
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    done = subprocess.run(
+        [sys.executable, "-m", "omni_dp.launcher.pin", str(cpu), "--", sys.executable, "-c",
+         "import os; print(sorted(os.sched_getaffinity(0)))"],
+        capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == f"[{cpu}]"
+
+
+@pytest.mark.parametrize("cpus", ["x-1", "99999"])
+def test_pin_wrapper_refuses_bad_cpus(cpus: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "omni_dp.launcher.pin", cpus, "--", "true"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and "cannot pin" in done.stderr
+
+
+def test_child_env_drops_inherited_run_and_mps_variables(monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/someone/elses/pipe")
+    monkeypatch.setenv(TOKEN_ENV, "old-token")
+    monkeypatch.setenv("OMP_NUM_THREADS", "64")
+    env = child_env({"OMNI_DP_REPLICA": "1", "OMP_NUM_THREADS": "2"}, "new-token")
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in env
+    assert env[TOKEN_ENV] == "new-token" and env["OMP_NUM_THREADS"] == "2"
+    assert env["OMNI_DP_REPLICA"] == "1" and env["PATH"] == os.environ["PATH"]
+
+
+def test_child_env_drops_inherited_mps_limits_unless_the_launch_sets_them(monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "10")
+    monkeypatch.setenv("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=1G")
+    env = child_env({"OMNI_DP_REPLICA": "0"}, "token")
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in env
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in env
+    env = child_env({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}, "token")
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+
+
+def test_kv_gate_names_the_replica_that_differs() -> None:
+    assert kv_problems({0: 1024, 1: 1024}, 1024) == []
+    [problem] = kv_problems({0: 1024, 1: 512, 2: 1024}, 1024)
+    assert "replica 1: 512 tokens  ← differs" in problem
+    assert "replica 0: 1024 tokens\n" in problem
+    assert kv_problems({0: 512, 1: 512}, 1024)  # equal, but not what was planned
+
+
+def test_death_watch_wakes_when_a_process_that_is_not_our_child_exits() -> None:
+    from omni_dp.launcher.supervisor import DeathWatch
+
+    # A grandchild (its parent exits at once), like a replica of a detached supervisor.
+    launcher = subprocess.run(
+        [sys.executable, "-c", "import subprocess, sys; p = subprocess.Popen(['sleep', '1']); "
+                               "print(p.pid)"],
+        capture_output=True, text=True, timeout=30, check=True)
+    identity = identify(int(launcher.stdout))
+    assert identity is not None
+    watch = DeathWatch()
+    try:
+        started = time.monotonic()
+        watch.wait([identity], timeout_s=60)
+        assert time.monotonic() - started < 30  # woken by the exit, not by the 60 s timeout
+    finally:
+        watch.close()
+
+
+def test_the_launcher_never_imports_torch() -> None:
+    """status/down/launch must start fast and never touch the GPU themselves."""
+    code = ("import sys, omni_dp.launcher.launch, omni_dp.launcher.supervisor, "
+            "omni_dp.launcher.status, omni_dp.launcher.facts; print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert done.stdout.strip() == "False"
+
+
+class _InfoServer:
+    """Loopback HTTP answering /get_server_info with a chosen KV capacity (one per replica)."""
+
+    def __init__(self, tokens: int) -> None:
+        body = json.dumps({"max_total_num_tokens": tokens, "processes": [
+            {"pid": os.getpid(), "role": "main", "device": "cpu"}]}).encode()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200 if self.path == "/get_server_info" else 404)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_kv_gate_fails_a_run_whose_replicas_report_different_capacities(tmp_path) -> None:
+    from omni_dp.launcher.gates import GateFailed
+    from omni_dp.launcher.replicas import ReplicaSet
+
+    state = RunState.create(two_replica_plan(tmp_path))
+    servers = [_InfoServer(1024), _InfoServer(512)]
+    try:
+        for i, server in enumerate(servers):
+            state.update_replica(i, url=server.url)
+        replicas = ReplicaSet(state)
+        replicas.check_kv([0])  # the planned 1024 tokens: passes
+        with pytest.raises(GateFailed, match="replica 1: 512 tokens  ← differs"):
+            replicas.check_kv([0, 1])
+    finally:
+        for server in servers:
+            server.close()
+    assert [r.kv_tokens for r in state.replicas] == [1024, 512]
+    [passed, failed] = [e for e in state.events() if e["event"] == "kv_checked"]
+    assert passed["ok"] is True and failed["ok"] is False
+
+
+def test_the_engine_dry_run_gets_a_private_empty_mps_pipe_directory(tmp_path, monkeypatch):
+    """Never the system default pipe (/tmp/nvidia-mps) nor an inherited one: a CUDA context
+    made by the dry run must not join anyone's daemon. The directory is gone afterwards."""
+    from omni_dp.launcher import facts as facts_module
+    from omni_dp.launcher.engines import ENGINES
+
+    seen = {}
+
+    class RecordingEngine:
+        name = "recording"
+        reserved_flags = ()
+        fixed_default_kv = True
+
+        def dry_run(self, launch, engine_args, env):
+            pipe = env.get("CUDA_MPS_PIPE_DIRECTORY")
+            seen["pipe"] = pipe
+            seen["listing"] = os.listdir(pipe)
+            seen["mode"] = stat.S_IMODE(os.stat(pipe).st_mode)
+            seen["limit"] = env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+            return None, ["recorded"]
+
+    monkeypatch.setitem(ENGINES, "recording", RecordingEngine())
+    monkeypatch.setenv("OMNI_DP_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/someone/elses/pipe")
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "10")
+    found = facts_module.gather_facts(LaunchOptions(engine="recording", gpu="none"),
+                                      option_problems=[])
+    assert found.engine_problems == ("recorded",)
+    assert seen["pipe"] not in ("/someone/elses/pipe", "/tmp/nvidia-mps", None)
+    assert seen["listing"] == [] and seen["mode"] == 0o700 and seen["limit"] is None
+    assert not os.path.exists(seen["pipe"])

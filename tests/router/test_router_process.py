@@ -1,0 +1,358 @@
+"""`omni-dp router` as a process: bad options, one worker, and K workers on one port."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import psutil
+import pytest
+from aiohttp import web
+
+from support.http_client import fetch
+from support.ports import LOOPBACK, free_port
+from support.router import Backend, backends, run
+from support.wait import until
+
+_ROUTE = re.compile(r'omni_dp\.router\.access\[(\d+)\]: \{"event":"route"')
+
+
+def omni_dp_router(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "omni_dp", "router", *args],
+        capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--replica", "ftp://127.0.0.1:1"], "must look like http://HOST:PORT"),
+    (["--replica", "http://127.0.0.1:1/v1"], "must not have a path"),
+    (["--replica", "a=http://127.0.0.1:1", "--replica", "a=http://127.0.0.1:2"], "repeated: a"),
+    (["--policy", "fastest"], "Invalid value for '--policy'"),
+    (["--workers", "2", "--port", "0"], "needs a fixed --port"),
+    (["--host", "0.0.0.0"], "--admin-allow-remote"),
+    (["--health-jitter", "1.5"], "--health-jitter"),
+    (["--api-key", " "], "--api-key must not be empty"),
+    (["--max-body-bytes", "lots"], "is not a size"),
+    (["--replica", "http://[::1"], "must look like http://HOST:PORT"),
+    (["--body-timeout", "0"], "--body-timeout and --header-timeout must be positive"),
+    (["--header-timeout", "-1"], "--body-timeout and --header-timeout must be positive"),
+    (["--max-body-readers", "0"], "--max-body-readers must be at least 1"),
+])
+def test_bad_options_exit_2_with_a_message(args, message):
+    result = omni_dp_router(*args)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+def test_every_problem_is_reported_at_once():
+    result = omni_dp_router("--replica", "ftp://x", "--workers", "0", "--health-failures", "0")
+    assert result.returncode == 2
+    assert len([line for line in result.stderr.splitlines()
+                if line.startswith("omni-dp router: ")]) == 3
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_port_in_use_exits_2(workers):
+    with socket.socket() as taken:
+        taken.bind((LOOPBACK, 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = omni_dp_router("--port", str(port), "--workers", workers)
+    assert result.returncode == 2, result.stderr
+    assert "cannot listen on" in result.stderr and "pick another --port" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_router_help_documents_every_flag():
+    from omni_dp.cli import router
+
+    result = subprocess.run([sys.executable, "-m", "omni_dp", "router", "--help"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0
+    for param in router.params:
+        for flag in param.opts:
+            assert flag in result.stdout, flag
+        assert param.help, f"{param.opts[0]} has no help text"
+
+
+# --- running routers -----------------------------------------------------------------------------
+
+
+class RouterProcess:
+    """One `omni-dp router` process; stderr to a file; stopped by pid."""
+
+    def __init__(self, log_path: Path, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://{LOOPBACK}:{self.port}"
+        self.log_path = log_path
+        self.args = ["--port", str(self.port), *args]
+        self.proc: asyncio.subprocess.Process | None = None
+        self._log = None
+
+    async def start(self) -> RouterProcess:
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in kill()
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "omni_dp", "router", *self.args,
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        return self
+
+    def log_text(self) -> str:
+        return self.log_path.read_text()
+
+    async def wait_listening(self, workers: int = 1, timeout: float = 15) -> None:
+        def listening() -> bool:
+            assert self.proc.returncode is None, self.log_text()
+            return self.log_text().count("router listening on") >= workers
+
+        await until(listening, timeout, f"{workers} listening lines")
+
+    async def stop(self, timeout: float = 15) -> int:
+        os.kill(self.proc.pid, signal.SIGTERM)
+        return await asyncio.wait_for(self.proc.wait(), timeout)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(psutil.Error):
+                for child in psutil.Process(self.proc.pid).children(recursive=True):
+                    child.kill()  # our router's own workers, by pid
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
+        if self._log is not None:
+            self._log.close()
+
+
+def fresh_session() -> aiohttp.ClientSession:
+    """Every request on a new TCP connection: the kernel spreads them over the workers."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                 timeout=aiohttp.ClientTimeout(total=10))
+
+
+def test_one_worker_serves_and_stops_cleanly_on_sigterm(tmp_path):
+    async def main():
+        async with backends("a", "b") as (a, b):
+            router = RouterProcess(tmp_path / "router.log", "--replica", f"a={a.url}",
+                                   "--replica", f"b={b.url}", "--policy", "round_robin")
+            try:
+                await router.start()
+                await router.wait_listening()
+                async with fresh_session() as session:
+                    ready, _, _ = await fetch(session, "GET", router.url + "/ready")
+                    picks = [(await fetch(session, "POST", router.url + "/v1/audio/speech",
+                                          data=b'{"input": "x"}'))[1]["X-Omni-DP-Replica"]
+                             for _ in range(4)]
+                code = await router.stop()
+                return ready, picks, code, router.log_text(), len(a.seen) + len(b.seen)
+            finally:
+                router.kill()
+
+    ready, picks, code, log, seen = run(main())
+    assert ready == 200
+    assert picks == ["a", "b", "a", "b"]
+    assert seen == 4
+    assert code == 0, log
+    assert "Traceback" not in log
+    routes = [json.loads(line.split(": ", 1)[1]) for line in log.splitlines()
+              if '"event":"route"' in line]
+    assert [r["replica"] for r in routes] == picks
+    assert all(r["status"] == 200 and r["attempts"] == 1 for r in routes)
+
+
+def test_two_workers_share_one_port_and_the_admin_state(tmp_path):
+    async def consecutive(session, url: str, check, needed: int = 20, timeout: float = 3.0):
+        """`needed` fresh-connection GETs of /workers in a row satisfy `check` (so both
+        workers do, almost surely)."""
+        deadline, streak = time.monotonic() + timeout, 0
+        while streak < needed:
+            assert time.monotonic() < deadline, f"/workers never settled ({streak} in a row)"
+            _, _, body = await fetch(session, "GET", url + "/workers")
+            streak = streak + 1 if check(json.loads(body)) else 0
+            if streak == 0:
+                await asyncio.sleep(0.01)
+
+    def ids(listing) -> set[str]:
+        return {w["id"] for w in listing["workers"]}
+
+    async def main():
+        async with backends("a", "b", "c") as (a, b, c):
+            router = RouterProcess(tmp_path / "router.log", "--workers", "2",
+                                   "--replica", f"a={a.url}", "--replica", f"b={b.url}")
+            try:
+                await router.start()
+                await router.wait_listening(workers=2)
+                parent = psutil.Process(router.proc.pid)
+                children = parent.children(recursive=True)
+                async with fresh_session() as session:
+                    async def one(i):
+                        return await fetch(session, "POST", router.url + "/generate",
+                                           data=json.dumps({"i": i}).encode())
+
+                    results = []
+                    for start in range(0, 200, 10):
+                        results += await asyncio.gather(*(one(i) for i in range(start, start + 10)))
+                    await until(lambda: len(_ROUTE.findall(router.log_text())) >= 200, 3,
+                                "200 route lines")
+                    served_by = set(_ROUTE.findall(router.log_text()))
+
+                    status, _, body = await fetch(session, "POST", router.url + "/workers",
+                                                  json={"url": c.url, "id": "c"})
+                    assert status == 201, body
+                    await consecutive(session, router.url, lambda w: "c" in ids(w))
+                    status, _, _ = await fetch(session, "PUT", router.url + "/workers/a",
+                                               json={"disabled": True})
+                    assert status == 200
+                    await consecutive(session, router.url, lambda w: next(
+                        x for x in w["workers"] if x["id"] == "a")["disabled"] is True)
+                    a_before = len(a.seen)
+                    picks = [(await one(i))[1]["X-Omni-DP-Replica"] for i in range(30)]
+                    status, _, _ = await fetch(session, "DELETE", router.url + "/workers/c")
+                    assert status == 200
+                    await consecutive(session, router.url, lambda w: ids(w) == {"a", "b"})
+                    a_after = len(a.seen)
+                code = await router.stop()
+                _gone, alive = psutil.wait_procs(children, timeout=5)
+                return (results, served_by, picks, a_after - a_before, code, children, alive,
+                        router.log_text())
+            finally:
+                router.kill()
+
+    results, served_by, picks, a_new, code, children, alive, log = run(main())
+    assert [status for status, _, _ in results] == [200] * 200
+    assert served_by == {"0", "1"}, f"only worker(s) {served_by} served 200 fresh connections"
+    assert "c" in picks  # the replica added through one worker gets traffic from both
+    assert "a" not in picks and a_new == 0  # disabled everywhere
+    assert code == 0, log
+    assert len(children) >= 2
+    assert alive == [], f"children left running: {[p.pid for p in alive]}"
+    assert "Traceback" not in log
+
+
+async def hold(backend, request, seen):
+    await backend.release.wait()
+    return web.Response(body=b"finished")
+
+
+def test_sigterm_drains_the_request_in_flight_then_exits_0(tmp_path):
+    async def main():
+        backend = Backend("a", hold)
+        async with backends(backend):
+            router = RouterProcess(tmp_path / "router.log", "--replica", f"a={backend.url}",
+                                   "--drain-timeout", "10")
+            try:
+                await router.start()
+                await router.wait_listening()
+                async with fresh_session() as session:
+                    held = asyncio.create_task(fetch(session, "POST",
+                                                     router.url + "/v1/audio/speech", data=b"{}"))
+                    await until(lambda: len(backend.seen) == 1)
+                    os.kill(router.proc.pid, signal.SIGTERM)
+                    await until(lambda: "draining 1 request" in router.log_text(), 5, "drain")
+                    still_running = router.proc.returncode is None
+                    backend.release.set()
+                    status, _, body = await held
+                code = await asyncio.wait_for(router.proc.wait(), 10)
+                return still_running, status, body, code, router.log_text()
+            finally:
+                router.kill()
+
+    still_running, status, body, code, log = run(main())
+    assert still_running
+    assert (status, body) == (200, b"finished")
+    assert code == 0, log
+    assert "Traceback" not in log
+    assert "INFO omni_dp.router: drained" in log
+    assert "cut off" not in log
+
+
+def test_drain_timeout_cuts_off_what_is_still_in_flight_and_says_so(tmp_path):
+    async def main():
+        backend = Backend("a", hold)  # released only at the end: the request never finishes
+        async with backends(backend):
+            router = RouterProcess(tmp_path / "router.log", "--replica", f"a={backend.url}",
+                                   "--drain-timeout", "0.5")
+            try:
+                await router.start()
+                await router.wait_listening()
+                async with fresh_session() as session:
+                    held = asyncio.create_task(fetch(session, "POST",
+                                                     router.url + "/v1/audio/speech", data=b"{}"))
+                    await until(lambda: len(backend.seen) == 1)
+                    code = await router.stop()
+                    (outcome,) = await asyncio.gather(held, return_exceptions=True)
+                return outcome, code, router.log_text()
+            finally:
+                backend.release.set()
+                router.kill()
+
+    outcome, code, log = run(main())
+    assert isinstance(outcome, aiohttp.ClientError), outcome  # cut off, not answered
+    assert code == 0, log
+    assert "draining 1 request" in log
+    assert re.search(r"WARNING omni_dp\.router: drain timeout \(0\.5s\) passed: "
+                     r"cut off 1 request\(s\) still in flight", log), log
+    assert "drained" not in log
+    assert "Traceback" not in log
+
+
+def test_drain_timeout_ends_an_sse_stream_with_an_error_event(tmp_path):
+    """The cut SSE stream gets the same `data: {"error": ...}` event as a replica dying
+    mid-stream, then breaks: never a clean end."""
+
+    async def sse(backend, request, seen):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"n": 1}\n\n')
+        await backend.release.wait()  # only at the end of the test: past any drain
+        return resp
+
+    async def main():
+        backend = Backend("a", sse)
+        async with backends(backend):
+            router = RouterProcess(tmp_path / "router.log", "--replica", f"a={backend.url}",
+                                   "--drain-timeout", "0.5")
+            try:
+                await router.start()
+                await router.wait_listening()
+                events, broken = [], None
+                async with fresh_session() as session, \
+                        session.post(router.url + "/v1/audio/speech", data=b"{}") as resp:
+                    assert resp.status == 200
+                    try:
+                        async for line in resp.content:
+                            if line.startswith(b"data: "):
+                                events.append(json.loads(line[6:]))
+                                if len(events) == 1:
+                                    os.kill(router.proc.pid, signal.SIGTERM)
+                    except aiohttp.ClientPayloadError as exc:
+                        broken = exc
+                code = await asyncio.wait_for(router.proc.wait(), 10)
+                return events, broken, code, router.log_text()
+            finally:
+                backend.release.set()
+                router.kill()
+
+    events, broken, code, log = run(main())
+    assert events[0] == {"n": 1}
+    assert len(events) == 2, events
+    error = events[1]["error"]
+    assert error["type"] == "drain_timeout" and error["code"] == 503
+    assert "drain timeout (0.5s)" in error["message"]
+    assert broken is not None, "the cut stream ended cleanly"
+    assert code == 0, log
+    assert "cut off 1 request(s)" in log
+    route = next(json.loads(line.split(": ", 1)[1]) for line in log.splitlines()
+                 if '"event":"route"' in line)
+    assert route["outcome"] == "drain_cut_off" and route["client_disconnected"] is False
