@@ -2,7 +2,8 @@
 
 - the environment a launcher gives each child: which run and replica it belongs to and the
   run's secret token (how teardown and verify-mps recognise our processes);
-- exit codes: 0 ok, 2 bad input (nothing was created), 3 a runtime failure;
+- exit codes: 0 ok, 1 a check said no, 2 bad input (nothing was created), 3 a runtime
+  failure;
 - `Problems`: every problem found in a piece of input, raised at once.
 """
 
@@ -20,6 +21,7 @@ RUN_IDENTITY_ENVS = (TOKEN_ENV, REPLICA_ENV, RUN_ID_ENV)
 
 class ExitCode(enum.IntEnum):
     OK = 0
+    CHECK_FAILED = 1  # a check ran and said no: status not healthy, verify-mps FAIL, a failed stop
     USAGE = 2  # bad input: named, and nothing was created
     RUNTIME = 3  # something failed (or was left behind) after start
 

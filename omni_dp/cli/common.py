@@ -20,10 +20,6 @@ from click.core import ParameterSource
 from omni_dp.contract import ExitCode
 from omni_dp.sizes import parse_size
 
-# A check that ran and failed (status: not every replica healthy; verify-mps: FAIL; mps status:
-# unhealthy). Not in omni_dp.contract.ExitCode, which names the codes every command shares.
-CHECK_FAILED = 1
-
 # The router's policies (omni_dp/router/policies), named here so that `launch --help` need not
 # import the router; a test keeps the lists equal.
 POLICIES = ("least_request", "round_robin", "power_of_two", "random")

@@ -17,9 +17,6 @@ from omni_dp.mps.control import MpsControl, MpsControlError
 from omni_dp.mps.daemon import DaemonHealth, DaemonRecord, MpsDaemon, MpsDaemonError
 from omni_dp.rundir import mps_log_dir, mps_pipe_dir
 
-# A daemon that could not be stopped: not a usage error, nor one of a run's failures.
-STOP_FAILED = 1
-
 
 class StandaloneError(Exception):
     """What stopped the command; `code` is the exit status it asks for."""
@@ -90,7 +87,7 @@ def stop_daemon(state_dir: str, *, force: bool = False) -> tuple[DaemonRecord, b
     try:
         was_running = MpsDaemon(record.control()).stop(record, force=force)
     except MpsDaemonError as exc:
-        raise StandaloneError(str(exc), STOP_FAILED) from exc
+        raise StandaloneError(str(exc), ExitCode.CHECK_FAILED) from exc
     path.unlink()
     return record, was_running
 

@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from omni_dp.cli.common import CHECK_FAILED, SIZE, emit, fail, finite, json_option
+from omni_dp.cli.common import SIZE, emit, fail, finite, json_option
 from omni_dp.contract import ExitCode
 
 
@@ -39,7 +39,7 @@ def verify_mps(run_id: str | None, as_json: bool, no_nvml: bool) -> None:
         sys.exit(ExitCode.USAGE)
     emit({"run_id": run.run_id, **report.to_json()},
          f"run {run.run_id}\n{format_text(report)}", as_json)
-    sys.exit(ExitCode.OK if report.passed else CHECK_FAILED)
+    sys.exit(ExitCode.OK if report.passed else ExitCode.CHECK_FAILED)
 
 
 @click.group()
@@ -119,4 +119,4 @@ def mps_status(state_dir, as_json) -> None:
         fail("mps status", str(exc), exc.code)
     emit({"daemon": record.to_json(), **health.to_json()}, format_health(record, health),
          as_json)
-    sys.exit(ExitCode.OK if health.ok else CHECK_FAILED)
+    sys.exit(ExitCode.OK if health.ok else ExitCode.CHECK_FAILED)

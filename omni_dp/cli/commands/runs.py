@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from omni_dp.cli.common import CHECK_FAILED, emit, fail, finite, json_option
+from omni_dp.cli.common import emit, fail, finite, json_option
 from omni_dp.contract import ExitCode
 
 
@@ -35,7 +35,7 @@ def status(run_id: str | None, as_json: bool) -> None:
     report = collect(_pick_run(run_id, "status"))
     emit(report, format_status(report, invoked_as()), as_json)
     healthy = report["replicas"] and all(r["health"] == "healthy" for r in report["replicas"])
-    sys.exit(ExitCode.OK if healthy and report["state"] != "abandoned" else CHECK_FAILED)
+    sys.exit(ExitCode.OK if healthy and report["state"] != "abandoned" else ExitCode.CHECK_FAILED)
 
 
 @click.command("list")
