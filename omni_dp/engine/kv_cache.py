@@ -11,10 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_PAGE_SIZE = 16
-# Used when neither --kv-cache-bytes nor --max-total-tokens is given (rounded down to whole
-# pages): room for 16 requests of the longest generation (1024 tokens), 128 MiB for `tiny`.
-DEFAULT_MAX_TOTAL_TOKENS = 16384
+from omni_dp.engine.options import DEFAULT_MAX_TOTAL_TOKENS, DEFAULT_PAGE_SIZE
 
 
 class KVSizingError(ValueError):

@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 
 # The talker's dtypes besides auto, by torch's names (engine/plan.py maps them to torch's).
 DTYPE_NAMES = ("float64", "float32", "bfloat16", "float16")
+DEFAULT_PAGE_SIZE = 16  # tokens per KV page
+# Used when neither --kv-cache-bytes nor --max-total-tokens is given (rounded down to whole
+# pages): room for 16 requests of the longest generation (1024 tokens), 128 MiB for `tiny`.
+DEFAULT_MAX_TOTAL_TOKENS = 16384
 
 
 @dataclass(frozen=True)
@@ -36,9 +40,8 @@ class ServeOptions:
         "help": "Size the KV pool by memory: floor(SIZE / (page × bytes per token)) pages."})
     max_total_tokens: int | None = field(default=None, metadata={
         "help": "Size the KV pool by capacity: exactly this many tokens (a whole number of "
-                "pages). [default: 16384 when neither knob is given]"})
-    # kv_cache.DEFAULT_PAGE_SIZE, which imports torch; a test keeps the two equal.
-    page_size: int = field(default=16, metadata={"help": "Tokens per KV page."})
+                f"pages). [default: {DEFAULT_MAX_TOTAL_TOKENS} when neither knob is given]"})
+    page_size: int = field(default=DEFAULT_PAGE_SIZE, metadata={"help": "Tokens per KV page."})
     max_running_requests: int = field(default=32, metadata={
         "help": "Largest running batch; more requests wait in the queue."})
     max_queued_requests: int = field(default=256, metadata={
