@@ -5,23 +5,25 @@ The JSON shape is the contract in docs/contracts.md; fields may be added, none r
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from omni_dp import runfile
 from omni_dp.launcher.facts import invoked_as
 from omni_dp.launcher.gates import http_json
 from omni_dp.launcher.state import RunState
 from omni_dp.procs import is_alive
 from omni_dp.rundir import runs_dir, state_dir
-from omni_dp.runfile import ReplicaState, RunFileError, RunPhase, find_run_dir, stored_runs
+from omni_dp.runfile import (
+    ReplicaRecord,
+    ReplicaState,
+    RunFileError,
+    RunPhase,
+    RunRecord,
+    find_run_dir,
+    stored_runs,
+)
 
 
 class NoSuchRun(RunFileError):
     """No run matches, or the one named cannot be read; the message lists what exists."""
-
-
-def run_dirs(root: Path | None = None) -> list[Path]:
-    return runfile.run_dirs(root)
 
 
 def pick(run_id: str | None, command: str) -> RunState:
@@ -53,40 +55,9 @@ def collect(state: RunState, *, probe: bool = True) -> dict:
     router_ready = None
     if router and probe and is_alive(router.identity):
         router_ready = http_json("GET", router.url + "/ready", timeout=2.0)[0] == 200
-    replicas = []
-    for r in record.replicas:
-        alive = r.identity is not None and is_alive(r.identity)
-        health = "down"
-        if alive:
-            health = "starting" if r.state is ReplicaState.STARTING else "unknown"
-            if probe:
-                status, _ = http_json("GET", r.url + "/health", timeout=2.0)
-                health = "healthy" if status == 200 else f"unhealthy ({status or 'no answer'})"
-        replicas.append({
-            "index": r.index, "pid": r.pid, "alive": alive, "port": r.port,
-            "cpus": r.cpus, "state": r.state.value, "health": health,
-            "kv_tokens": r.kv_tokens, "mps_attached": r.mps_attached,
-            "restarts": len(r.restarts), "last_error": r.last_error,
-        })
-    live = runfile.run_is_live(record)
-    launcher_alive = record.launcher is not None and is_alive(record.launcher)
-    # Derived here, never stored: what the recorded phase means given who is still running.
-    run_state = record.state.value
-    if not live and record.state is not RunPhase.FAILED:
-        run_state = "stopped"
-    elif live and record.state is RunPhase.STARTING and not (supervisor_alive
-                                                            or launcher_alive):
-        run_state = "abandoned"  # its launch died during bring-up: no one will finish it
-    elif live and record.state in (RunPhase.RUNNING, RunPhase.DEGRADED) \
-            and not supervisor_alive:
-        run_state = "unsupervised"  # its supervisor died: `omni-dp down` still cleans it
-    attached = None
-    if record.mps:
-        flags = [r.mps_attached for r in record.replicas]
-        attached = None if any(f is None for f in flags) else all(flags)
     return {
         "run_id": state.run_id,
-        "state": run_state,
+        "state": _shown_state(record, supervisor_alive),
         "directory": str(state.directory),
         "gpu": record.gpu,
         "supervisor": {"pid": supervisor.identity.pid if supervisor else None,
@@ -96,8 +67,43 @@ def collect(state: RunState, *, probe: bool = True) -> dict:
                    "url": record.plan.router.url, "ready": router_ready},
         "mps": {"daemon_pid": record.mps.identity.pid,
                 "daemon_alive": is_alive(record.mps.identity),
-                "attached": attached} if record.mps else None,
-        "replicas": replicas,
+                "attached": _attached(record)} if record.mps else None,
+        "replicas": [_replica_row(r, probe) for r in record.replicas],
+    }
+
+
+def _shown_state(record: RunRecord, supervisor_alive: bool) -> str:
+    """Derived here, never stored: what the recorded phase means given who still runs."""
+    live = runfile.run_is_live(record)
+    launcher_alive = record.launcher is not None and is_alive(record.launcher)
+    if not live and record.state is not RunPhase.FAILED:
+        return "stopped"
+    if live and record.state is RunPhase.STARTING and not (supervisor_alive or launcher_alive):
+        return "abandoned"  # its launch died during bring-up: no one will finish it
+    if live and record.state in (RunPhase.RUNNING, RunPhase.DEGRADED) and not supervisor_alive:
+        return "unsupervised"  # its supervisor died: `omni-dp down` still cleans it
+    return record.state.value
+
+
+def _attached(record: RunRecord) -> bool | None:
+    """Every replica proven an MPS client; None until every one was checked."""
+    flags = [r.mps_attached for r in record.replicas]
+    return None if any(f is None for f in flags) else all(flags)
+
+
+def _replica_row(r: ReplicaRecord, probe: bool) -> dict:
+    alive = r.identity is not None and is_alive(r.identity)
+    health = "down"
+    if alive:
+        health = "starting" if r.state is ReplicaState.STARTING else "unknown"
+        if probe:
+            status, _ = http_json("GET", r.url + "/health", timeout=2.0)
+            health = "healthy" if status == 200 else f"unhealthy ({status or 'no answer'})"
+    return {
+        "index": r.index, "pid": r.pid, "alive": alive, "port": r.port,
+        "cpus": r.cpus, "state": r.state.value, "health": health,
+        "kv_tokens": r.kv_tokens, "mps_attached": r.mps_attached,
+        "restarts": len(r.restarts), "last_error": r.last_error,
     }
 
 

@@ -43,55 +43,17 @@ def teardown(state: RunState, *, drain_timeout: float, keep_state: bool = False,
     # process confirmed gone already.
     if state.record.state not in (RunPhase.FAILED, RunPhase.STOPPED):
         state.set_phase(RunPhase.STOPPING)
-
-    # The process in charge — the supervisor, or `omni-dp launch` still bringing the run up —
-    # goes first: it tears the run down itself on SIGTERM (router and replicas drain one after
-    # the other, then the daemon), with the drain bound of the stop request written just
-    # before; wait for that, then finish whatever it left.
     for role in ("supervisor", "launcher"):
-        owner = _owner(state.record, role)
-        if owner is None or owner.pid == me or not is_alive(owner):
-            continue
-        say(f"stopping the {role} (pid {owner.pid}), which tears the run down with drain "
-            f"≤ {drain_timeout:g} s")
-        state.request_stop(drain_timeout)
-        signal_ours(owner, signal.SIGTERM)
-        if wait_gone([owner], 2 * drain_timeout + 60):
-            signal_ours(owner, signal.SIGKILL)
-            wait_gone([owner], 5.0)
-        if not state.directory.exists():
+        reloaded = _stop_owner(state, role, drain_timeout, say)
+        if reloaded is None:  # the owner tore everything down and removed the state
             result.removed = True
             return result
-        state = RunState.load(state.directory)
-
-    router = state.record.router.identity if state.record.router else None
-    if router is not None and is_alive(router):
-        say(f"stopping the router (pid {router.pid}); in-flight requests drain "
-            f"(≤ {drain_timeout:g} s)")
-        _note(result, stop_processes([router], state.token, drain_timeout, grace_s=5.0,
-                                     reap=reap), "router")
-
-    replicas = [(r.index, r.identity) for r in state.replicas]
-    live = [(i, ident) for i, ident in replicas if ident is not None and is_alive(ident)]
-    if live:
-        say(f"stopping {len(live)} replica(s): {', '.join(str(i) for i, _ in live)} "
-            f"(drain ≤ {drain_timeout:g} s)")
-        _note(result, stop_processes([ident for _, ident in live], state.token,
-                                     drain_timeout, grace_s=10.0, reap=reap), "replica")
-        for i, _ in live:
-            state.update_replica(i, state=ReplicaState.STOPPED)
-
-    daemon = state.record.mps
-    # The daemon is stopped below through `quit`, never by a signal.
-    strays = token_carriers(state.token,
-                            exclude={me} | ({daemon.identity.pid} if daemon else set()))
-    if strays:
-        say(f"stopping {len(strays)} unrecorded process(es) carrying the run token: "
-            + ", ".join(str(s.pid) for s in strays))
-        _note(result, stop_processes(strays, state.token, 10.0), "token carrier")
-
-    if daemon is not None:
-        _stop_daemon(state, daemon, result, say)
+        state = reloaded
+    _stop_router(state, drain_timeout, result, say, reap)
+    _stop_replicas(state, drain_timeout, result, say, reap)
+    _stop_token_carriers(state, result, say)
+    if state.record.mps is not None:
+        _stop_daemon(state, state.record.mps, result, say)
 
     if result.clean and not keep_state:
         state.remove()
@@ -101,6 +63,66 @@ def teardown(state: RunState, *, drain_timeout: float, keep_state: bool = False,
         if state.record.state not in (RunPhase.FAILED, RunPhase.STOPPED):
             state.set_phase(RunPhase.STOPPED if result.clean else RunPhase.STOPPING)
     return result
+
+
+def _stop_owner(state: RunState, role: str, drain_timeout: float,
+                say: Callable[[str], None]) -> RunState | None:
+    """The process in charge — the supervisor, or `omni-dp launch` still bringing the run up —
+    goes first: it tears the run down itself on SIGTERM (router and replicas drain one after
+    the other, then the daemon), with the drain bound of the stop request written just
+    before. Returns the state it left (None: it removed the run), to finish what it left."""
+    owner = _owner(state.record, role)
+    if owner is None or owner.pid == os.getpid() or not is_alive(owner):
+        return state
+    say(f"stopping the {role} (pid {owner.pid}), which tears the run down with drain "
+        f"≤ {drain_timeout:g} s")
+    state.request_stop(drain_timeout)
+    signal_ours(owner, signal.SIGTERM)
+    if wait_gone([owner], 2 * drain_timeout + 60):
+        signal_ours(owner, signal.SIGKILL)
+        wait_gone([owner], 5.0)
+    if not state.directory.exists():
+        return None
+    return RunState.load(state.directory)
+
+
+def _stop_router(state: RunState, drain_timeout: float, result: TeardownResult,
+                 say: Callable[[str], None], reap: list) -> None:
+    router = state.record.router.identity if state.record.router else None
+    if router is None or not is_alive(router):
+        return
+    say(f"stopping the router (pid {router.pid}); in-flight requests drain "
+        f"(≤ {drain_timeout:g} s)")
+    _note(result, stop_processes([router], state.token, drain_timeout, grace_s=5.0,
+                                 reap=reap), "router")
+
+
+def _stop_replicas(state: RunState, drain_timeout: float, result: TeardownResult,
+                   say: Callable[[str], None], reap: list) -> None:
+    live = [(r.index, r.identity) for r in state.replicas
+            if r.identity is not None and is_alive(r.identity)]
+    if not live:
+        return
+    say(f"stopping {len(live)} replica(s): {', '.join(str(i) for i, _ in live)} "
+        f"(drain ≤ {drain_timeout:g} s)")
+    _note(result, stop_processes([ident for _, ident in live], state.token,
+                                 drain_timeout, grace_s=10.0, reap=reap), "replica")
+    for i, _ in live:
+        state.update_replica(i, state=ReplicaState.STOPPED)
+
+
+def _stop_token_carriers(state: RunState, result: TeardownResult,
+                         say: Callable[[str], None]) -> None:
+    """A replacement a SIGKILLed supervisor never recorded still carries the run token. The
+    daemon is left out: it is stopped through `quit`, never by a signal."""
+    daemon = state.record.mps
+    strays = token_carriers(state.token,
+                            exclude={os.getpid()} | ({daemon.identity.pid} if daemon else set()))
+    if not strays:
+        return
+    say(f"stopping {len(strays)} unrecorded process(es) carrying the run token: "
+        + ", ".join(str(s.pid) for s in strays))
+    _note(result, stop_processes(strays, state.token, 10.0), "token carrier")
 
 
 def _owner(record: RunRecord, role: str) -> ProcessIdentity | None:
