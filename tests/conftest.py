@@ -6,9 +6,28 @@ from __future__ import annotations
 
 import signal
 
+import psutil
 import pytest
 
+from support.mps import daemons_under
 from support.replica import Replica
+
+
+@pytest.fixture(autouse=True)
+def no_mps_daemon_left_behind(request):
+    """A test that starts a real MPS control daemon in its tmp_path must stop it: one that
+    failed before its cleanup once left three running. Set up first, so this runs after
+    every other fixture's teardown; a leaked daemon is stopped here and fails the test."""
+    yield
+    tmp_path = request.node.funcargs.get("tmp_path")
+    if tmp_path is None:
+        return
+    leaked = daemons_under(tmp_path)
+    _, alive = psutil.wait_procs(leaked, timeout=3)  # one that was told to quit may be exiting
+    for process in alive:
+        process.kill()
+    assert not alive, (f"the test left MPS control daemon(s) {[p.pid for p in alive]} running "
+                       "(now killed)")
 
 
 @pytest.fixture

@@ -47,3 +47,21 @@ def real_control_binary() -> str | None:
     pytest.skip("nvidia-cuda-mps-control not installed: run scripts/install-mps-control "
                 "(scripts/test does) to test against the real daemon")
     return None
+
+
+def daemons_under(directory: Path) -> list:
+    """The MPS control daemons whose pipe directory lies under `directory` (a test's tmp_path):
+    only a test that used that directory can have started them."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["name"]):
+        if process.info["name"] != "nvidia-cuda-mps-control":
+            continue
+        try:
+            pipe = process.environ().get("CUDA_MPS_PIPE_DIRECTORY", "")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if pipe and Path(pipe).is_relative_to(directory):
+            found.append(process)
+    return found
