@@ -13,7 +13,7 @@ from collections.abc import Callable
 from omni_dp.contract import API_KEY_ENV, RUN_ID_ENV
 from omni_dp.launcher.gates import GateFailed, describe_exit, http_json, log_tail
 from omni_dp.launcher.plan import LaunchPlan
-from omni_dp.launcher.processes import Started, child_env, spawn
+from omni_dp.launcher.processes import Started, child_env, spawn, stop_processes
 from omni_dp.launcher.replicas import ReplicaSet
 from omni_dp.launcher.state import RunState
 from omni_dp.mps.attach import format_text
@@ -63,9 +63,11 @@ def start_router(state: RunState) -> Started:
             state.event("router_ready", pid=started.pid, url=router.url)
             return started
         if time.monotonic() > deadline:
+            # Stopped, not left running: recorded as alive, it would never be restarted.
+            stop_processes([started.identity], state.token, 5.0, reap=[started.popen])
             raise BringUpFailed(f"the router was not ready within {ROUTER_READY_TIMEOUT_S:.0f} s"
-                                f" (last /ready: {status or 'no answer'}); last lines of {log}:"
-                                f"\n{log_tail(log)}")
+                                f" (last /ready: {status or 'no answer'}); it was stopped; last "
+                                f"lines of {log}:\n{log_tail(log)}")
         time.sleep(0.1)
 
 

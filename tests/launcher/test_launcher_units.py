@@ -24,6 +24,7 @@ from omni_dp.procs import identify
 from omni_dp.runfile import RunFileError
 
 from support.plans import two_replica_plan
+from support.ports import free_port
 
 
 def test_run_state_is_private_and_written_atomically(tmp_path) -> None:
@@ -211,3 +212,25 @@ def test_the_engine_dry_run_gets_a_private_empty_mps_pipe_directory(tmp_path, mo
     assert seen["pipe"] not in ("/someone/elses/pipe", "/tmp/nvidia-mps", None)
     assert seen["listing"] == [] and seen["mode"] == 0o700 and seen["limit"] is None
     assert not os.path.exists(seen["pipe"])
+
+
+def test_a_router_that_never_became_ready_is_stopped_not_left_recorded_as_alive(
+        tmp_path, monkeypatch) -> None:
+    """Left running, a router that failed its /ready gate stays "alive" in run.json, so the
+    supervisor never restarts it and teardown is the only thing that would ever stop it."""
+    from omni_dp.launcher import bringup
+    from omni_dp.launcher.processes import stop_processes
+    from omni_dp.procs import is_alive
+
+    state = RunState.create(two_replica_plan(tmp_path, router_port=free_port()))
+    monkeypatch.setattr(bringup, "ROUTER_READY_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(bringup, "http_json", lambda *args, **kwargs: (503, None))
+    try:
+        with pytest.raises(bringup.BringUpFailed, match="not ready within 1 s"):
+            bringup.start_router(state)
+        router = state.record.router
+        assert router is not None  # recorded: what was started stays named in the state
+        assert not is_alive(router.identity)
+    finally:
+        if state.record.router is not None:
+            stop_processes([state.record.router.identity], state.token, 5.0)
