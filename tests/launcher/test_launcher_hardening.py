@@ -25,6 +25,7 @@ from omni_dp.launcher.engines import BuiltinEngine, EngineSizing
 
 from support.plans import one_replica_plan
 from support.ports import free_port_block
+from support.stub_http import StubHttp
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -505,38 +506,15 @@ def test_follow_up_commands_are_written_as_the_user_ran_omni_dp(tmp_path, monkey
     assert facts.command == ".venv/bin/omni-dp"
 
 
-class _AdminStub:
-    """A loopback HTTP server answering every PUT with one status, recording the requests."""
+class _AdminStub(StubHttp):
+    """Answers every request with one status and an API-key error, recording the PUTs."""
 
     def __init__(self, status: int) -> None:
-        import http.server
-        import threading
+        super().__init__(lambda *_: (status, b'{"error": "missing or wrong API key"}'))
 
-        seen = self.seen = []
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_PUT(self) -> None:
-                length = int(self.headers.get("Content-Length", 0))
-                seen.append((self.path, self.headers.get("Authorization"),
-                             self.rfile.read(length)))
-                body = b'{"error": "missing or wrong API key"}'
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(10)
+    @property
+    def seen_puts(self) -> list[tuple]:
+        return [(path, auth, body) for method, path, auth, body in self.seen if method == "PUT"]
 
 
 @pytest.mark.parametrize("status", [401, 500])
@@ -556,7 +534,7 @@ def test_a_failed_router_admin_call_is_a_visible_warning_never_a_success(tmp_pat
         assert supervisor.router.set_disabled(0, False) is False
     finally:
         stub.close()
-    assert stub.seen == [("/workers/0", "Bearer s3cret-key", b'{"disabled": false}')]
+    assert stub.seen_puts == [("/workers/0", "Bearer s3cret-key", b'{"disabled": false}')]
     record = RunState.load(state.directory).replica(0)
     assert f"answered {status}" in record.last_error
     assert any(line.startswith("warning: ") and f"answered {status}" in line for line in said)

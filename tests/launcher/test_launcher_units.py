@@ -3,13 +3,11 @@ KV gate's verdict, the supervisor's death watch."""
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import stat
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -25,6 +23,7 @@ from omni_dp.runfile import RunFileError
 
 from support.plans import two_replica_plan
 from support.ports import free_port
+from support.stub_http import StubHttp
 
 
 def test_run_state_is_private_and_written_atomically(tmp_path) -> None:
@@ -134,30 +133,14 @@ def test_the_launcher_never_imports_torch() -> None:
     assert done.stdout.strip() == "False"
 
 
-class _InfoServer:
-    """Loopback HTTP answering /get_server_info with a chosen KV capacity (one per replica)."""
+class _InfoServer(StubHttp):
+    """Answers /get_server_info with a chosen KV capacity (one server per replica)."""
 
     def __init__(self, tokens: int) -> None:
         body = json.dumps({"max_total_num_tokens": tokens, "processes": [
             {"pid": os.getpid(), "role": "main", "device": "cpu"}]}).encode()
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                self.send_response(200 if self.path == "/get_server_info" else 404)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(lambda method, path, *_: (200 if path == "/get_server_info" else 404,
+                                                   body))
 
 
 def test_kv_gate_fails_a_run_whose_replicas_report_different_capacities(tmp_path) -> None:
