@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -25,11 +24,11 @@ from omni_dp.mps.control import (
     MpsControlError,
     socket_path_problems,
 )
+from omni_dp.mps.faults import fault_lines
 from omni_dp.procs import ProcessIdentity, identify, is_alive, read_environ
 
 PID_FILE = "nvidia-cuda-mps-control.pid"  # documented; Debian's 535 build writes none
 CONTROL_LOG = "control.log"
-FAULT_LINE = re.compile(r"MpsRpc|cudaErrorMps\w*|exited with status [1-9]\d*|FAULT")
 
 
 class MpsDaemonError(Exception):
@@ -237,8 +236,5 @@ class MpsDaemon:
                 text = Path(path).read_text(errors="replace")
             except OSError:
                 continue
-            health.faults += [
-                f"{os.path.basename(path)}: {line.strip()}"
-                for line in text.splitlines() if FAULT_LINE.search(line)
-            ]
+            health.faults += fault_lines(os.path.basename(path), text)
         return health

@@ -1,4 +1,5 @@
-"""MPS trouble in the replica logs, next to the pattern that names it (FAULT_LINE).
+"""MPS trouble in the logs: the pattern that names it (FAULT_LINE), the lines that match
+(the daemon's health reads control.log whole with them), and the scanner of the replica logs.
 
 A replica's log grows with its traffic, so it is read incrementally: each scan starts where the
 last one ended (from the start again when the file shrank: replaced). A log set aside after a
@@ -8,10 +9,11 @@ daemon restart is forgotten with it: old faults must not condemn the new daemon.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from omni_dp.mps.daemon import FAULT_LINE
+FAULT_LINE = re.compile(r"MpsRpc|cudaErrorMps\w*|exited with status [1-9]\d*|FAULT")
 
 
 def fault_lines(name: str, text: str) -> list[str]:

@@ -104,6 +104,7 @@ class FakeReplicas:
 
     def __init__(self, state: RunState, world: FakeWorld, *, healthy: bool = True) -> None:
         self.state, self.world, self.healthy = state, world, healthy
+        self.attached = True  # what verify_attachment finds
         self.popens: dict = {}
         self.calls: list[tuple] = []
         self._next_pid = 5000
@@ -124,7 +125,7 @@ class FakeReplicas:
         self.calls.append(("check_kv", *indices))
 
     def verify_attachment(self):
-        return SimpleNamespace(passed=True, problems=[], replicas=[])
+        return SimpleNamespace(passed=self.attached, problems=[], replicas=[])
 
     def stop(self, indices, timeout_s):
         self.calls.append(("stop", *indices))
@@ -531,7 +532,7 @@ def test_a_replica_restart_in_progress_defers_the_daemon_check(tmp_path):
     world.live.discard(1000)
     try:
         sup.sweep()  # the daemon is fine, replica 0 is dead: its restart begins
-        assert Slot.replica(0) in sup.busy and world.daemon_checks == 1
+        assert Slot.replica(0) in sup.busy.slots() and world.daemon_checks == 1
         world.daemon = DaemonHealth(alive=False, reachable=False)
         sup.sweep()  # a group restart now would race the replica's restart
         assert world.daemon_checks == 1 and "mps_fault" not in names(state)
@@ -590,9 +591,8 @@ def test_faults_in_the_logs_are_named_three_at_most():
     assert describe_fault(DaemonHealth(alive=True, reachable=True)) is None
 
 
-def test_the_group_restart_brings_every_client_back_through_the_gates(tmp_path, monkeypatch):
-    state = make_state(tmp_path, mps=True)
-    sup, _, said = supervisor(state)
+def fake_daemon_restart(monkeypatch) -> list[str]:
+    """The group restart's daemon and bring-up, faked: returns what was done to daemons."""
     daemons: list[str] = []
     monkeypatch.setattr(mps_restart, "MpsDaemon", lambda control: SimpleNamespace(
         stop=lambda record, force: daemons.append(f"stop {record.identity.pid}")))
@@ -605,6 +605,13 @@ def test_the_group_restart_brings_every_client_back_through_the_gates(tmp_path, 
             state.update_replica(i, state=H)
 
     monkeypatch.setattr(mps_restart, "start_replicas", start_replicas)
+    return daemons
+
+
+def test_the_group_restart_brings_every_client_back_through_the_gates(tmp_path, monkeypatch):
+    state = make_state(tmp_path, mps=True)
+    sup, _, said = supervisor(state)
+    daemons = fake_daemon_restart(monkeypatch)
     old_log = state.logs / "replica_0.log"
     old_log.write_text("cudaErrorMpsServerNotReady\n")
     sup.watches[1].failures = 1
@@ -617,6 +624,37 @@ def test_the_group_restart_brings_every_client_back_through_the_gates(tmp_path, 
     assert names(state)[-1] == "mps_restarted" and sup.watches[1].failures == 0
     assert said == ["MPS daemon and every replica restarted and verified; all back in the "
                     "router"]
+
+
+def test_a_group_restart_whose_clients_do_not_attach_is_never_reported_verified(
+        tmp_path, monkeypatch):
+    state = make_state(tmp_path, mps=True)
+    sup, _, said = supervisor(state)
+    fake_daemon_restart(monkeypatch)
+    sup.replicas.attached = False
+    sup.restart_group(state.record.mps, "the MPS daemon is gone", [0, 1])
+    assert sup.exit_code == 3 and sup.stop_requested.is_set()
+    assert said == ["restarting after the MPS fault failed: MPS attachment FAILED after the "
+                    "daemon restart; stopping the run"]
+    assert "mps_restarted" not in names(state) and "router_enabled" not in names(state)
+    assert names(state)[-1] == "mps_restart_failed"
+
+
+def test_a_group_restart_the_router_refuses_says_which_replicas_are_not_back(tmp_path,
+                                                                           monkeypatch):
+    state = make_state(tmp_path, mps=True)
+    router = FakeRouter()
+    router.answer[False] = (503, None)
+    sup, _, said = supervisor(state, router=router)
+    fake_daemon_restart(monkeypatch)
+    sup.restart_group(state.record.mps, "the MPS daemon is gone", [0, 1])
+    assert sup.router.not_in_router == {0, 1} and not sup.stop_requested.is_set()
+    assert said[-1] == ("MPS daemon and every replica restarted and verified; replica(s) 0, 1 "
+                        "NOT back in the router (above), retried at every sweep")
+    assert not any("all back in the router" in s for s in said)
+    [done] = [e for e in events(state) if e["event"] == "mps_restarted"]
+    assert done["not_in_router"] == [0, 1]
+    assert all("answered 503" in r.last_error for r in state.replicas)
 
 
 def test_a_failed_group_restart_stops_the_run(tmp_path, monkeypatch):

@@ -68,10 +68,10 @@ class MpsWatch:
 
     def decide(self, now: float, fault: str) -> FaultAction:
         """What to do about a fault found now (a restart is remembered against the budget)."""
-        in_window = len(self.policy.recent(self.restarts, now))
         decision = self.policy.decide(self.restarts, now)
         if isinstance(decision, GiveUp):
-            return FaultAction("fail", fault, in_window, over_budget=True)
+            return FaultAction("fail", fault, decision.restarts, over_budget=True)
+        in_window = decision.attempt - 1
         if self.on_fault == "fail":
             return FaultAction("fail", fault, in_window, over_budget=False)
         self.restarts = decision.history

@@ -37,13 +37,9 @@ class RestartPolicy:
     def of(cls, settings: SupervisionSettings) -> RestartPolicy:
         return cls(settings.restart_budget, settings.restart_window)
 
-    def recent(self, history: tuple[float, ...], now: float) -> tuple[float, ...]:
-        """The restarts that still count against the budget."""
-        return tuple(t for t in history if now - t < self.window)
-
     def decide(self, history: tuple[float, ...], now: float) -> Restart | GiveUp:
         """history: when each earlier restart began (time.time()); now: the same clock."""
-        recent = self.recent(history, now)
+        recent = tuple(t for t in history if now - t < self.window)  # they count against it
         n = len(recent)
         if n >= self.budget:
             return GiveUp(n, self.window)

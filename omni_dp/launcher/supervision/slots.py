@@ -115,10 +115,6 @@ class Busy:
             with self._lock:
                 self._threads.pop(slot, None)
 
-    def __contains__(self, slot: object) -> bool:
-        with self._lock:
-            return slot in self._threads
-
     def slots(self) -> set[Slot]:
         with self._lock:
             return set(self._threads)
