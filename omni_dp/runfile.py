@@ -93,11 +93,6 @@ def _fields(data: Mapping | JsonFields, where: str) -> JsonFields:
     return data if isinstance(data, JsonFields) else JsonFields(data, where)
 
 
-def _identity(data: Mapping | None) -> ProcessIdentity | None:
-    """The identity a run.json object records, if it has one."""
-    return None if not data else _fields(data, "process").maybe_identity()
-
-
 def _daemon(f: JsonFields) -> DaemonRecord:
     return DaemonRecord(f.identity(), f.str("binary"), f.str("pipe_dir"), f.str("log_dir"),
                         f.str("gpu_uuid", None, optional=True),
@@ -316,10 +311,6 @@ class RunRecord:
     router: RouterRecord | None = None
     mps: DaemonRecord | None = None  # run.json: {"mps": {"daemon": {...}}}
     schema: int = field(default=SCHEMA)
-
-    @property
-    def supervision(self) -> SupervisionSettings:
-        return self.plan.supervision
 
     def identities(self) -> Iterator[ProcessIdentity]:
         """Every process this run recorded as its own."""

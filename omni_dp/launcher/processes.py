@@ -18,8 +18,6 @@ from pathlib import Path
 
 import psutil
 
-# API_KEY_ENV is also imported from here (by omni_dp/launcher/supervisor.py): it is
-# omni_dp.contract's, not a copy.
 from omni_dp.contract import API_KEY_ENV, RUN_IDENTITY_ENVS, TOKEN_ENV
 from omni_dp.launcher.plan import THREAD_VARIABLES
 from omni_dp.launcher.state import append_private

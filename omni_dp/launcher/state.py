@@ -46,7 +46,6 @@ from omni_dp.rundir import RUN_FILE, TOKEN_FILE, logs_dir
 from omni_dp.runfile import (
     PlanRecord,
     ReplicaRecord,
-    ReplicaState,  # noqa: F401 - re-exported beside RunPhase, for update_replica(state=...)
     RunPhase,
     RunRecord,
     SupervisionSettings,

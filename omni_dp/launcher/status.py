@@ -42,10 +42,6 @@ def pick(run_id: str | None, command: str) -> RunState:
     return RunState(chosen.directory, chosen.record, chosen.token)
 
 
-def run_is_live(state: RunState) -> bool:
-    return runfile.run_is_live(state.record)
-
-
 def collect(state: RunState, *, probe: bool = True) -> dict:
     """`omni-dp status --json` of this run: its record, every recorded process re-checked."""
     record = state.record
