@@ -147,11 +147,14 @@ def _hand_off(state: RunState, reap: list, stop: threading.Event,
     current = _current(state)
     result = teardown(current, drain_timeout=current.requested_drain(5.0),
                       keep_state=not interrupted, say=say, reap=[*reap, started.popen])
+    for line in result.leftovers:
+        say(f"left behind: {line}")
     if not interrupted:
         state.event("handoff_failed", supervisor_pid=started.pid, exit=code)
         say(f"the state is kept for diagnosis in {state.directory}; remove it with "
             f"`{state.plan.command} down {state.run_id}`"
-            if state.directory.exists() else "nothing is left of the run")
+            if state.directory.exists() else "nothing is left of the run" if result.clean
+            else "the run's state is gone; some processes could not be stopped (above)")
     return INTERRUPTED if interrupted and result.clean else ExitCode.RUNTIME
 
 

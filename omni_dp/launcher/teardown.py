@@ -44,7 +44,7 @@ def teardown(state: RunState, *, drain_timeout: float, keep_state: bool = False,
     if state.record.state not in (RunPhase.FAILED, RunPhase.STOPPED):
         state.set_phase(RunPhase.STOPPING)
     for role in ("supervisor", "launcher"):
-        reloaded = _stop_owner(state, role, drain_timeout, say)
+        reloaded = _stop_owner(state, role, drain_timeout, result, say)
         if reloaded is None:  # the owner tore everything down and removed the state
             result.removed = True
             return result
@@ -65,7 +65,7 @@ def teardown(state: RunState, *, drain_timeout: float, keep_state: bool = False,
     return result
 
 
-def _stop_owner(state: RunState, role: str, drain_timeout: float,
+def _stop_owner(state: RunState, role: str, drain_timeout: float, result: TeardownResult,
                 say: Callable[[str], None]) -> RunState | None:
     """The process in charge — the supervisor, or `omni-dp launch` still bringing the run up —
     goes first: it tears the run down itself on SIGTERM (router and replicas drain one after
@@ -80,7 +80,7 @@ def _stop_owner(state: RunState, role: str, drain_timeout: float,
     signal_ours(owner, signal.SIGTERM)
     if wait_gone([owner], 2 * drain_timeout + 60):
         signal_ours(owner, signal.SIGKILL)
-        wait_gone([owner], 5.0)
+        _note(result, wait_gone([owner], 5.0), role)  # never "clean" with it still running
     if not state.directory.exists():
         return None
     return RunState.load(state.directory)

@@ -217,3 +217,29 @@ def test_a_router_that_never_became_ready_is_stopped_not_left_recorded_as_alive(
     finally:
         if state.record.router is not None:
             stop_processes([state.record.router.identity], state.token, 5.0)
+
+
+def test_an_owner_that_survives_its_sigkill_is_a_leftover_and_the_state_is_kept(
+        tmp_path, monkeypatch) -> None:
+    """Teardown may call a run clean, and remove its state, only once the process in charge
+    is confirmed gone; one the kernel would not let go is named instead."""
+    from omni_dp.launcher import teardown as teardown_module
+    from omni_dp.runfile import RunPhase, SupervisorRecord
+
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        state = RunState.create(two_replica_plan(tmp_path))
+        state.set_phase(RunPhase.RUNNING)
+        state.update(launcher=None, supervisor=SupervisorRecord(identify(owner.pid),
+                                                                detached=True))
+        # the owner ignores every signal and never goes: nothing is sent, nothing is gone
+        monkeypatch.setattr(teardown_module, "signal_ours", lambda *args, **kwargs: None)
+        monkeypatch.setattr(teardown_module, "wait_gone", lambda identities, *_: identities)
+        result = teardown_module.teardown(state, drain_timeout=0.0)
+        assert not result.clean and not result.removed
+        assert any(f"supervisor pid {owner.pid} is still running" in line
+                   for line in result.leftovers)
+        assert state.directory.is_dir()
+    finally:
+        owner.kill()
+        owner.wait()
