@@ -302,23 +302,18 @@ def nvml_driver_version(nvml: Any = None) -> str | None:
 def nvml_gpu_pids(gpu: str, nvml: Any = None) -> tuple[set[int] | None, str | None]:
     """PIDs NVML sees on the GPU (an index or a GPU-/MIG- UUID): its compute process list and,
     where the driver has one, its MPS list; or (None, why NVML cannot say)."""
-    if nvml is None:
-        try:
-            import pynvml as nvml
-        except ImportError:
-            return None, "pynvml is not installed"
-    try:
-        nvml.nvmlInit()
-    except nvml.NVMLError as exc:
-        return None, f"NVML unavailable ({exc})"
+    return _session(nvml, lambda nvml: _gpu_pids(nvml, gpu),
+                    lambda problem: (None, f"NVML unavailable ({problem.message})"))
+
+
+def _gpu_pids(nvml: Any, gpu: str) -> tuple[set[int] | None, str | None]:
+    error = _nvml_error(nvml)
     try:
         handle = (nvml.nvmlDeviceGetHandleByUUID(gpu) if gpu.startswith(("GPU-", "MIG-"))
                   else nvml.nvmlDeviceGetHandleByIndex(int(gpu)))
         pids = {p.pid for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)}
-        with contextlib.suppress(nvml.NVMLError):  # older drivers: the compute list alone
+        with contextlib.suppress(error):  # older drivers: the compute list alone
             pids |= {p.pid for p in nvml.nvmlDeviceGetMPSComputeRunningProcesses(handle)}
         return pids, None
-    except (nvml.NVMLError, ValueError) as exc:
-        return None, f"NVML could not list GPU processes ({exc})"
-    finally:
-        nvml.nvmlShutdown()
+    except (error, ValueError) as exc:
+        return None, f"NVML could not list GPU processes ({_text(exc)})"

@@ -16,16 +16,11 @@ import yaml.constructor
 import yaml.reader
 
 from omni_dp.contract import API_KEY_ENV
+from omni_dp.mps.binaries import CONTROL_HELP
 from omni_dp.sizes import parse_size
 
 START_MODES = ("sequential", "parallel")
 MPS_FAULT_ACTIONS = ("restart", "fail")
-
-
-_MPS_CONTROL_HELP = (
-    "The nvidia-cuda-mps-control binary (its nvidia-cuda-mps-server is found beside it). "
-    "[default: $OMNI_DP_MPS_CONTROL, then PATH, /usr/local/nvidia/bin, /usr/bin, next to "
-    "nvidia-smi]")
 
 
 # The flags of `omni-dp launch` are generated from these fields, in this order (omni_dp/cli
@@ -75,7 +70,7 @@ class LaunchOptions:
     # what follows `--` on the command line
     engine_args: tuple[str, ...] = field(default=(), metadata={"flag": None})
     mps_control: str | None = field(default=None, metadata={
-        "metavar": "PATH", "help": _MPS_CONTROL_HELP})
+        "metavar": "PATH", "help": CONTROL_HELP})
     # --mps where NVML sees no GPU: exercises the daemon only
     no_gpu_check: bool = field(default=False, metadata={
         "help": "With --mps where NVML sees no GPU: start the daemon anyway (exercises the "

@@ -28,6 +28,11 @@ SMI_NAME = "nvidia-smi"
 DRIVER_DIRS = ("/usr/local/nvidia/bin", "/usr/bin")
 PROC_VERSION = "/proc/driver/nvidia/version"
 
+# --mps-control's help (launch and `mps start`): where the binary is looked for, in order.
+CONTROL_HELP = (
+    f"The {BINARY_NAME} binary (its {SERVER_NAME} is found beside it). [default: "
+    f"${BINARY_ENV}, then PATH, {', '.join(DRIVER_DIRS)}, next to {SMI_NAME}]")
+
 INSTALL_HINT = (
     f"{BINARY_NAME} ships with the NVIDIA driver (next to nvidia-smi; in containers often "
     "/usr/local/nvidia/bin); on Debian install the package nvidia-cuda-mps from the non-free "

@@ -69,11 +69,6 @@ def locate_control_binary(
     return found, []
 
 
-def check_control_binary(path: str | None) -> list[Problem]:
-    """locate_control_binary's problems only."""
-    return locate_control_binary(path)[1]
-
-
 # --- socket path ----------------------------------------------------------------------------
 
 

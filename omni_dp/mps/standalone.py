@@ -15,6 +15,7 @@ from omni_dp.contract import ExitCode
 from omni_dp.files import atomic_write
 from omni_dp.mps.control import MpsControl, MpsControlError
 from omni_dp.mps.daemon import DaemonHealth, DaemonRecord, MpsDaemon, MpsDaemonError
+from omni_dp.mps.preflight import GPU_CHECKS, format_report, run_preflight
 from omni_dp.rundir import mps_log_dir, mps_pipe_dir
 
 
@@ -43,8 +44,6 @@ def start_daemon(state_dir: str, *, control_binary: str | None, gpu: str,
                  gpu_check: bool = True, say: Callable[[str], None] = print) -> DaemonRecord:
     """Preflight (without the GPU checks where gpu_check is off), start the daemon and record
     it; `say` hears which binaries were found. Nothing is created before preflight passed."""
-    from omni_dp.mps.preflight import GPU_CHECKS, format_report, run_preflight
-
     paths = StandalonePaths.under(state_dir)
     report = run_preflight(control_binary=control_binary, gpu=gpu, pipe_dir=str(paths.pipe),
                            num_client_processes=0)

@@ -30,7 +30,7 @@ from omni_dp.mps.binaries import (
 )
 from omni_dp.mps.control import BINARY_NAME, MpsControl
 from omni_dp.mps.daemon import DaemonRecord, MpsDaemon
-from omni_dp.mps.preflight import check_control_binary, locate_control_binary, run_preflight
+from omni_dp.mps.preflight import locate_control_binary, run_preflight
 from omni_dp.procs import ProcessIdentity, is_alive
 
 from support import plans
@@ -94,7 +94,7 @@ def test_the_default_driver_folders_are_searched(machine, monkeypatch):
     control = fake(driver_bin / BINARY_NAME)
     monkeypatch.setattr(binaries, "DRIVER_DIRS", (str(driver_bin),))
     assert locate().control == str(control)
-    assert check_control_binary(None) == []
+    assert locate_control_binary(None)[1] == []
     assert "/usr/local/nvidia/bin" in DEFAULT_DRIVER_DIRS  # the lent machines' driver mount
 
 
@@ -156,7 +156,7 @@ def test_no_server_anywhere_is_still_usable_and_said(machine):
     found = locate(str(control))
     assert found.control == str(control) and found.server is None
     assert f"no {SERVER_NAME} found" in found.describe()
-    assert check_control_binary(str(control)) == []
+    assert locate_control_binary(str(control))[1] == []
 
 
 def test_not_found_says_everywhere_it_looked_and_what_to_do(machine):

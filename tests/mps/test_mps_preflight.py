@@ -17,9 +17,9 @@ from omni_dp.mps.preflight import (
     NO_DRIVER_MESSAGE,
     PreflightReport,
     check_client_limit,
-    check_control_binary,
     check_socket_path,
     format_report,
+    locate_control_binary,
     lookup_gpu,
     run_preflight,
 )
@@ -286,12 +286,12 @@ def _assert_install_hint(message: str) -> None:
 
 
 def test_control_binary_valid_executable(control: Path) -> None:
-    assert check_control_binary(str(control)) == []
+    assert locate_control_binary(str(control))[1] == []
 
 
 def test_control_binary_missing_path(control: Path) -> None:
     missing = control.parent / "nope"
-    problems = check_control_binary(str(missing))
+    problems = locate_control_binary(str(missing))[1]
     assert _checks(problems) == ["control_binary"]
     assert str(missing) in problems[0].message
     assert "does not exist" in problems[0].message
@@ -300,14 +300,14 @@ def test_control_binary_missing_path(control: Path) -> None:
 
 def test_control_binary_not_executable(control: Path) -> None:
     control.chmod(0o644)
-    problems = check_control_binary(str(control))
+    problems = locate_control_binary(str(control))[1]
     assert _checks(problems) == ["control_binary"]
     assert "not executable" in problems[0].message
     assert str(control) in problems[0].message
 
 
 def test_control_binary_is_a_directory(control: Path) -> None:
-    problems = check_control_binary(str(control.parent))
+    problems = locate_control_binary(str(control.parent))[1]
     assert _checks(problems) == ["control_binary"]
     assert "is a directory" in problems[0].message
 
@@ -315,14 +315,14 @@ def test_control_binary_is_a_directory(control: Path) -> None:
 def test_control_binary_broken_symlink(control: Path) -> None:
     link = control.parent / "dangling"
     link.symlink_to(control.parent / "gone")
-    problems = check_control_binary(str(link))
+    problems = locate_control_binary(str(link))[1]
     assert _checks(problems) == ["control_binary"]
     assert "broken symbolic link" in problems[0].message
 
 
 def test_control_binary_found_on_path(control: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", f"{control.parent.parent}{os.pathsep}{control.parent}")
-    assert check_control_binary(None) == []
+    assert locate_control_binary(None)[1] == []
 
 
 def test_control_binary_not_on_path_names_where_it_looked(
@@ -331,7 +331,7 @@ def test_control_binary_not_on_path_names_where_it_looked(
     empty = tmp_path / "empty"
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))
-    problems = check_control_binary(None)
+    problems = locate_control_binary(None)[1]
     assert _checks(problems) == ["control_binary"]
     assert "not found on PATH" in problems[0].message
     assert str(empty) in problems[0].message
@@ -343,7 +343,7 @@ def test_control_binary_on_path_but_not_executable(
 ) -> None:
     control.chmod(0o644)
     monkeypatch.setenv("PATH", str(control.parent))
-    problems = check_control_binary(None)
+    problems = locate_control_binary(None)[1]
     assert _checks(problems) == ["control_binary"]
     assert f"{control} is not executable" in problems[0].message
 
@@ -353,15 +353,15 @@ def test_control_binary_env_override(
 ) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # nothing there
     monkeypatch.setenv("OMNI_DP_MPS_CONTROL", str(control))
-    assert check_control_binary(None) == []
+    assert locate_control_binary(None)[1] == []
 
     monkeypatch.setenv("OMNI_DP_MPS_CONTROL", str(tmp_path / "elsewhere"))
-    problems = check_control_binary(None)
+    problems = locate_control_binary(None)[1]
     assert _checks(problems) == ["control_binary"]
     assert f"OMNI_DP_MPS_CONTROL={tmp_path / 'elsewhere'}" in problems[0].message
 
     # An explicit path wins over the environment.
-    assert check_control_binary(str(control)) == []
+    assert locate_control_binary(str(control))[1] == []
 
 
 def test_control_binary_bare_name_is_looked_up_on_path(
@@ -369,8 +369,8 @@ def test_control_binary_bare_name_is_looked_up_on_path(
 ) -> None:
     _executable(control.parent / "my-mps-control")
     monkeypatch.setenv("PATH", str(control.parent))
-    assert check_control_binary("my-mps-control") == []
-    problems = check_control_binary("other-mps-control")
+    assert locate_control_binary("my-mps-control")[1] == []
+    problems = locate_control_binary("other-mps-control")[1]
     assert _checks(problems) == ["control_binary"]
     assert "other-mps-control" in problems[0].message
 
@@ -378,7 +378,7 @@ def test_control_binary_bare_name_is_looked_up_on_path(
 def test_control_binary_is_not_run(control: Path) -> None:
     marker = control.parent / "ran"
     control.write_text(f"#!/bin/sh\ntouch {marker}\n")
-    assert check_control_binary(str(control)) == []
+    assert locate_control_binary(str(control))[1] == []
     assert not marker.exists()
     assert stat.S_IMODE(control.stat().st_mode) == 0o755
 

@@ -10,6 +10,7 @@ import click
 
 from omni_dp.cli.common import SIZE, emit, fail, finite, json_option
 from omni_dp.contract import ExitCode
+from omni_dp.mps.binaries import CONTROL_HELP
 
 
 @click.command("verify-mps")
@@ -53,9 +54,7 @@ _STATE_DIR = click.option(
          "the control socket path must fit in 107 bytes).")
 _MPS_CONTROL = click.option(
     "--mps-control", default=None, metavar="PATH",
-    help="The nvidia-cuda-mps-control binary (its nvidia-cuda-mps-server is found beside it). "
-         "[default: $OMNI_DP_MPS_CONTROL, then PATH, /usr/local/nvidia/bin, /usr/bin, next to "
-         "nvidia-smi]")
+    help=CONTROL_HELP)
 
 
 @mps.command("start")
