@@ -1,8 +1,9 @@
 """Starting the run's processes and signalling them — only ever the run's own.
 
 A process is the run's if its pid AND create time match a record, or if its environment carries
-the run token. Everything that signals goes through `signal_ours`, which re-checks that at the
-moment of signalling; a recycled pid is skipped, never signalled.
+the run token (a replica's processes beyond its leader: replica_groups.py). Everything that
+signals goes through `signal_ours`, which re-checks that at the moment of signalling; a recycled
+pid is skipped, never signalled.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def signal_ours(identity: ProcessIdentity, sig: int, token: str | None = None, *
         else:
             os.kill(identity.pid, sig)
         return True
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):  # gone, or became another user's (setuid)
         return False
 
 

@@ -1,10 +1,12 @@
 """Take a run down completely, touching nothing that is not the run's.
 
 Order: supervisor (so no restart races the teardown) → router (stops accepting, drains) →
-replica groups (SIGTERM drains, SIGKILL after the bound) → any process still carrying the run
-token (a replacement a SIGKILLed supervisor never recorded) → MPS: wait until no client is left,
-then `quit` the daemon and wait for its exit → remove the state directory. Whatever could not be
-confirmed gone is named, with commands to inspect it, and the state directory is kept.
+replica groups (each replica's leader, its session's processes and those recorded with it, also
+the orphans a dead leader left: SIGTERM drains, MPS clients' GPU work is terminated, SIGKILL
+after the bound; replica_groups.py) → any process still carrying the run token (a replacement a
+SIGKILLed supervisor never recorded) → MPS: wait until no client is left, then `quit` the daemon
+and wait for its exit → remove the state directory. Whatever could not be confirmed gone is
+named, with commands to inspect it, and the state directory is kept.
 """
 
 from __future__ import annotations
@@ -16,6 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from omni_dp.launcher.processes import signal_ours, stop_processes, token_carriers, wait_gone
+from omni_dp.launcher.replica_groups import (
+    ReplicaGroup,
+    live_processes,
+    mps_terminator,
+    stop_groups,
+)
 from omni_dp.launcher.state import RunState
 from omni_dp.mps.control import MpsControlError
 from omni_dp.mps.daemon import DaemonRecord, MpsDaemon, MpsDaemonError
@@ -99,15 +107,31 @@ def _stop_router(state: RunState, drain_timeout: float, result: TeardownResult,
 
 def _stop_replicas(state: RunState, drain_timeout: float, result: TeardownResult,
                    say: Callable[[str], None], reap: list) -> None:
-    live = [(r.index, r.identity) for r in state.replicas
-            if r.identity is not None and is_alive(r.identity)]
+    """Every replica with a process left — its leader, or orphans its dead leader left (an
+    engine's children): whole groups, MPS clients' GPU work dropped before any SIGKILL."""
+    live: dict[int, tuple[ReplicaGroup, list[ProcessIdentity]]] = {}
+    for record in state.replicas:
+        group = ReplicaGroup.of(record)
+        processes = live_processes(group, state.token)
+        if processes:
+            live[record.index] = (group, processes)
     if not live:
         return
-    say(f"stopping {len(live)} replica(s): {', '.join(str(i) for i, _ in live)} "
-        f"(drain ≤ {drain_timeout:g} s)")
-    _note(result, stop_processes([ident for _, ident in live], state.token,
-                                 drain_timeout, grace_s=10.0, reap=reap), "replica")
-    for i, _ in live:
+    orphaned = [i for i, (group, _) in live.items()
+                if group.leader is None or not is_alive(group.leader)]
+    say(f"stopping {len(live)} replica(s): {', '.join(map(str, live))} "
+        f"(drain ≤ {drain_timeout:g} s)"
+        + (f"; replica(s) {', '.join(map(str, orphaned))} lost their leader, stopping the "
+           "processes it left" if orphaned else ""))
+    state.event("replicas_stopping", replicas=[
+        {"index": i, "leader": group.leader.pid if group.leader else None,
+         "leader_alive": i not in orphaned, "pids": [p.pid for p in processes]}
+        for i, (group, processes) in live.items()])
+    survivors = stop_groups([group for group, _ in live.values()], state.token, drain_timeout,
+                            grace_s=10.0, reap=reap, before_kill=mps_terminator(state))
+    state.event("replicas_stopped", indices=list(live), survivors=[s.pid for s in survivors])
+    _note(result, survivors, "replica")
+    for i in live:
         state.update_replica(i, state=ReplicaState.STOPPED)
 
 

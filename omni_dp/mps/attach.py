@@ -18,7 +18,7 @@ from pathlib import Path
 from omni_dp.contract import REPLICA_ENV, TOKEN_ENV
 from omni_dp.files import atomic_write
 from omni_dp.mps.control import MpsControl, MpsControlError
-from omni_dp.procs import read_environ
+from omni_dp.procs import ProcessIdentity, is_alive, read_environ
 
 TEXT_ARTIFACT = "mps_attach.txt"
 JSON_ARTIFACT = "mps_attach.json"
@@ -29,6 +29,9 @@ class DeclaredProcess:
     pid: int
     role: str
     device: str  # "cpu" or "cuda:N"
+    # When the launcher found the process in the replica's session: with the pid, what makes
+    # it the run's even after its session leader is gone (omni_dp/launcher/processes.py).
+    create_time: float | None = None
 
     @property
     def uses_cuda(self) -> bool:
@@ -44,7 +47,10 @@ class ReplicaProcesses:
     def from_json(cls, index: int, processes: list[dict]) -> ReplicaProcesses:
         """From a replica's `processes` list (/get_server_info, run.json)."""
         return cls(int(index), tuple(
-            DeclaredProcess(int(p["pid"]), str(p["role"]), str(p["device"])) for p in processes
+            DeclaredProcess(int(p["pid"]), str(p["role"]), str(p["device"]),
+                            float(p["create_time"]) if p.get("create_time") is not None
+                            else None)
+            for p in processes
         ))
 
 
@@ -159,9 +165,12 @@ def _verdict(replica: ReplicaProcesses, attached_pids: set[int],
 
 
 def _match(server, pid, run_token, declared, environ) -> ClientMatch:
+    """Whose client this is: by the run token in its environment, or, for a process whose
+    environment no longer shows it (engines that rename themselves overwrite it), by having
+    been found in the replica's session, pid and create time recorded."""
     env = environ(pid)
-    if env is None:
-        return ClientMatch(server, pid, None, None, "environment unreadable (gone or not ours)")
+    if env is None or TOKEN_ENV not in env:
+        return _match_by_session(server, pid, declared, env)
     if env.get(TOKEN_ENV) != run_token:
         return ClientMatch(server, pid, None, None, "no run token of this run")
     try:
@@ -173,6 +182,20 @@ def _match(server, pid, run_token, declared, environ) -> ClientMatch:
                            f"claims replica {index} but replica {declared[pid][0]} declared it")
     role = declared[pid][1].role if pid in declared else "undeclared"
     return ClientMatch(server, pid, index, role, "run token")
+
+
+def _match_by_session(server, pid, declared, env) -> ClientMatch:
+    found = declared.get(pid)
+    if found is not None and found[1].create_time is not None:
+        identity = ProcessIdentity(pid, found[1].create_time)
+        if is_alive(identity):
+            return ClientMatch(server, pid, found[0], found[1].role,
+                               "found in the replica's session")
+        return ClientMatch(server, pid, None, None,
+                           "recorded in a replica's session, but that process is gone")
+    if env is None:
+        return ClientMatch(server, pid, None, None, "environment unreadable (gone or not ours)")
+    return ClientMatch(server, pid, None, None, "no run token of this run")
 
 
 def format_text(report: AttachReport) -> str:

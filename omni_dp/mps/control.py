@@ -33,6 +33,7 @@ _REJECTIONS = (
     re.compile(r"^An instance of this daemon is already running"),
 )
 _PID = re.compile(r"^\d+$")
+_INVALID_PROCESS = re.compile(r"^Invalid process -?\d+!?$")
 _PERCENT = re.compile(r"^\d+(\.\d+)?$")
 _MEM_LIMIT = re.compile(r"^(\d+)([MG]?)$")
 
@@ -88,6 +89,19 @@ def parse_mem_limit(text: str) -> int:
         raise MalformedOutput(f"expected a memory limit like 512M or 2G, got {text.strip()!r}")
     unit = {"": 1, "M": 1024**2, "G": 1024**3}[match.group(2)]
     return int(match.group(1)) * unit
+
+
+def check_terminate_reply(text: str, command: str) -> None:
+    """`terminate_client`'s reply: empty or ending in status 0 is success; any other status,
+    or "Invalid process N!", is a rejection; anything else is unexpected."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if any(_INVALID_PROCESS.match(line) for line in lines):
+        raise CommandRejected(f"{command!r} rejected: {text.strip()}")
+    if not lines or lines[-1] == "0":
+        return
+    if _PID.match(lines[-1]):
+        raise CommandRejected(f"{command!r} failed with status {lines[-1]}: {text.strip()}")
+    raise MalformedOutput(f"unexpected reply to {command!r}: {text.strip()!r}")
 
 
 def socket_path_problems(pipe_dir: str) -> list[str]:
@@ -196,6 +210,15 @@ class MpsControl:
         if actual != expected:
             raise MalformedOutput(f"asked for a {mib} MiB memory limit, the daemon reports "
                                   f"{actual} bytes")
+
+    def terminate_client(self, server_pid: int, client_pid: int) -> None:
+        """Have the server drop one client's outstanding GPU work, so that killing the client
+        afterwards cannot leave the shared context wedged (`terminate_client <server PID>
+        <client PID>`, man nvidia-cuda-mps-control). The reply is not documented: nothing, or
+        a final status line "0", is success; the daemon's "Server N not found" (what it
+        answers when there is no such server) and "Invalid process N!" are rejections."""
+        out = self.run(f"terminate_client {server_pid} {client_pid}")
+        check_terminate_reply(out, f"terminate_client {server_pid} {client_pid}")
 
     def quit(self) -> None:
         """Ask the daemon to exit; its exit status is unreliable, so callers watch the pid."""
