@@ -36,6 +36,11 @@ def mps_pipe_dir(run: Path) -> Path:
     return run / "mps" / "pipe"
 
 
+def engine_work_dir(run: Path, index: int) -> Path:
+    """An external engine replica's own TMPDIR and caches: the run's, removed with it."""
+    return run / "engines" / f"replica_{index}"
+
+
 def mps_log_dir(run: Path) -> Path:
     return run / "mps" / "log"
 

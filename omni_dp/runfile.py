@@ -163,7 +163,7 @@ class PlanRecord:
     cpu_blocks: str
     kv_cache_bytes: int | None
     max_total_tokens: int | None
-    expected_kv_tokens: int  # what every replica must report
+    expected_kv_tokens: int | None  # what every replica must report (None: equal to each other)
     router: RouterPlan
     supervision: SupervisionSettings
     log_format: str
@@ -192,7 +192,8 @@ class PlanRecord:
             f.str("config_file", None, optional=True), f.str("device"), f.str("gpu"),
             f.int("gpu_numa_node", None, optional=True), f.bool("mps"), f.str("start"),
             f.str("cpu_blocks"), f.int("kv_cache_bytes", None, optional=True),
-            f.int("max_total_tokens", None, optional=True), f.int("expected_kv_tokens"),
+            f.int("max_total_tokens", None, optional=True),
+            f.int("expected_kv_tokens", None, optional=True),
             RouterPlan.from_json(f.object("router")),
             SupervisionSettings.from_json(f.object("supervision")),
             f.str("log_format", "text"), f.strings("warnings", ()),
@@ -271,8 +272,7 @@ class ReplicaRecord:
             "argv": list(self.argv), "env": dict(self.env), "log": self.log,
             "pid": ident.pid if ident else None,
             "create_time": ident.create_time if ident else None, "pgid": self.pgid,
-            "processes": [{"pid": p.pid, "role": p.role, "device": p.device}
-                          for p in self.processes],
+            "processes": [_process_json(p) for p in self.processes],
             "state": self.state.value, "kv_tokens": self.kv_tokens,
             "mps_attached": self.mps_attached, "restarts": list(self.restarts),
             "last_error": self.last_error,
@@ -289,12 +289,20 @@ class ReplicaRecord:
             f.int("index"), f.int("port"), f.str("url"), f.str("cpus", None, optional=True),
             f.strings("argv"), f.string_map("env"), f.str("log"), f.maybe_identity(),
             f.int("pgid", None, optional=True),
-            tuple(DeclaredProcess(p.int("pid"), p.str("role"), p.str("device"))
+            tuple(DeclaredProcess(p.int("pid"), p.str("role"), p.str("device"),
+                                  p.number("create_time", None, optional=True))
                   for p in f.items("processes", ())),
             ReplicaState(state), f.int("kv_tokens", None, optional=True),
             f.bool("mps_attached", None, optional=True), f.numbers("restarts", ()),
             f.str("last_error", None, optional=True),
         )
+
+
+def _process_json(p: DeclaredProcess) -> dict:
+    data: dict = {"pid": p.pid, "role": p.role, "device": p.device}
+    if p.create_time is not None:  # absent in a run.json written before sessions were read
+        data["create_time"] = p.create_time
+    return data
 
 
 @dataclass(frozen=True)

@@ -223,7 +223,8 @@ def test_launch_start_timeout_and_restart_after_failures(launch_options):
     assert (options.start_timeout, options.restart_after_failures) == (7.0, 4)
     assert DEPRECATED not in stderr
     defaults, _ = launch_options()
-    assert (defaults.start_timeout, defaults.restart_after_failures) == (300.0, 3)
+    # no --start-timeout: the engine's own default (the plan's start_timeout)
+    assert (defaults.start_timeout, defaults.restart_after_failures) == (None, 3)
 
 
 def test_launch_old_spellings_still_work_with_a_warning(launch_options):

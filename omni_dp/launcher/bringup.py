@@ -77,6 +77,7 @@ def start_replicas(state: RunState, replicas: ReplicaSet, indices: list[int], *,
     def healthy(i: int) -> None:
         try:
             replicas.wait_healthy(i, timeout_s)
+            replicas.record_processes(i)
         except GateFailed as exc:
             state.update_replica(i, state=ReplicaState.FAILED,
                                  last_error=str(exc).splitlines()[0])
@@ -122,8 +123,10 @@ def bring_up(plan: LaunchPlan, state: RunState, replicas: ReplicaSet,
                      found.server if found else None)
     say(f"starting {len(plan.replicas)} replica(s), {plan.start}")
     start_replicas(state, replicas, [r.index for r in plan.replicas],
-                   sequential=plan.start == "sequential", timeout_s=o.start_timeout, say=say)
-    say(f"KV capacity equal: {plan.expected_kv_tokens} tokens on every replica")
+                   sequential=plan.start == "sequential", timeout_s=plan.start_timeout, say=say)
+    tokens = state.record.replicas[0].kv_tokens
+    say(f"KV capacity equal: {tokens} tokens on every replica (read back from each"
+        + (")" if plan.expected_kv_tokens is not None else "; the engine derives the count)"))
     if o.mps:
         verify_attachment(state, replicas)
         say("MPS: every CUDA process of every replica is a client of the run's one server")

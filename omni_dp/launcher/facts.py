@@ -11,6 +11,7 @@ import os
 import secrets
 import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -20,7 +21,15 @@ from pathlib import Path
 import psutil
 
 from omni_dp.gpus import NO_DRIVER, GpuFacts, Problem, query_gpu
-from omni_dp.launcher.engines import ENGINES, EngineSizing, ReplicaLaunch
+from omni_dp.launcher.engines import (
+    ENGINES,
+    BuiltinEngine,
+    EngineSizing,
+    ModelFacts,
+    ReplicaLaunch,
+    split_model,
+)
+from omni_dp.launcher.engines.model_dir import read_model
 from omni_dp.launcher.options import LaunchOptions, replica_ports
 from omni_dp.launcher.topology import CpuTopology, gpu_numa_node, read_topology
 from omni_dp.mps.binaries import MpsBinaries
@@ -59,6 +68,8 @@ class LaunchFacts:
     host_problem: str | None = None  # the router's --host cannot be listened on
     mps_binaries: MpsBinaries | None = None  # with --mps: the pair found (mps_binary: control)
     command: str = "omni-dp"  # how the user ran omni-dp (invoked_as)
+    model: ModelFacts | None = None  # an external engine's model directory, as read
+    engine_python: str = sys.executable  # the interpreter that runs the engine
 
 
 def visible_id(gpu: GpuFacts | None) -> str:
@@ -113,7 +124,13 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
     run_id = options.run_id or new_run_id()
     gpu, gpu_problems = _look_up_gpu(options)
     mps_binaries, mps_problems = _mps_preflight(options, gpu, run_dir(root, run_id))
-    sizing, engine_problems = _dry_run(options, gpu, option_problems)
+    python = options.engine_python or sys.executable
+    model = None
+    if isinstance(ENGINES.get(options.engine), BuiltinEngine):  # it sizes itself: a dry run
+        sizing, engine_problems = _dry_run(options, gpu, option_problems)
+    else:
+        sizing = None
+        model, engine_problems = _external_engine(options, python, option_problems)
     return LaunchFacts(
         state_root=root,
         new_run_id=run_id,
@@ -132,6 +149,8 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
         host_problem=host_problem(options.host),
         mps_binaries=mps_binaries,
         command=invoked_as(),
+        model=model,
+        engine_python=python,
     )
 
 
@@ -153,11 +172,56 @@ def _mps_preflight(options: LaunchOptions, gpu: GpuFacts | None,
         return None, []
     report = check_preflight(control_binary=options.mps_control, gpu=gpu,
                              pipe_dir=str(mps_pipe_dir(directory)),
-                             num_client_processes=options.replicas)
+                             num_client_processes=_cuda_processes(options))
     problems = [f"--mps: {p.message}" for p in report.problems
                 if p.check not in ("gpu", "nvml")  # the plan says those in its own words
                 and not (options.no_gpu_check and p.check in GPU_CHECKS)]
     return report.binaries, problems
+
+
+def _cuda_processes(options: LaunchOptions) -> int:
+    """What MPS's client limit must admit: each replica's CUDA processes, by its engine."""
+    engine = ENGINES.get(options.engine)
+    per_replica = engine.cuda_processes_per_replica if engine else 1
+    return max(options.replicas, 1) * per_replica
+
+
+def _external_engine(options: LaunchOptions, python: str, option_problems: list[str]
+                     ) -> tuple[ModelFacts | None, list[str]]:
+    """The model directory (read, not loaded) and whether the engine's interpreter has it."""
+    engine = ENGINES.get(options.engine)
+    if engine is None or option_problems:
+        return None, []
+    problems = _engine_module_problems(python, engine.module or "", engine.name)
+    model_path, _ = split_model(options.engine_args)
+    if model_path is None:
+        problems.append(f"engine {engine.name}: give the model directory after --, e.g. "
+                        f"omni-dp launch --engine {engine.name} ... -- /models/my-model")
+        return None, problems
+    model, model_problems = read_model(model_path)
+    return model, problems + [f"model {model_path}: {p}" for p in model_problems]
+
+
+def _engine_module_problems(python: str, module: str, name: str) -> list[str]:
+    """Whether `python` can import the engine's package (found, not imported: importing
+    vLLM takes seconds)."""
+    top = module.split(".", 1)[0]
+    hint = ("install it there, or point --engine-python at the interpreter that has it")
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        return [f"--engine-python {python}: not an executable file"]
+    probe = ("import importlib.util, sys; "
+             f"sys.exit(0 if importlib.util.find_spec({top!r}) else 3)")
+    try:
+        done = subprocess.run([python, "-c", probe], capture_output=True, text=True,
+                              timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return [f"engine {name}: cannot run {python} ({exc})"]
+    if done.returncode == 3:
+        return [f"engine {name}: {python} has no module {top!r}; {hint}"]
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return [f"engine {name}: {python} could not look for {top!r} ({last})"]
+    return []
 
 
 def _taken_ports(options: LaunchOptions) -> frozenset[int]:

@@ -48,6 +48,17 @@ def http_json(method: str, url: str, body: dict | None = None, timeout: float = 
         return status, None
 
 
+def http_text(url: str, timeout: float = 3.0) -> tuple[int, str | None]:
+    """GET url: (status, body as text); status 0 when nothing answered."""
+    try:
+        with _OPENER.open(urllib.request.Request(url), timeout=timeout) as response:
+            return response.status, response.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, None
+    except (OSError, ValueError):
+        return 0, None
+
+
 def describe_exit(code: int | None) -> str:
     """How a process ended, in words: Popen's negative return codes are signals."""
     if code is None:
@@ -100,11 +111,19 @@ def server_info(url: str) -> dict:
     return info
 
 
-def kv_problems(tokens: dict[int, int], expected: int) -> list[str]:
-    """Every replica must hold exactly the planned KV capacity; a table when one does not."""
-    if all(value == expected for value in tokens.values()):
-        return []
+def kv_problems(tokens: dict[int, int], expected: int | None) -> list[str]:
+    """Every replica must hold exactly the planned KV capacity (or, where the engine derives
+    the count itself, the same as every other); a table when one does not."""
+    if expected is None:
+        counts = sorted(set(tokens.values()))
+        if len(counts) <= 1:
+            return []
+        expected = max(counts, key=list(tokens.values()).count)  # the most common
+        what = f"every replica must hold the same; most hold {expected} tokens"
+    else:
+        if all(value == expected for value in tokens.values()):
+            return []
+        what = f"expected {expected} tokens each"
     rows = [f"    replica {i}: {value} tokens" + ("" if value == expected else "  ← differs")
             for i, value in sorted(tokens.items())]
-    return [f"KV capacity differs between replicas (expected {expected} tokens each):\n"
-            + "\n".join(rows)]
+    return [f"KV capacity differs between replicas ({what}):\n" + "\n".join(rows)]

@@ -7,6 +7,8 @@ Exit codes: 0 stopped cleanly (foreground) or up and handed to a detached superv
 
 from __future__ import annotations
 
+import json
+import shlex
 import signal
 import sys
 import threading
@@ -15,6 +17,7 @@ from collections.abc import Callable
 
 from omni_dp.contract import API_KEY_ENV, RUN_ID_ENV, ExitCode
 from omni_dp.launcher.bringup import BringUpFailed, bring_up
+from omni_dp.launcher.engines import ENGINES, split_model
 from omni_dp.launcher.gates import GateFailed, describe_exit, log_tail
 from omni_dp.launcher.plan import LaunchPlan
 from omni_dp.launcher.processes import child_env, spawn
@@ -95,8 +98,7 @@ def summary(plan: LaunchPlan, state: RunState) -> str:
         replica_table(status["replicas"]),
         "",
         f"endpoint   {plan.router_url}",
-        f"try        curl -s {plan.router_url}/v1/audio/speech{auth} -H 'Content-Type: "
-        "application/json' -d '{\"input\": \"Hello there.\"}' -o hello.wav",
+        f"try        {example_request(plan, auth)}",
         f"status     {plan.command} status {plan.run_id}",
         f"teardown   {plan.command} down {plan.run_id}",
     ]
@@ -107,6 +109,18 @@ def summary(plan: LaunchPlan, state: RunState) -> str:
         lines.insert(-2, f"mps        {plan.command} verify-mps {plan.run_id}   "
                          f"({state.directory / 'mps_attach.txt'})")
     return "\n".join(lines)
+
+
+def example_request(plan: LaunchPlan, auth: str) -> str:
+    """A request that fits the engine: speech for the TTS pipelines, a completion for LLMs."""
+    url = plan.router_url
+    if ENGINES[plan.options.engine].example == "completions":
+        model, _ = split_model(plan.options.engine_args)
+        body = json.dumps({"model": model, "prompt": "Hello, my name is", "max_tokens": 16})
+        return (f"curl -s {url}/v1/completions{auth} -H 'Content-Type: application/json' "
+                f"-d {shlex.quote(body)}")
+    return (f"curl -s {url}/v1/audio/speech{auth} -H 'Content-Type: application/json' "
+            "-d '{\"input\": \"Hello there.\"}' -o hello.wav")
 
 
 def _hand_off(state: RunState, reap: list, stop: threading.Event,

@@ -20,6 +20,9 @@ from omni_dp.mps.binaries import CONTROL_HELP
 from omni_dp.sizes import parse_size
 
 START_MODES = ("sequential", "parallel")
+# The engine adapters' names (omni_dp/launcher/engines holds them; a test keeps the two equal):
+# written here so that the flags are made without importing the adapters.
+ENGINE_NAMES = ("builtin", "vllm", "sglang", "sglang-omni")
 MPS_FAULT_ACTIONS = ("restart", "fail")
 
 
@@ -66,7 +69,21 @@ class LaunchOptions:
     config_file: str | None = field(default=None, compare=False, metadata={
         "flag": "--config", "metavar": "FILE",
         "help": "A YAML file with these settings (dashes or underscores); flags win."})
-    engine: str = field(default="builtin", metadata={"flag": None})
+    engine: str = field(default="builtin", metadata={
+        "choices": ENGINE_NAMES,
+        "help": "What each replica runs: the built-in TTS pipeline, or an external engine "
+                "with the model and its own arguments after `--`."})
+    engine_python: str | None = field(default=None, metadata={
+        "metavar": "PATH",
+        "help": "The Python interpreter that has the engine installed (vllm, sglang, "
+                "sglang_omni).  [default: this omni-dp's interpreter]"})
+    engine_overhead: int | None = field(default=None, metadata={
+        "size": True, "metavar": "SIZE",
+        "help": "Memory one replica holds beyond weights and KV (external engines), for the "
+                "fit check.  [default: the engine's estimate]"})
+    engine_stage: str = field(default="tts_engine", metadata={
+        "help": "sglang-omni: the pipeline stage whose engine holds the KV cache (the stage "
+                "name is model-specific; tts_engine is Higgs TTS's)."})
     # what follows `--` on the command line
     engine_args: tuple[str, ...] = field(default=(), metadata={"flag": None})
     mps_control: str | None = field(default=None, metadata={
@@ -76,9 +93,11 @@ class LaunchOptions:
         "help": "With --mps where NVML sees no GPU: start the daemon anyway (exercises the "
                 "machinery; attach verification cannot pass without GPU clients)."})
     # per replica start, seconds
-    start_timeout: float = field(default=300.0, metadata={
+    start_timeout: float | None = field(default=None, metadata={
         "deprecated": ("--health-timeout",),
-        "help": "Seconds a replica may take to become healthy (formerly --health-timeout)."})
+        "help": "Seconds a replica may take to become healthy (formerly --health-timeout).  "
+                "[default: the engine's: builtin 300, vllm 600, sglang 900, sglang-omni "
+                "1200]"})
     drain_timeout: float = field(default=30.0, metadata={
         "help": "Seconds in-flight requests get when a replica or the router stops."})
     check_interval: float = field(default=2.0, metadata={  # supervision sweep
@@ -116,11 +135,10 @@ def setting_name(f: dataclasses.Field) -> str:
 
 
 # Every setting by its name (as in the flags and the --config file) -> its field; config_file
-# is the file itself. `engine` has no flag while there is one built-in engine; its key comes
-# with the flag.
+# is the file itself.
 FIELDS = {setting_name(f): f for f in dataclasses.fields(LaunchOptions)
           if f.name != "config_file"}
-FILE_KEYS = {name for name in FIELDS if name != "engine"}
+FILE_KEYS = set(FIELDS)
 # The old names of renamed settings (health_timeout -> start_timeout): accepted in a --config
 # file for one release, with a warning.
 DEPRECATED_KEYS = {old.lstrip("-").replace("-", "_"): name for name, f in FIELDS.items()

@@ -13,6 +13,7 @@ complete parts.
 from __future__ import annotations
 
 import math
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +23,14 @@ from typing import TypeVar
 from omni_dp.contract import REPLICA_ENV, RUN_ID_ENV, Problems
 from omni_dp.files import private_dir_problem
 from omni_dp.gpus import GpuFacts
-from omni_dp.launcher.engines import ENGINES, EngineSizing, ReplicaLaunch, reserved_flag_problems
+from omni_dp.launcher.engines import (
+    ENGINES,
+    EngineSizing,
+    KvPlan,
+    KvRequest,
+    ReplicaLaunch,
+    reserved_flag_problems,
+)
 from omni_dp.launcher.facts import LaunchFacts, visible_id
 from omni_dp.launcher.options import (
     MPS_FAULT_ACTIONS,
@@ -33,10 +41,11 @@ from omni_dp.launcher.options import (
 from omni_dp.launcher.topology import format_cpu_list, plan_auto, plan_explicit
 from omni_dp.logs import LOG_FORMATS
 from omni_dp.mps.binaries import MpsBinaries
-from omni_dp.rundir import RUN_ID, mps_log_dir, mps_pipe_dir, run_dir
+from omni_dp.rundir import RUN_ID, engine_work_dir, mps_log_dir, mps_pipe_dir, run_dir
 from omni_dp.sizes import format_size
 
 POLICIES = ("least_request", "round_robin", "power_of_two", "random")
+STAGE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 MAX_SECONDS = 7 * 24 * 3600.0  # any timeout or interval beyond is a typo (and overflows poll())
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                     "NUMEXPR_NUM_THREADS")
@@ -77,12 +86,14 @@ class LaunchPlan:
     replicas: tuple[ReplicaPlan, ...]
     router_argv: tuple[str, ...]
     router_url: str
-    expected_kv_tokens: int  # what every replica must report
+    expected_kv_tokens: int | None  # what every replica must report (None: equal to each other)
     sizing: EngineSizing
     mps_binary: str | None
     warnings: tuple[str, ...] = field(default=())
     mps_binaries: MpsBinaries | None = None  # the located pair; mps_binary is its control
     command: str = "omni-dp"  # how the user runs omni-dp, for the commands we print
+    start_timeout: float = 300.0  # --start-timeout, or the engine's default
+    kv_notes: tuple[str, ...] = ()  # how the engine adapter wrote the KV pin
 
     def describe(self) -> list[str]:
         """The resolved plan, as printed before anything starts."""
@@ -93,11 +104,14 @@ class LaunchPlan:
             f"{self.gpu_label}{' under a private MPS daemon' if o.mps else ''}",
             f"  state        {self.run_dir}",
             f"  per replica  weights {format_size(s.weights_bytes)} + KV "
-            f"{format_size(s.kv_cache_bytes)} ({s.kv_tokens} tokens) + overhead "
-            f"{format_size(s.overhead_bytes)} on {s.device}"
+            f"{format_size(s.kv_cache_bytes)} ("
+            + (f"{s.kv_tokens} tokens" if s.kv_tokens is not None else
+               "tokens: the engine's count, read back and compared")
+            + f") + overhead {format_size(s.overhead_bytes)} on {s.device}"
             + ("" if o.kv_cache_bytes or o.max_total_tokens else
                f"; KV pinned to the engine's fixed default of {s.kv_tokens} tokens"),
-            f"  start        {self.start}",
+            *(f"  kv pin       {note}" for note in self.kv_notes),
+            f"  start        {self.start} (each healthy within {self.start_timeout:g} s)",
             f"  router       {self.router_url} (policy {o.policy}, {o.router_workers} "
             "worker(s))",
         ]
@@ -123,7 +137,7 @@ class LaunchPlan:
                             "restart_budget": o.restart_budget,
                             "restart_window": o.restart_window,
                             "on_mps_fault": o.on_mps_fault,
-                            "health_timeout": o.start_timeout,
+                            "health_timeout": self.start_timeout,
                             "drain_timeout": o.drain_timeout},
             "log_format": o.log_format,  # the supervisor's and the replica log banners'
             "warnings": list(self.warnings),
@@ -191,7 +205,16 @@ def _engine(o: LaunchOptions) -> list[str]:
     engine = ENGINES.get(o.engine)
     if engine is None:
         return [f"engine {o.engine!r} is not known; known: {', '.join(ENGINES)}"]
-    return reserved_flag_problems(engine, o.engine_args)
+    problems = reserved_flag_problems(engine, o.engine_args)
+    if o.engine == "builtin" and (o.engine_python or o.engine_overhead is not None):
+        problems.append("--engine-python and --engine-overhead are for external engines; the "
+                        "built-in engine runs with omni-dp's interpreter and sizes itself")
+    if o.engine_overhead is not None and o.engine_overhead < 0:
+        problems.append("--engine-overhead must not be negative")
+    if not STAGE_NAME.match(o.engine_stage):
+        problems.append(f"--engine-stage {o.engine_stage!r} is not a stage name: letters, "
+                        "digits and '_'")
+    return problems
 
 
 def _run_id(o: LaunchOptions) -> list[str]:
@@ -211,6 +234,8 @@ def _seconds(o: LaunchOptions) -> list[str]:
     # nan passes every comparison below it (and then stops the supervisor's loop), inf too
     for name, zero_ok in _SECONDS:
         seconds = getattr(o, name)
+        if seconds is None:  # --start-timeout: the engine's default
+            continue
         if (math.isfinite(seconds) and (seconds >= 0 if zero_ok else seconds > 0)
                 and seconds <= MAX_SECONDS):
             continue
@@ -319,8 +344,11 @@ class CpuPart:
 
 @dataclass(frozen=True)
 class KvPart:
-    sizing: EngineSizing  # the engine's dry run: what every replica allocates
-    max_total_tokens: int | None  # what each replica is started with
+    pin: KvPlan  # the engine adapter's: its arguments, what every replica holds and reports
+
+    @property
+    def sizing(self) -> EngineSizing:
+        return self.pin.sizing
 
 
 def plan_gpu(o: LaunchOptions, facts: LaunchFacts) -> tuple[GpuPart | None, list[str]]:
@@ -330,6 +358,11 @@ def plan_gpu(o: LaunchOptions, facts: LaunchFacts) -> tuple[GpuPart | None, list
     if o.gpu not in ("auto", "none") and gpu is None:
         problems += facts.gpu_problems or [f"--gpu {o.gpu}: no such GPU"]
     problems += _mps_gpu_problems(o, facts)
+    engine = ENGINES.get(o.engine)
+    if engine is not None and engine.needs_gpu and (gpu is None or o.gpu == "none"):
+        problems.append(f"engine {o.engine} needs a CUDA GPU and there is none to use"
+                        + (" (--gpu none)" if o.gpu == "none" else "")
+                        + "; it cannot serve on the CPU (vllm can: --engine vllm)")
     if problems:
         return None, problems
     warnings = ()
@@ -434,20 +467,24 @@ def plan_cpus(o: LaunchOptions, facts: LaunchFacts) -> tuple[CpuPart | None, lis
     return CpuPart(tuple(cpu_plan.blocks), tuple(cpu_plan.warnings)), []
 
 
-def plan_kv(o: LaunchOptions, facts: LaunchFacts) -> tuple[KvPart | None, list[str]]:
-    """The engine's own word on its options and sizes (its dry run)."""
-    sizing = facts.sizing
-    if sizing is None:  # the engine said why (or its dry run was skipped: see plan_launch)
+def plan_kv(o: LaunchOptions, facts: LaunchFacts,
+            gpu: GpuPart | None = None) -> tuple[KvPart | None, list[str]]:
+    """The KV pin in the engine's own knobs, from the engine's word on its sizes (the builtin
+    engine's dry run, an external engine's model directory)."""
+    engine = ENGINES.get(o.engine)
+    if engine is None or _kv_pin(o) or _kv_sizes(o):
         return None, list(facts.engine_problems)
-    if o.max_total_tokens is not None and sizing.kv_tokens != o.max_total_tokens:
-        return None, [f"--max-total-tokens {o.max_total_tokens}: the engine would allocate "
-                      f"{sizing.kv_tokens} tokens (whole KV pages); ask for {sizing.kv_tokens}"]
-    # No knob given: pin the engine's fixed default explicitly, so every replica (and every
-    # restart) is started with the very number the dry run reported.
-    tokens = o.max_total_tokens
-    if o.kv_cache_bytes is None and tokens is None:
-        tokens = sizing.kv_tokens
-    return KvPart(sizing, tokens), []
+    device = gpu.device if gpu is not None else ("cuda" if facts.gpu is not None else "cpu")
+    request = KvRequest(
+        kv_cache_bytes=o.kv_cache_bytes, max_total_tokens=o.max_total_tokens,
+        replicas=o.replicas, device=device, gpu=gpu.gpu if gpu is not None else facts.gpu,
+        sizing=facts.sizing, model=facts.model, overhead_bytes=o.engine_overhead,
+        engine_stage=o.engine_stage, engine_args=o.engine_args)
+    pin, problems = engine.plan_kv(request)
+    problems = [*facts.engine_problems, *problems]
+    if pin is None or problems:
+        return None, problems
+    return KvPart(pin), []
 
 
 def plan_memory(o: LaunchOptions, facts: LaunchFacts, gpu: GpuPart | None,
@@ -508,7 +545,7 @@ def plan_launch(o: LaunchOptions, facts: LaunchFacts, *,
     ports = _take(plan_ports(o, facts), problems)
     router = _take(plan_router(o, facts), problems)
     cpus = _take(plan_cpus(o, facts), problems)
-    kv = _take(plan_kv(o, facts), problems)
+    kv = _take(plan_kv(o, facts, gpu), problems)
     _take(plan_memory(o, facts, gpu, kv), problems)
     if problems:
         raise LaunchPlanError(problems)
@@ -522,15 +559,20 @@ def plan_launch(o: LaunchOptions, facts: LaunchFacts, *,
     router_argv = [*router.argv]
     for r in replicas:
         router_argv += ["--replica", f"{r.index}={r.url}"]
-    start = o.start or "parallel"  # every engine adapter here sizes KV to a fixed size
+    engine = ENGINES[o.engine]
+    # An engine that sizes KV from the memory free at its start sees the others' footprint
+    # only once they are up: one after another. A fixed size can start together.
+    start = o.start or ("sequential" if engine.kv_profiled else "parallel")
     return LaunchPlan(
         options=o, run_id=run.run_id, run_dir=run.directory, device=gpu.device,
         gpu_label=gpu.label, gpu_numa_node=facts.gpu_numa_node, start=start,
         replicas=replicas, router_argv=tuple(router_argv), router_url=router.url,
-        expected_kv_tokens=kv.sizing.kv_tokens, sizing=kv.sizing, mps_binary=mps.binary,
+        expected_kv_tokens=kv.pin.expected_tokens, sizing=kv.sizing, mps_binary=mps.binary,
         mps_binaries=mps.binaries,
         warnings=(*gpu.warnings, *_neighbour_warnings(run, gpu, facts), *cpus.warnings),
         command=facts.command,
+        start_timeout=o.start_timeout if o.start_timeout is not None else engine.start_timeout_s,
+        kv_notes=kv.pin.notes,
     )
 
 
@@ -538,14 +580,19 @@ def plan_replicas(o: LaunchOptions, facts: LaunchFacts, run: RunPart, gpu: GpuPa
                   ports: tuple[int, ...], cpus: CpuPart, kv: KvPart) -> tuple[ReplicaPlan, ...]:
     """Each replica's port, CPU block, environment and command line, from complete parts."""
     engine = ENGINES[o.engine]
+    external = o.engine != "builtin"
     replicas = []
     for i, (port, block) in enumerate(zip(ports, cpus.blocks, strict=True)):
         threads = len(block) if block else max(1, len(facts.topology.allowed) // o.replicas)
-        argv = engine.argv(ReplicaLaunch(port, gpu.device, threads, o.kv_cache_bytes,
-                                         kv.max_total_tokens, log_format=o.log_format),
-                           o.engine_args)
-        replicas.append(ReplicaPlan(i, port, block, tuple(_pinned(argv, block, facts)),
-                                    _replica_env(o, run, gpu, i, threads)))
+        launch = ReplicaLaunch(
+            port, gpu.device, threads, o.kv_cache_bytes, o.max_total_tokens,
+            log_format=o.log_format,
+            python=facts.engine_python if external else None, kv_args=kv.pin.args,
+            cpus=block, work_dir=engine_work_dir(run.directory, i) if external else None)
+        argv = engine.argv(launch, o.engine_args)
+        env = {**_replica_env(o, run, gpu, i, threads), **kv.pin.env,
+               **engine.environment(launch)}
+        replicas.append(ReplicaPlan(i, port, block, tuple(_pinned(argv, block, facts)), env))
     return tuple(replicas)
 
 

@@ -9,13 +9,21 @@ from __future__ import annotations
 import subprocess
 import time
 
-from omni_dp.launcher.gates import GateFailed, kv_problems, server_info, wait_healthy
-from omni_dp.launcher.processes import child_env, spawn, stop_processes
+from omni_dp.files import make_private_dir
+from omni_dp.gpus import nvml_gpu_pids
+from omni_dp.launcher.engines import ENGINES, CapacityUnreadable, EngineAdapter
+from omni_dp.launcher.gates import GateFailed, kv_problems, wait_healthy
+from omni_dp.launcher.processes import child_env, spawn
+from omni_dp.launcher.replica_groups import FoundProcess, find_replica_processes, stop_replicas
 from omni_dp.launcher.state import RunState, append_private
 from omni_dp.logs import json_line
-from omni_dp.mps.attach import AttachReport, ReplicaProcesses
+from omni_dp.mps.attach import AttachReport, DeclaredProcess
 from omni_dp.mps.runs import verify_and_record
+from omni_dp.rundir import engine_work_dir
 from omni_dp.runfile import ReplicaState
+
+# An external engine's own directory per replica (its TMPDIR and caches: see the adapters)
+WORK_SUBDIRS = ("tmp", "cache")
 
 
 class ReplicaSet:
@@ -26,6 +34,10 @@ class ReplicaSet:
     def url(self, index: int) -> str:
         return self.state.replica(index).url
 
+    @property
+    def engine(self) -> EngineAdapter:
+        return ENGINES[self.state.plan.engine]
+
     def start(self, index: int) -> None:
         record = self.state.replica(index)
         log = self.state.logs / record.log
@@ -34,6 +46,10 @@ class ReplicaSet:
             banner = json_line("omni_dp.launch", f"starting replica {index}")
         with append_private(log) as f:
             f.write(banner.encode() + b"\n")
+        if self.state.plan.engine != "builtin":
+            work = engine_work_dir(self.state.directory, index)
+            for path in (work.parent, work, *(work / name for name in WORK_SUBDIRS)):
+                make_private_dir(path)
         started = spawn(record.argv, child_env(record.env, self.state.token), log)
         self.popens[index] = started.popen
         self.state.update_replica(index, identity=started.identity, pgid=started.pid,
@@ -51,17 +67,72 @@ class ReplicaSet:
         self.state.event("replica_healthy", replica=index, seconds=round(seconds, 2))
 
     def read_kv(self, index: int) -> int:
-        """Record the replica's KV capacity and process list from /get_server_info."""
-        info = server_info(self.url(index))
-        tokens = int(info["max_total_num_tokens"])
-        processes = ReplicaProcesses.from_json(index, info["processes"]).processes
-        self.state.update_replica(index, kv_tokens=tokens, processes=processes)
+        """Record the replica's KV capacity, read back the engine's way."""
+        record = self.state.replica(index)
+        try:
+            tokens = self.engine.read_capacity(record.url, self.state.logs / record.log)
+        except CapacityUnreadable as exc:
+            raise GateFailed(f"replica {index}: its KV capacity cannot be read back: {exc}"
+                             ) from None
+        self.state.update_replica(index, kv_tokens=tokens)
         return tokens
 
+    def record_processes(self, index: int) -> tuple[DeclaredProcess, ...]:
+        """Find the healthy replica's processes in its session and record them (pid + create
+        time: what makes an orphan the run's once its leader is gone). The engine's own list,
+        where it keeps one, is cross-checked against the session."""
+        processes = tuple(self.find_processes(index))
+        self.state.update_replica(index, processes=processes)
+        self.state.event("replica_processes", replica=index,
+                         processes=[{"pid": p.pid, "role": p.role, "device": p.device}
+                                    for p in processes])
+        return processes
+
+    def find_processes(self, index: int) -> list[DeclaredProcess]:
+        record = self.state.replica(index)
+        assert record.identity is not None, "start() first"
+        found = {p.identity.pid: p for p in find_replica_processes(record.identity)}
+        if not found:
+            raise GateFailed(f"replica {index}: no process of its session is alive")
+        try:
+            reported = self.engine.reported_processes(record.url)
+        except CapacityUnreadable as exc:
+            raise GateFailed(f"replica {index}: {exc}") from None
+        on_gpu = self._gpu_pids() if self.state.plan.device == "cuda" else set()
+        declared = []
+        for process in reported or ():
+            session = found.pop(process.pid, None)
+            if session is None:
+                raise GateFailed(
+                    f"replica {index} reports process {process.pid} ({process.role}), which is "
+                    "not in its session: a replica's processes are the ones it started")
+            declared.append(DeclaredProcess(process.pid, process.role, process.device,
+                                            session.identity.create_time))
+        declared += [self._declared(p, on_gpu) for p in found.values()]
+        return declared
+
+    def _declared(self, process: FoundProcess, on_gpu: set[int]) -> DeclaredProcess:
+        """A process the engine did not list: on CUDA if NVML or its mappings say so."""
+        cuda = (self.state.plan.device == "cuda"
+                and (process.identity.pid in on_gpu or process.cuda_evidence is not None))
+        return DeclaredProcess(process.identity.pid, process.name, "cuda:0" if cuda else "cpu",
+                               process.identity.create_time)
+
+    def _gpu_pids(self) -> set[int]:
+        pids, _ = nvml_gpu_pids(self.state.record.gpu)
+        return pids or set()
+
     def check_kv(self, indices: list[int]) -> None:
+        """Each replica's read-back capacity against the plan's, or, where the engine derives
+        the count itself, against every other replica's (a restarted one against those that
+        kept serving)."""
         expected = self.state.plan.expected_kv_tokens
         tokens = {i: self.read_kv(i) for i in indices}
-        problems = kv_problems(tokens, expected)
+        compared = dict(tokens)
+        if expected is None:
+            compared.update({r.index: r.kv_tokens for r in self.state.replicas
+                             if r.index not in tokens and r.kv_tokens is not None})
+        problems = kv_problems(compared, expected)
         self.state.event("kv_checked", tokens={str(i): t for i, t in tokens.items()},
                          expected=expected, ok=not problems)
         if problems:
@@ -83,10 +154,9 @@ class ReplicaSet:
         return report
 
     def stop(self, indices: list[int], timeout_s: float) -> None:
-        """Stop these replicas' process groups (drain on SIGTERM, then SIGKILL)."""
-        identities = [self.state.replica(i).identity for i in indices]
-        live = [i for i in identities if i is not None]
+        """Stop these replicas' processes: each session (drain on SIGTERM), MPS clients let go
+        through the daemon, then SIGKILL; orphans of a dead leader found by their record."""
         reap = [self.popens[i] for i in indices if i in self.popens]
-        stop_processes(live, self.state.token, timeout_s, reap=reap)
+        stop_replicas(self.state, indices, timeout_s, reap=reap)
         for i in indices:
             self.state.update_replica(i, state=ReplicaState.STOPPED)

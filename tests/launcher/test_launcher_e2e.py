@@ -84,7 +84,8 @@ def assert_nothing_left(run: Run) -> None:
     """No process of the run, no recorded process alive, no port taken, no state dir."""
     assert run.token, "the run token was never read"
     assert token_pids(run.token) == [], "processes still carry the run token"
-    assert run.leftover_pids() == []
+    left = run.leftover_pids()
+    assert left == [], [(p, psutil.Process(p).cmdline(), os.getsid(p)) for p in left]
     assert run.recorded_alive() == [], "recorded processes are still running"
     wait_for("the run's ports to close", lambda: not run.listening_ports(), timeout=5)
     assert not run.run_dir.exists(), f"{run.run_dir} is still there"
@@ -306,7 +307,7 @@ def test_killed_replica_is_restarted_while_traffic_continues(runs):
 
     assert events_of(run, 0, since=killed_at - 0.05) == [
         "router_disabled", "restart_started", "replica_started", "replica_healthy",
-        "kv_checked", "router_enabled", "restart_completed"]
+        "replica_processes", "kv_checked", "router_enabled", "restart_completed"]
     disabled = [e for e in run.events() if e["event"] in ("router_disabled", "router_enabled")]
     assert all(e["status"] == 200 for e in disabled), disabled
     assert replica_status(run, 1)["restarts"] == 0

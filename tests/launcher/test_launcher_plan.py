@@ -16,12 +16,13 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from types import MappingProxyType
 
 import psutil
 import pytest
 
 from omni_dp.contract import Problems
-from omni_dp.launcher.engines import ENGINES, ReplicaLaunch
+from omni_dp.launcher.engines import ENGINES, BuiltinEngine, ReplicaLaunch
 from omni_dp.launcher.facts import KnownRun, LaunchFacts, known_runs
 from omni_dp.launcher.options import FIELDS, LaunchOptions, load_config_file, merge_options
 from omni_dp.launcher.plan import (
@@ -76,13 +77,15 @@ def cpu_facts(facts) -> LaunchFacts:
     )
 
 
-class ProfilingEngine:
+class ProfilingEngine(BuiltinEngine):
     """An engine that sizes its KV from the memory free when it starts (as vLLM and SGLang do
     without a knob): N replicas of it need a pinned KV size."""
 
     name = "profiling"
-    reserved_flags = ("--port", "--max-total-tokens")
+    reserved_flags = MappingProxyType({"--port": "--base-port",
+                                       "--max-total-tokens": "--max-total-tokens"})
     fixed_default_kv = False
+    kv_profiled = True
 
     def argv(self, launch: ReplicaLaunch, engine_args: tuple[str, ...]) -> list[str]:
         argv = ["profiling-engine", "--port", str(launch.port)]
@@ -589,9 +592,9 @@ def test_engine_dry_run_problems_are_reported(facts):
 
 
 def test_unknown_engine_is_a_problem(facts):
-    problem = only_problem(opts(engine="vllm"), facts)
-    assert "engine 'vllm' is not known" in problem and "builtin" in problem
-    assert "--engine" not in problem  # no such flag (yet): never name one
+    problem = only_problem(opts(engine="tensorrt"), facts)
+    assert "engine 'tensorrt' is not known" in problem
+    assert all(name in problem for name in ("builtin", "vllm", "sglang", "sglang-omni"))
 
 
 # --- every problem at once --------------------------------------------------------------------
@@ -769,10 +772,9 @@ def test_config_unknown_key_is_a_problem_listing_the_known_ones(tmp_path):
     assert problems[0].startswith(f"--config {path}: unknown setting 'replica_count' (known: ")
     known = problems[0].split("(known: ")[1]
     listed = {name.strip(" )") for name in known.split(",")}
-    assert listed == {name.replace("_", "-") for name in FIELDS} - {"engine"}
+    assert listed == {name.replace("_", "-") for name in FIELDS}
     assert "max-total-tokens" in listed and "cpu-blocks" in listed
-    # `engine` has no flag yet: the file must not offer it (nor a message name --engine)
-    assert "engine" not in listed and "engine-args" in listed
+    assert {"engine", "engine-args", "engine-python", "engine-stage"} <= listed
 
 
 @pytest.mark.parametrize(("text", "message"), [

@@ -168,14 +168,12 @@ def test_the_engine_dry_run_gets_a_private_empty_mps_pipe_directory(tmp_path, mo
     """Never the system default pipe (/tmp/nvidia-mps) nor an inherited one: a CUDA context
     made by the dry run must not join anyone's daemon. The directory is gone afterwards."""
     from omni_dp.launcher import facts as facts_module
-    from omni_dp.launcher.engines import ENGINES
+    from omni_dp.launcher.engines import ENGINES, BuiltinEngine
 
     seen = {}
 
-    class RecordingEngine:
+    class RecordingEngine(BuiltinEngine):
         name = "recording"
-        reserved_flags = ()
-        fixed_default_kv = True
 
         def dry_run(self, launch, engine_args, env):
             pipe = env.get("CUDA_MPS_PIPE_DIRECTORY")

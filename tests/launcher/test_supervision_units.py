@@ -121,6 +121,9 @@ class FakeReplicas:
         if not self.healthy:
             raise GateFailed("not healthy within 5 s (last /health: 503); last lines of x:\n  y")
 
+    def record_processes(self, index):
+        self.calls.append(("record_processes", index))
+
     def check_kv(self, indices):
         self.calls.append(("check_kv", *indices))
 
@@ -308,7 +311,8 @@ def test_a_restart_backs_off_passes_the_gates_and_is_back_in_the_router(tmp_path
     assert sup.crew.stop.waits == [1.0]  # one restart within the window before this one
     record = state.replica(0)
     assert record.state is H and record.last_error is None and record.restarts == (NOW - 30, NOW)
-    assert sup.replicas.calls == [("stop", 0), ("start", 0), ("wait_healthy", 0), ("check_kv", 0)]
+    assert sup.replicas.calls == [("stop", 0), ("start", 0), ("wait_healthy", 0),
+                                  ("record_processes", 0), ("check_kv", 0)]
     [started] = [e for e in events(state) if e["event"] == "restart_started"]
     assert (started["attempt"], started["backoff_s"]) == (2, 1.0)
     assert names(state)[-2:] == ["router_enabled", "restart_completed"]

@@ -112,6 +112,7 @@ class Run:
         self._out_file = None
         self._token: str | None = None
         self._recorded: dict[int, float] = {}  # pid -> create time, from every run.json seen
+        self._leaders: dict[int, float] = {}  # replicas' session leaders, from every run.json
 
     # --- paths and recorded state ---------------------------------------------------------
 
@@ -177,6 +178,12 @@ class Run:
         for record in records:
             if record and record.get("pid") and record.get("create_time"):
                 self._recorded.setdefault(int(record["pid"]), float(record["create_time"]))
+        for replica in data.get("replicas", []):
+            if replica.get("pid") and replica.get("create_time"):
+                self._leaders.setdefault(int(replica["pid"]), float(replica["create_time"]))
+            for process in replica.get("processes") or ():  # found in its session
+                if process.get("create_time"):
+                    self._recorded.setdefault(int(process["pid"]), float(process["create_time"]))
         self._read_token()
 
     def _read_token(self) -> str | None:
@@ -252,7 +259,23 @@ class Run:
             return (env.get("OMNI_DP_STATE_DIR") == root
                     and env.get("OMNI_DP_RUN_ID") == self.run_id)
 
-        return matching_pids(ours)
+        return sorted(set(matching_pids(ours)) | set(self.session_pids())
+                      | set(self.recorded_alive()))
+
+    def session_pids(self) -> list[int]:
+        """Processes in the session of a replica this run started (an engine's children drop
+        the token from their environment), created after that session's leader."""
+        # A session whose leader's pid now belongs to another process is not the run's.
+        sessions = {pid: created for pid, created in self._leaders.items()
+                    if alive(pid, created) or not psutil.pid_exists(pid)}
+        found = []
+        for process in psutil.process_iter(["pid", "create_time"]):
+            with contextlib.suppress(OSError):
+                created = sessions.get(os.getsid(process.info["pid"]))
+                if created is not None and process.info["create_time"] >= created \
+                        and alive(process.info["pid"]):
+                    found.append(process.info["pid"])
+        return sorted(found)
 
     def listening_ports(self) -> list[int]:
         return [p for p in self.ports if port_listening(p)]

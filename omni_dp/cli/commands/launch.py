@@ -33,7 +33,9 @@ def launch(ctx, dry_run, as_json, engine_args, **flags) -> None:
     Preflight checks everything first and exits 2 with every problem before anything exists.
     Then: state dir, (--mps) private MPS daemon, replicas pinned to CPU blocks, health, equal
     KV, (--mps) attachment of every CUDA process, router. Arguments after `--` go to every
-    replica's engine (e.g. -- --model small).
+    replica's engine: for the built-in one e.g. `-- --model small`; for an external engine
+    the model directory first, then the engine's own flags, e.g. `--engine vllm
+    --max-total-tokens 1024 -- /models/my-llama --enforce-eager`.
 
     Exit codes: 0 stopped cleanly (or detached), 2 bad options/machine (nothing created),
     3 a failure after start (torn down; state kept for diagnosis).
@@ -44,7 +46,8 @@ def launch(ctx, dry_run, as_json, engine_args, **flags) -> None:
     say = _launch_say(options.log_format)
     for note in notes:
         _note(options.log_format, note)
-    _note(options.log_format, "preflight (CPU topology, GPU, ports, engine dry run)…")
+    _note(options.log_format, "preflight (CPU topology, GPU, ports, "
+          + ("engine dry run)…" if options.engine == "builtin" else "model directory)…"))
     plan = _plan(options, problems)
     if dry_run:
         emit({"run_id": plan.run_id, **plan.to_json(),

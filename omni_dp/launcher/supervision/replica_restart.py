@@ -70,6 +70,7 @@ class ReplicaRestart:
     def _gates(self, index: int) -> None:
         crew = self.crew
         crew.replicas.wait_healthy(index, crew.state.supervision.start_timeout)
+        crew.replicas.record_processes(index)
         crew.replicas.check_kv([index])
         if crew.state.record.mps is not None:
             report = crew.replicas.verify_attachment()

@@ -1,0 +1,41 @@
+"""Engine adapters: one module per engine behind the protocol in base.py.
+
+The supervisor and the router never look inside an engine. Adding one means a module here and
+an entry in ENGINES; the plan, bring-up, restarts and teardown stay as they are.
+"""
+
+from __future__ import annotations
+
+from omni_dp.launcher.engines.base import (
+    CapacityUnreadable,
+    EngineAdapter,
+    EngineSizing,
+    KvPlan,
+    KvRequest,
+    ModelFacts,
+    ReplicaLaunch,
+    flag_problems,
+    split_model,
+)
+from omni_dp.launcher.engines.builtin import BuiltinEngine
+from omni_dp.launcher.engines.sglang import SglangEngine
+from omni_dp.launcher.engines.sglang_omni import SglangOmniEngine
+from omni_dp.launcher.engines.vllm import VllmEngine
+
+ENGINES: dict[str, EngineAdapter] = {
+    "builtin": BuiltinEngine(),
+    "vllm": VllmEngine(),
+    "sglang": SglangEngine(),
+    "sglang-omni": SglangOmniEngine(),
+}
+
+__all__ = [
+    "ENGINES", "BuiltinEngine", "CapacityUnreadable", "EngineAdapter", "EngineSizing",
+    "KvPlan", "KvRequest", "ModelFacts", "ReplicaLaunch", "SglangEngine", "SglangOmniEngine",
+    "VllmEngine", "flag_problems",
+    "reserved_flag_problems", "split_model",
+]
+
+
+def reserved_flag_problems(engine: EngineAdapter, engine_args: tuple[str, ...]) -> list[str]:
+    return flag_problems(engine.reserved_flags, engine_args, engine.name)

@@ -1,0 +1,197 @@
+"""What every engine adapter is: the small protocol the launcher plans and starts replicas with,
+and the messages that cross it.
+
+The launcher never looks inside an engine. An adapter says, for its engine: the command line
+(loopback host, the replica's port, a strict-port setting), the environment, the flags the
+launcher reserves, how a KV pin is written in the engine's own knobs and what capacity that
+must give, how the capacity actually allocated is read back, and what runs where (the OS
+processes of a replica are found by session, never by the engine's word alone: see
+omni_dp/launcher/processes.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from omni_dp.gpus import GpuFacts
+from omni_dp.mps.attach import DeclaredProcess
+
+# The engine's own model-path flags: a model given by one of them is the model, like a first
+# positional argument (one place, so every adapter finds it the same way).
+MODEL_FLAGS = ("--model", "--model-path")
+
+
+@dataclass(frozen=True)
+class EngineSizing:
+    """What one replica will hold: from the engine's own dry run (builtin) or from the model
+    directory and the pin (external engines); never guessed."""
+
+    weights_bytes: int
+    kv_cache_bytes: int
+    kv_tokens: int | None  # None: the engine decides the count from the bytes (read back)
+    overhead_bytes: int
+    device: str
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_cache_bytes + self.overhead_bytes
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """A local model directory as an external engine will load it, read without loading it:
+    config.json for the KV geometry, safetensors headers for the weights (no tensor data)."""
+
+    path: Path
+    architecture: str
+    weights_bytes: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # the weights' and (by default) the KV cache's: "bfloat16", "float16", ...
+    dtype_bytes: int
+    # config's max_position_embeddings: vLLM refuses to start when the KV pool cannot hold one
+    # request of that length. None: the config does not say.
+    max_positions: int | None = None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V, every layer: what one token of KV costs at the model's dtype."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class KvRequest:
+    """What the plan knows when an adapter turns a KV pin into its engine's knobs."""
+
+    kv_cache_bytes: int | None
+    max_total_tokens: int | None
+    replicas: int
+    device: str  # "cpu" or "cuda"
+    gpu: GpuFacts | None
+    sizing: EngineSizing | None = None  # the builtin engine's dry run
+    model: ModelFacts | None = None  # an external engine's model directory
+    overhead_bytes: int | None = None  # --engine-overhead: the user's estimate wins
+    engine_stage: str | None = None  # sglang-omni: the stage that holds the KV cache
+    engine_args: tuple[str, ...] = ()  # the user's, for checks that depend on them
+
+
+@dataclass(frozen=True)
+class KvPlan:
+    """A KV pin in the engine's own words: the arguments and environment that make every
+    replica allocate the same pool, what each must then report, and what a replica holds."""
+
+    args: tuple[str, ...]
+    sizing: EngineSizing
+    expected_tokens: int | None  # None: equal across replicas, the count the engine's own
+    env: Mapping[str, str] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()  # how the pin was translated, for the plan's description
+
+
+@dataclass(frozen=True)
+class ReplicaLaunch:
+    """The launcher-owned settings of one replica; the adapter turns them into an argv."""
+
+    port: int
+    device: str  # "cpu" or "cuda"
+    threads: int | None
+    kv_cache_bytes: int | None
+    max_total_tokens: int | None
+    log_format: str = "text"  # text | json (omni_dp/logs.py)
+    python: str | None = None  # the interpreter that has the engine installed
+    kv_args: tuple[str, ...] = ()  # KvPlan.args
+    cpus: tuple[int, ...] | None = None  # the replica's CPU block
+    work_dir: Path | None = None  # the replica's own directory inside the run directory
+
+
+class CapacityUnreadable(Exception):
+    """The replica's allocated KV capacity could not be read back; the message says why."""
+
+
+class EngineAdapter(Protocol):
+    name: str
+    # The Python module the engine runs as; None for the built-in engine (this interpreter).
+    module: str | None
+    # Engine flags the launcher sets itself → the omni-dp option to use instead. The same flag
+    # among the user's engine args is an error: it would silently fight the launcher's value.
+    reserved_flags: Mapping[str, str]
+    # True: the engine sizes its KV from the memory free when it starts, so replicas start one
+    # after another by default, and a pin is required for more than one.
+    kv_profiled: bool
+    # True when the engine's KV without a knob is a fixed number: then unpinned replicas still
+    # get equal KV (the built-in engine's 16384 tokens).
+    fixed_default_kv: bool
+    needs_gpu: bool
+    # How many processes of one replica hold a CUDA context, for MPS's client limit.
+    cuda_processes_per_replica: int
+    start_timeout_s: float  # --start-timeout's default for this engine
+    example: str  # "speech" or "completions": the request the launch summary shows
+
+    def plan_kv(self, request: KvRequest) -> tuple[KvPlan | None, list[str]]:
+        """Pure: the pin in the engine's knobs, or every reason it cannot be pinned."""
+        ...
+
+    def argv(self, launch: ReplicaLaunch, engine_args: tuple[str, ...]) -> list[str]: ...
+
+    def environment(self, launch: ReplicaLaunch) -> dict[str, str]:
+        """What the engine needs on top of the launcher's own variables."""
+        ...
+
+    def read_capacity(self, url: str, log: Path) -> int:
+        """The KV tokens the running replica allocated; CapacityUnreadable if it cannot tell."""
+        ...
+
+    def reported_processes(self, url: str) -> list[DeclaredProcess] | None:
+        """The engine's own list of its processes (cross-checked against its session), or
+        None when the engine keeps none."""
+        ...
+
+
+def split_model(engine_args: tuple[str, ...]) -> tuple[str | None, tuple[str, ...]]:
+    """(the model, the other arguments): the model is the first positional argument or the
+    value of --model / --model-path, written either way (`--model M`, `--model=M`)."""
+    rest: list[str] = []
+    model = None
+    args = list(engine_args)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        flag, eq, value = arg.partition("=")
+        if model is None and flag in MODEL_FLAGS:
+            if eq:
+                model = value
+            elif i + 1 < len(args):
+                model = args[i + 1]
+                i += 1
+            i += 1
+            continue
+        if model is None and not arg.startswith("-") and (not rest or not _takes_value(rest)):
+            model = arg
+            i += 1
+            continue
+        rest.append(arg)
+        i += 1
+    return model, tuple(rest)
+
+
+def _takes_value(before: list[str]) -> bool:
+    """Whether the argument just before is a flag awaiting its value (`--dtype half`)."""
+    last = before[-1]
+    return last.startswith("--") and "=" not in last
+
+
+def flag_problems(reserved: Mapping[str, str], engine_args: tuple[str, ...],
+                  engine: str) -> list[str]:
+    """Every reserved flag among the user's engine arguments, naming what to use instead."""
+    problems = []
+    for arg in engine_args:
+        flag = arg.split("=", 1)[0]
+        if flag in reserved:
+            problems.append(
+                f"engine argument {flag} is set by the launcher for every replica; "
+                f"use {reserved[flag]} instead"
+            )
+    return problems

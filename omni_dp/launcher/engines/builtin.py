@@ -1,0 +1,119 @@
+"""`omni-dp serve`: the built-in TTS pipeline, run with this interpreter.
+
+Its KV is a fixed size (16384 tokens unless pinned), and its own dry run says exactly what a
+replica will hold; it reports its processes and capacity on /get_server_info
+(docs/contracts.md).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import MappingProxyType
+
+from omni_dp.launcher.engines.base import (
+    CapacityUnreadable,
+    EngineSizing,
+    KvPlan,
+    KvRequest,
+    ReplicaLaunch,
+)
+from omni_dp.launcher.gates import GateFailed, server_info
+from omni_dp.mps.attach import DeclaredProcess, ReplicaProcesses
+
+DRY_RUN_TIMEOUT_S = 120
+
+
+class BuiltinEngine:
+    name = "builtin"
+    module = None
+    reserved_flags = MappingProxyType({
+        "--host": "omni-dp launch --host (the router's)",
+        "--port": "omni-dp launch --base-port", "--device": "omni-dp launch --gpu",
+        "--threads": "omni-dp launch --cpu-blocks",
+        "--kv-cache-bytes": "omni-dp launch --kv-cache-bytes",
+        "--max-total-tokens": "omni-dp launch --max-total-tokens",
+        "--dry-run": "omni-dp launch --dry-run", "--log-format": "omni-dp launch --log-format",
+    })
+    kv_profiled = False
+    fixed_default_kv = True
+    needs_gpu = False
+    cuda_processes_per_replica = 1
+    start_timeout_s = 300.0
+    example = "speech"
+
+    def argv(self, launch: ReplicaLaunch, engine_args: tuple[str, ...]) -> list[str]:
+        argv = [launch.python or sys.executable, "-m", "omni_dp", "serve", "--host",
+                "127.0.0.1", "--port", str(launch.port), "--device", launch.device]
+        if launch.threads is not None:
+            argv += ["--threads", str(launch.threads)]
+        if launch.kv_args:  # the plan's pin (plan_kv)
+            argv += launch.kv_args
+        else:  # the dry run: the options as given
+            if launch.kv_cache_bytes is not None:
+                argv += ["--kv-cache-bytes", str(launch.kv_cache_bytes)]
+            if launch.max_total_tokens is not None:
+                argv += ["--max-total-tokens", str(launch.max_total_tokens)]
+        return [*argv, "--log-format", launch.log_format, *engine_args]
+
+    def environment(self, launch: ReplicaLaunch) -> dict[str, str]:
+        return {}
+
+    def plan_kv(self, request: KvRequest) -> tuple[KvPlan | None, list[str]]:
+        """The dry run's sizes; a token pin must be what the engine allocates (whole pages).
+        Unpinned, the fixed default is pinned explicitly, so every replica (and restart) is
+        started with the very number the dry run reported."""
+        sizing = request.sizing
+        if sizing is None:
+            return None, []  # the dry run said why (facts.engine_problems)
+        if request.max_total_tokens is not None and sizing.kv_tokens != request.max_total_tokens:
+            return None, [f"--max-total-tokens {request.max_total_tokens}: the engine would "
+                          f"allocate {sizing.kv_tokens} tokens (whole KV pages); ask for "
+                          f"{sizing.kv_tokens}"]
+        if request.kv_cache_bytes is not None:
+            args = ("--kv-cache-bytes", str(request.kv_cache_bytes))
+        else:
+            args = ("--max-total-tokens", str(request.max_total_tokens or sizing.kv_tokens))
+        return KvPlan(args, sizing, sizing.kv_tokens), []
+
+    def dry_run(self, launch: ReplicaLaunch, engine_args: tuple[str, ...],
+                env: dict[str, str]) -> tuple[EngineSizing | None, list[str]]:
+        """Ask the engine to validate its options and say what it would allocate."""
+        argv = [*self.argv(launch, engine_args), "--dry-run"]
+        try:
+            done = subprocess.run(argv, env=env, capture_output=True, text=True,
+                                  timeout=DRY_RUN_TIMEOUT_S, check=False)
+        except subprocess.TimeoutExpired:
+            return None, [f"the engine's dry run (omni-dp serve --dry-run) took over "
+                          f"{DRY_RUN_TIMEOUT_S} s"]
+        if done.returncode != 0:
+            lines = [line.removeprefix("omni-dp serve: ")
+                     for line in done.stderr.strip().splitlines()]
+            return None, [f"engine: {line}" for line in lines[-10:]] or [
+                f"the engine's dry run exited {done.returncode} without saying why"]
+        try:
+            plan = json.loads(done.stdout)
+            return EngineSizing(
+                weights_bytes=int(plan["weights_bytes"]),
+                kv_cache_bytes=int(plan["kv_cache_bytes"]),
+                kv_tokens=int(plan["max_total_num_tokens"]),
+                overhead_bytes=int(plan["overhead_bytes"]),
+                device=str(plan["device"]),
+            ), []
+        except (ValueError, KeyError, TypeError) as exc:
+            return None, [f"the engine's dry run printed no plan ({exc!r}): {done.stdout[:200]}"]
+
+    def read_capacity(self, url: str, log: Path) -> int:
+        try:
+            return int(server_info(url)["max_total_num_tokens"])
+        except GateFailed as exc:
+            raise CapacityUnreadable(str(exc)) from None
+
+    def reported_processes(self, url: str) -> list[DeclaredProcess] | None:
+        try:
+            info = server_info(url)
+        except GateFailed as exc:
+            raise CapacityUnreadable(str(exc)) from None
+        return list(ReplicaProcesses.from_json(0, info["processes"]).processes)
