@@ -198,7 +198,8 @@ def _external_engine(options: LaunchOptions, python: str, option_problems: list[
         problems.append(f"engine {engine.name}: give the model directory after --, e.g. "
                         f"omni-dp launch --engine {engine.name} ... -- /models/my-model")
         return None, problems
-    model, model_problems = read_model(model_path)
+    # Absolute: an external replica runs in a working directory of its own (its work dir).
+    model, model_problems = read_model(os.path.abspath(model_path))
     return model, problems + [f"model {model_path}: {p}" for p in model_problems]
 
 

@@ -115,12 +115,25 @@ def example_request(plan: LaunchPlan, auth: str) -> str:
     """A request that fits the engine: speech for the TTS pipelines, a completion for LLMs."""
     url = plan.router_url
     if ENGINES[plan.options.engine].example == "completions":
-        model, _ = split_model(plan.options.engine_args)
-        body = json.dumps({"model": model, "prompt": "Hello, my name is", "max_tokens": 16})
+        body = json.dumps({"model": served_model(plan), "prompt": "Hello, my name is",
+                           "max_tokens": 16})
         return (f"curl -s {url}/v1/completions{auth} -H 'Content-Type: application/json' "
                 f"-d {shlex.quote(body)}")
     return (f"curl -s {url}/v1/audio/speech{auth} -H 'Content-Type: application/json' "
             "-d '{\"input\": \"Hello there.\"}' -o hello.wav")
+
+
+def served_model(plan: LaunchPlan) -> str | None:
+    """The name the engine serves the model under: --served-model-name if the user gave one,
+    else the model as the replicas are started with it (vLLM's and sglang's default)."""
+    argv = plan.replicas[0].argv
+    for flag in ("--served-model-name", "--model", "--model-path"):
+        for i, arg in enumerate(argv[:-1]):
+            if arg == flag:
+                return argv[i + 1]
+            if arg.startswith(flag + "="):
+                return arg.split("=", 1)[1]
+    return split_model(plan.options.engine_args)[0]
 
 
 def _hand_off(state: RunState, reap: list, stop: threading.Event,

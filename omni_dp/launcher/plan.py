@@ -30,6 +30,7 @@ from omni_dp.launcher.engines import (
     KvRequest,
     ReplicaLaunch,
     reserved_flag_problems,
+    split_model,
 )
 from omni_dp.launcher.facts import LaunchFacts, visible_id
 from omni_dp.launcher.options import (
@@ -581,6 +582,9 @@ def plan_replicas(o: LaunchOptions, facts: LaunchFacts, run: RunPart, gpu: GpuPa
     """Each replica's port, CPU block, environment and command line, from complete parts."""
     engine = ENGINES[o.engine]
     external = o.engine != "builtin"
+    engine_args = o.engine_args
+    if external and facts.model is not None:  # the directory as read (absolute: see facts)
+        engine_args = (str(facts.model.path), *split_model(o.engine_args)[1])
     replicas = []
     for i, (port, block) in enumerate(zip(ports, cpus.blocks, strict=True)):
         threads = len(block) if block else max(1, len(facts.topology.allowed) // o.replicas)
@@ -589,7 +593,7 @@ def plan_replicas(o: LaunchOptions, facts: LaunchFacts, run: RunPart, gpu: GpuPa
             log_format=o.log_format,
             python=facts.engine_python if external else None, kv_args=kv.pin.args,
             cpus=block, work_dir=engine_work_dir(run.directory, i) if external else None)
-        argv = engine.argv(launch, o.engine_args)
+        argv = engine.argv(launch, engine_args)
         env = {**_replica_env(o, run, gpu, i, threads), **kv.pin.env,
                **engine.environment(launch)}
         replicas.append(ReplicaPlan(i, port, block, tuple(_pinned(argv, block, facts)), env))

@@ -52,12 +52,13 @@ def child_env(extra: Mapping[str, str], token: str) -> dict[str, str]:
     return env
 
 
-def spawn(argv: Sequence[str], env: dict[str, str], log_path: Path) -> Started:
+def spawn(argv: Sequence[str], env: dict[str, str], log_path: Path,
+          cwd: Path | None = None) -> Started:
     """Start argv in a session of its own (pgid = pid), output appended to log_path."""
     with append_private(log_path) as log:
         popen = subprocess.Popen(list(argv), env=env, stdin=subprocess.DEVNULL, stdout=log,
                                  stderr=subprocess.STDOUT, start_new_session=True,
-                                 close_fds=True)
+                                 close_fds=True, cwd=cwd)
     identity = identify(popen.pid)
     if identity is None:  # exited (and was reaped) at once: keep the pid for the record
         identity = ProcessIdentity(popen.pid, 0.0)

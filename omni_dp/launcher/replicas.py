@@ -22,8 +22,9 @@ from omni_dp.mps.runs import verify_and_record
 from omni_dp.rundir import engine_work_dir
 from omni_dp.runfile import ReplicaState
 
-# An external engine's own directory per replica (its TMPDIR and caches: see the adapters)
-WORK_SUBDIRS = ("tmp", "cache")
+# An external engine's own directory per replica, its working directory: TMPDIR, caches, and
+# IPC sockets named relative to it (see the adapters)
+WORK_SUBDIRS = ("tmp", "cache", "rpc")
 
 
 class ReplicaSet:
@@ -46,11 +47,12 @@ class ReplicaSet:
             banner = json_line("omni_dp.launch", f"starting replica {index}")
         with append_private(log) as f:
             f.write(banner.encode() + b"\n")
+        work = None
         if self.state.plan.engine != "builtin":
             work = engine_work_dir(self.state.directory, index)
             for path in (work.parent, work, *(work / name for name in WORK_SUBDIRS)):
                 make_private_dir(path)
-        started = spawn(record.argv, child_env(record.env, self.state.token), log)
+        started = spawn(record.argv, child_env(record.env, self.state.token), log, cwd=work)
         self.popens[index] = started.popen
         self.state.update_replica(index, identity=started.identity, pgid=started.pid,
                                   processes=(), state=ReplicaState.STARTING, kv_tokens=None,

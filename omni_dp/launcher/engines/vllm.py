@@ -115,8 +115,15 @@ class VllmEngine:
         if launch.work_dir is not None:
             # IPC sockets, vllm_dist_* files and compile caches: the run's, removed with it.
             env["TMPDIR"] = str(launch.work_dir / "tmp")
+            # ZMQ IPC sockets are TMPDIR/<uuid4> by default, and a Unix socket's path may have
+            # at most 107 bytes: deep run directories (XDG_RUNTIME_DIR, long run ids) exceed
+            # it. Named relative to the replica's working directory (its work dir, where the
+            # launcher starts it; EngineCore and Worker inherit it) they are always short.
+            env["VLLM_RPC_BASE_PATH"] = "rpc"
             env["VLLM_CACHE_ROOT"] = str(launch.work_dir / "cache")
+            env["VLLM_CONFIG_ROOT"] = str(launch.work_dir / "cache" / "config")
             env["TORCHINDUCTOR_CACHE_DIR"] = str(launch.work_dir / "cache" / "inductor")
+            env["TRITON_CACHE_DIR"] = str(launch.work_dir / "cache" / "triton")
         return env
 
     def read_capacity(self, url: str, log: Path) -> int:
