@@ -71,13 +71,29 @@ def test_no_pin_is_refused_even_for_one_replica():
 
 
 def test_a_pool_shorter_than_the_models_length_needs_max_model_len():
-    """vLLM refuses to start when its pool cannot hold one request of max_model_len."""
-    _, problems = VllmEngine().plan_kv(request(max_total_tokens=256))
-    assert "less than one request of the model's length (512" in problems[0]
-    assert "--max-model-len 256" in problems[0]
+    """vLLM refuses to start when its pool, less its null block, cannot hold one request of
+    max_model_len (measured: 16 blocks of 32 for a 512-token model → 'maximum model length is
+    480')."""
+    _, problems = VllmEngine().plan_kv(request(max_total_tokens=512))
+    assert "512 tokens, 480 of them for requests" in problems[0]
+    assert "pin at least 544 tokens" in problems[0] and "--max-model-len 480" in problems[0]
+    assert VllmEngine().plan_kv(request(max_total_tokens=544))[1] == []
     pin, problems = VllmEngine().plan_kv(request(
-        max_total_tokens=256, engine_args=("/m", "--max-model-len", "256")))
+        max_total_tokens=256, engine_args=("/m", "--max-model-len", "224")))
     assert problems == [] and pin.expected_tokens == 256
+
+
+@pytest.mark.parametrize(("args", "per_token"), [
+    ((), PER_TOKEN),  # the checkpoint's bfloat16
+    (("--dtype", "float32"), 2 * PER_TOKEN),
+    (("--dtype=half",), PER_TOKEN),
+    (("--kv-cache-dtype", "fp8_e4m3"), PER_TOKEN // 2),
+])
+def test_bytes_per_token_follow_the_dtype_vllm_serves(args, per_token):
+    pin, problems = VllmEngine().plan_kv(request(engine_args=("/m", *args)))
+    assert problems == []
+    assert pin.sizing.kv_cache_bytes == 1024 * per_token
+    assert pin.args[-1] == str(1024 * per_token)
 
 
 def test_on_a_gpu_utilization_is_the_replicas_own_footprint():

@@ -44,8 +44,11 @@ def vllm() -> tuple[str, str]:
 
 
 def vllm_args(python: str, model: str, *extra: str) -> tuple[str, ...]:
+    # --enforce-eager skips a ~30 s compile per start; float32 because vLLM serves this
+    # float32 checkpoint in bfloat16 by default, whose eager CPU attention kernel died with
+    # SIGILL on some of these machines (AMX path)
     return ("--engine", "vllm", "--engine-python", python, *extra, "--", model,
-            "--enforce-eager")  # skips a ~30 s compile per start on this machine
+            "--enforce-eager", "--dtype", "float32")
 
 
 def completion(url: str, model: str, prompt: str, timeout: float = 60.0) -> dict:

@@ -21,6 +21,7 @@ from omni_dp.launcher.engines.base import (
     EngineSizing,
     KvPlan,
     KvRequest,
+    ModelFacts,
     ReplicaLaunch,
     split_model,
 )
@@ -67,7 +68,9 @@ class VllmEngine:
         model = request.model
         if model is None:
             return None, []  # reading the model directory said why
-        per_block = BLOCK_SIZE * model.kv_bytes_per_token
+        dtype, element_bytes = kv_dtype(model, request.engine_args)
+        per_token = model.kv_bytes_per_token // model.dtype_bytes * element_bytes
+        per_block = BLOCK_SIZE * per_token
         blocks, problems = _blocks(request, per_block)
         if problems:
             return None, problems
@@ -80,8 +83,7 @@ class VllmEngine:
         args = ["--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(blocks),
                 "--kv-cache-memory-bytes", str(kv_bytes)]
         notes = [f"vLLM KV: {blocks} blocks × {BLOCK_SIZE} tokens = {tokens} tokens, "
-                 f"{format_size(kv_bytes)} ({model.kv_bytes_per_token} bytes per token, "
-                 f"{model.dtype})"]
+                 f"{format_size(kv_bytes)} ({per_token} bytes per token, {dtype})"]
         if request.gpu is not None and request.gpu.memory_total_bytes:
             # vLLM refuses to start unless free memory ≥ total × utilization, even when the KV
             # size is given in bytes: ask for no more than this replica's own footprint, so a
@@ -162,15 +164,53 @@ def _blocks(request: KvRequest, per_block: int) -> tuple[int, list[str]]:
 
 def _max_model_len_problems(request: KvRequest, max_positions: int | None,
                             tokens: int) -> list[str]:
-    """vLLM refuses to start when its pool cannot hold one request of the model's length."""
+    """vLLM refuses to start when its pool cannot hold one request of the model's length; one
+    block of the pool is its null block (vllm/v1/core/kv_cache_utils.py), so a request has
+    one block fewer than the pin."""
     _, rest = split_model(request.engine_args)
-    if max_positions is None or tokens >= max_positions:
+    usable = tokens - BLOCK_SIZE
+    if max_positions is None or usable >= max_positions:
         return []
     if any(arg.split("=", 1)[0] == "--max-model-len" for arg in rest):
         return []
-    return [f"the KV pin holds {tokens} tokens, less than one request of the model's length "
-            f"({max_positions}, its max_position_embeddings): vLLM would refuse to start; "
-            f"pin at least {max_positions} tokens or add `--max-model-len {tokens}` after --"]
+    least = (-(-max_positions // BLOCK_SIZE) + 1) * BLOCK_SIZE
+    return [f"the KV pin holds {tokens} tokens, {usable} of them for requests (vLLM keeps one "
+            f"block of {BLOCK_SIZE} as its null block): less than one request of the model's "
+            f"length ({max_positions}, its max_position_embeddings), so vLLM would refuse to "
+            f"start; pin at least {least} tokens or add `--max-model-len {max(usable, 1)}` "
+            "after --"]
+
+
+# vLLM's --dtype / --kv-cache-dtype values → (the KV cache's dtype, bytes per element)
+SERVED_DTYPES = {"float16": ("float16", 2), "half": ("float16", 2),
+                 "bfloat16": ("bfloat16", 2), "float32": ("float32", 4),
+                 "float": ("float32", 4)}
+
+
+def kv_dtype(model: ModelFacts, engine_args: tuple[str, ...]) -> tuple[str, int]:
+    """What one KV element costs as vLLM will serve: --kv-cache-dtype (fp8 variants: 1 byte),
+    else --dtype, else the checkpoint's dtype. (With --dtype auto vLLM may serve a float32
+    checkpoint in half precision: the checkpoint's size is then an upper bound, and the
+    override still fixes the block count.)"""
+    values = _flag_values(engine_args)
+    cache = values.get("--kv-cache-dtype", "auto")
+    if cache.startswith("fp8"):
+        return cache, 1
+    if cache in SERVED_DTYPES:
+        return SERVED_DTYPES[cache]
+    return SERVED_DTYPES.get(values.get("--dtype", "auto"), (model.dtype, model.dtype_bytes))
+
+
+def _flag_values(args: tuple[str, ...]) -> dict[str, str]:
+    """`--flag value` and `--flag=value` pairs (the last of each wins, as in argparse)."""
+    values = {}
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if eq:
+            values[flag] = value
+        elif arg.startswith("--") and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            values[arg] = args[i + 1]
+    return values
 
 
 def cache_config_tokens(metrics: str, url: str = "the replica") -> int:
