@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import select
 import shlex
 import shutil
 import subprocess
@@ -23,7 +24,6 @@ import psutil
 from omni_dp.gpus import NO_DRIVER, GpuFacts, Problem, query_gpu
 from omni_dp.launcher.engines import (
     ENGINES,
-    BuiltinEngine,
     EngineSizing,
     ModelFacts,
     ReplicaLaunch,
@@ -124,9 +124,10 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
     run_id = options.run_id or new_run_id()
     gpu, gpu_problems = _look_up_gpu(options)
     mps_binaries, mps_problems = _mps_preflight(options, gpu, run_dir(root, run_id))
-    python = options.engine_python or sys.executable
+    python = resolve_python(options.engine_python)
     model = None
-    if isinstance(ENGINES.get(options.engine), BuiltinEngine):  # it sizes itself: a dry run
+    engine = ENGINES.get(options.engine)
+    if engine is None or not engine.external:  # it sizes itself: a dry run
         sizing, engine_problems = _dry_run(options, gpu, option_problems)
     else:
         sizing = None
@@ -198,31 +199,75 @@ def _external_engine(options: LaunchOptions, python: str, option_problems: list[
         problems.append(f"engine {engine.name}: give the model directory after --, e.g. "
                         f"omni-dp launch --engine {engine.name} ... -- /models/my-model")
         return None, problems
-    # Absolute: an external replica runs in a working directory of its own (its work dir).
-    model, model_problems = read_model(os.path.abspath(model_path))
-    return model, problems + [f"model {model_path}: {p}" for p in model_problems]
+    model, model_problems = read_model(model_path)  # its path absolute: see plan_replicas
+    return model, problems + model_problems
+
+
+def resolve_python(given: str | None) -> str:
+    """The engine's interpreter as the replicas will run it: found on PATH like a shell would
+    (`python3`), absolute (a replica runs in a working directory of its own), never resolved
+    through its links (a venv's python is a link, and the link is the venv)."""
+    if not given:
+        return sys.executable
+    found = shutil.which(given) if os.sep not in given else given
+    return os.path.abspath(found or given)
+
+
+PROBE_SENTINEL = "omni-dp-engine-probe"
+PROBE_TIMEOUT_S = 60.0
+PROBE_OUTPUT_LIMIT = 4096  # a probe prints one line; anything else is not the interpreter
 
 
 def _engine_module_problems(python: str, module: str, name: str) -> list[str]:
-    """Whether `python` can import the engine's package (found, not imported: importing
-    vLLM takes seconds)."""
+    """Whether `python` is a Python that can import the engine's package (found, not
+    imported: importing vLLM takes seconds)."""
     top = module.split(".", 1)[0]
-    hint = ("install it there, or point --engine-python at the interpreter that has it")
+    hint = "install it there, or point --engine-python at the interpreter that has it"
     if not (os.path.isfile(python) and os.access(python, os.X_OK)):
         return [f"--engine-python {python}: not an executable file"]
     probe = ("import importlib.util, sys; "
-             f"sys.exit(0 if importlib.util.find_spec({top!r}) else 3)")
-    try:
-        done = subprocess.run([python, "-c", probe], capture_output=True, text=True,
-                              timeout=60, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return [f"engine {name}: cannot run {python} ({exc})"]
-    if done.returncode == 3:
+             f"print({PROBE_SENTINEL!r}, bool(importlib.util.find_spec({top!r})))")
+    code, out = _bounded_run([python, "-c", probe])
+    if code is None:
+        return [f"engine {name}: {python} did not answer within {PROBE_TIMEOUT_S:.0f} s"]
+    words = out.split()
+    if code != 0 or len(words) != 2 or words[0] != PROBE_SENTINEL:
+        return [f"--engine-python {python}: not a Python interpreter that runs (asked to look "
+                f"for the module {top!r}, it exited {code} saying {out[:120]!r})"]
+    if words[1] != "True":
         return [f"engine {name}: {python} has no module {top!r}; {hint}"]
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return [f"engine {name}: {python} could not look for {top!r} ({last})"]
     return []
+
+
+def _bounded_run(argv: list[str]) -> tuple[int | None, str]:
+    """(exit code, the first PROBE_OUTPUT_LIMIT bytes of its output); (None, ...) on timeout.
+    Hand-written over subprocess.run, which keeps everything a wrong program prints (`yes`
+    would fill memory until the timeout): read what is needed, then stop it."""
+    try:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+    except OSError as exc:
+        return 126, str(exc)
+    deadline = time.monotonic() + PROBE_TIMEOUT_S
+    out = b""
+    with proc:
+        while len(out) < PROBE_OUTPUT_LIMIT:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
+                proc.kill()
+                return None, out.decode(errors="replace")
+            data = os.read(proc.stdout.fileno(), PROBE_OUTPUT_LIMIT)
+            if not data:
+                break
+            out += data
+        if len(out) >= PROBE_OUTPUT_LIMIT:
+            proc.kill()
+        try:
+            code = proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return None, out.decode(errors="replace")
+    return code, out[:PROBE_OUTPUT_LIMIT].decode(errors="replace")
 
 
 def _taken_ports(options: LaunchOptions) -> frozenset[int]:

@@ -12,6 +12,7 @@ import signal
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -80,12 +81,15 @@ def log_tail(path: Path, lines: int = 15) -> str:
 
 
 def wait_healthy(url: str, identity: ProcessIdentity, log: Path, timeout_s: float,
-                 exit_code: Callable[[], int | None] = lambda: None) -> float:
+                 exit_code: Callable[[], int | None] = lambda: None,
+                 on_poll: Callable[[], None] = lambda: None) -> float:
     """Poll GET /health until 200: fast at first, backing off to 1 s. Early death is reported
-    at once with the log tail. Returns the seconds it took."""
+    at once with the log tail. on_poll runs before every probe (the launcher records the
+    replica's processes as they appear). Returns the seconds it took."""
     started = time.monotonic()
     delay = 0.05
     while True:
+        on_poll()
         code = exit_code()
         if code is not None or not is_alive(identity):
             raise GateFailed(f"{describe_exit(code)} before it was healthy; last lines of "
@@ -113,17 +117,22 @@ def server_info(url: str) -> dict:
 
 def kv_problems(tokens: dict[int, int], expected: int | None) -> list[str]:
     """Every replica must hold exactly the planned KV capacity (or, where the engine derives
-    the count itself, the same as every other); a table when one does not."""
+    the count itself, the same as every other); a table when one does not, each replica off
+    the plan (or off the count most hold) marked."""
     if expected is None:
-        counts = sorted(set(tokens.values()))
-        if len(counts) <= 1:
+        ranked = Counter(tokens.values()).most_common()
+        if len(ranked) <= 1:
             return []
-        expected = max(counts, key=list(tokens.values()).count)  # the most common
-        what = f"every replica must hold the same; most hold {expected} tokens"
+        if ranked[0][1] > ranked[1][1]:
+            expected = ranked[0][0]
+            what = f"every replica must hold the same; most hold {expected} tokens"
+        else:
+            what = "every replica must hold the same; no count is held by most"
+    elif all(value == expected for value in tokens.values()):
+        return []
     else:
-        if all(value == expected for value in tokens.values()):
-            return []
         what = f"expected {expected} tokens each"
-    rows = [f"    replica {i}: {value} tokens" + ("" if value == expected else "  ← differs")
+    rows = [f"    replica {i}: {value} tokens"
+            + ("  ← differs" if expected is not None and value != expected else "")
             for i, value in sorted(tokens.items())]
     return [f"KV capacity differs between replicas ({what}):\n" + "\n".join(rows)]

@@ -105,12 +105,8 @@ class LaunchPlan:
             f"{self.gpu_label}{' under a private MPS daemon' if o.mps else ''}",
             f"  state        {self.run_dir}",
             f"  per replica  weights {format_size(s.weights_bytes)} + KV "
-            f"{format_size(s.kv_cache_bytes)} ("
-            + (f"{s.kv_tokens} tokens" if s.kv_tokens is not None else
-               "tokens: the engine's count, read back and compared")
-            + f") + overhead {format_size(s.overhead_bytes)} on {s.device}"
-            + ("" if o.kv_cache_bytes or o.max_total_tokens else
-               f"; KV pinned to the engine's fixed default of {s.kv_tokens} tokens"),
+            f"{format_size(s.kv_cache_bytes)} ({self._kv_words()}) + overhead "
+            f"{format_size(s.overhead_bytes)} on {s.device}",
             *(f"  kv pin       {note}" for note in self.kv_notes),
             f"  start        {self.start} (each healthy within {self.start_timeout:g} s)",
             f"  router       {self.router_url} (policy {o.policy}, {o.router_workers} "
@@ -121,6 +117,18 @@ class LaunchPlan:
             lines.append(f"  replica {r.index}    {r.url}  cpus {cpus}")
         lines += [f"  warning: {w}" for w in self.warnings]
         return lines
+
+    def _kv_words(self) -> str:
+        """What the KV line may claim: pinned (to what), or sized by the engine itself."""
+        o, s = self.options, self.sizing
+        pinned = o.kv_cache_bytes is not None or o.max_total_tokens is not None
+        if not pinned and ENGINES[o.engine].fixed_default_kv:
+            return f"{s.kv_tokens} tokens; pinned to the engine's fixed default"
+        if not pinned:
+            return "not pinned: one replica sizes its own pool, read back"
+        if s.kv_tokens is None:
+            return "tokens: the engine's count from the bytes, read back and compared"
+        return f"{s.kv_tokens} tokens"
 
     def to_json(self) -> dict:
         o = self.options
@@ -207,7 +215,7 @@ def _engine(o: LaunchOptions) -> list[str]:
     if engine is None:
         return [f"engine {o.engine!r} is not known; known: {', '.join(ENGINES)}"]
     problems = reserved_flag_problems(engine, o.engine_args)
-    if o.engine == "builtin" and (o.engine_python or o.engine_overhead is not None):
+    if not engine.external and (o.engine_python or o.engine_overhead is not None):
         problems.append("--engine-python and --engine-overhead are for external engines; the "
                         "built-in engine runs with omni-dp's interpreter and sizes itself")
     if o.engine_overhead is not None and o.engine_overhead < 0:
@@ -361,9 +369,10 @@ def plan_gpu(o: LaunchOptions, facts: LaunchFacts) -> tuple[GpuPart | None, list
     problems += _mps_gpu_problems(o, facts)
     engine = ENGINES.get(o.engine)
     if engine is not None and engine.needs_gpu and (gpu is None or o.gpu == "none"):
+        on_cpu = ", ".join(name for name, e in ENGINES.items() if not e.needs_gpu)
         problems.append(f"engine {o.engine} needs a CUDA GPU and there is none to use"
                         + (" (--gpu none)" if o.gpu == "none" else "")
-                        + "; it cannot serve on the CPU (vllm can: --engine vllm)")
+                        + f"; it cannot serve on the CPU (these can: {on_cpu})")
     if problems:
         return None, problems
     warnings = ()
@@ -475,6 +484,8 @@ def plan_kv(o: LaunchOptions, facts: LaunchFacts,
     engine = ENGINES.get(o.engine)
     if engine is None or _kv_pin(o) or _kv_sizes(o):
         return None, list(facts.engine_problems)
+    if engine.needs_gpu and gpu is None:  # plan_gpu said why; a pin needs the GPU's size
+        return None, list(facts.engine_problems)
     device = gpu.device if gpu is not None else ("cuda" if facts.gpu is not None else "cpu")
     request = KvRequest(
         kv_cache_bytes=o.kv_cache_bytes, max_total_tokens=o.max_total_tokens,
@@ -581,7 +592,7 @@ def plan_replicas(o: LaunchOptions, facts: LaunchFacts, run: RunPart, gpu: GpuPa
                   ports: tuple[int, ...], cpus: CpuPart, kv: KvPart) -> tuple[ReplicaPlan, ...]:
     """Each replica's port, CPU block, environment and command line, from complete parts."""
     engine = ENGINES[o.engine]
-    external = o.engine != "builtin"
+    external = engine.external
     engine_args = o.engine_args
     if external and facts.model is not None:  # the directory as read (absolute: see facts)
         engine_args = (str(facts.model.path), *split_model(o.engine_args)[1])

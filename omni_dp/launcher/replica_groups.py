@@ -134,6 +134,19 @@ def _live_in(group: ReplicaGroup, token: str | None, table: dict[int, list[Proce
     return list(found.values())
 
 
+def unproven_orphans(group: ReplicaGroup) -> list[ProcessIdentity]:
+    """Processes left in a dead leader's session that no record names: never signalled (the
+    session id alone does not make them the run's), but not to be called gone either — while
+    any of them lives the kernel keeps that id, so nothing else has taken it; one created
+    after the leader is most likely its engine's child, started after the last record."""
+    leader = group.leader
+    if leader is None or is_alive(leader) or psutil.pid_exists(leader.pid):
+        return []  # alive, or its pid another process's now: its session is not in doubt
+    recorded = {m.pid for m in group.members}
+    return [p for p in _sessions({leader.pid})[leader.pid]
+            if p.pid not in recorded and p.create_time >= leader.create_time]
+
+
 def find_replica_processes(leader: ProcessIdentity) -> list[FoundProcess]:
     """The leader's session with names and CUDA evidence; [] when the leader is gone."""
     found = []

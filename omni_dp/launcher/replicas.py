@@ -9,12 +9,19 @@ from __future__ import annotations
 import subprocess
 import time
 
+import psutil
+
 from omni_dp.files import make_private_dir
 from omni_dp.gpus import nvml_gpu_pids
 from omni_dp.launcher.engines import ENGINES, CapacityUnreadable, EngineAdapter
 from omni_dp.launcher.gates import GateFailed, kv_problems, wait_healthy
 from omni_dp.launcher.processes import child_env, spawn
-from omni_dp.launcher.replica_groups import FoundProcess, find_replica_processes, stop_replicas
+from omni_dp.launcher.replica_groups import (
+    FoundProcess,
+    find_replica_processes,
+    session_processes,
+    stop_replicas,
+)
 from omni_dp.launcher.state import RunState, append_private
 from omni_dp.logs import json_line
 from omni_dp.mps.attach import AttachReport, DeclaredProcess
@@ -22,6 +29,9 @@ from omni_dp.mps.runs import verify_and_record
 from omni_dp.rundir import engine_work_dir
 from omni_dp.runfile import ReplicaState
 
+# The replicas whose processes are up (their attachment is proven with the others')
+RUNNING = (ReplicaState.STARTING, ReplicaState.HEALTHY, ReplicaState.UNHEALTHY,
+           ReplicaState.RESTARTING)
 # An external engine's own directory per replica, its working directory: TMPDIR, caches, and
 # IPC sockets named relative to it (see the adapters)
 WORK_SUBDIRS = ("tmp", "cache", "rpc")
@@ -48,7 +58,7 @@ class ReplicaSet:
         with append_private(log) as f:
             f.write(banner.encode() + b"\n")
         work = None
-        if self.state.plan.engine != "builtin":
+        if self.engine.external:
             work = engine_work_dir(self.state.directory, index)
             for path in (work.parent, work, *(work / name for name in WORK_SUBDIRS)):
                 make_private_dir(path)
@@ -65,8 +75,24 @@ class ReplicaSet:
         assert record.identity is not None, "start() first"
         popen = self.popens.get(index)
         seconds = wait_healthy(record.url, record.identity, self.state.logs / record.log,
-                               timeout_s, exit_code=popen.poll if popen else lambda: None)
+                               timeout_s, exit_code=popen.poll if popen else lambda: None,
+                               on_poll=lambda: self.remember_session(index))
         self.state.event("replica_healthy", replica=index, seconds=round(seconds, 2))
+
+    def remember_session(self, index: int) -> None:
+        """Record, while it starts, every process that appears in the replica's session: an
+        engine's children outlive a leader killed during start-up, and are the run's only by
+        this record once it is gone. Their devices are settled by record_processes."""
+        record = self.state.replica(index)
+        if record.identity is None:
+            return
+        known = {p.pid for p in record.processes}
+        new = [identity for identity in session_processes(record.identity)
+               if identity.pid not in known]
+        if new:
+            self.state.update_replica(index, processes=(*record.processes, *(
+                DeclaredProcess(i.pid, _process_name(i.pid), "cpu", i.create_time)
+                for i in new)))
 
     def read_kv(self, index: int) -> int:
         """Record the replica's KV capacity, read back the engine's way."""
@@ -108,7 +134,13 @@ class ReplicaSet:
                 raise GateFailed(
                     f"replica {index} reports process {process.pid} ({process.role}), which is "
                     "not in its session: a replica's processes are the ones it started")
-            declared.append(DeclaredProcess(process.pid, process.role, process.device,
+            # Its own word on its device, unless the CPU side shows a CUDA context it did not
+            # declare (such a process must then be proven an MPS client too).
+            device = process.device
+            if (not process.uses_cuda and self.state.plan.device == "cuda"
+                    and (process.pid in on_gpu or session.cuda_evidence is not None)):
+                device = "cuda:0"
+            declared.append(DeclaredProcess(process.pid, process.role, device,
                                             session.identity.create_time))
         declared += [self._declared(p, on_gpu) for p in found.values()]
         return declared
@@ -132,8 +164,12 @@ class ReplicaSet:
         tokens = {i: self.read_kv(i) for i in indices}
         compared = dict(tokens)
         if expected is None:
-            compared.update({r.index: r.kv_tokens for r in self.state.replicas
-                             if r.index not in tokens and r.kv_tokens is not None})
+            # The reference is what the serving replicas hold; a failed or stopped one holds
+            # nothing and is no reference.
+            serving = [r.kv_tokens for r in self.state.replicas if r.index not in tokens
+                       and r.state == ReplicaState.HEALTHY and r.kv_tokens is not None]
+            if serving:
+                expected = max(set(serving), key=serving.count)
         problems = kv_problems(compared, expected)
         self.state.event("kv_checked", tokens={str(i): t for i, t in tokens.items()},
                          expected=expected, ok=not problems)
@@ -144,7 +180,7 @@ class ReplicaSet:
         """Every CUDA process of every started replica must be a client of the run's server."""
         record = self.state.record
         assert record.mps is not None, "a run without --mps has no attachment to verify"
-        started = [r for r in record.replicas if r.processes]
+        started = [r for r in record.replicas if r.processes and r.state in RUNNING]
         report = verify_and_record(record.mps, [r.declared() for r in started],
                                    self.state.token, record.gpu, self.state.directory)
         verdicts = {v.index: v for v in report.replicas}
@@ -157,8 +193,28 @@ class ReplicaSet:
 
     def stop(self, indices: list[int], timeout_s: float) -> None:
         """Stop these replicas' processes: each session (drain on SIGTERM), MPS clients let go
-        through the daemon, then SIGKILL; orphans of a dead leader found by their record."""
+        through the daemon, then SIGKILL; orphans of a dead leader found by their record.
+        A process that survives even SIGKILL stays recorded (teardown still owes it a stop),
+        and GateFailed says so: nothing is started beside it."""
         reap = [self.popens[i] for i in indices if i in self.popens]
-        stop_replicas(self.state, indices, timeout_s, reap=reap)
+        survivors = {s.pid for s in stop_replicas(self.state, indices, timeout_s, reap=reap)}
+        left = []
         for i in indices:
-            self.state.update_replica(i, state=ReplicaState.STOPPED)
+            record = self.state.replica(i)
+            kept = tuple(p for p in record.processes if p.pid in survivors)
+            if record.identity is not None and record.identity.pid in survivors:
+                left.append(f"replica {i}: pid {record.identity.pid}")
+            left += [f"replica {i}: pid {p.pid} ({p.role})" for p in kept]
+            self.state.update_replica(i, state=ReplicaState.STOPPED, processes=kept,
+                                      kv_tokens=None, mps_attached=None)
+        if left:
+            self.state.event("replica_stop_incomplete", survivors=left)
+            raise GateFailed("still running after SIGKILL: " + ", ".join(left)
+                             + " (inspect: ps -o pid,stat,wchan,args -p PID)")
+
+
+def _process_name(pid: int) -> str:
+    try:
+        return psutil.Process(pid).name()
+    except psutil.Error:
+        return "gone"

@@ -23,6 +23,7 @@ from omni_dp.launcher.replica_groups import (
     live_processes,
     mps_terminator,
     stop_groups,
+    unproven_orphans,
 )
 from omni_dp.launcher.state import RunState
 from omni_dp.mps.control import MpsControlError
@@ -110,12 +111,13 @@ def _stop_replicas(state: RunState, drain_timeout: float, result: TeardownResult
     """Every replica with a process left — its leader, or orphans its dead leader left (an
     engine's children): whole groups, MPS clients' GPU work dropped before any SIGKILL."""
     live: dict[int, tuple[ReplicaGroup, list[ProcessIdentity]]] = {}
-    for record in state.replicas:
-        group = ReplicaGroup.of(record)
+    groups = [ReplicaGroup.of(record) for record in state.replicas]
+    for record, group in zip(state.replicas, groups, strict=True):
         processes = live_processes(group, state.token)
         if processes:
             live[record.index] = (group, processes)
     if not live:
+        _note_unproven(state, groups, result)
         return
     orphaned = [i for i, (group, _) in live.items()
                 if group.leader is None or not is_alive(group.leader)]
@@ -131,8 +133,22 @@ def _stop_replicas(state: RunState, drain_timeout: float, result: TeardownResult
                             grace_s=10.0, reap=reap, before_kill=mps_terminator(state))
     state.event("replicas_stopped", indices=list(live), survivors=[s.pid for s in survivors])
     _note(result, survivors, "replica")
+    _note_unproven(state, groups, result)
     for i in live:
         state.update_replica(i, state=ReplicaState.STOPPED)
+
+
+def _note_unproven(state: RunState, groups: list[ReplicaGroup],
+                   result: TeardownResult) -> None:
+    """What is left in a dead leader's session without a record is not ours to signal, and
+    not gone either: named, so the teardown is never called clean beside it."""
+    for group in groups:
+        for orphan in unproven_orphans(group):
+            result.leftovers.append(
+                f"pid {orphan.pid} is in the session of a replica's dead leader (pid "
+                f"{group.leader.pid}) but was never recorded as the run's, so it was not "
+                f"signalled (inspect: ps -o pid,lstart,args -s {group.leader.pid})")
+            state.event("unproven_orphan", pid=orphan.pid, session=group.leader.pid)
 
 
 def _stop_token_carriers(state: RunState, result: TeardownResult,

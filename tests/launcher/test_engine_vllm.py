@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from omni_dp.launcher.engines import ENGINES, CapacityUnreadable, KvRequest, ModelFacts
+from omni_dp.launcher.engines import (
+    ENGINES,
+    CapacityUnreadable,
+    KvRequest,
+    ModelFacts,
+    reserved_flag_problems,
+)
 from omni_dp.launcher.engines.base import ReplicaLaunch, split_model
 from omni_dp.launcher.engines.vllm import BLOCK_SIZE, VllmEngine, cache_config_tokens
 from omni_dp.launcher.options import ENGINE_NAMES
@@ -81,6 +87,28 @@ def test_a_pool_shorter_than_the_models_length_needs_max_model_len():
     pin, problems = VllmEngine().plan_kv(request(
         max_total_tokens=256, engine_args=("/m", "--max-model-len", "224")))
     assert problems == [] and pin.expected_tokens == 256
+
+
+def test_a_max_model_len_after_dashes_is_held_to_the_pin_too():
+    _, problems = VllmEngine().plan_kv(request(
+        max_total_tokens=544, engine_args=("/m", "--max-model-len=4096")))
+    assert "--max-model-len 4096 after --" in problems[0]
+    assert "pin at least 4128 tokens or lower it to 512" in problems[0]
+    _, problems = VllmEngine().plan_kv(request(
+        max_total_tokens=544, engine_args=("/m", "--max_model_len", "1k")))
+    assert "pin at least 1056 tokens" in problems[0]
+    assert VllmEngine().plan_kv(request(
+        max_total_tokens=544, engine_args=("/m", "--max-model-len", "512")))[1] == []
+
+
+@pytest.mark.parametrize(("flag", "reserved"), [
+    ("--gpu_memory_utilization", "--gpu-memory-utilization"),
+    ("--num-gpu-blocks", "--num-gpu-blocks-override"),
+    ("--kv-cache-mem", "--kv-cache-memory-bytes"),
+])
+def test_reserved_flags_are_refused_as_argparse_would_read_them(flag, reserved):
+    problems = reserved_flag_problems(VllmEngine(), ("/m", flag, "3"))
+    assert len(problems) == 1 and reserved in problems[0], problems
 
 
 @pytest.mark.parametrize(("args", "per_token"), [

@@ -221,7 +221,7 @@ def test_builtin_engines_fixed_default_kv_is_pinned_explicitly(facts):
     assert p.expected_kv_tokens == 16384
     for r in p.replicas:
         assert r.argv[r.argv.index("--max-total-tokens") + 1] == "16384"
-    find(p.describe(), "KV pinned to the engine's fixed default of 16384 tokens")
+    find(p.describe(), "16384 tokens; pinned to the engine's fixed default")
 
 
 def test_kv_pins_by_bytes_and_by_tokens_are_exclusive(facts):

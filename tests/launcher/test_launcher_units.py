@@ -3,6 +3,7 @@ KV gate's verdict, the supervisor's death watch."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -19,7 +20,7 @@ from omni_dp.launcher.processes import child_env
 from omni_dp.launcher.state import RunState
 from omni_dp.mps.attach import DeclaredProcess
 from omni_dp.procs import identify
-from omni_dp.runfile import RunFileError
+from omni_dp.runfile import ReplicaState, RunFileError
 
 from support.plans import two_replica_plan
 from support.ports import free_port
@@ -162,6 +163,35 @@ def test_kv_gate_fails_a_run_whose_replicas_report_different_capacities(tmp_path
     assert [r.kv_tokens for r in state.replicas] == [1024, 512]
     [passed, failed] = [e for e in state.events() if e["event"] == "kv_checked"]
     assert passed["ok"] is True and failed["ok"] is False
+
+
+def test_where_the_engine_derives_the_count_a_restart_is_held_to_the_serving_replicas(
+        tmp_path) -> None:
+    """expected None (sglang-omni's byte pin): equal to each other; a restarted replica is
+    compared with the replicas that kept serving, never with a stopped one's stale count."""
+    from omni_dp.launcher.gates import GateFailed
+    from omni_dp.launcher.replicas import ReplicaSet
+
+    plan = dataclasses.replace(two_replica_plan(tmp_path), expected_kv_tokens=None)
+    state = RunState.create(plan)
+    servers = [_InfoServer(1000), _InfoServer(900)]
+    try:
+        for i, server in enumerate(servers):
+            state.update_replica(i, url=server.url)
+        replicas = ReplicaSet(state)
+        with pytest.raises(GateFailed, match="no count is held by most"):
+            replicas.check_kv([0, 1])  # at bring-up: equal to each other, or no one is right
+        state.update_replica(0, state=ReplicaState.STARTING)
+        state.update_replica(0, state=ReplicaState.HEALTHY)
+        with pytest.raises(GateFailed) as failed:  # replica 1 restarted: against replica 0
+            replicas.check_kv([1])
+        assert "most hold 1000" not in str(failed.value) and "900 tokens  ← differs" in \
+            str(failed.value)
+        state.update_replica(0, state=ReplicaState.STOPPED)  # no reference left: alone is fine
+        replicas.check_kv([1])
+    finally:
+        for server in servers:
+            server.close()
 
 
 def test_the_engine_dry_run_gets_a_private_empty_mps_pipe_directory(tmp_path, monkeypatch):

@@ -31,6 +31,7 @@ from omni_dp.launcher.replica_groups import (
     mapping_evidence,
     session_processes,
     stop_groups,
+    unproven_orphans,
 )
 from omni_dp.launcher.state import RunState
 from omni_dp.mps.attach import DeclaredProcess
@@ -332,3 +333,49 @@ def test_a_replica_process_that_survives_is_a_leftover(tmp_path, engines, monkey
     assert not result.clean and not result.removed
     assert any(f"replica pid {core.pid} is still running" in line for line in result.leftovers)
     assert {e["event"]: e for e in state.events()}["replicas_stopped"]["survivors"] == [core.pid]
+
+
+def test_an_orphan_never_recorded_is_named_not_signalled_and_the_teardown_is_not_clean(
+        tmp_path, engines) -> None:
+    """The leader died before its children were recorded (killed during start-up): the
+    session id alone does not make them the run's, so nothing signals them — and teardown
+    says so instead of calling the run clean."""
+    from omni_dp.launcher.teardown import teardown
+
+    state = RunState.create(two_replica_plan(tmp_path))
+    state.update(launcher=None)
+    engine = engines()  # its children do not carry this run's token
+    leader, core, worker = (engine[role] for role in ROLES)
+    state.update_replica(0, identity=leader, pgid=leader.pid, state=ReplicaState.STARTING)
+    engine.kill_leader()
+
+    assert set(unproven_orphans(ReplicaGroup(leader))) == {core, worker}
+    assert unproven_orphans(ReplicaGroup(leader, (core,))) == [worker]
+    result = teardown(state, drain_timeout=1.0, keep_state=True)
+    assert not result.clean
+    assert sum(f"pid {p.pid} is in the session of a replica's dead leader" in line
+               for line in result.leftovers for p in (core, worker)) == 2
+    assert is_alive(core) and is_alive(worker)  # never signalled
+
+
+def test_processes_seen_while_a_replica_starts_are_recorded_and_reached_after_its_leader(
+        tmp_path, engines) -> None:
+    """The launcher records a starting replica's session at every /health poll, so children
+    of a leader killed before it was ever healthy are the run's by record."""
+    from omni_dp.launcher.replicas import ReplicaSet
+    from omni_dp.launcher.teardown import teardown
+
+    state = RunState.create(two_replica_plan(tmp_path))
+    state.update(launcher=None)
+    engine = engines()  # its children do not carry this run's token
+    leader, core, worker = (engine[role] for role in ROLES)
+    state.update_replica(0, identity=leader, pgid=leader.pid, state=ReplicaState.STARTING)
+    ReplicaSet(state).remember_session(0)
+    recorded = {(p.pid, p.create_time) for p in state.replica(0).processes}
+    assert {(core.pid, core.create_time), (worker.pid, worker.create_time)} <= recorded
+    assert {p.role for p in state.replica(0).processes} >= {"StandinCore", "StandinWorker"}
+
+    engine.kill_leader()
+    result = teardown(state, drain_timeout=2.0, keep_state=True)
+    assert result.clean, result.leftovers
+    assert not is_alive(core) and not is_alive(worker)

@@ -48,6 +48,7 @@ def launch(ctx, dry_run, as_json, engine_args, **flags) -> None:
         _note(options.log_format, note)
     _note(options.log_format, "preflight (CPU topology, GPU, ports, "
           + ("engine dry run)…" if options.engine == "builtin" else "model directory)…"))
+    # (by name: the adapters are not imported to make the flags, see LaunchOptions)
     plan = _plan(options, problems)
     if dry_run:
         emit({"run_id": plan.run_id, **plan.to_json(),

@@ -113,6 +113,10 @@ class CapacityUnreadable(Exception):
 
 class EngineAdapter(Protocol):
     name: str
+    # True: an engine installed apart (run by --engine-python, in a working directory of its
+    # own inside the run directory, sized from its model directory). False: omni-dp's own,
+    # which sizes itself by its dry run (`dry_run`).
+    external: bool
     # The Python module the engine runs as; None for the built-in engine (this interpreter).
     module: str | None
     # Engine flags the launcher sets itself → the omni-dp option to use instead. The same flag
@@ -185,13 +189,28 @@ def _takes_value(before: list[str]) -> bool:
 
 def flag_problems(reserved: Mapping[str, str], engine_args: tuple[str, ...],
                   engine: str) -> list[str]:
-    """Every reserved flag among the user's engine arguments, naming what to use instead."""
+    """Every reserved flag among the user's engine arguments, naming what to use instead —
+    also as the engines' argparse parsers would read it: `--flag_name` for `--flag-name`, and
+    an unambiguous prefix (`--gpu-mem 0.5` sets --gpu-memory-utilization), either of which
+    would otherwise override the launcher's value from behind it on the command line."""
     problems = []
     for arg in engine_args:
         flag = arg.split("=", 1)[0]
-        if flag in reserved:
+        if not flag.startswith("--"):
+            continue
+        spelled = flag.replace("_", "-")
+        if spelled in reserved:
+            named = flag if spelled == flag else f"{flag} ({spelled})"
             problems.append(
-                f"engine argument {flag} is set by the launcher for every replica; "
-                f"use {reserved[flag]} instead"
+                f"engine argument {named} is set by the launcher for every replica; "
+                f"use {reserved[spelled]} instead"
             )
+            continue
+        if len(spelled) < 4:
+            continue
+        for name, instead in reserved.items():
+            if name.startswith(spelled):
+                problems.append(f"engine argument {flag} abbreviates {name}, which the launcher "
+                                f"sets for every replica; use {instead} instead")
+                break
     return problems

@@ -28,6 +28,7 @@ DRY_RUN_TIMEOUT_S = 120
 
 class BuiltinEngine:
     name = "builtin"
+    external = False
     module = None
     reserved_flags = MappingProxyType({
         "--host": "omni-dp launch --host (the router's)",
@@ -114,6 +115,9 @@ class BuiltinEngine:
     def reported_processes(self, url: str) -> list[DeclaredProcess] | None:
         try:
             info = server_info(url)
+            return list(ReplicaProcesses.from_json(0, info["processes"]).processes)
         except GateFailed as exc:
             raise CapacityUnreadable(str(exc)) from None
-        return list(ReplicaProcesses.from_json(0, info["processes"]).processes)
+        except (KeyError, TypeError, ValueError) as exc:  # a malformed list is no list
+            raise CapacityUnreadable(f"GET {url}/get_server_info: its processes list is "
+                                     f"malformed ({exc!r}); see docs/contracts.md") from None

@@ -11,7 +11,6 @@ KV pages), which /server_info reports as `max_total_num_tokens`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 
@@ -50,6 +49,7 @@ TEMP_NAME_LEN = len("/tmpXXXXXXXX")
 
 class SglangEngine:
     name = "sglang"
+    external = True
     module = "sglang.launch_server"
     reserved_flags = MappingProxyType({
         "--host": "omni-dp launch --host (the router's; replicas listen on 127.0.0.1)",
@@ -71,8 +71,7 @@ class SglangEngine:
 
     def plan_kv(self, request: KvRequest) -> tuple[KvPlan | None, list[str]]:
         """`--max-total-tokens T --mem-fraction-static F`, F sized for the last replica."""
-        problems = abbreviation_problems(self.reserved_flags, request.engine_args)
-        problems += gpu_problems(request, self.name)
+        problems = gpu_problems(request, self.name)
         model = request.model
         if problems or model is None:  # no model: reading the model directory said why
             return None, problems
@@ -237,22 +236,6 @@ def fit_hint(free: int, replicas: int, sizing: EngineSizing, per_token: int) -> 
         return (f"at most --max-total-tokens {tokens} fits {replicas} replicas, or use fewer "
                 "replicas")
     return f"even without KV, {replicas} replicas' weights and overhead do not fit: use fewer"
-
-
-def abbreviation_problems(reserved: Mapping[str, str], engine_args: tuple[str, ...]) -> list[str]:
-    """sglang's argparse accepts any unambiguous prefix of a flag (`--mem-frac 0.5`), which
-    would set a reserved flag past the exact-name check."""
-    problems = []
-    for arg in engine_args:
-        flag = arg.split("=", 1)[0]
-        if not flag.startswith("--") or flag in reserved or len(flag) < 4:
-            continue
-        for name, instead in reserved.items():
-            if name.startswith(flag):
-                problems.append(f"engine argument {flag} abbreviates {name}, which the launcher "
-                                f"sets for every replica; use {instead} instead")
-                break
-    return problems
 
 
 def private_tmpdir(work_dir: Path | None) -> str | None:

@@ -47,6 +47,7 @@ KV_LINE = "`KV Cache is allocated. … #tokens: N`"
 
 class SglangOmniEngine:
     name = "sglang-omni"
+    external = True
     module = "sglang_omni.cli"
     reserved_flags = MappingProxyType({
         "--host": "omni-dp launch --host (the router's; replicas listen on 127.0.0.1)",
@@ -92,13 +93,18 @@ class SglangOmniEngine:
             return KvPlan((), sizing, None, notes=(
                 f"sglang-omni KV unpinned: stage {stage} sizes its own pool; the allocated count "
                 "is read back",)), []
+        # The token knob is only a cap (whole pages, and no more than the stage profiles at
+        # its start, which depends on what the other replicas already hold): N replicas would
+        # differ. The byte knob is authoritative, so a token pin is written as its bytes.
         kv_bytes = tokens * model.kv_bytes_per_token
-        sizing = EngineSizing(model.weights_bytes, kv_bytes, tokens, overhead, "cuda")
-        return KvPlan((field + "max_total_tokens", str(tokens)), sizing, tokens, notes=(
-            f"sglang-omni KV: stage {stage} capped at {tokens} tokens "
-            f"({format_size(kv_bytes)}); the cap is an upper bound (whole KV pages, and no more "
-            "than the stage profiles when it starts), so a replica short of memory holds fewer "
-            "and fails the KV check; --kv-cache-bytes pins the pool exactly",)), []
+        sizing = EngineSizing(model.weights_bytes, kv_bytes, None, overhead, "cuda")
+        return KvPlan(
+            (field + "kv_cache_bytes", str(kv_bytes), field + "mem_fraction_static", "null"),
+            sizing, None, notes=(
+                f"sglang-omni KV: {tokens} tokens × {model.kv_bytes_per_token} bytes = "
+                f"{format_size(kv_bytes)} for stage {stage}, pinned by bytes (its token cap "
+                "is an upper bound that later replicas may not reach); the engine derives the "
+                "count from the bytes, read from each replica's log and compared",)), []
 
     def argv(self, launch: ReplicaLaunch, engine_args: tuple[str, ...]) -> list[str]:
         model, rest = split_model(engine_args)

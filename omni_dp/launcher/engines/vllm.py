@@ -44,6 +44,7 @@ CACHE_INFO = "vllm:cache_config_info"
 
 class VllmEngine:
     name = "vllm"
+    external = True
     module = "vllm.entrypoints.openai.api_server"
     reserved_flags = MappingProxyType({
         "--host": "omni-dp launch --host (the router's; replicas listen on 127.0.0.1)",
@@ -169,9 +170,16 @@ def _max_model_len_problems(request: KvRequest, max_positions: int | None,
     one block fewer than the pin."""
     _, rest = split_model(request.engine_args)
     usable = tokens - BLOCK_SIZE
+    given = {flag.replace("_", "-"): value for flag, value in _flag_values(rest).items()}
+    if "--max-model-len" in given:
+        length = parse_length(given["--max-model-len"])
+        if length is None or length <= usable:
+            return []  # vLLM reads and refuses what it cannot parse itself
+        return [f"--max-model-len {given['--max-model-len']} after --: the KV pin holds "
+                f"{tokens} tokens, {usable} of them for requests (vLLM keeps one block of "
+                f"{BLOCK_SIZE} as its null block), so vLLM would refuse to start; pin at least "
+                f"{(-(-length // BLOCK_SIZE) + 1) * BLOCK_SIZE} tokens or lower it to {usable}"]
     if max_positions is None or usable >= max_positions:
-        return []
-    if any(arg.split("=", 1)[0] == "--max-model-len" for arg in rest):
         return []
     least = (-(-max_positions // BLOCK_SIZE) + 1) * BLOCK_SIZE
     return [f"the KV pin holds {tokens} tokens, {usable} of them for requests (vLLM keeps one "
@@ -179,6 +187,17 @@ def _max_model_len_problems(request: KvRequest, max_positions: int | None,
             f"length ({max_positions}, its max_position_embeddings), so vLLM would refuse to "
             f"start; pin at least {least} tokens or add `--max-model-len {max(usable, 1)}` "
             "after --"]
+
+
+def parse_length(text: str) -> int | None:
+    """vLLM's --max-model-len: an integer, or with a k/K (×1000/×1024) or m/M suffix."""
+    units = {"k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}
+    try:
+        if text and text[-1] in units:
+            return int(float(text[:-1]) * units[text[-1]])
+        return int(text)
+    except ValueError:
+        return None
 
 
 # vLLM's --dtype / --kv-cache-dtype values → (the KV cache's dtype, bytes per element)

@@ -38,7 +38,7 @@ class GroupRestart:
             if self.crew.stop.wait(delay) or not self._replace_daemon(record, indices):
                 return
             self._bring_back(indices)
-        except (BringUpFailed, GateFailed, MpsDaemonError) as exc:
+        except (BringUpFailed, GateFailed, MpsDaemonError, OSError) as exc:
             self.crew.state.event("mps_restart_failed", error=str(exc))
             self.crew.say(f"restarting after the MPS fault failed: {exc}; stopping the run")
             self.crew.fail()

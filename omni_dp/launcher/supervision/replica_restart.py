@@ -91,7 +91,10 @@ class ReplicaRestart:
                               "but NOT back in the router (above); retrying at every sweep"))
 
     def _give_up(self, index: int, why: str) -> None:
-        self.crew.replicas.stop([index], self.crew.drain_timeout)
+        try:
+            self.crew.replicas.stop([index], self.crew.drain_timeout)
+        except GateFailed as exc:  # it stays recorded; teardown names it
+            why += f"; {exc}"
         self.crew.state.update_replica(index, state=ReplicaState.FAILED, last_error=why)
         self.crew.state.event("replica_failed", replica=index, reason=why)
         self.crew.say(f"replica {index}: {why}; it stays out of the router")

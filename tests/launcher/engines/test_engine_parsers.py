@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from omni_dp.launcher.engines import reserved_flag_problems
 from omni_dp.launcher.engines.base import KvRequest, ModelFacts, ReplicaLaunch
 from omni_dp.launcher.engines.sglang import SglangEngine
 from omni_dp.launcher.engines.sglang_omni import ALLOCATED, POST_CAPTURE, SglangOmniEngine
@@ -131,8 +132,7 @@ def test_every_reserved_flag_is_an_sglang_flag(sglang_probe):
 
 def test_sglang_expands_abbreviations_so_the_adapter_refuses_them(sglang_probe):
     assert sglang_probe["parsed"][1]["mem_fraction_static"] == 0.4
-    _, problems = SglangEngine().plan_kv(sglang_request(
-        engine_args=("/models/llama", "--mem-frac", "0.4")))
+    problems = reserved_flag_problems(SglangEngine(), ("/models/llama", "--mem-frac", "0.4"))
     assert problems and "abbreviates --mem-fraction-static" in problems[0]
 
 
@@ -225,9 +225,11 @@ def test_sglang_omni_resolves_a_byte_pin_onto_the_kv_stage(omni):
     assert "stages.tts_engine.engine.kv_cache_bytes: None -> 2147483648" in omni["bytes"].output
 
 
-def test_sglang_omni_resolves_a_token_pin_onto_the_kv_stage(omni):
+def test_sglang_omni_resolves_a_token_pin_onto_the_kv_stage_as_its_bytes(omni):
+    """16384 tokens × 131072 bytes per token (the test Llama's KV) = 2 GiB."""
     assert omni["tokens"].returncode == 0, omni["tokens"].output[-3000:]
-    assert "stages.tts_engine.engine.max_total_tokens: None -> 16384" in omni["tokens"].output
+    assert "stages.tts_engine.engine.kv_cache_bytes: None -> 2147483648" in omni["tokens"].output
+    assert "max_total_tokens: None ->" not in omni["tokens"].output
 
 
 def test_a_broadcast_fraction_of_the_user_yields_to_the_byte_pins_null(omni):

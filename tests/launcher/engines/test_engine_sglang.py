@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from omni_dp.launcher.engines import reserved_flag_problems
 from omni_dp.launcher.engines.base import (
     CapacityUnreadable,
     KvRequest,
@@ -171,8 +172,8 @@ def test_one_unpinned_replica_runs_with_sglangs_own_sizing():
 
 
 def test_an_abbreviated_reserved_flag_is_refused_argparse_would_expand_it():
-    _, problems = ENGINE.plan_kv(request(engine_args=(
-        "/models/llama", "--mem-frac", "0.5", "--max-total=5", "--dtype", "bfloat16")))
+    problems = reserved_flag_problems(ENGINE, (
+        "/models/llama", "--mem-frac", "0.5", "--max-total=5", "--dtype", "bfloat16"))
     assert problems == [
         "engine argument --mem-frac abbreviates --mem-fraction-static, which the launcher sets "
         "for every replica; use omni-dp launch --max-total-tokens or --kv-cache-bytes (the "

@@ -57,14 +57,15 @@ def test_a_byte_pin_is_the_stages_kv_cache_bytes_with_its_fraction_cleared():
     assert dataclasses.astuple(pin.sizing) == (12 * GiB, 2 * GiB, None, OVERHEAD_BYTES, "cuda")
 
 
-def test_a_token_pin_is_the_stages_max_total_tokens_and_must_be_what_each_holds():
+def test_a_token_pin_is_written_as_its_bytes_since_the_token_knob_is_only_a_cap():
+    """A cap gives a replica started beside others fewer tokens; the byte knob does not."""
     pin, problems = ENGINE.plan_kv(request(kv_cache_bytes=None, max_total_tokens=16384))
     assert problems == []
-    assert pin.args == ("--tts_engine.engine.max_total_tokens", "16384")
-    assert pin.expected_tokens == 16384
-    assert pin.sizing.kv_cache_bytes == 16384 * PER_TOKEN and pin.sizing.kv_tokens == 16384
-    assert "upper bound" in pin.notes[0] and "--kv-cache-bytes pins the pool exactly" in \
-        pin.notes[0]
+    assert pin.args == ("--tts_engine.engine.kv_cache_bytes", str(16384 * PER_TOKEN),
+                        "--tts_engine.engine.mem_fraction_static", "null")
+    assert pin.expected_tokens is None  # equal across replicas is what is checked
+    assert pin.sizing.kv_cache_bytes == 16384 * PER_TOKEN and pin.sizing.kv_tokens is None
+    assert "pinned by bytes" in pin.notes[0] and "upper bound" in pin.notes[0]
 
 
 def test_the_kv_stage_is_the_requests_and_tts_engine_by_default():
