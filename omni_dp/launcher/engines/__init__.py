@@ -38,4 +38,5 @@ __all__ = [
 
 
 def reserved_flag_problems(engine: EngineAdapter, engine_args: tuple[str, ...]) -> list[str]:
+    """The user's engine arguments that would override what the launcher sets (exit 2)."""
     return flag_problems(engine.reserved_flags, engine_args, engine.name)

@@ -86,8 +86,10 @@ class KvPlan:
 
     args: tuple[str, ...]
     sizing: EngineSizing
-    expected_tokens: int | None  # None: equal across replicas, the count the engine's own
-    env: Mapping[str, str] = field(default_factory=dict)
+    # What every replica must report; None where the engine derives the count from a byte pin
+    # itself: then every replica must report the same as the others.
+    expected_tokens: int | None
+    env: Mapping[str, str] = field(default_factory=dict)  # what the pin needs in the environment
     notes: tuple[str, ...] = ()  # how the pin was translated, for the plan's description
 
 
