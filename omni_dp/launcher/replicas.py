@@ -194,19 +194,20 @@ class ReplicaSet:
     def stop(self, indices: list[int], timeout_s: float) -> None:
         """Stop these replicas' processes: each session (drain on SIGTERM), MPS clients let go
         through the daemon, then SIGKILL; orphans of a dead leader found by their record.
-        A process that survives even SIGKILL stays recorded (teardown still owes it a stop),
+        A process that survives even SIGKILL is still recorded (teardown still owes it a stop),
         and GateFailed says so: nothing is started beside it."""
         reap = [self.popens[i] for i in indices if i in self.popens]
         survivors = {s.pid for s in stop_replicas(self.state, indices, timeout_s, reap=reap)}
         left = []
         for i in indices:
             record = self.state.replica(i)
-            kept = tuple(p for p in record.processes if p.pid in survivors)
             if record.identity is not None and record.identity.pid in survivors:
                 left.append(f"replica {i}: pid {record.identity.pid}")
-            left += [f"replica {i}: pid {p.pid} ({p.role})" for p in kept]
-            self.state.update_replica(i, state=ReplicaState.STOPPED, processes=kept,
-                                      kv_tokens=None, mps_attached=None)
+            left += [f"replica {i}: pid {p.pid} ({p.role})" for p in record.processes
+                     if p.pid in survivors and p.pid != record.pid]
+            # Its record stays as it was (processes, last KV and attachment verdicts): what
+            # survived is still found by it, and the others are dead by pid + create time.
+            self.state.update_replica(i, state=ReplicaState.STOPPED)
         if left:
             self.state.event("replica_stop_incomplete", survivors=left)
             raise GateFailed("still running after SIGKILL: " + ", ".join(left)
