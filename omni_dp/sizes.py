@@ -49,6 +49,9 @@ def parse_size(text: str | int) -> int:
     return int(Decimal(match.group(1)) * _UNITS[unit])
 
 
+GiB = 1024**3
+
+
 def format_size(num_bytes: int) -> str:
     """Render bytes with the largest binary unit that keeps the number >= 1 (`1.50 GiB`)."""
     value = float(num_bytes)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from omni_dp.contract import API_KEY_ENV, RUN_ID_ENV, ExitCode
 from omni_dp.launcher.bringup import BringUpFailed, bring_up
-from omni_dp.launcher.engines import ENGINES, split_model
+from omni_dp.launcher.engines import ENGINES, flag_value, split_model
 from omni_dp.launcher.gates import GateFailed, describe_exit, log_tail
 from omni_dp.launcher.plan import LaunchPlan
 from omni_dp.launcher.processes import child_env, spawn
@@ -128,11 +128,9 @@ def served_model(plan: LaunchPlan) -> str | None:
     else the model as the replicas are started with it (vLLM's and sglang's default)."""
     argv = plan.replicas[0].argv
     for flag in ("--served-model-name", "--model", "--model-path"):
-        for i, arg in enumerate(argv[:-1]):
-            if arg == flag:
-                return argv[i + 1]
-            if arg.startswith(flag + "="):
-                return arg.split("=", 1)[1]
+        name = flag_value(argv, flag)
+        if name is not None:
+            return name
     return split_model(plan.options.engine_args)[0]
 
 

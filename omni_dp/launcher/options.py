@@ -23,6 +23,7 @@ START_MODES = ("sequential", "parallel")
 # The engine adapters' names (omni_dp/launcher/engines holds them; a test keeps the two equal):
 # written here so that the flags are made without importing the adapters.
 ENGINE_NAMES = ("builtin", "vllm", "sglang", "sglang-omni")
+DEFAULT_ENGINE_STAGE = "tts_engine"  # sglang-omni's KV stage in Higgs TTS's pipeline
 MPS_FAULT_ACTIONS = ("restart", "fail")
 
 
@@ -81,7 +82,7 @@ class LaunchOptions:
         "size": True, "metavar": "SIZE",
         "help": "Memory one replica holds beyond weights and KV (external engines), for the "
                 "fit check.  [default: the engine's estimate]"})
-    engine_stage: str = field(default="tts_engine", metadata={
+    engine_stage: str = field(default=DEFAULT_ENGINE_STAGE, metadata={
         "help": "sglang-omni: the pipeline stage whose engine holds the KV cache (the stage "
                 "name is model-specific; tts_engine is Higgs TTS's)."})
     # what follows `--` on the command line

@@ -218,8 +218,6 @@ def _engine(o: LaunchOptions) -> list[str]:
     if not engine.external and (o.engine_python or o.engine_overhead is not None):
         problems.append("--engine-python and --engine-overhead are for external engines; the "
                         "built-in engine runs with omni-dp's interpreter and sizes itself")
-    if o.engine_overhead is not None and o.engine_overhead < 0:
-        problems.append("--engine-overhead must not be negative")
     if not STAGE_NAME.match(o.engine_stage):
         problems.append(f"--engine-stage {o.engine_stage!r} is not a stage name: letters, "
                         "digits and '_'")
@@ -605,8 +603,7 @@ def plan_replicas(o: LaunchOptions, facts: LaunchFacts, run: RunPart, gpu: GpuPa
             python=facts.engine_python if external else None, kv_args=kv.pin.args,
             cpus=block, work_dir=engine_work_dir(run.directory, i) if external else None)
         argv = engine.argv(launch, engine_args)
-        env = {**_replica_env(o, run, gpu, i, threads), **kv.pin.env,
-               **engine.environment(launch)}
+        env = {**_replica_env(o, run, gpu, i, threads), **engine.environment(launch)}
         replicas.append(ReplicaPlan(i, port, block, tuple(_pinned(argv, block, facts)), env))
     return tuple(replicas)
 

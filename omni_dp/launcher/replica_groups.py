@@ -151,13 +151,14 @@ def find_replica_processes(leader: ProcessIdentity) -> list[FoundProcess]:
     """The leader's session with names and CUDA evidence; [] when the leader is gone."""
     found = []
     for identity in session_processes(leader):
-        name = _name(identity.pid)
+        name = process_name(identity.pid)
         if name is not None:
             found.append(FoundProcess(identity, name, cuda_evidence(identity.pid)))
     return found
 
 
-def _name(pid: int) -> str | None:
+def process_name(pid: int) -> str | None:
+    """psutil's name() (after setproctitle e.g. VLLM::EngineCore); None once it is gone."""
     try:
         return psutil.Process(pid).name()
     except psutil.Error:

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import subprocess
 import time
-
-import psutil
+from collections import Counter
 
 from omni_dp.files import make_private_dir
 from omni_dp.gpus import nvml_gpu_pids
-from omni_dp.launcher.engines import ENGINES, CapacityUnreadable, EngineAdapter
+from omni_dp.launcher.engines import ENGINES, EngineAdapter, EngineUnreadable
 from omni_dp.launcher.gates import GateFailed, kv_problems, wait_healthy
 from omni_dp.launcher.processes import child_env, spawn
 from omni_dp.launcher.replica_groups import (
     FoundProcess,
     find_replica_processes,
+    process_name,
     session_processes,
     stop_replicas,
 )
@@ -91,7 +91,7 @@ class ReplicaSet:
                if identity.pid not in known]
         if new:
             self.state.update_replica(index, processes=(*record.processes, *(
-                DeclaredProcess(i.pid, _process_name(i.pid), "cpu", i.create_time)
+                DeclaredProcess(i.pid, process_name(i.pid) or "gone", "cpu", i.create_time)
                 for i in new)))
 
     def read_kv(self, index: int) -> int:
@@ -99,7 +99,7 @@ class ReplicaSet:
         record = self.state.replica(index)
         try:
             tokens = self.engine.read_capacity(record.url, self.state.logs / record.log)
-        except CapacityUnreadable as exc:
+        except EngineUnreadable as exc:
             raise GateFailed(f"replica {index}: its KV capacity cannot be read back: {exc}"
                              ) from None
         self.state.update_replica(index, kv_tokens=tokens)
@@ -124,7 +124,7 @@ class ReplicaSet:
             raise GateFailed(f"replica {index}: no process of its session is alive")
         try:
             reported = self.engine.reported_processes(record.url)
-        except CapacityUnreadable as exc:
+        except EngineUnreadable as exc:
             raise GateFailed(f"replica {index}: {exc}") from None
         on_gpu = self._gpu_pids() if self.state.plan.device == "cuda" else set()
         declared = []
@@ -169,7 +169,7 @@ class ReplicaSet:
             serving = [r.kv_tokens for r in self.state.replicas if r.index not in tokens
                        and r.state == ReplicaState.HEALTHY and r.kv_tokens is not None]
             if serving:
-                expected = max(set(serving), key=serving.count)
+                expected = Counter(serving).most_common(1)[0][0]
         problems = kv_problems(compared, expected)
         self.state.event("kv_checked", tokens={str(i): t for i, t in tokens.items()},
                          expected=expected, ok=not problems)
@@ -213,9 +213,3 @@ class ReplicaSet:
             raise GateFailed("still running after SIGKILL: " + ", ".join(left)
                              + " (inspect: ps -o pid,stat,wchan,args -p PID)")
 
-
-def _process_name(pid: int) -> str:
-    try:
-        return psutil.Process(pid).name()
-    except psutil.Error:
-        return "gone"

@@ -11,7 +11,7 @@ import pytest
 
 from omni_dp.launcher.engines import (
     ENGINES,
-    CapacityUnreadable,
+    EngineUnreadable,
     KvRequest,
     ModelFacts,
     reserved_flag_problems,
@@ -184,14 +184,14 @@ vllm:num_requests_running{engine="0",model_name="/m"} 0.0
 def test_capacity_is_blocks_times_block_size_from_whole_label_names():
     assert cache_config_tokens(METRICS) == 1024
     rounded = METRICS.replace('num_gpu_blocks="32"', 'num_gpu_blocks="31"')
-    with pytest.raises(CapacityUnreadable, match="kv_cache_size_tokens says 1024"):
+    with pytest.raises(EngineUnreadable, match="kv_cache_size_tokens says 1024"):
         cache_config_tokens(rounded)
 
 
 def test_metrics_without_the_cache_info_say_so():
-    with pytest.raises(CapacityUnreadable, match="no vllm:cache_config_info"):
+    with pytest.raises(EngineUnreadable, match="no vllm:cache_config_info"):
         cache_config_tokens("# TYPE up gauge\nup 1.0\n")
-    with pytest.raises(CapacityUnreadable, match="no whole num_gpu_blocks"):
+    with pytest.raises(EngineUnreadable, match="no whole num_gpu_blocks"):
         cache_config_tokens('vllm:cache_config_info{block_size="32"} 1.0\n')
 
 

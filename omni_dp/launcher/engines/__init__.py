@@ -7,14 +7,15 @@ an entry in ENGINES; the plan, bring-up, restarts and teardown stay as they are.
 from __future__ import annotations
 
 from omni_dp.launcher.engines.base import (
-    CapacityUnreadable,
     EngineAdapter,
     EngineSizing,
+    EngineUnreadable,
     KvPlan,
     KvRequest,
     ModelFacts,
     ReplicaLaunch,
     flag_problems,
+    flag_value,
     split_model,
 )
 from omni_dp.launcher.engines.builtin import BuiltinEngine
@@ -30,10 +31,22 @@ ENGINES: dict[str, EngineAdapter] = {
 }
 
 __all__ = [
-    "ENGINES", "BuiltinEngine", "CapacityUnreadable", "EngineAdapter", "EngineSizing",
-    "KvPlan", "KvRequest", "ModelFacts", "ReplicaLaunch", "SglangEngine", "SglangOmniEngine",
-    "VllmEngine", "flag_problems",
-    "reserved_flag_problems", "split_model",
+    "ENGINES",
+    "BuiltinEngine",
+    "EngineAdapter",
+    "EngineSizing",
+    "EngineUnreadable",
+    "KvPlan",
+    "KvRequest",
+    "ModelFacts",
+    "ReplicaLaunch",
+    "SglangEngine",
+    "SglangOmniEngine",
+    "VllmEngine",
+    "flag_problems",
+    "flag_value",
+    "reserved_flag_problems",
+    "split_model",
 ]
 
 

@@ -12,7 +12,7 @@ omni_dp/launcher/processes.py).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -22,6 +22,11 @@ from omni_dp.mps.attach import DeclaredProcess
 # The engine's own model-path flags: a model given by one of them is the model, like a first
 # positional argument (one place, so every adapter finds it the same way).
 MODEL_FLAGS = ("--model", "--model-path")
+NO_GPU = "{engine} needs a CUDA GPU; these engines cannot run on CPU"
+# A path a Unix socket can bind (sun_path is 108 bytes with its NUL). Python engines name IPC
+# sockets after tempfile's files in TMPDIR (`…/tmpXXXXXXXX`).
+UNIX_SOCKET_PATH_MAX = 107
+TEMP_NAME_LEN = len("/tmpXXXXXXXX")
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,11 @@ class ModelFacts:
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V, every layer: what one token of KV costs at the model's dtype."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return self.kv_bytes_per_token_at(self.dtype_bytes)
+
+    def kv_bytes_per_token_at(self, element_bytes: int) -> int:
+        """The same at another KV dtype (an engine's --kv-cache-dtype, its served --dtype)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_bytes
 
 
 @dataclass(frozen=True)
@@ -89,7 +98,6 @@ class KvPlan:
     # What every replica must report; None where the engine derives the count from a byte pin
     # itself: then every replica must report the same as the others.
     expected_tokens: int | None
-    env: Mapping[str, str] = field(default_factory=dict)  # what the pin needs in the environment
     notes: tuple[str, ...] = ()  # how the pin was translated, for the plan's description
 
 
@@ -109,8 +117,9 @@ class ReplicaLaunch:
     work_dir: Path | None = None  # the replica's own directory inside the run directory
 
 
-class CapacityUnreadable(Exception):
-    """The replica's allocated KV capacity could not be read back; the message says why."""
+class EngineUnreadable(Exception):
+    """What a running replica reports (the KV capacity it allocated, its own process list)
+    could not be read; the message says why, and the gate that asked fails."""
 
 
 class EngineAdapter(Protocol):
@@ -147,7 +156,7 @@ class EngineAdapter(Protocol):
         ...
 
     def read_capacity(self, url: str, log: Path) -> int:
-        """The KV tokens the running replica allocated; CapacityUnreadable if it cannot tell."""
+        """The KV tokens the running replica allocated; EngineUnreadable if it cannot tell."""
         ...
 
     def reported_processes(self, url: str) -> list[DeclaredProcess] | None:
@@ -187,6 +196,26 @@ def _takes_value(before: list[str]) -> bool:
     """Whether the argument just before is a flag awaiting its value (`--dtype half`)."""
     last = before[-1]
     return last.startswith("--") and "=" not in last
+
+
+def flag_value(engine_args: tuple[str, ...], flag: str) -> str | None:
+    """The last value given to `flag` (`--flag V` or `--flag=V`, also spelled `--flag_name`
+    as argparse accepts it), as the engine's parser will read it; None if not given."""
+    value = None
+    for i, arg in enumerate(engine_args):
+        name, eq, inline = arg.partition("=")
+        if name.startswith("--") and name.replace("_", "-") == flag:
+            value = inline if eq else (engine_args[i + 1] if i + 1 < len(engine_args) else None)
+    return value
+
+
+def socket_safe_tmpdir(work_dir: Path | None) -> str | None:
+    """The replica's own TMPDIR, where the engine leaves its IPC socket files; None (the
+    system's) when socket paths under it would be too long to bind."""
+    if work_dir is None:
+        return None
+    tmp = str(work_dir / "tmp")
+    return tmp if len(tmp) + TEMP_NAME_LEN <= UNIX_SOCKET_PATH_MAX else None
 
 
 def flag_problems(reserved: Mapping[str, str], engine_args: tuple[str, ...],

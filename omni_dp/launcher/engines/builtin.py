@@ -14,8 +14,8 @@ from pathlib import Path
 from types import MappingProxyType
 
 from omni_dp.launcher.engines.base import (
-    CapacityUnreadable,
     EngineSizing,
+    EngineUnreadable,
     KvPlan,
     KvRequest,
     ReplicaLaunch,
@@ -110,14 +110,14 @@ class BuiltinEngine:
         try:
             return int(server_info(url)["max_total_num_tokens"])
         except GateFailed as exc:
-            raise CapacityUnreadable(str(exc)) from None
+            raise EngineUnreadable(str(exc)) from None
 
     def reported_processes(self, url: str) -> list[DeclaredProcess] | None:
         try:
             info = server_info(url)
             return list(ReplicaProcesses.from_json(0, info["processes"]).processes)
         except GateFailed as exc:
-            raise CapacityUnreadable(str(exc)) from None
+            raise EngineUnreadable(str(exc)) from None
         except (KeyError, TypeError, ValueError) as exc:  # a malformed list is no list
-            raise CapacityUnreadable(f"GET {url}/get_server_info: its processes list is "
+            raise EngineUnreadable(f"GET {url}/get_server_info: its processes list is "
                                      f"malformed ({exc!r}); see docs/contracts.md") from None

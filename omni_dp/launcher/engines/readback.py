@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from omni_dp.launcher.engines.base import CapacityUnreadable
+from omni_dp.launcher.engines.base import EngineUnreadable
 from omni_dp.sizes import format_size
 
 TEXT_BANNER = "--- omni-dp: starting replica"
@@ -85,15 +85,15 @@ def last_count(lines: Iterable[str], patterns: Sequence[re.Pattern[str]]) -> int
 
 def kv_tokens_from_log(log: Path, patterns: Sequence[re.Pattern[str]], what: str,
                        max_bytes: int = TAIL_BYTES) -> int:
-    """The KV tokens the latest start logged; CapacityUnreadable naming the file and the line
+    """The KV tokens the latest start logged; EngineUnreadable naming the file and the line
     looked for (`what`) when it cannot be read or holds no such line."""
     try:
         lines = read_tail(log, max_bytes)
     except OSError as exc:
-        raise CapacityUnreadable(f"cannot read the replica's log {log}: {exc}") from None
+        raise EngineUnreadable(f"cannot read the replica's log {log}: {exc}") from None
     tokens = last_count(since_last_start(lines), patterns)
     if tokens is None:
-        raise CapacityUnreadable(
+        raise EngineUnreadable(
             f"no {what} line in {log} since the replica's last start (read its last "
             f"{format_size(max_bytes)}): the engine did not log its KV allocation, or "
             "logs it in other words than this omni-dp knows")

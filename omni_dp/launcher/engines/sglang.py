@@ -16,20 +16,21 @@ from types import MappingProxyType
 
 from omni_dp.gpus import GpuFacts
 from omni_dp.launcher.engines.base import (
-    CapacityUnreadable,
+    NO_GPU,
     EngineSizing,
+    EngineUnreadable,
     KvPlan,
     KvRequest,
     ModelFacts,
     ReplicaLaunch,
+    flag_value,
+    socket_safe_tmpdir,
     split_model,
 )
 from omni_dp.launcher.gates import http_json
 from omni_dp.mps.attach import DeclaredProcess
-from omni_dp.sizes import format_size
+from omni_dp.sizes import GiB, format_size
 
-GiB = 1024**3
-NO_GPU = "{engine} needs a CUDA GPU; these engines cannot run on CPU"
 # Beyond weights and KV on the GPU: the scheduler's CUDA context, CUDA graphs and activations
 # (sglang's own default keeps several GiB out of its static fraction for them on a large GPU).
 # It also pads the fraction: what loading costs besides the weights counts against F.
@@ -41,10 +42,6 @@ MAX_FRACTION_MILLI = 950
 # --kv-cache-dtype values whose bytes per element are known; others (fp4 recipes with scales)
 # fall back to the model's dtype, an upper bound.
 KV_DTYPE_BYTES = {"fp8_e5m2": 1, "fp8_e4m3": 1, "bf16": 2, "bfloat16": 2}
-# A path a Unix socket can bind (sun_path is 108 bytes with its NUL); sglang names its IPC
-# sockets after files it creates in TMPDIR (`…/tmpXXXXXXXX`) and never removes.
-UNIX_SOCKET_PATH_MAX = 107
-TEMP_NAME_LEN = len("/tmpXXXXXXXX")
 
 
 class SglangEngine:
@@ -123,7 +120,7 @@ class SglangEngine:
             "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false",
             "HF_HUB_OFFLINE": "1",  # the pin needs a local model directory: never a hub lookup
         }
-        tmp = private_tmpdir(launch.work_dir)
+        tmp = socket_safe_tmpdir(launch.work_dir)
         if tmp is not None:
             env["TMPDIR"] = tmp
         return env
@@ -164,21 +161,10 @@ def kv_bytes_per_token(model: ModelFacts, engine_args: tuple[str, ...]) -> tuple
     if dtype is None or dtype == "auto":
         return model.kv_bytes_per_token, []
     if dtype in KV_DTYPE_BYTES:
-        per_element = KV_DTYPE_BYTES[dtype]
-        return 2 * model.num_layers * model.num_kv_heads * model.head_dim * per_element, []
+        return model.kv_bytes_per_token_at(KV_DTYPE_BYTES[dtype]), []
     return model.kv_bytes_per_token, [
         f"--kv-cache-dtype {dtype}: its bytes per token are not known here; the sizes assume "
         f"the model's {model.dtype}, more than it needs"]
-
-
-def flag_value(engine_args: tuple[str, ...], flag: str) -> str | None:
-    """The last value given to `flag` (`--flag V` or `--flag=V`)."""
-    value = None
-    for i, arg in enumerate(engine_args):
-        name, eq, inline = arg.partition("=")
-        if name == flag:
-            value = inline if eq else (engine_args[i + 1] if i + 1 < len(engine_args) else None)
-    return value
 
 
 def pinned_tokens(request: KvRequest, per_token: int,
@@ -238,24 +224,15 @@ def fit_hint(free: int, replicas: int, sizing: EngineSizing, per_token: int) -> 
     return f"even without KV, {replicas} replicas' weights and overhead do not fit: use fewer"
 
 
-def private_tmpdir(work_dir: Path | None) -> str | None:
-    """The replica's own TMPDIR, where sglang leaves its IPC socket files; None (the system's)
-    when socket paths under it would be too long to bind."""
-    if work_dir is None:
-        return None
-    tmp = str(work_dir / "tmp")
-    return tmp if len(tmp) + TEMP_NAME_LEN <= UNIX_SOCKET_PATH_MAX else None
-
-
 def allocated_tokens(status: int, info: object, where: str) -> int:
     """The top-level `max_total_num_tokens` of a server-info answer, or why there is none."""
     if status != 200 or not isinstance(info, dict):
-        raise CapacityUnreadable(f"GET {where} answered {status or 'nothing'}"
+        raise EngineUnreadable(f"GET {where} answered {status or 'nothing'}"
                                  + ("" if status != 200 else " without a JSON object"))
     tokens = info.get("max_total_num_tokens")
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         requested = info.get("max_total_tokens")
-        raise CapacityUnreadable(
+        raise EngineUnreadable(
             f"GET {where} has no positive whole max_total_num_tokens (got {tokens!r}"
             + (f"; max_total_tokens {requested!r} is the request, not the pool"
                if requested is not None else "") + ")")

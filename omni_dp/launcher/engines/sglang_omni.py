@@ -16,19 +16,19 @@ from pathlib import Path
 from types import MappingProxyType
 
 from omni_dp.launcher.engines.base import (
+    NO_GPU,
     EngineSizing,
     KvPlan,
     KvRequest,
     ReplicaLaunch,
+    socket_safe_tmpdir,
     split_model,
 )
 from omni_dp.launcher.engines.readback import COUNT, kv_tokens_from_log
-from omni_dp.launcher.engines.sglang import NO_GPU, private_tmpdir
+from omni_dp.launcher.options import DEFAULT_ENGINE_STAGE
 from omni_dp.mps.attach import DeclaredProcess
-from omni_dp.sizes import format_size
+from omni_dp.sizes import GiB, format_size
 
-GiB = 1024**3
-DEFAULT_ENGINE_STAGE = "tts_engine"  # Higgs TTS's; --engine-stage names another pipeline's
 # The KV stage's engine fields the launcher sets (`--<stage>.engine.<field>`).
 KV_FIELDS = ("kv_cache_bytes", "max_total_tokens", "mem_fraction_static")
 # Beyond the model's weights and KV on the GPU: a CUDA context per stage process (four for
@@ -123,7 +123,7 @@ class SglangOmniEngine:
             # the replica's CPU block (0.1.9, utils/cpu.py: gpu_local_affinity).
             "SGLANG_OMNI_BIND_GPU_LOCAL_CPUS": "0",
         }
-        tmp = private_tmpdir(launch.work_dir)
+        tmp = socket_safe_tmpdir(launch.work_dir)
         if tmp is not None:
             env["TMPDIR"] = tmp
         return env

@@ -17,20 +17,20 @@ from types import MappingProxyType
 from prometheus_client.parser import text_string_to_metric_families
 
 from omni_dp.launcher.engines.base import (
-    CapacityUnreadable,
     EngineSizing,
+    EngineUnreadable,
     KvPlan,
     KvRequest,
     ModelFacts,
     ReplicaLaunch,
+    flag_value,
     split_model,
 )
 from omni_dp.launcher.gates import http_text
 from omni_dp.launcher.topology import format_cpu_list
 from omni_dp.mps.attach import DeclaredProcess
-from omni_dp.sizes import format_size
+from omni_dp.sizes import GiB, format_size
 
-GiB = 1024**3
 # A multiple of 32 is what vLLM's CPU attention accepts (16, the GPU default, is refused
 # there); 32 is accepted by the GPU backends too, so one value serves both and the pin means
 # the same number of tokens on either.
@@ -70,7 +70,7 @@ class VllmEngine:
         if model is None:
             return None, []  # reading the model directory said why
         dtype, element_bytes = kv_dtype(model, request.engine_args)
-        per_token = model.kv_bytes_per_token // model.dtype_bytes * element_bytes
+        per_token = model.kv_bytes_per_token_at(element_bytes)
         per_block = BLOCK_SIZE * per_token
         blocks, problems = _blocks(request, per_block)
         if problems:
@@ -132,7 +132,7 @@ class VllmEngine:
     def read_capacity(self, url: str, log: Path) -> int:
         status, text = http_text(url + "/metrics", timeout=5.0)
         if status != 200 or text is None:
-            raise CapacityUnreadable(f"GET {url}/metrics answered {status or 'nothing'}")
+            raise EngineUnreadable(f"GET {url}/metrics answered {status or 'nothing'}")
         return cache_config_tokens(text, url)
 
     def reported_processes(self, url: str) -> list[DeclaredProcess] | None:
@@ -170,12 +170,12 @@ def _max_model_len_problems(request: KvRequest, max_positions: int | None,
     one block fewer than the pin."""
     _, rest = split_model(request.engine_args)
     usable = tokens - BLOCK_SIZE
-    given = {flag.replace("_", "-"): value for flag, value in _flag_values(rest).items()}
-    if "--max-model-len" in given:
-        length = parse_length(given["--max-model-len"])
+    given = flag_value(rest, "--max-model-len")
+    if given is not None:
+        length = parse_length(given)
         if length is None or length <= usable:
             return []  # vLLM reads and refuses what it cannot parse itself
-        return [f"--max-model-len {given['--max-model-len']} after --: the KV pin holds "
+        return [f"--max-model-len {given} after --: the KV pin holds "
                 f"{tokens} tokens, {usable} of them for requests (vLLM keeps one block of "
                 f"{BLOCK_SIZE} as its null block), so vLLM would refuse to start; pin at least "
                 f"{(-(-length // BLOCK_SIZE) + 1) * BLOCK_SIZE} tokens or lower it to {usable}"]
@@ -211,25 +211,13 @@ def kv_dtype(model: ModelFacts, engine_args: tuple[str, ...]) -> tuple[str, int]
     else --dtype, else the checkpoint's dtype. (With --dtype auto vLLM may serve a float32
     checkpoint in half precision: the checkpoint's size is then an upper bound, and the
     override still fixes the block count.)"""
-    values = _flag_values(engine_args)
-    cache = values.get("--kv-cache-dtype", "auto")
+    cache = flag_value(engine_args, "--kv-cache-dtype") or "auto"
     if cache.startswith("fp8"):
         return cache, 1
     if cache in SERVED_DTYPES:
         return SERVED_DTYPES[cache]
-    return SERVED_DTYPES.get(values.get("--dtype", "auto"), (model.dtype, model.dtype_bytes))
-
-
-def _flag_values(args: tuple[str, ...]) -> dict[str, str]:
-    """`--flag value` and `--flag=value` pairs (the last of each wins, as in argparse)."""
-    values = {}
-    for i, arg in enumerate(args):
-        flag, eq, value = arg.partition("=")
-        if eq:
-            values[flag] = value
-        elif arg.startswith("--") and i + 1 < len(args) and not args[i + 1].startswith("--"):
-            values[arg] = args[i + 1]
-    return values
+    served = flag_value(engine_args, "--dtype") or "auto"
+    return SERVED_DTYPES.get(served, (model.dtype, model.dtype_bytes))
 
 
 def cache_config_tokens(metrics: str, url: str = "the replica") -> int:
@@ -239,19 +227,19 @@ def cache_config_tokens(metrics: str, url: str = "the replica") -> int:
         samples = [s for family in text_string_to_metric_families(metrics)
                    for s in family.samples if s.name == CACHE_INFO]
     except ValueError as exc:
-        raise CapacityUnreadable(f"{url}/metrics is not Prometheus text: {exc}") from None
+        raise EngineUnreadable(f"{url}/metrics is not Prometheus text: {exc}") from None
     if not samples:
-        raise CapacityUnreadable(f"{url}/metrics has no {CACHE_INFO}: not a vLLM server, or "
+        raise EngineUnreadable(f"{url}/metrics has no {CACHE_INFO}: not a vLLM server, or "
                                  "one too old to report its cache config")
     labels = samples[-1].labels
     try:
         blocks, block_size = int(labels["num_gpu_blocks"]), int(labels["block_size"])
     except (KeyError, ValueError):
-        raise CapacityUnreadable(f"{url}/metrics {CACHE_INFO} has no whole num_gpu_blocks "
+        raise EngineUnreadable(f"{url}/metrics {CACHE_INFO} has no whole num_gpu_blocks "
                                  f"and block_size: {labels}") from None
     tokens = blocks * block_size
     reported = labels.get("kv_cache_size_tokens")
     if reported not in (None, "", "None") and reported.isdigit() and int(reported) != tokens:
-        raise CapacityUnreadable(f"{url}/metrics {CACHE_INFO}: {blocks} blocks × {block_size} "
+        raise EngineUnreadable(f"{url}/metrics {CACHE_INFO}: {blocks} blocks × {block_size} "
                                  f"= {tokens} tokens, but kv_cache_size_tokens says {reported}")
     return tokens

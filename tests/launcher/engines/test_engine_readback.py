@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_dp.launcher.engines.base import CapacityUnreadable
+from omni_dp.launcher.engines.base import EngineUnreadable
 from omni_dp.launcher.engines.readback import (
     COUNT,
     is_start_banner,
@@ -84,7 +84,7 @@ def test_the_latest_start_of_a_real_log_with_an_older_start_before_it(tmp_path):
 def test_no_line_since_the_last_start_is_unreadable_and_names_what_was_looked_for(tmp_path):
     log = tmp_path / "replica.log"
     log.write_text(f"KV cache size: 1,024 tokens\n{BANNER}\nloading\n")
-    with pytest.raises(CapacityUnreadable) as info:
+    with pytest.raises(EngineUnreadable) as info:
         kv_tokens_from_log(log, (KV,), "`KV cache size: N tokens`", max_bytes=1024)
     assert str(info.value) == (
         f"no `KV cache size: N tokens` line in {log} since the replica's last start (read its "
@@ -93,5 +93,5 @@ def test_no_line_since_the_last_start_is_unreadable_and_names_what_was_looked_fo
 
 
 def test_an_unreadable_log_is_unreadable_capacity(tmp_path: Path):
-    with pytest.raises(CapacityUnreadable, match="cannot read the replica's log"):
+    with pytest.raises(EngineUnreadable, match="cannot read the replica's log"):
         kv_tokens_from_log(tmp_path, (KV,), "KV size")  # a directory

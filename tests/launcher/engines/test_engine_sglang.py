@@ -12,7 +12,7 @@ import pytest
 
 from omni_dp.launcher.engines import reserved_flag_problems
 from omni_dp.launcher.engines.base import (
-    CapacityUnreadable,
+    EngineUnreadable,
     KvRequest,
     ModelFacts,
     ReplicaLaunch,
@@ -59,7 +59,6 @@ def test_two_replicas_get_the_token_cap_and_a_fraction_sized_for_the_last_one():
     assert dataclasses.astuple(pin.sizing) == (16 * GiB, 100000 * PER_TOKEN, 100000,
                                                OVERHEAD_BYTES, "cuda")
     assert pin.sizing.total_bytes == FOOTPRINT
-    assert pin.env == {}
     assert any("the last of 2 replicas starts with 110.79 GiB free" in n for n in pin.notes)
 
 
@@ -255,7 +254,7 @@ def test_an_sglang_without_server_info_is_read_on_the_deprecated_name(standin, t
 
 def test_an_error_answer_is_unreadable_and_the_deprecated_name_is_not_tried(standin, tmp_path):
     server = standin({"/server_info": (503, b"")})
-    with pytest.raises(CapacityUnreadable, match=r"/server_info answered 503$"):
+    with pytest.raises(EngineUnreadable, match=r"/server_info answered 503$"):
         ENGINE.read_capacity(server.url, tmp_path / "unused.log")
     assert server.seen == [("GET", "/server_info")]
 
@@ -263,7 +262,7 @@ def test_an_error_answer_is_unreadable_and_the_deprecated_name_is_not_tried(stan
 def test_an_answer_without_the_allocated_count_says_the_requested_one_is_not_it(standin,
                                                                                tmp_path):
     server = standin({"/server_info": (200, server_info(allocated=None, requested=100000))})
-    with pytest.raises(CapacityUnreadable) as info:
+    with pytest.raises(EngineUnreadable) as info:
         ENGINE.read_capacity(server.url, tmp_path / "unused.log")
     assert str(info.value) == (
         f"GET {server.url}/server_info has no positive whole max_total_num_tokens (got None; "
@@ -272,9 +271,9 @@ def test_an_answer_without_the_allocated_count_says_the_requested_one_is_not_it(
 
 def test_a_non_json_answer_and_a_silent_port_are_unreadable(standin, tmp_path):
     server = standin({"/server_info": (200, b"<html>")})
-    with pytest.raises(CapacityUnreadable, match="answered 200 without a JSON object"):
+    with pytest.raises(EngineUnreadable, match="answered 200 without a JSON object"):
         ENGINE.read_capacity(server.url, tmp_path / "unused.log")
     gone = standin({})
     gone.close()
-    with pytest.raises(CapacityUnreadable, match=r"/server_info answered nothing$"):
+    with pytest.raises(EngineUnreadable, match=r"/server_info answered nothing$"):
         ENGINE.read_capacity(gone.url, tmp_path / "unused.log")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from omni_dp.launcher.engines.base import (
-    CapacityUnreadable,
+    EngineUnreadable,
     KvRequest,
     ModelFacts,
     ReplicaLaunch,
@@ -204,12 +204,12 @@ def test_a_json_log_starts_at_the_launchers_json_banner(tmp_path):
 def test_a_start_that_logged_no_allocation_yet_is_unreadable_not_the_older_count(tmp_path):
     log = write_log(tmp_path / "replica_0.log", banner(), allocated("65536"), banner(),
                     f"{STAGE}Load weight begin.")
-    with pytest.raises(CapacityUnreadable) as info:
+    with pytest.raises(EngineUnreadable) as info:
         ENGINE.read_capacity("http://127.0.0.1:32000", log)
     assert str(info.value).startswith(
         f"no `KV Cache is allocated. … #tokens: N` line in {log} since the replica's last start")
 
 
 def test_a_missing_log_is_unreadable(tmp_path):
-    with pytest.raises(CapacityUnreadable, match="cannot read the replica's log"):
+    with pytest.raises(EngineUnreadable, match="cannot read the replica's log"):
         ENGINE.read_capacity("http://127.0.0.1:32000", tmp_path / "absent.log")
