@@ -135,6 +135,30 @@ class RouterProcess:
             self._log.close()
 
 
+@contextlib.asynccontextmanager
+async def router_before(backend: Backend, log: Path, drain_timeout: str):
+    """A listening router with the one backend as its replica; killed by pid on the way out
+    (and the backend's held requests released first, so nothing waits past the test)."""
+    router = RouterProcess(log, "--replica", f"{backend.name}={backend.url}",
+                           "--drain-timeout", drain_timeout)
+    try:
+        await router.start()
+        await router.wait_listening()
+        yield router
+    finally:
+        backend.release.set()
+        router.kill()
+
+
+async def held_speech_request(session: aiohttp.ClientSession, router: RouterProcess,
+                              backend: Backend) -> asyncio.Task:
+    """A speech request through the router that the backend holds (it has seen it)."""
+    held = asyncio.create_task(fetch(session, "POST", router.url + "/v1/audio/speech",
+                                     data=b"{}"))
+    await until(lambda: len(backend.seen) == 1)
+    return held
+
+
 def fresh_session() -> aiohttp.ClientSession:
     """Every request on a new TCP connection: the kernel spreads them over the workers."""
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
@@ -248,25 +272,17 @@ async def hold(backend, request, seen):
 def test_sigterm_drains_the_request_in_flight_then_exits_0(tmp_path):
     async def main():
         backend = Backend("a", hold)
-        async with backends(backend):
-            router = RouterProcess(tmp_path / "router.log", "--replica", f"a={backend.url}",
-                                   "--drain-timeout", "10")
-            try:
-                await router.start()
-                await router.wait_listening()
-                async with fresh_session() as session:
-                    held = asyncio.create_task(fetch(session, "POST",
-                                                     router.url + "/v1/audio/speech", data=b"{}"))
-                    await until(lambda: len(backend.seen) == 1)
-                    os.kill(router.proc.pid, signal.SIGTERM)
-                    await until(lambda: "draining 1 request" in router.log_text(), 5, "drain")
-                    still_running = router.proc.returncode is None
-                    backend.release.set()
-                    status, _, body = await held
-                code = await asyncio.wait_for(router.proc.wait(), 10)
-                return still_running, status, body, code, router.log_text()
-            finally:
-                router.kill()
+        async with backends(backend), \
+                router_before(backend, tmp_path / "router.log", "10") as router:
+            async with fresh_session() as session:
+                held = await held_speech_request(session, router, backend)
+                os.kill(router.proc.pid, signal.SIGTERM)
+                await until(lambda: "draining 1 request" in router.log_text(), 5, "drain")
+                still_running = router.proc.returncode is None
+                backend.release.set()
+                status, _, body = await held
+            code = await asyncio.wait_for(router.proc.wait(), 10)
+            return still_running, status, body, code, router.log_text()
 
     still_running, status, body, code, log = run(main())
     assert still_running
@@ -280,22 +296,13 @@ def test_sigterm_drains_the_request_in_flight_then_exits_0(tmp_path):
 def test_drain_timeout_cuts_off_what_is_still_in_flight_and_says_so(tmp_path):
     async def main():
         backend = Backend("a", hold)  # released only at the end: the request never finishes
-        async with backends(backend):
-            router = RouterProcess(tmp_path / "router.log", "--replica", f"a={backend.url}",
-                                   "--drain-timeout", "0.5")
-            try:
-                await router.start()
-                await router.wait_listening()
-                async with fresh_session() as session:
-                    held = asyncio.create_task(fetch(session, "POST",
-                                                     router.url + "/v1/audio/speech", data=b"{}"))
-                    await until(lambda: len(backend.seen) == 1)
-                    code = await router.stop()
-                    (outcome,) = await asyncio.gather(held, return_exceptions=True)
-                return outcome, code, router.log_text()
-            finally:
-                backend.release.set()
-                router.kill()
+        async with backends(backend), \
+                router_before(backend, tmp_path / "router.log", "0.5") as router:
+            async with fresh_session() as session:
+                held = await held_speech_request(session, router, backend)
+                code = await router.stop()
+                (outcome,) = await asyncio.gather(held, return_exceptions=True)
+            return outcome, code, router.log_text()
 
     outcome, code, log = run(main())
     assert isinstance(outcome, aiohttp.ClientError), outcome  # cut off, not answered
@@ -320,29 +327,22 @@ def test_drain_timeout_ends_an_sse_stream_with_an_error_event(tmp_path):
 
     async def main():
         backend = Backend("a", sse)
-        async with backends(backend):
-            router = RouterProcess(tmp_path / "router.log", "--replica", f"a={backend.url}",
-                                   "--drain-timeout", "0.5")
-            try:
-                await router.start()
-                await router.wait_listening()
-                events, broken = [], None
-                async with fresh_session() as session, \
-                        session.post(router.url + "/v1/audio/speech", data=b"{}") as resp:
-                    assert resp.status == 200
-                    try:
-                        async for line in resp.content:
-                            if line.startswith(b"data: "):
-                                events.append(json.loads(line[6:]))
-                                if len(events) == 1:
-                                    os.kill(router.proc.pid, signal.SIGTERM)
-                    except aiohttp.ClientPayloadError as exc:
-                        broken = exc
-                code = await asyncio.wait_for(router.proc.wait(), 10)
-                return events, broken, code, router.log_text()
-            finally:
-                backend.release.set()
-                router.kill()
+        async with backends(backend), \
+                router_before(backend, tmp_path / "router.log", "0.5") as router:
+            events, broken = [], None
+            async with fresh_session() as session, \
+                    session.post(router.url + "/v1/audio/speech", data=b"{}") as resp:
+                assert resp.status == 200
+                try:
+                    async for line in resp.content:
+                        if line.startswith(b"data: "):
+                            events.append(json.loads(line[6:]))
+                            if len(events) == 1:
+                                os.kill(router.proc.pid, signal.SIGTERM)
+                except aiohttp.ClientPayloadError as exc:
+                    broken = exc
+            code = await asyncio.wait_for(router.proc.wait(), 10)
+            return events, broken, code, router.log_text()
 
     events, broken, code, log = run(main())
     assert events[0] == {"n": 1}
