@@ -112,8 +112,13 @@ def verify_attachment(
     problems += _unmatched_problems(matches)
 
     nvml_pids, nvml_why = gpu_pids() if gpu_pids else (None, "NVML cross-check not requested")
+    # A declared process is attached only as a client proven to be this replica's (by token,
+    # or by its session record): a client whose pid merely equals a recycled record is not.
+    proven = {(m.replica, m.pid) for m in matches if m.replica is not None}
     attached_pids = set(clients_of[servers[0]]) if len(servers) == 1 else set()
-    verdicts = [_verdict(replica, attached_pids, nvml_pids) for replica in replicas]
+    verdicts = [_verdict(replica, {pid for pid in attached_pids
+                                   if (replica.index, pid) in proven}, nvml_pids)
+                for replica in replicas]
     passed = not problems and all(v.passed for v in verdicts)
     nvml = "checked" if nvml_pids is not None else f"not checked: {nvml_why}"
     return AttachReport(passed, servers, matches, verdicts, problems, nvml)

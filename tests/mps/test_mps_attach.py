@@ -14,6 +14,7 @@ from omni_dp.mps.attach import (
     write_artifacts,
 )
 from omni_dp.mps.control import MpsControl
+from omni_dp.procs import identify
 
 TOKEN = "token-of-this-run"
 
@@ -154,3 +155,51 @@ def test_artifacts_are_written_and_agree(standin, run, tmp_path):
     standin.set({"get_server_list": ""})
     write_artifacts(verify_attachment(run["replicas"], TOKEN, run["control"]), tmp_path)
     assert (tmp_path / "mps_attach.txt").read_text().rstrip().endswith("RESULT: FAIL")
+
+
+# --- clients whose environment no longer shows the token (renamed engine children) ----------
+
+
+def _found_in_session(pid: int, role: str, **changes) -> DeclaredProcess:
+    """As the launcher records a process it found in the replica's session."""
+    identity = identify(pid)
+    assert identity is not None
+    return DeclaredProcess(pid, role, "cuda:0", changes.get("create_time",
+                                                            identity.create_time))
+
+
+def test_a_client_without_the_token_is_the_replicas_by_its_session_record(standin, spawn, run):
+    worker = spawn({})  # its environ shows no run token (as vLLM's Worker after setproctitle)
+    replicas = [ReplicaProcesses(0, (_found_in_session(worker, "VLLM::Worker"),)),
+                run["replicas"][1]]
+    clients(standin, worker, run["r1"])
+    report = verify_attachment(replicas, TOKEN, run["control"])
+    assert report.passed, report
+    assert (report.clients[0].replica, report.clients[0].why) == (
+        0, "found in the replica's session")
+
+
+def test_a_session_record_whose_create_time_differs_proves_nothing(standin, spawn, run):
+    """A recycled pid: the recorded process is gone, the client is someone else's."""
+    stranger = spawn({})
+    recorded = _found_in_session(stranger, "VLLM::Worker",
+                                 create_time=identify(stranger).create_time - 100.0)
+    replicas = [ReplicaProcesses(0, (recorded,)), run["replicas"][1]]
+    clients(standin, stranger, run["r1"])
+    report = verify_attachment(replicas, TOKEN, run["control"])
+    assert not report.passed
+    assert report.clients[0].replica is None
+    assert "that process is gone" in report.clients[0].why
+    assert not report.replicas[0].passed  # and the replica's own CUDA process is no client
+
+
+def test_a_declared_pid_without_token_or_session_record_is_unmatched(standin, spawn, run):
+    """An engine's own word (no create time: not found by the launcher) is not enough."""
+    bare = spawn({})
+    replicas = [ReplicaProcesses(0, (DeclaredProcess(bare, "worker", "cuda:0"),)),
+                run["replicas"][1]]
+    clients(standin, bare, run["r1"])
+    report = verify_attachment(replicas, TOKEN, run["control"])
+    assert not report.passed
+    assert report.clients[0].replica is None
+    assert report.clients[0].why == "no run token of this run"
