@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from omni_dp.launcher.replica_groups import mps_terminator
@@ -23,7 +24,7 @@ from omni_dp.mps.control import CommandRejected, MalformedOutput, MpsControl
 from omni_dp.mps.daemon import DaemonRecord, MpsDaemon
 from omni_dp.procs import ProcessIdentity, identify, is_alive
 
-from support.mps import real_control_binary
+from support.mps import daemons_under, real_control_binary
 from support.plans import two_replica_plan
 
 
@@ -151,4 +152,10 @@ def test_the_real_daemon_knows_terminate_client(run_state, spawn) -> None:
     finally:
         if record is not None and is_alive(record.identity):
             os.kill(record.identity.pid, signal.SIGKILL)  # ours: pid + create time recorded
+        # The root conftest's guard only looks under tmp_path: any daemon on this pipe dir is
+        # this test's, and is stopped, and fails the test (one was once left running in CI).
+        _, leaked = psutil.wait_procs(daemons_under(root), timeout=3)
+        for process in leaked:
+            process.kill()
         shutil.rmtree(root, ignore_errors=True)
+        assert not leaked, f"MPS control daemon(s) {[p.pid for p in leaked]} left running"
