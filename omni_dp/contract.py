@@ -3,7 +3,7 @@
 - the environment a launcher gives each child: which run and replica it belongs to and the
   run's secret token (how teardown and verify-mps recognise our processes);
 - exit codes: 0 ok, 1 a check said no, 2 bad input (nothing was created), 3 a runtime
-  failure;
+  failure, 4 a weight-sharing follower whose leader is gone;
 - `Problems`: every problem found in a piece of input, raised at once.
 """
 
@@ -24,6 +24,7 @@ class ExitCode(enum.IntEnum):
     CHECK_FAILED = 1  # a check ran and said no: status not healthy, verify-mps FAIL, a failed stop
     USAGE = 2  # bad input: named, and nothing was created
     RUNTIME = 3  # something failed (or was left behind) after start
+    LEADER_GONE = 4  # a weight-sharing follower stopped serving: the leader it maps is gone
 
 
 class Problems(ValueError):

@@ -2,7 +2,7 @@
 omni_dp/runfile.py reads them (for the launcher, `status` and `verify-mps` alike).
 
     $OMNI_DP_STATE_DIR (default ${XDG_RUNTIME_DIR:-/tmp}/omni-dp-<uid>)/runs/<run-id>/
-        run.json  run_token  events.jsonl  logs/  mps/pipe  mps/log
+        run.json  run_token  events.jsonl  logs/  mps/pipe  mps/log  share/
 """
 
 from __future__ import annotations
@@ -39,6 +39,11 @@ def mps_pipe_dir(run: Path) -> Path:
 def engine_work_dir(run: Path, index: int) -> Path:
     """An external engine replica's own TMPDIR and caches: the run's, removed with it."""
     return run / "engines" / f"replica_{index}"
+
+
+def share_dir(run: Path) -> Path:
+    """Where a weight-sharing leader publishes its manifest and CPU segment (sharefile.py)."""
+    return run / "share"
 
 
 def mps_log_dir(run: Path) -> Path:

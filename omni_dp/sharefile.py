@@ -1,0 +1,317 @@
+"""The weight-share manifest: its format, typed, its one writer and its one reader.
+
+A sharing leader publishes, in its share directory (a run's `share/`, mode 0700):
+
+    weights.json   the manifest (this module), mode 0600, written atomically
+    weights.bin    on CPU: the segment every tensor of the manifest lives in (file-backed
+                   shared memory, mapped read-only by everyone, the leader too)
+
+A follower (omni_dp/engine/share/) and the launcher (to record what is shared) read the
+manifest with `read_manifest`, which checks the file before a byte of it is parsed (regular
+file, opened without following links, ours, no group/world bits, bounded size) and every field
+after: a manifest is input, and a wrong one is a `ShareFileError` naming what is wrong. Nothing
+in it is ever unpickled: CUDA IPC handles travel as hex strings of the bytes torch's own
+`_share_cuda_()` returns.
+
+Torch-free, so that the launcher can read it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from omni_dp.files import atomic_write
+from omni_dp.jsonfields import JsonFields, Malformed
+from omni_dp.procs import ProcessIdentity
+
+FORMAT = 1
+MANIFEST_FILE = "weights.json"
+SEGMENT_FILE = "weights.bin"
+MAX_MANIFEST_BYTES = 8 * 1024**2  # thousands of tensors fit in far less; more is not ours
+ALIGN = 64  # every tensor starts on a cache line of its buffer
+BUFFER_KINDS = ("segment", "cuda_ipc")
+DTYPES = ("float64", "float32", "bfloat16", "float16", "int64", "int32")
+ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}
+MAX_DIMS = 8
+
+
+class ShareFileError(Exception):
+    """A manifest or segment that cannot be used, with the reason; a follower fails closed."""
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    source: str  # "preset tiny, seed 0", or the weights directory
+    digest: str  # sha256 (hex) of the config and the seed, or of the directory's files
+
+    def to_json(self) -> dict:
+        return {"source": self.source, "digest": self.digest}
+
+
+@dataclass(frozen=True)
+class CudaIpcHandle:
+    """What torch's `UntypedStorage._share_cuda_()` returns for one storage, as JSON can hold
+    it (bytes as hex); `UntypedStorage._new_shared_cuda(*handle.args())` opens it."""
+
+    device: int  # in the leader's numbering; the manifest's `device` names the GPU by UUID
+    handle: bytes
+    storage_size: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+    def args(self) -> tuple:
+        return (self.device, self.handle, self.storage_size, self.storage_offset,
+                self.ref_counter_handle, self.ref_counter_offset, self.event_handle,
+                self.event_sync_required)
+
+    def to_json(self) -> dict:
+        return {"device": self.device, "handle": self.handle.hex(),
+                "storage_size": self.storage_size, "storage_offset": self.storage_offset,
+                "ref_counter_handle": self.ref_counter_handle.hex(),
+                "ref_counter_offset": self.ref_counter_offset,
+                "event_handle": self.event_handle.hex(),
+                "event_sync_required": self.event_sync_required}
+
+    @classmethod
+    def from_json(cls, f: JsonFields) -> CudaIpcHandle:
+        return cls(f.int("device"), _hex(f, "handle"), f.int("storage_size"),
+                   f.int("storage_offset"), _hex(f, "ref_counter_handle"),
+                   f.int("ref_counter_offset"), _hex(f, "event_handle"),
+                   f.bool("event_sync_required"))
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One flat buffer the tensors are views of: the CPU segment file, or one CUDA storage."""
+
+    kind: str  # segment | cuda_ipc
+    nbytes: int
+    file: str | None = None  # segment: its name in the share directory
+    sha256: str | None = None  # segment: of its bytes, as the leader wrote them
+    ipc: CudaIpcHandle | None = None  # cuda_ipc
+
+    def to_json(self) -> dict:
+        data: dict = {"kind": self.kind, "nbytes": self.nbytes}
+        if self.kind == "segment":
+            data |= {"file": self.file, "sha256": self.sha256}
+        else:
+            data["ipc"] = self.ipc.to_json() if self.ipc else None
+        return data
+
+    @classmethod
+    def from_json(cls, f: JsonFields) -> Buffer:
+        kind = f.str("kind")
+        if kind not in BUFFER_KINDS:
+            raise Malformed(f"{f.path('kind')} is {kind!r}, not one of {', '.join(BUFFER_KINDS)}")
+        nbytes = f.int("nbytes")
+        if nbytes < 0:
+            raise Malformed(f"{f.path('nbytes')} is negative")
+        if kind == "segment":
+            name = f.str("file")
+            if name != SEGMENT_FILE:  # never a path: the segment lives beside the manifest
+                raise Malformed(f"{f.path('file')} is {name!r}, not {SEGMENT_FILE!r}")
+            digest = f.str("sha256")
+            if len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
+                raise Malformed(f"{f.path('sha256')} is not a sha256 hex digest")
+            return cls(kind, nbytes, file=name, sha256=digest)
+        ipc = f.object("ipc")
+        assert ipc is not None
+        return cls(kind, nbytes, ipc=CudaIpcHandle.from_json(ipc))
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor: a view of `nbytes` at `offset` of buffer `buffer`."""
+
+    name: str  # as in the model's state dict, prefixed by its network: "talker.norm.weight"
+    dtype: str  # torch's name: float64, bfloat16, ...
+    shape: tuple[int, ...]
+    buffer: int
+    offset: int
+    nbytes: int
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
+                "buffer": self.buffer, "offset": self.offset, "nbytes": self.nbytes}
+
+    @classmethod
+    def from_json(cls, f: JsonFields) -> TensorEntry:
+        dtype = f.str("dtype")
+        if dtype not in DTYPES:
+            raise Malformed(f"{f.path('dtype')} is {dtype!r}, not one of {', '.join(DTYPES)}")
+        shape = f.numbers("shape")
+        if len(shape) > MAX_DIMS or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise Malformed(f"{f.path('shape')} is not a list of at most {MAX_DIMS} "
+                            "non-negative integers")
+        entry = cls(f.str("name"), dtype, tuple(int(d) for d in shape), f.int("buffer"),
+                    f.int("offset"), f.int("nbytes"))
+        numel = 1
+        for d in entry.shape:
+            numel *= d
+        if entry.nbytes != numel * ITEMSIZE[dtype]:
+            raise Malformed(f"{f.where}: nbytes {entry.nbytes} is not {entry.shape} × "
+                            f"{ITEMSIZE[dtype]} bytes")
+        if entry.offset < 0 or entry.offset % ALIGN:
+            raise Malformed(f"{f.path('offset')} {entry.offset} is not a non-negative multiple "
+                            f"of {ALIGN}")
+        return entry
+
+
+@dataclass(frozen=True)
+class ShareManifest:
+    architecture: str  # the model's (config.ARCHITECTURE); its share policy decides the sets
+    policy: str  # the policy's name and version, e.g. "omni-dp-tts/1"
+    model: ModelIdentity
+    dtype: str  # the talker's dtype (the vocoder's is float32)
+    device: str  # "cpu", or the GPU as "GPU-<uuid>"
+    run_id: str
+    leader: ProcessIdentity
+    buffers: tuple[Buffer, ...]
+    shared: tuple[TensorEntry, ...]  # mapped by every follower: one copy on the device
+    private: tuple[TensorEntry, ...]  # copied by every follower into memory of its own
+    created_at: float
+    format: int = FORMAT
+
+    @property
+    def shared_bytes(self) -> int:
+        return sum(t.nbytes for t in self.shared)
+
+    @property
+    def private_bytes(self) -> int:
+        return sum(t.nbytes for t in self.private)
+
+    def to_json(self) -> dict:
+        return {
+            "format": self.format, "architecture": self.architecture, "policy": self.policy,
+            "model": self.model.to_json(), "dtype": self.dtype, "device": self.device,
+            "run_id": self.run_id, "leader": self.leader.to_json(),
+            "buffers": [b.to_json() for b in self.buffers],
+            "shared": [t.to_json() for t in self.shared],
+            "private": [t.to_json() for t in self.private],
+            "created_at": self.created_at,
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> ShareManifest:
+        """The manifest of parsed JSON; Malformed naming the first field that is wrong."""
+        f = JsonFields(data, "")
+        version = f.int("format")
+        if version != FORMAT:
+            raise Malformed(f"format is {version}; this omni-dp reads format {FORMAT}")
+        model = f.object("model")
+        leader = f.object("leader")
+        assert model is not None and leader is not None
+        manifest = cls(
+            f.str("architecture"), f.str("policy"),
+            ModelIdentity(model.str("source"), model.str("digest")), f.str("dtype"),
+            f.str("device"), f.str("run_id"), leader.identity(),
+            tuple(Buffer.from_json(b) for b in f.items("buffers")),
+            tuple(TensorEntry.from_json(t) for t in f.items("shared")),
+            tuple(TensorEntry.from_json(t) for t in f.items("private")),
+            f.number("created_at"), version,
+        )
+        manifest.check_layout()
+        return manifest
+
+    def check_layout(self) -> None:
+        """Names unique; every tensor inside its buffer; no two tensors overlapping."""
+        names = [t.name for t in (*self.shared, *self.private)]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise Malformed(f"tensor(s) named twice: {', '.join(dupes[:5])}")
+        spans: dict[int, list[tuple[int, int, str]]] = {}
+        for t in (*self.shared, *self.private):
+            if not 0 <= t.buffer < len(self.buffers):
+                raise Malformed(f"tensor {t.name}: buffer {t.buffer} does not exist "
+                                f"({len(self.buffers)} buffer(s))")
+            if t.offset + t.nbytes > self.buffers[t.buffer].nbytes:
+                raise Malformed(f"tensor {t.name}: bytes {t.offset}..{t.offset + t.nbytes} lie "
+                                f"past the end of buffer {t.buffer} "
+                                f"({self.buffers[t.buffer].nbytes} bytes)")
+            spans.setdefault(t.buffer, []).append((t.offset, t.offset + t.nbytes, t.name))
+        for items in spans.values():
+            items.sort()
+            for (_, end, a), (start, _, b) in itertools.pairwise(items):
+                if start < end:
+                    raise Malformed(f"tensors {a} and {b} overlap")
+
+
+# --- the files ------------------------------------------------------------------------------
+
+
+def manifest_path(directory: Path) -> Path:
+    return directory / MANIFEST_FILE
+
+
+def segment_path(directory: Path) -> Path:
+    return directory / SEGMENT_FILE
+
+
+def write_manifest(directory: Path, manifest: ShareManifest) -> Path:
+    """Publish: written whole to a temp file, fsynced, renamed (a reader never sees half)."""
+    path = manifest_path(directory)
+    atomic_write(path, json.dumps(manifest.to_json(), indent=1) + "\n", mode=0o600)
+    return path
+
+
+def open_private_file(path: Path, what: str) -> int:
+    """An fd of `path` opened read-only without following a link, checked to be a regular
+    file of ours that no group or other user may write or read; ShareFileError otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise ShareFileError(f"the {what} {path} does not exist") from None
+    except OSError as exc:  # ELOOP: a symlink
+        raise ShareFileError(f"cannot open the {what} {path}: {exc.strerror}"
+                             + (" (it is a symlink)" if os.path.islink(path) else "")) from None
+    try:
+        info = os.fstat(fd)
+        problem = None
+        if not stat.S_ISREG(info.st_mode):
+            problem = "is not a regular file"
+        elif info.st_uid != os.geteuid():
+            problem = f"belongs to uid {info.st_uid}, not to you (uid {os.geteuid()})"
+        elif info.st_mode & 0o077:
+            problem = (f"has mode {stat.S_IMODE(info.st_mode):o}; group or other users may "
+                       "reach it (it must be 0600)")
+        if problem:
+            raise ShareFileError(f"the {what} {path} {problem}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_manifest(directory: Path) -> ShareManifest:
+    """The share directory's manifest, its file and every field checked."""
+    path = manifest_path(directory)
+    fd = open_private_file(path, "weight-share manifest")
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(MAX_MANIFEST_BYTES + 1)
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ShareFileError(f"the weight-share manifest {path} is larger than "
+                             f"{MAX_MANIFEST_BYTES} bytes")
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise ShareFileError(f"the weight-share manifest {path} is not JSON ({exc})") from None
+    try:
+        return ShareManifest.from_json(data)
+    except Malformed as exc:
+        raise ShareFileError(f"the weight-share manifest {path} is malformed: {exc}") from None
+
+
+def _hex(f: JsonFields, key: str) -> bytes:
+    text = f.str(key)
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise Malformed(f"{f.path(key)} is not hex") from None
