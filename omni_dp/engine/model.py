@@ -69,8 +69,13 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
+        # On the CPU whatever the default device (tables() moves them on first use): a model
+        # built on the meta device (sizes, a weight-sharing follower) gets real tables too.
+        cpu = torch.device("cpu")
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64,
+                                                 device=cpu) / head_dim))
+        angles = torch.outer(torch.arange(max_position, dtype=torch.float64, device=cpu),
+                             inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
         # Plain attributes, not buffers: `model.to(bfloat16)` must not round the tables.
         self.cos = angles.cos()

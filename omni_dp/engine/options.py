@@ -13,6 +13,7 @@ DEFAULT_PAGE_SIZE = 16  # tokens per KV page
 # Used when neither --kv-cache-bytes nor --max-total-tokens is given (rounded down to whole
 # pages): room for 16 requests of the longest generation (1024 tokens), 128 MiB for `tiny`.
 DEFAULT_MAX_TOTAL_TOKENS = 16384
+SHARE_ROLES = ("leader", "follower")  # --share-weights (engine/share/)
 
 
 @dataclass(frozen=True)
@@ -56,3 +57,13 @@ class ServeOptions:
         "help": "Model id shown by /v1/models and in the metrics' model_name label; a "
                 "request's `model` must be it, absent, or an OpenAI TTS name (tts-1, "
                 "tts-1-hd, gpt-4o-mini-tts), else 404. [default: omni-dp-<preset>]"})
+    share_weights: str | None = field(default=None, metadata={
+        "choices": SHARE_ROLES,
+        "help": "Share the backbone weights with other replicas of this run on the same "
+                "device: the leader publishes them in --share-dir, a follower maps them "
+                "read-only instead of loading its own copy (and exits 4 when its leader is "
+                "gone). [default: no sharing]"})
+    share_dir: str | None = field(default=None, metadata={
+        "metavar": "DIR",
+        "help": "With --share-weights: the private (0700) directory the leader publishes in "
+                "(created if missing) and followers read."})

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
@@ -17,6 +18,7 @@ from omni_dp.contract import Problems
 from omni_dp.engine.config import ModelConfig, ModelConfigError, resolve_model
 from omni_dp.engine.kv_cache import KVCacheSpec, KVSizingError, plan_kv_cache
 from omni_dp.engine.options import DTYPE_NAMES, ServeOptions
+from omni_dp.files import private_dir_problem
 from omni_dp.sizes import format_size
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -56,16 +58,13 @@ class ServePlan:
 
 def plan_summary(plan: ServePlan) -> dict:
     """What `serve --dry-run --json` prints: the numbers a launcher needs before starting."""
-    from omni_dp.engine.model import Talker
-    from omni_dp.engine.vocoder import Vocoder
-    from omni_dp.engine.weights import PipelineModels
+    from omni_dp.engine.weights import meta_models
 
-    with torch.device("meta"):  # shapes only: nothing is allocated
-        models = PipelineModels(plan.cfg, Talker(plan.cfg), Vocoder(plan.cfg), "meta")
-    params = models.num_parameters
-    # As build_models holds them: the talker cast to plan.dtype, the vocoder as built (float32).
-    vocoder_itemsize = next(models.vocoder.parameters()).dtype.itemsize
-    weights_bytes = params["talker"] * plan.dtype.itemsize + params["vocoder"] * vocoder_itemsize
+    # Shapes only, nothing allocated; the dtypes as build_models holds them (weights.place).
+    models = meta_models(plan.cfg, plan.dtype)
+    weights_bytes = sum(p.numel() * p.element_size()
+                        for module in (models.talker, models.vocoder) for p in module.parameters())
+    shared_bytes = _shared_bytes(models)
     return {
         "model": plan.cfg.name,
         "device": str(plan.device),
@@ -77,7 +76,28 @@ def plan_summary(plan: ServePlan) -> dict:
         "kv_bytes_per_token": plan.kv.bytes_per_token,
         "page_size": plan.kv.page_size,
         "overhead_bytes": overhead_bytes(plan.device),
+        "share_weights": plan.options.share_weights,
+        # What --share-weights would hold once for the whole run, and per replica.
+        "shared_weights_bytes": shared_bytes,
+        "private_weights_bytes": weights_bytes - shared_bytes,
     }
+
+
+def _shared_bytes(models) -> int:
+    """Bytes of the tensors the architecture's share policy shares (0 without a policy)."""
+    from omni_dp.engine.config import ARCHITECTURE
+    from omni_dp.engine.share.policy import POLICIES, PolicyError
+    from omni_dp.engine.share.tensors import named_tensors
+
+    policy = POLICIES.get(ARCHITECTURE)
+    if policy is None:
+        return 0
+    tensors = named_tensors(models)
+    try:
+        shared, _ = policy.split(tensors)
+    except PolicyError:  # refused by plan_serve under --share-weights; nothing shared here
+        return 0
+    return sum(tensors[n].numel() * tensors[n].element_size() for n in shared)
 
 
 def available_cpus() -> int:
@@ -115,6 +135,7 @@ def plan_serve(options: ServeOptions) -> ServePlan:
         problems.append("--drain-timeout must not be negative")
     if not 0 <= options.port <= 65535:
         problems.append(f"--port must be 0-65535, got {options.port}")
+    _check_share(options, cfg, dtype, problems)
 
     kv = None
     if cfg is not None and dtype is not None:
@@ -136,6 +157,35 @@ def plan_serve(options: ServeOptions) -> ServePlan:
         threads=threads, kv=kv,
         served_model_name=options.served_model_name or f"omni-dp-{cfg.name}",
     )
+
+
+def _check_share(options: ServeOptions, cfg: ModelConfig | None, dtype: torch.dtype | None,
+                 problems: list[str]) -> None:
+    """--share-weights and --share-dir go together; the directory is private if it exists
+    (the leader creates it); the architecture has a share policy that fits the model."""
+    role, directory = options.share_weights, options.share_dir
+    if role is None and directory is None:
+        return
+    if role is None:
+        problems.append("--share-dir needs --share-weights leader|follower")
+    if directory is None:
+        problems.append(f"--share-weights {role} needs --share-dir DIR (where the leader "
+                        "publishes its weights and the followers read them)")
+    else:
+        problem = private_dir_problem(Path(directory))
+        if problem:
+            problems.append(f"--share-dir: {problem}")
+    if role is None or cfg is None or dtype is None:
+        return
+    from omni_dp.engine.config import ARCHITECTURE
+    from omni_dp.engine.share.policy import PolicyError, policy_for
+    from omni_dp.engine.share.tensors import named_tensors
+    from omni_dp.engine.weights import meta_models
+
+    try:
+        policy_for(ARCHITECTURE).split(named_tensors(meta_models(cfg, dtype)))
+    except PolicyError as exc:
+        problems.append(str(exc))
 
 
 def _resolve_device(name: str, problems: list[str]) -> torch.device | None:

@@ -12,6 +12,7 @@ import contextlib
 import errno
 import logging
 import math
+import os
 import signal
 import socket
 import struct
@@ -55,7 +56,11 @@ from omni_dp.engine.preprocess import (
 )
 from omni_dp.engine.sampling import derive_seed
 from omni_dp.engine.scheduler import AdmissionError
-from omni_dp.engine.weights import PipelineModels, load_models, seeded_models
+from omni_dp.engine.share import ShareInfo
+from omni_dp.engine.share.attach import attach
+from omni_dp.engine.share.export import publish
+from omni_dp.engine.share.watch import LeaderWatch
+from omni_dp.engine.weights import PipelineModels, load_models, place, seeded_models
 from omni_dp.net import bind_listening
 
 log = logging.getLogger("omni_dp.serve")
@@ -63,6 +68,10 @@ log = logging.getLogger("omni_dp.serve")
 # Measured with bench/engine_throughput.py on 2 cores at concurrency 8: 10.7 req/s at the
 # default 5 ms, 13.4 at 0.2 ms, 15.1 at 0.05 ms.
 SWITCH_INTERVAL_S = 0.00005
+# A follower whose leader is gone stops serving at once (exit 4); if its clean stop (every
+# in-flight request cut off, the workers joined) has not ended the process by then, it exits
+# without one.
+LEADER_GONE_GRACE_S = 0.5
 
 
 class State(str, Enum):
@@ -91,8 +100,7 @@ def build_models(plan: ServePlan) -> PipelineModels:
         models = seeded_models(plan.cfg, plan.options.weight_seed)
     else:
         models = load_models(plan.cfg, Path(plan.model_dir))
-    models.talker.to(device=plan.device, dtype=plan.dtype)
-    models.vocoder.to(device=plan.device)  # float32: audio is quantised to 16 bits anyway
+    place(models, plan.device, plan.dtype)
     return models
 
 
@@ -127,8 +135,12 @@ class ReplicaServer:
         self.state = State.STARTING
         self.pipeline: Pipeline | None = None
         self.models: PipelineModels | None = None
+        self.share: ShareInfo | None = None  # when sharing weights (--share-weights)
+        self._watch: LeaderWatch | None = None
+        self._abandoned: str | None = None  # why in-flight requests are cut off at once
         self.exit_code = ExitCode.OK
         self._stop = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._signals = 0
         self._started_at = time.time()
         self.metrics = ReplicaMetrics(
@@ -149,7 +161,7 @@ class ReplicaServer:
 
     # --- lifecycle ---------------------------------------------------------------------
     async def run(self, sock: socket.socket) -> int:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         # handler_cancellation: a client that hangs up cancels its handler at once, which
@@ -170,6 +182,8 @@ class ReplicaServer:
             await self._stop.wait()
             await self._drain()
         finally:
+            if self._watch is not None:
+                self._watch.stop()
             await runner.cleanup()
             if self.pipeline is not None:
                 self.pipeline.stop()
@@ -177,11 +191,26 @@ class ReplicaServer:
 
     async def _load(self) -> None:
         plan = self.plan
+        role, share_dir = self.options.share_weights, Path(self.options.share_dir or ".")
+        failed = "start-up failed"
         try:
-            self.models = await asyncio.to_thread(build_models, plan)
+            if role == "follower":
+                failed = "weight share"
+                started = time.perf_counter()
+                self.models, self.share = await asyncio.to_thread(attach, plan, share_dir)
+                log.info("weight share: follower mapped %d tensors, %d bytes shared (%d "
+                         "private, copied) from %s in %.2f s", self.share.tensors_shared,
+                         self.share.shared_bytes, self.share.private_bytes, share_dir,
+                         time.perf_counter() - started)
+            else:
+                self.models = await asyncio.to_thread(build_models, plan)
+                if role == "leader":
+                    failed = "weight share"
+                    self.share = await asyncio.to_thread(publish, plan, self.models, share_dir)
+            failed = "start-up failed"
             kv_cache = await asyncio.to_thread(KVCache, plan.kv, plan.device)
-        except Exception as exc:  # weights or pool that cannot be had: report, exit 3
-            log.error("start-up failed: %s", exc)
+        except Exception as exc:  # weights, share or pool that cannot be had: report, exit 3
+            log.error("%s: %s", failed, exc)
             self.state = State.FAILED
             self.exit_code = ExitCode.RUNTIME
             self._stop.set()
@@ -191,6 +220,9 @@ class ReplicaServer:
             max_running_requests=self.options.max_running_requests, on_fatal=self._on_fatal,
         )
         self.pipeline.start()
+        if role == "follower" and self.share is not None:
+            self._watch = LeaderWatch(self.share.leader, self._on_leader_gone)
+            self._watch.start()
 
     def _summary(self) -> str:
         kv = self.plan.kv
@@ -213,12 +245,45 @@ class ReplicaServer:
 
     @property
     def _hurry(self) -> bool:
-        """A second signal: stop without waiting for in-flight requests."""
-        return self._signals > 1
+        """A second signal, or a gone leader: stop without waiting for in-flight requests."""
+        return self._signals > 1 or self._abandoned is not None
 
     def _on_fatal(self, reason: str) -> None:
         self.state = State.FAILED
-        self.exit_code = ExitCode.RUNTIME
+        if self.exit_code == ExitCode.OK:  # a gone leader's 4 stays what the process says
+            self.exit_code = ExitCode.RUNTIME
+        self._stop.set()
+
+    def _on_leader_gone(self) -> None:
+        """In the watch thread: stop serving, exit 4.
+
+        On a GPU at once, without a clean stop: the leader's exit freed the memory its IPC
+        handles name, and CUDA does not promise what reading it gives, so no further kernel
+        of ours may run (a clean stop would wait for the talker's step in flight). On the CPU
+        the mapping stays valid (the file's pages outlive the leader): in-flight requests are
+        cut off with a terminal error and the process exits by the normal path, or here after
+        LEADER_GONE_GRACE_S.
+        """
+        assert self.share is not None
+        log.error("weight share: the leader (pid %d) is gone; this follower stops serving",
+                  self.share.leader.pid)
+        self.state = State.FAILED  # /health says 503 from now on
+        self.exit_code = ExitCode.LEADER_GONE
+        if self.plan.device.type == "cuda":
+            os._exit(ExitCode.LEADER_GONE)
+        assert self._loop is not None  # run() set it before anything could be shared
+        self._loop.call_soon_threadsafe(self._abandon, "the leader of this replica's shared "
+                                        "weights is gone")
+        time.sleep(LEADER_GONE_GRACE_S)
+        log.error("weight share: the clean stop took longer than %.1f s; exiting",
+                  LEADER_GONE_GRACE_S)
+        os._exit(ExitCode.LEADER_GONE)
+
+    def _abandon(self, reason: str) -> None:
+        """Stop now: every in-flight request cut off, no drain."""
+        self._abandoned = reason
+        if self.pipeline is not None:
+            self.pipeline.cut_off_all(reason)
         self._stop.set()
 
     async def _drain(self) -> None:
@@ -228,7 +293,7 @@ class ReplicaServer:
         while self.pipeline.num_in_flight and time.monotonic() < deadline and not self._hurry:
             await asyncio.sleep(0.05)
         if self.pipeline.num_in_flight:
-            reason = "second signal" if self._hurry else "drain timeout"
+            reason = self._abandoned or ("second signal" if self._hurry else "drain timeout")
             log.warning("%s: %d request(s) cut off", reason, self.pipeline.num_in_flight)
             self.pipeline.cut_off_all("the replica stopped before this request finished")
             deadline = time.monotonic() + 2.0
@@ -268,6 +333,7 @@ class ReplicaServer:
                 "max_new_tokens": plan.cfg.max_new_tokens,
             },
             "started_at": self._started_at,
+            "weight_share": self.share.to_json() if self.share else None,
         })
 
     async def list_models(self, request: web.Request) -> web.Response:
@@ -496,4 +562,12 @@ def serve(plan: ServePlan) -> int:
     async def main() -> int:
         return await ReplicaServer(plan).run(sock)
 
-    return asyncio.run(main())
+    code = asyncio.run(main())
+    if code == ExitCode.LEADER_GONE:
+        # Stopped cleanly, but without the interpreter's teardown (torch's alone takes about
+        # half a second): a follower whose leader is gone is out within about a second.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.overrides import TorchFunctionMode
 
 from omni_dp.engine.config import CONFIG_FILE, WEIGHTS_FILE, ModelConfig, ModelConfigError
 from omni_dp.engine.model import Talker
@@ -31,6 +32,48 @@ class PipelineModels:
             "talker": sum(p.numel() for p in self.talker.parameters()),
             "vocoder": sum(p.numel() for p in self.vocoder.parameters()),
         }
+
+
+def place(models: PipelineModels, device: torch.device | None, dtype: torch.dtype) -> None:
+    """Where and in what dtype a replica holds its models: the talker in the plan's dtype, the
+    vocoder in float32 (its audio is quantised to 16 bits anyway). One place, so that a
+    weight-sharing follower's meta-device model (device None) has exactly the dtypes its
+    leader's real one has."""
+    models.talker.to(device=device, dtype=dtype)
+    models.vocoder.to(device=device)
+
+
+class _NoInitOnMeta(TorchFunctionMode):
+    """nn.init's initialisers as no-ops on meta tensors, where they have nothing to fill.
+
+    Not for speed: normal_'s meta kernel is written in Python, and its first use imports some
+    800 modules (torch._decomp, sympy, mpmath), ~70 MB of heap in every process that builds a
+    meta model (a sharing replica's plan, a follower) and never needs them again.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _INITIALISERS:
+            tensor = args[0] if args else kwargs.get("tensor")
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
+_INITIALISERS = frozenset({
+    torch.nn.init.normal_, torch.nn.init.uniform_, torch.nn.init.kaiming_uniform_,
+    torch.nn.init.trunc_normal_, torch.nn.init.zeros_, torch.nn.init.ones_,
+    torch.Tensor.normal_, torch.Tensor.uniform_,
+})
+
+
+def meta_models(cfg: ModelConfig, dtype: torch.dtype, source: str = "meta") -> PipelineModels:
+    """The models with the shapes and dtypes a replica holds, on the meta device: no memory.
+    For sizes (the dry run) and for a weight-sharing follower to bind its leader's tensors to."""
+    with torch.device("meta"), _NoInitOnMeta():
+        models = PipelineModels(cfg, Talker(cfg).eval(), Vocoder(cfg).eval(), source)
+    place(models, None, dtype)
+    return models
 
 
 def seeded_models(cfg: ModelConfig, seed: int) -> PipelineModels:

@@ -38,7 +38,8 @@ def serve(log_level: str, log_format: str, dry_run: bool, **kwargs) -> None:
     /v1/audio/speech, GET /health, /get_server_info, /v1/models, /metrics.
 
     Exit codes: 0 after SIGTERM/SIGINT and draining, 2 bad options (nothing started),
-    3 start-up or engine failure.
+    3 start-up or engine failure (a follower that cannot attach), 4 a --share-weights
+    follower whose leader is gone.
     """
     from omni_dp.engine.plan import ServePlanError, plan_serve, plan_summary
 

@@ -1,0 +1,77 @@
+"""The CUDA buffers: exported by the leader, opened by its followers, by CUDA IPC handle.
+
+torch's own primitives, as torch.multiprocessing uses them (torch/multiprocessing/reductions.py:
+`reduce_tensor` calls `_share_cuda_()`, `rebuild_cuda_tensor` calls `_new_shared_cuda`), without
+its pickling: the eight values travel in the manifest (sharefile.CudaIpcHandle). A buffer is one
+caching-allocator allocation; its handle names the whole cudaMalloc block and the buffer's offset
+in it. The leader keeps every buffer for its lifetime, so no ref counting beyond torch's own is
+needed.
+
+Not testable without a GPU; every device-agnostic step around it (layout, views, checks) is
+tested on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from omni_dp.engine.share import ShareError
+from omni_dp.sharefile import CudaIpcHandle
+
+ALLOC_CONF_ENVS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def device_name(device: torch.device) -> str:
+    """The manifest's `device`: "cpu", or the GPU by UUID (indices differ between processes
+    that see different CUDA_VISIBLE_DEVICES; a UUID does not)."""
+    if device.type != "cuda":
+        return "cpu"
+    return "GPU-" + str(torch.cuda.get_device_properties(device).uuid)
+
+
+def check_exportable() -> None:
+    """Expandable segments map memory with the cuMem* API, whose IPC export needs
+    pidfd_getfd (and a kernel and ptrace rules to allow it); torch's cudaIpc handles are not
+    available for them: refuse rather than hand followers a handle that will not open."""
+    for env in ALLOC_CONF_ENVS:
+        settings = os.environ.get(env, "").replace(" ", "").lower()
+        if "expandable_segments:true" in settings.split(","):
+            raise ShareError(f"{env} enables expandable_segments; a sharing leader needs "
+                             "cudaMalloc'd buffers for CUDA IPC: unset it (or set "
+                             "expandable_segments:False)")
+
+
+def new_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A flat uint8 buffer from the caching allocator: one allocation, exported whole."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def export(buffer: torch.Tensor) -> CudaIpcHandle:
+    (device, handle, storage_size, storage_offset, ref_counter_handle, ref_counter_offset,
+     event_handle, event_sync_required) = buffer.untyped_storage()._share_cuda_()
+    return CudaIpcHandle(
+        device=int(device), handle=bytes(handle), storage_size=int(storage_size),
+        storage_offset=int(storage_offset), ref_counter_handle=bytes(ref_counter_handle),
+        ref_counter_offset=int(ref_counter_offset),
+        # None when the leader's stream needs no waiting on; then it is never read.
+        event_handle=bytes(event_handle or b""),
+        event_sync_required=bool(event_sync_required),
+    )
+
+
+def open_buffer(ipc: CudaIpcHandle, device: torch.device) -> torch.Tensor:
+    """The leader's buffer as a flat uint8 tensor on `device` (this process's index of the
+    GPU the manifest names by UUID); waits for the leader's copies when the handle says so."""
+    args = dataclasses.replace(ipc, device=device.index or 0).args()
+    torch.cuda._lazy_init()  # as rebuild_cuda_tensor does before opening a handle
+    with torch.cuda.device(device):
+        try:
+            storage = torch.UntypedStorage._new_shared_cuda(*args)
+        except RuntimeError as exc:
+            raise ShareError(f"cannot open the leader's CUDA buffer: {exc}") from None
+    flat = torch.empty(0, dtype=torch.uint8, device=device)
+    flat.set_(storage)
+    return flat

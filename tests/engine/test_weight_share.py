@@ -1,0 +1,485 @@
+"""Shared backbone weights, in one process: the policy, the plan, the identity, a leader's
+export and a follower's attachment, and every way a follower refuses (fail closed).
+
+The leader is this test process (its manifest names it, alive); the followers are models
+attached here too, except where a write must kill one (a subprocess).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from omni_dp.engine.config import ARCHITECTURE, PRESETS, ModelConfig, VocoderConfig
+from omni_dp.engine.kv_cache import KVCache, plan_kv_cache
+from omni_dp.engine.model import FlatBatch, SequenceSlice
+from omni_dp.engine.options import ServeOptions
+from omni_dp.engine.plan import ServePlanError, plan_serve, plan_summary
+from omni_dp.engine.server import build_models
+from omni_dp.engine.share import ShareError
+from omni_dp.engine.share import policy as policy_module
+from omni_dp.engine.share.attach import attach
+from omni_dp.engine.share.export import publish
+from omni_dp.engine.share.identity import model_identity
+from omni_dp.engine.share.layout import buffer_per_dtype, lay_out
+from omni_dp.engine.share.policy import PolicyError, policy_for
+from omni_dp.engine.share.tensors import named_tensors
+from omni_dp.engine.share.verify import check_manifest, expected_of
+from omni_dp.engine.share.watch import LeaderWatch
+from omni_dp.engine.weights import meta_models, save_models, seeded_models
+from omni_dp.procs import identify
+from omni_dp.sharefile import (
+    ALIGN,
+    MANIFEST_FILE,
+    SEGMENT_FILE,
+    read_manifest,
+    write_manifest,
+)
+
+from support.wait import wait_for
+
+UNIT = ModelConfig(
+    name="unit", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+    intermediate_size=48, codebook_size=16, num_speakers=4,
+    vocoder=VocoderConfig(embed_dim=16, channels=(8, 4), upsample_factors=(4, 5), kernel_size=3),
+)
+
+
+def plan_for(role, share_dir, model="tiny", **options):
+    options = {"device": "cpu", "threads": 1, "max_total_tokens": 256, **options}
+    return plan_serve(ServeOptions(
+        model=str(model), share_weights=role,
+        share_dir=None if share_dir is None else str(share_dir), **options))
+
+
+def talker_logits(models) -> torch.Tensor:
+    """One prefill of a short prompt through the talker, over a KV pool of its own."""
+    cfg = models.cfg
+    ids = [cfg.bos_text_id, 72, 105, cfg.eos_text_id, cfg.first_speaker_id, cfg.bos_audio_id]
+    n = len(ids)
+    dtype = models.talker.embed.weight.dtype
+    spec = plan_kv_cache(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                         head_dim=cfg.head_dim, dtype=dtype, page_size=16, max_total_tokens=32)
+    kv = KVCache(spec, torch.device("cpu"))
+    batch = FlatBatch(input_ids=torch.tensor(ids), positions=torch.arange(n),
+                      slots=torch.arange(n), last_rows=torch.tensor([n - 1]),
+                      sequences=[SequenceSlice(0, n, n, torch.tensor([0]))])
+    return models.talker(batch, kv.k, kv.v)
+
+
+def outputs(models) -> tuple[torch.Tensor, torch.Tensor]:
+    codes = torch.arange(30) % models.cfg.codebook_size
+    return talker_logits(models), models.vocoder(codes)
+
+
+@pytest.fixture(scope="module")
+def unit_dir(tmp_path_factory):
+    """The small unit model as a weights directory (so its identity is its files' bytes)."""
+    directory = tmp_path_factory.mktemp("unit") / "model"
+    save_models(seeded_models(UNIT, 7), directory)
+    return directory
+
+
+@pytest.fixture
+def published(tmp_path, unit_dir, monkeypatch):
+    """A leader (this process) that published the unit model in a fresh share directory."""
+    torch.set_num_threads(1)
+    monkeypatch.delenv("OMNI_DP_RUN_ID", raising=False)  # run id "standalone" on both sides
+    share = tmp_path / "share"
+    plan = plan_for("leader", share, unit_dir)
+    models = build_models(plan)
+    info = publish(plan, models, share)
+    return share, models, info
+
+
+def follower_plan(share, unit_dir, **options):
+    return plan_for("follower", share, unit_dir, **options)
+
+
+def refused(share, unit_dir, **options) -> str:
+    with pytest.raises(ShareError) as caught:
+        attach(follower_plan(share, unit_dir, **options), share)
+    return str(caught.value)
+
+
+def rewrite(share, **changes) -> None:
+    write_manifest(share, dataclasses.replace(read_manifest(share), **changes))
+
+
+# --- the policy -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_every_tensor_of_the_presets_is_declared_once(preset):
+    models = meta_models(PRESETS[preset], torch.float32)
+    tensors = named_tensors(models)
+    shared, private = policy_for(ARCHITECTURE).split(tensors)
+    assert sorted(shared + private) == sorted(tensors)
+    assert not set(shared) & set(private)
+    assert {"talker.embed.weight", "talker.lm_head.weight", "vocoder.ups.0.weight",
+            "talker.layers.0.attn.qkv_proj.weight"} <= set(shared)
+    assert {"talker.norm.weight", "talker.layers.0.input_norm.weight", "vocoder.post.bias"} \
+        <= set(private)
+    shared_bytes = sum(tensors[n].numel() * tensors[n].element_size() for n in shared)
+    all_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert shared_bytes > 0.99 * all_bytes  # the backbone is what is shared
+
+
+def test_a_new_parameter_forces_a_decision():
+    models = meta_models(UNIT, torch.float32)
+    models.talker.register_parameter("gate", torch.nn.Parameter(torch.zeros(3, device="meta")))
+    with pytest.raises(PolicyError, match=r"talker\.gate is matched by no pattern"):
+        policy_for(ARCHITECTURE).split(named_tensors(models))
+
+
+def test_a_name_matched_twice_is_an_error():
+    policy = policy_for(ARCHITECTURE)
+    doubled = dataclasses.replace(policy, shared=(*policy.shared, r"talker\.norm\.weight"))
+    with pytest.raises(PolicyError, match=r"talker\.norm\.weight is matched by shared .* and "
+                                          r"private"):
+        doubled.split(named_tensors(meta_models(UNIT, torch.float32)))
+
+
+def test_an_architecture_without_a_policy_cannot_share(monkeypatch, tmp_path):
+    with pytest.raises(PolicyError, match="architecture other has no tested weight-share "
+                                          "policy; run without --share-weights"):
+        policy_for("other")
+    monkeypatch.setattr(policy_module, "POLICIES", {})
+    with pytest.raises(ServePlanError, match=f"architecture {ARCHITECTURE} has no tested"):
+        plan_for("leader", tmp_path / "share")
+    from omni_dp.cli import serve
+
+    result = CliRunner().invoke(serve, ["--device", "cpu", "--share-weights", "follower",
+                                        "--share-dir", str(tmp_path / "share"), "--dry-run"])
+    assert result.exit_code == 2
+    assert "has no tested weight-share policy" in result.output
+    # Without sharing, the dry run says nothing would be shared.
+    summary = plan_summary(plan_for(None, None))
+    assert summary["shared_weights_bytes"] == 0
+    assert summary["private_weights_bytes"] == summary["weights_bytes"]
+
+
+def test_a_meta_model_loads_no_python_meta_kernels():
+    """normal_ and the rotary tables' ops have Python meta kernels whose first use imports
+    ~800 modules (sympy, mpmath: ~70 MB per process); a follower or a sharing plan must not."""
+    code = ("import sys, torch; from omni_dp.engine.config import PRESETS; "
+            "from omni_dp.engine.weights import meta_models; "
+            "m = meta_models(PRESETS['small'], torch.float32); "
+            "print(m.talker.embed.weight.is_meta, 'sympy' in sys.modules, "
+            "'mpmath' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.split() == ["True", "False", "False"], done.stderr
+
+
+# --- the plan ---------------------------------------------------------------------------
+
+
+def test_share_flags_go_together_and_every_problem_is_said(tmp_path):
+    with pytest.raises(ServePlanError) as caught:
+        plan_for("follower", None)
+    assert "--share-weights follower needs --share-dir" in str(caught.value)
+    with pytest.raises(ServePlanError, match="--share-dir needs --share-weights"):
+        plan_for(None, tmp_path)
+    open_dir = tmp_path / "open"
+    open_dir.mkdir(mode=0o755)
+    os.chmod(open_dir, 0o755)
+    with pytest.raises(ServePlanError) as caught:
+        plan_for("leader", open_dir, threads=0)
+    assert len(caught.value.problems) == 2  # the threads and the directory, together
+    assert f"--share-dir: {open_dir} has mode 755" in str(caught.value)
+    assert not (open_dir / MANIFEST_FILE).exists()  # planning created nothing
+
+
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_the_dry_run_says_what_sharing_would_keep_once(tmp_path, dtype):
+    summary = plan_summary(plan_for("leader", tmp_path / "share", dtype=dtype))
+    assert summary["share_weights"] == "leader"
+    assert summary["shared_weights_bytes"] + summary["private_weights_bytes"] \
+        == summary["weights_bytes"]
+    models = build_models(plan_for("leader", tmp_path / "share", dtype=dtype))
+    info = publish(plan_for("leader", tmp_path / "share", dtype=dtype), models, tmp_path / "share")
+    assert (info.shared_bytes, info.private_bytes) == (
+        summary["shared_weights_bytes"], summary["private_weights_bytes"])
+    assert plan_summary(plan_for(None, None))["share_weights"] is None
+
+
+# --- identity and layout ----------------------------------------------------------------
+
+
+def test_the_model_identity_needs_no_weights_and_follows_seed_and_bytes(tmp_path, unit_dir):
+    tiny = model_identity(plan_for(None, None))
+    assert tiny == model_identity(plan_for(None, None))
+    assert tiny.source == "preset tiny, seed 0"
+    assert tiny.digest != model_identity(plan_for(None, None, weight_seed=1)).digest
+    copy = tmp_path / "copy"
+    shutil.copytree(unit_dir, copy)
+    original = model_identity(plan_for(None, None, unit_dir))
+    assert original.source == str(unit_dir.resolve())
+    assert model_identity(plan_for(None, None, copy)).digest == original.digest
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    assert model_identity(plan_for(None, None, copy)).digest != original.digest
+
+
+def test_cuda_layout_is_one_aligned_buffer_per_dtype():
+    models = meta_models(UNIT, torch.bfloat16)  # talker bfloat16, vocoder float32
+    tensors = named_tensors(models)
+    shared, private = policy_for(ARCHITECTURE).split(tensors)
+    sizes, shared_entries, private_entries = lay_out(
+        [(n, tensors[n]) for n in shared], [(n, tensors[n]) for n in private], buffer_per_dtype)
+    assert len(sizes) == 2
+    for entry in (*shared_entries, *private_entries):
+        assert entry.offset % ALIGN == 0
+        assert entry.offset + entry.nbytes <= sizes[entry.buffer]
+        assert {e.dtype for e in (*shared_entries, *private_entries)
+                if e.buffer == entry.buffer} == {entry.dtype}
+
+
+# --- export and attach ------------------------------------------------------------------
+
+
+def test_leader_follower_and_a_plain_model_compute_the_same_bytes(tmp_path):
+    torch.set_num_threads(1)
+    share = tmp_path / "share"
+    leader_plan = plan_for("leader", share)
+    leader = build_models(leader_plan)
+    info = publish(leader_plan, leader, share)
+    follower, follower_info = attach(plan_for("follower", share), share)
+    plain = build_models(plan_for(None, None))
+
+    assert (share / SEGMENT_FILE).stat().st_mode & 0o777 == 0o400
+    assert info.role == "leader" and follower_info.role == "follower"
+    assert follower_info.leader == info.leader == identify(os.getpid())
+    assert follower_info.tensors_shared == info.tensors_shared == 24
+    expected = outputs(plain)
+    for got in (outputs(leader), outputs(follower)):
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+    manifest = read_manifest(share)
+    mapping_start = follower.talker.embed.weight.data_ptr()  # the first shared tensor
+    size = manifest.buffers[0].nbytes
+    followers = named_tensors(follower)
+    leaders = named_tensors(leader)
+    for entry in manifest.shared:  # views of the one mapping: no copy anywhere
+        assert mapping_start <= followers[entry.name].data_ptr() < mapping_start + size
+        assert leaders[entry.name].data_ptr() != followers[entry.name].data_ptr()  # 2 maps
+    for entry in manifest.private:  # copies of its own
+        ptr = followers[entry.name].data_ptr()
+        assert not mapping_start <= ptr < mapping_start + size
+    assert not follower.talker.rope.cos.is_meta
+    assert torch.equal(follower.talker.rope.cos, plain.talker.rope.cos)
+
+
+def test_a_new_leader_replaces_what_an_earlier_one_left_but_nothing_else(published,
+                                                                         unit_dir):
+    share, _, _ = published
+    before = read_manifest(share).created_at
+    plan = plan_for("leader", share, unit_dir)
+    publish(plan, build_models(plan), share)  # the leftover segment and manifest replaced
+    assert read_manifest(share).created_at > before
+    attach(follower_plan(share, unit_dir), share)
+    segment = share / SEGMENT_FILE
+    segment.unlink()
+    segment.symlink_to(share / MANIFEST_FILE)
+    with pytest.raises(ShareError, match="exists and is not a weight-share segment of ours"):
+        publish(plan, build_models(plan), share)
+
+
+@pytest.mark.parametrize(("env", "value"), [
+    ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
+    ("PYTORCH_ALLOC_CONF", "max_split_size_mb:64, expandable_segments:true"),
+])
+def test_a_cuda_leader_refuses_expandable_segments(monkeypatch, env, value):
+    from omni_dp.engine.share.cuda_ipc import check_exportable
+
+    check_exportable()
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ShareError, match=f"{env} enables expandable_segments"):
+        check_exportable()
+
+
+# --- fail closed ------------------------------------------------------------------------
+
+
+def test_a_follower_of_another_model_refuses(published, tmp_path, unit_dir):
+    share, _, _ = published
+    other = tmp_path / "other"
+    save_models(seeded_models(UNIT, 8), other)
+    with pytest.raises(ShareError) as caught:
+        attach(follower_plan(share, other), share)
+    assert (f"the model digest differs: the leader's is {unit_dir.resolve()} (sha256 "
+            in str(caught.value))
+    assert f"this follower's is {other.resolve()} (sha256 " in str(caught.value)
+
+
+@pytest.mark.parametrize(("options", "env", "reason"), [
+    ({"dtype": "float32"}, {}, "the talker dtype differs: the leader's is float64, this "
+                               "follower's is float32"),
+    ({}, {"OMNI_DP_RUN_ID": "another-run"}, "the run id differs: the leader's is standalone, "
+                                            "this follower's is another-run"),
+])
+def test_a_follower_of_another_dtype_or_run_refuses(published, unit_dir, monkeypatch, options,
+                                                    env, reason):
+    share, _, _ = published
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert reason in refused(share, unit_dir, **options)
+
+
+def test_a_tensor_of_another_shape_or_dtype_is_refused(published, unit_dir):
+    share, _, _ = published
+    manifest = read_manifest(share)
+    first = manifest.shared[0]
+    flat = dataclasses.replace(first, shape=(first.nbytes // 8,))
+    rewrite(share, shared=(flat, *manifest.shared[1:]))
+    assert (f"tensor {first.name} has shape [{first.nbytes // 8}] at the leader, "
+            f"{list(first.shape)} here") in refused(share, unit_dir)
+    as_int = dataclasses.replace(first, dtype="int64")
+    rewrite(share, shared=(as_int, *manifest.shared[1:]))
+    assert f"tensor {first.name} has dtype int64 at the leader, float64 here" \
+        in refused(share, unit_dir)
+
+
+def test_a_tensor_moved_between_the_sets_is_refused(published, unit_dir):
+    share, _, _ = published
+    manifest = read_manifest(share)
+    moved = manifest.shared[0]
+    rewrite(share, shared=manifest.shared[1:], private=(moved, *manifest.private))
+    assert (f"are not this follower's policy's: {moved.name} is private at the leader, shared "
+            "here") in refused(share, unit_dir)
+
+
+def test_a_manifest_that_is_a_link_open_to_others_or_not_ours_is_refused(
+        published, unit_dir, monkeypatch):
+    share, _, _ = published
+    path = share / MANIFEST_FILE
+    os.chmod(path, 0o640)
+    assert "has mode 640; group or other users may reach it" in refused(share, unit_dir)
+    os.chmod(path, 0o600)
+    real = share / "real.json"
+    path.rename(real)
+    path.symlink_to(real)
+    assert "(it is a symlink)" in refused(share, unit_dir)
+    path.unlink()
+    real.rename(path)
+    # Another user's file: we cannot chown without root, so we claim to be someone else.
+    owner = os.stat(path).st_uid
+    monkeypatch.setattr(os, "geteuid", lambda: owner + 1)
+    assert f"belongs to uid {owner}, not to you (uid {owner + 1})" in refused(share, unit_dir)
+
+
+def test_no_manifest_is_refused(tmp_path, unit_dir):
+    share = tmp_path / "empty"
+    share.mkdir(mode=0o700)
+    assert f"the weight-share manifest {share / MANIFEST_FILE} does not exist" \
+        in refused(share, unit_dir)
+
+
+def test_the_manifest_of_a_gone_leader_is_refused(published, unit_dir):
+    share, _, _ = published
+    done = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.2)"])
+    gone = identify(done.pid)
+    done.wait()
+    assert gone is not None
+    rewrite(share, leader=gone)
+    assert f"the leader (pid {gone.pid}) is not running" in refused(share, unit_dir)
+
+
+def test_a_truncated_or_changed_segment_is_refused(published, unit_dir):
+    share, _, _ = published
+    segment = share / SEGMENT_FILE
+    size = segment.stat().st_size
+    os.chmod(segment, 0o600)
+    original = segment.read_bytes()
+    data = bytearray(original)
+    data[size // 2] ^= 0xFF
+    segment.write_bytes(bytes(data))
+    assert "does not hold what the leader wrote: its sha256 is" in refused(share, unit_dir)
+    segment.write_bytes(original)
+    os.truncate(segment, size - 64)
+    assert f"is truncated: {size - 64} bytes, the manifest says {size}" \
+        in refused(share, unit_dir)
+
+
+def test_the_checks_run_in_order_and_the_leader_is_checked_before_the_tensors(published,
+                                                                             unit_dir):
+    share, _, _ = published
+    plan = follower_plan(share, unit_dir)
+    policy = policy_for(ARCHITECTURE)
+    models = meta_models(plan.cfg, plan.dtype)
+    expected = expected_of(plan, models, policy, model_identity(plan))
+    manifest = read_manifest(share)
+    check_manifest(manifest, expected)  # as published: fine
+    broken = dataclasses.replace(manifest, shared=manifest.shared[1:])
+    with pytest.raises(ShareError, match="is not running"):
+        check_manifest(broken, expected, alive=lambda _: False)
+    with pytest.raises(ShareError, match="architecture differs"):
+        check_manifest(dataclasses.replace(broken, architecture="x"), expected,
+                       alive=lambda _: False)
+
+
+# --- a follower cannot write what it maps -------------------------------------------------
+
+_WRITER = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from omni_dp.engine.options import ServeOptions
+    from omni_dp.engine.plan import plan_serve
+    from omni_dp.engine.share.attach import attach
+
+    share = Path(sys.argv[1])
+    plan = plan_serve(ServeOptions(device="cpu", threads=1, max_total_tokens=256,
+                                   model=sys.argv[2], share_weights="follower",
+                                   share_dir=str(share)))
+    models, _ = attach(plan, share)
+    print("attached", flush=True)
+    models.talker.embed.weight.data.add_(1.0)  # a write through a read-only mapping
+    print("wrote", flush=True)
+""")
+
+
+def test_a_follower_that_writes_a_shared_tensor_dies_and_nobody_else_sees_it(published,
+                                                                             unit_dir):
+    share, leader, _ = published
+    before = leader.talker.embed.weight.clone()
+    second, _ = attach(follower_plan(share, unit_dir), share)
+    expected = outputs(second)
+    done = subprocess.run([sys.executable, "-c", _WRITER, str(share), str(unit_dir)],
+                          capture_output=True, text=True, timeout=120)
+    assert "attached" in done.stdout, done.stderr
+    assert "wrote" not in done.stdout
+    assert done.returncode == -signal.SIGSEGV, done.stderr
+    assert torch.equal(leader.talker.embed.weight, before)
+    assert all(torch.equal(a, b) for a, b in zip(outputs(second), expected, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(outputs(leader), expected, strict=True))
+
+
+# --- the leader watch -------------------------------------------------------------------
+
+
+def test_the_watch_calls_once_when_the_leader_is_gone():
+    calls = []
+    state = {"alive": True}
+    watch = LeaderWatch(identify(os.getpid()), lambda: calls.append(1), interval=0.01,
+                        alive=lambda _: state["alive"])
+    watch.start()
+    time.sleep(0.05)  # a few polls
+    assert calls == []
+    state["alive"] = False
+    wait_for("the call", lambda: calls, 5, 0.01)
+    state["alive"] = True
+    watch.stop()
+    assert calls == [1]
