@@ -317,3 +317,30 @@ def _gpu_pids(nvml: Any, gpu: str) -> tuple[set[int] | None, str | None]:
         return pids, None
     except (error, ValueError) as exc:
         return None, f"NVML could not list GPU processes ({_text(exc)})"
+
+
+def nvml_gpu_memory(gpu: str, nvml: Any = None) -> tuple[dict[int, int] | None, str | None]:
+    """The GPU memory NVML says each process uses on the GPU (an index or a GPU-/MIG- UUID),
+    pid -> bytes, from its compute and (where the driver has one) MPS process lists; a process
+    whose figure NVML does not have (None under some MPS setups) is left out, never guessed.
+    (None, why) when NVML cannot say."""
+    return _session(nvml, lambda nvml: _gpu_memory(nvml, gpu),
+                    lambda problem: (None, f"NVML unavailable ({problem.message})"))
+
+
+def _gpu_memory(nvml: Any, gpu: str) -> tuple[dict[int, int] | None, str | None]:
+    error = _nvml_error(nvml)
+    try:
+        handle = (nvml.nvmlDeviceGetHandleByUUID(gpu) if gpu.startswith(("GPU-", "MIG-"))
+                  else nvml.nvmlDeviceGetHandleByIndex(int(gpu)))
+        processes = list(nvml.nvmlDeviceGetComputeRunningProcesses(handle))
+        with contextlib.suppress(error):  # older drivers: the compute list alone
+            processes += list(nvml.nvmlDeviceGetMPSComputeRunningProcesses(handle))
+    except (error, ValueError) as exc:
+        return None, f"NVML could not list GPU processes ({_text(exc)})"
+    used: dict[int, int] = {}
+    for p in processes:
+        value = getattr(p, "usedGpuMemory", None)
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63:
+            used[p.pid] = max(used.get(p.pid, 0), value)
+    return used, None

@@ -170,6 +170,7 @@ class PlanRecord:
     warnings: tuple[str, ...]
     command: str  # how the user runs omni-dp, for the commands the supervisor prints
     api_key_set: bool  # the key itself never goes to disk
+    share_weights: bool = False  # --share-weights: replica 0 leads, the others follow
 
     def to_json(self) -> dict:
         return {
@@ -181,7 +182,7 @@ class PlanRecord:
             "expected_kv_tokens": self.expected_kv_tokens, "router": self.router.to_json(),
             "supervision": self.supervision.to_json(), "log_format": self.log_format,
             "warnings": list(self.warnings), "command": self.command,
-            "api_key_set": self.api_key_set,
+            "api_key_set": self.api_key_set, "share_weights": self.share_weights,
         }
 
     @classmethod
@@ -198,6 +199,7 @@ class PlanRecord:
             SupervisionSettings.from_json(f.object("supervision")),
             f.str("log_format", "text"), f.strings("warnings", ()),
             f.str("command", None, optional=True) or "omni-dp", f.bool("api_key_set", False),
+            f.bool("share_weights", False),
         )
 
 
@@ -257,6 +259,9 @@ class ReplicaRecord:
     mps_attached: bool | None = None
     restarts: tuple[float, ...] = ()  # when each restart began (time.time())
     last_error: str | None = None
+    # Its measured private memory once healthy (CPU: USS of its processes; CUDA: NVML's used
+    # GPU memory of its processes); None until measured or where it cannot be measured
+    memory_bytes: int | None = None
 
     @property
     def pid(self) -> int | None:
@@ -274,8 +279,8 @@ class ReplicaRecord:
             "create_time": ident.create_time if ident else None, "pgid": self.pgid,
             "processes": [_process_json(p) for p in self.processes],
             "state": self.state.value, "kv_tokens": self.kv_tokens,
-            "mps_attached": self.mps_attached, "restarts": list(self.restarts),
-            "last_error": self.last_error,
+            "mps_attached": self.mps_attached, "memory_bytes": self.memory_bytes,
+            "restarts": list(self.restarts), "last_error": self.last_error,
         }
 
     @classmethod
@@ -295,6 +300,7 @@ class ReplicaRecord:
             ReplicaState(state), f.int("kv_tokens", None, optional=True),
             f.bool("mps_attached", None, optional=True), f.numbers("restarts", ()),
             f.str("last_error", None, optional=True),
+            memory_bytes=f.int("memory_bytes", None, optional=True),
         )
 
 
@@ -303,6 +309,39 @@ def _process_json(p: DeclaredProcess) -> dict:
     if p.create_time is not None:  # absent in a run.json written before sessions were read
         data["create_time"] = p.create_time
     return data
+
+
+@dataclass(frozen=True)
+class ShareRecord:
+    """--share-weights, as proven: the leader's manifest read and checked after its wave."""
+
+    leader: int  # the replica that loaded and published the weights
+    followers: tuple[int, ...]  # the replicas that map them
+    directory: str  # the run's share/ (manifest, and on CPU the segment)
+    policy: str  # the architecture's share policy, e.g. "omni-dp-tts/1"
+    shared_bytes: int  # held once on the device, whatever the replica count
+    private_bytes: int  # what every replica still holds of its own
+    tensors: int  # tensors shared
+    leader_pid: int | None = None  # who published it (the manifest's leader)
+    published_at: float | None = None  # the manifest's created_at
+
+    def to_json(self) -> dict:
+        return {"leader": self.leader, "followers": list(self.followers),
+                "directory": self.directory, "policy": self.policy,
+                "shared_bytes": self.shared_bytes, "private_bytes": self.private_bytes,
+                "tensors": self.tensors, "leader_pid": self.leader_pid,
+                "published_at": self.published_at}
+
+    @classmethod
+    def from_json(cls, d: Mapping | JsonFields) -> ShareRecord:
+        f = _fields(d, "share")
+        followers = f.numbers("followers")
+        if not all(isinstance(i, int) for i in followers):
+            raise Malformed(f"{f.path('followers')} must hold replica indices")
+        return cls(f.int("leader"), tuple(int(i) for i in followers), f.str("directory"),
+                   f.str("policy"), f.int("shared_bytes"), f.int("private_bytes"),
+                   f.int("tensors"), f.int("leader_pid", None, optional=True),
+                   f.number("published_at", None, optional=True))
 
 
 @dataclass(frozen=True)
@@ -319,6 +358,7 @@ class RunRecord:
     router: RouterRecord | None = None
     mps: DaemonRecord | None = None  # run.json: {"mps": {"daemon": {...}}}
     schema: int = field(default=SCHEMA)
+    share: ShareRecord | None = None  # --share-weights: what is shared, once published
 
     def identities(self) -> Iterator[ProcessIdentity]:
         """Every process this run recorded as its own."""
@@ -337,6 +377,7 @@ class RunRecord:
             "supervisor": self.supervisor.to_json() if self.supervisor else None,
             "router": self.router.to_json() if self.router else None,
             "mps": {"daemon": self.mps.to_json()} if self.mps else None,
+            "share": self.share.to_json() if self.share else None,
             "replicas": [r.to_json() for r in self.replicas],
         }
 
@@ -352,6 +393,7 @@ class RunRecord:
         supervisor = f.object("supervisor", optional=True)
         router = f.object("router", optional=True)
         mps = f.object("mps", optional=True)
+        share = f.object("share", optional=True)
         return cls(
             f.str("run_id"), f.number("created_at"), RunPhase(state), f.str("gpu"),
             f.str("device"), PlanRecord.from_json(f.object("plan")),
@@ -361,6 +403,7 @@ class RunRecord:
             RouterRecord.from_json(router) if router else None,
             _daemon(mps.object("daemon")) if mps else None,
             f.int("schema"),
+            ShareRecord.from_json(share) if share else None,
         )
 
     def with_replica(self, index: int, **fields: Any) -> RunRecord:
@@ -394,12 +437,14 @@ _NONE = type(None)
 RUN_FIELD_TYPES: Mapping[str, tuple[type, ...]] = {
     "launcher": (ProcessIdentity, _NONE), "supervisor": (SupervisorRecord, _NONE),
     "router": (RouterRecord, _NONE), "mps": (DaemonRecord, _NONE),
+    "share": (ShareRecord, _NONE),
 }
 REPLICA_FIELD_TYPES: Mapping[str, tuple[type, ...]] = {
     "port": (int,), "url": (str,), "cpus": (str, _NONE), "argv": (tuple,), "env": (Mapping,),
     "log": (str,), "identity": (ProcessIdentity, _NONE), "pgid": (int, _NONE),
     "processes": (tuple,), "state": (ReplicaState,), "kv_tokens": (int, _NONE),
     "mps_attached": (bool, _NONE), "restarts": (tuple,), "last_error": (str, _NONE),
+    "memory_bytes": (int, _NONE),
 }
 
 

@@ -24,6 +24,7 @@ from omni_dp.runfile import (
     RunFileError,
     RunPhase,
     RunRecord,
+    ShareRecord,
     StoredRun,
     SupervisorRecord,
     find_run_dir,
@@ -96,14 +97,16 @@ def test_a_new_run_json_keeps_its_layout_and_round_trips_byte_for_byte(tmp_path)
     assert _round_trip(text) == text
     data = json.loads(text)
     assert list(data) == ["schema", "run_id", "created_at", "state", "gpu", "device", "plan",
-                          "launcher", "supervisor", "router", "mps", "replicas"]
+                          "launcher", "supervisor", "router", "mps", "share", "replicas"]
     assert list(data["replicas"][0]) == [
         "index", "port", "url", "cpus", "argv", "env", "log", "pid", "create_time", "pgid",
-        "processes", "state", "kv_tokens", "mps_attached", "restarts", "last_error"]
+        "processes", "state", "kv_tokens", "mps_attached", "memory_bytes", "restarts",
+        "last_error"]
     # The plan is what LaunchPlan.to_json() says, to the byte.
     assert json.dumps(data["plan"], indent=1) == json.dumps(plan.to_json(), indent=1)
     assert data["state"] == "starting" and data["replicas"][0]["state"] == "planned"
     assert data["supervisor"] is None and data["router"] is None and data["mps"] is None
+    assert data["share"] is None and data["plan"]["share_weights"] is False
 
 
 def test_a_run_json_with_every_record_set_round_trips_byte_for_byte(tmp_path, dead_identity):
@@ -123,6 +126,31 @@ def test_a_run_json_with_every_record_set_round_trips_byte_for_byte(tmp_path, de
     assert again.record == state.record
     assert again.replica(1).restarts == (1700000000.25, 1700000100.5)
     assert again.record.supervisor.supervising_since == 1700000200.5
+
+
+def test_a_sharing_run_json_round_trips_and_one_written_before_sharing_still_reads(tmp_path):
+    state = RunState.create(two_replica_plan(tmp_path, share_weights=True))
+    share = ShareRecord(leader=0, followers=(1,), directory=str(state.directory / "share"),
+                        policy="omni-dp-tts/1", shared_bytes=27_000_000, private_bytes=4096,
+                        tensors=31, leader_pid=4242, published_at=1700000300.5)
+    state.update(share=share)
+    state.update_replica(1, memory_bytes=123_456_789)
+    text = _text(state)
+    assert _round_trip(text) == text
+    data = json.loads(text)
+    assert list(data["share"]) == ["leader", "followers", "directory", "policy",
+                                   "shared_bytes", "private_bytes", "tensors", "leader_pid",
+                                   "published_at"]
+    again = RunState.load(state.directory).record
+    assert again.share == share and again.plan.share_weights is True
+    assert [r.memory_bytes for r in again.replicas] == [None, 123_456_789]
+    # A run.json of an omni-dp before sharing: none of the three keys.
+    del data["share"], data["plan"]["share_weights"]
+    for replica in data["replicas"]:
+        del replica["memory_bytes"]
+    old = RunRecord.from_json(data)
+    assert old.share is None and old.plan.share_weights is False
+    assert [r.memory_bytes for r in old.replicas] == [None, None]
 
 
 # --- the lifecycles: every transition of both maps -------------------------------------------
@@ -254,6 +282,9 @@ def _set(value, *path):
     (_set([], "router"), "router is a list, not an object"),
     (_set("5", "plan", "supervision", "health_failures"),
      "plan.supervision.health_failures is a string, not an integer"),
+    (_set({"leader": 0}, "share"), "share has no 'followers'"),
+    (_set("1GiB", "replicas", 1, "memory_bytes"),
+     "replicas[1].memory_bytes is a string, not an integer"),
 ])
 def test_a_malformed_run_json_is_a_run_file_error_naming_the_file_and_field(tmp_path, edit,
                                                                            why):

@@ -1,8 +1,9 @@
 """Bring a planned run up, step by step, recording every step in run.json and events.jsonl.
 
-state dir → (--mps) private daemon → replicas pinned to their blocks → health → equal KV →
-(--mps) attachment of every CUDA process → router → ready. Raises BringUpFailed on the first
-failure; the caller tears down what was started and keeps the state for diagnosis.
+state dir → (--mps) private daemon → replicas pinned to their blocks (--share-weights: the
+leader first, its manifest checked, then its followers, their attachment checked) → health →
+equal KV → (--mps) attachment of every CUDA process → router → ready. Raises BringUpFailed on
+the first failure; the caller tears down what was started and keeps the state for diagnosis.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from omni_dp.launcher.gates import GateFailed, describe_exit, http_json, log_tai
 from omni_dp.launcher.plan import LaunchPlan
 from omni_dp.launcher.processes import Started, child_env, spawn, stop_processes
 from omni_dp.launcher.replicas import ReplicaSet
+from omni_dp.launcher.share_group import LEADER, start_waves
 from omni_dp.launcher.state import RunState
 from omni_dp.mps.attach import format_text
 from omni_dp.mps.control import MpsControl, MpsControlError
@@ -22,6 +24,7 @@ from omni_dp.mps.daemon import MpsDaemon, MpsDaemonError
 from omni_dp.procs import is_alive
 from omni_dp.rundir import mps_log_dir, mps_pipe_dir
 from omni_dp.runfile import ReplicaState, RouterRecord, RunPhase
+from omni_dp.sizes import format_size
 
 ROUTER_READY_TIMEOUT_S = 30.0
 
@@ -73,7 +76,16 @@ def start_router(state: RunState) -> Started:
 
 def start_replicas(state: RunState, replicas: ReplicaSet, indices: list[int], *,
                    sequential: bool, timeout_s: float, say: Callable[[str], None]) -> None:
-    """Start these replicas and pass them through health and KV (not attachment)."""
+    """Start these replicas wave by wave (share_group.start_waves: a weight-sharing leader
+    before its followers) and pass each wave through health, KV and the share checks before
+    the next starts (not attachment); then measure what each holds."""
+    for wave in start_waves(state.record, indices):
+        _start_wave(state, replicas, wave, sequential=sequential, timeout_s=timeout_s, say=say)
+    replicas.measure_memory(sorted(indices))
+
+
+def _start_wave(state: RunState, replicas: ReplicaSet, wave: list[int], *, sequential: bool,
+                timeout_s: float, say: Callable[[str], None]) -> None:
     def healthy(i: int) -> None:
         try:
             replicas.wait_healthy(i, timeout_s)
@@ -84,21 +96,31 @@ def start_replicas(state: RunState, replicas: ReplicaSet, indices: list[int], *,
             raise BringUpFailed(f"replica {i} {exc}") from None
         say(f"replica {i} healthy on {replicas.url(i)}")
 
-    if sequential:
-        for i in indices:
+    if sequential or len(wave) == 1:
+        for i in wave:
             replicas.start(i)
             healthy(i)
     else:
-        for i in indices:
+        for i in wave:
             replicas.start(i)
-        say(f"started {len(indices)} replica(s) in parallel; waiting for /health")
-        for i in indices:
+        say(f"started {len(wave)} replica(s) in parallel; waiting for /health")
+        for i in wave:
             healthy(i)
     try:
-        replicas.check_kv(indices)
+        replicas.check_kv(wave)
+        for i in wave:
+            replicas.share_gate(i)
     except GateFailed as exc:
         raise BringUpFailed(str(exc)) from None
-    for i in indices:
+    share = state.record.share
+    if replicas.sharing and LEADER in wave and share is not None:
+        say(f"replica {LEADER} published {format_size(share.shared_bytes)} of weights "
+            f"({share.tensors} tensors, policy {share.policy}) in {share.directory}")
+    followers = [i for i in wave if replicas.sharing and i != LEADER]
+    if followers:
+        say(f"replica(s) {', '.join(map(str, followers))} attached to the leader's weights "
+            f"(replica {LEADER}, pid {state.replica(LEADER).pid})")
+    for i in wave:
         state.update_replica(i, state=ReplicaState.HEALTHY)
 
 
@@ -121,7 +143,9 @@ def bring_up(plan: LaunchPlan, state: RunState, replicas: ReplicaSet,
         start_daemon(state, plan.mps_binary or "nvidia-cuda-mps-control",
                      plan.gpu_label if plan.device == "cuda" else None,
                      found.server if found else None)
-    say(f"starting {len(plan.replicas)} replica(s), {plan.start}")
+    say(f"starting {len(plan.replicas)} replica(s), {plan.start}"
+        + (f" (--share-weights: replica {LEADER} leads, the others follow once it published)"
+           if o.share_weights else ""))
     start_replicas(state, replicas, [r.index for r in plan.replicas],
                    sequential=plan.start == "sequential", timeout_s=plan.start_timeout, say=say)
     tokens = state.record.replicas[0].kv_tokens

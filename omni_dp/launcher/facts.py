@@ -31,11 +31,12 @@ from omni_dp.launcher.engines import (
 )
 from omni_dp.launcher.engines.model_dir import read_model
 from omni_dp.launcher.options import LaunchOptions, replica_ports
+from omni_dp.launcher.share_group import LEADER_ROLE
 from omni_dp.launcher.topology import CpuTopology, gpu_numa_node, read_topology
 from omni_dp.mps.binaries import MpsBinaries
 from omni_dp.mps.preflight import GPU_CHECKS, check_preflight, in_mps_words
 from omni_dp.net import bind_error, port_taken
-from omni_dp.rundir import mps_pipe_dir, run_dir, state_dir
+from omni_dp.rundir import mps_pipe_dir, run_dir, share_dir, state_dir
 from omni_dp.runfile import stored_runs
 
 
@@ -128,7 +129,8 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
     model = None
     engine = ENGINES.get(options.engine)
     if engine is None or not engine.external:  # it sizes itself: a dry run
-        sizing, engine_problems = _dry_run(options, gpu, option_problems)
+        sizing, engine_problems = _dry_run(options, gpu, option_problems,
+                                           run_dir(root, run_id))
     else:
         sizing = None
         model, engine_problems = _external_engine(options, python, option_problems)
@@ -277,8 +279,10 @@ def _taken_ports(options: LaunchOptions) -> frozenset[int]:
     return frozenset(taken)
 
 
-def _dry_run(options: LaunchOptions, gpu: GpuFacts | None,
-             option_problems: list[str]) -> tuple[EngineSizing | None, list[str]]:
+def _dry_run(options: LaunchOptions, gpu: GpuFacts | None, option_problems: list[str],
+             directory: Path) -> tuple[EngineSizing | None, list[str]]:
+    """With --share-weights the dry run is a leader's (the share directory named, not made), so
+    that a model whose architecture has no share policy is refused before anything starts."""
     engine = ENGINES.get(options.engine)
     if engine is None or option_problems:
         return None, []
@@ -294,7 +298,9 @@ def _dry_run(options: LaunchOptions, gpu: GpuFacts | None,
         return engine.dry_run(
             ReplicaLaunch(port=options.base_port, device=device, threads=1,
                           kv_cache_bytes=options.kv_cache_bytes,
-                          max_total_tokens=options.max_total_tokens),
+                          max_total_tokens=options.max_total_tokens,
+                          share_role=LEADER_ROLE if options.share_weights else None,
+                          share_dir=share_dir(directory) if options.share_weights else None),
             options.engine_args, env)
 
 

@@ -28,6 +28,7 @@ from omni_dp.launcher.supervisor import Supervisor
 from omni_dp.launcher.teardown import teardown
 from omni_dp.mps.daemon import MpsDaemonError
 from omni_dp.runfile import RunFileError, RunPhase
+from omni_dp.sizes import format_size
 
 SUPERVISOR_HANDOFF_S = 30.0  # start, record itself, one sweep (health of every replica)
 INTERRUPTED = 130  # the shell's 128 + SIGINT: interrupted during bring-up, and cleaned up
@@ -108,6 +109,11 @@ def summary(plan: LaunchPlan, state: RunState) -> str:
     if plan.options.mps:
         lines.insert(-2, f"mps        {plan.command} verify-mps {plan.run_id}   "
                          f"({state.directory / 'mps_attach.txt'})")
+    share = state.record.share
+    if share is not None:
+        lines.insert(2, f"share      replica {share.leader}'s {format_size(share.shared_bytes)} "
+                        f"of weights held once, mapped by replica(s) "
+                        f"{', '.join(map(str, share.followers)) or 'none'} ({share.directory})")
     return "\n".join(lines)
 
 

@@ -48,6 +48,11 @@ class LaunchOptions:
         "size": True, "help": "Pin every replica's KV pool to this many bytes, e.g. 2GiB."})
     max_total_tokens: int | None = field(default=None, metadata={
         "help": "Pin every replica's KV pool to this many tokens."})
+    share_weights: bool = field(default=False, metadata={
+        "help": "Built-in engine: keep ONE copy of the backbone weights on the device. "
+                "Replica 0 (the leader) loads and publishes them in the run's share/ "
+                "directory; the others (followers) map them read-only. The memory fit is then "
+                "W + N × (KV + private weights + overhead); a dead leader restarts the group."})
     # None: parallel when every replica's KV is a fixed size
     start: str | None = field(default=None, metadata={
         "choices": START_MODES,

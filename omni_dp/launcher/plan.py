@@ -39,10 +39,11 @@ from omni_dp.launcher.options import (
     LaunchOptions,
     replica_ports,
 )
+from omni_dp.launcher.share_group import LEADER, share_role
 from omni_dp.launcher.topology import format_cpu_list, plan_auto, plan_explicit
 from omni_dp.logs import LOG_FORMATS
 from omni_dp.mps.binaries import MpsBinaries
-from omni_dp.rundir import RUN_ID, engine_work_dir, mps_log_dir, mps_pipe_dir, run_dir
+from omni_dp.rundir import RUN_ID, engine_work_dir, mps_log_dir, mps_pipe_dir, run_dir, share_dir
 from omni_dp.sizes import format_size
 
 POLICIES = ("least_request", "round_robin", "power_of_two", "random")
@@ -100,14 +101,24 @@ class LaunchPlan:
         """The resolved plan, as printed before anything starts."""
         o = self.options
         s = self.sizing
+        weights = format_size(s.weights_bytes)
+        if o.share_weights:
+            weights += (f" ({format_size(s.shared_weights_bytes)} shared, "
+                        f"{format_size(s.private_weights_bytes)} private)")
         lines = [
             f"run {self.run_id}: {len(self.replicas)} replica(s) of engine {o.engine} on "
             f"{self.gpu_label}{' under a private MPS daemon' if o.mps else ''}",
             f"  state        {self.run_dir}",
-            f"  per replica  weights {format_size(s.weights_bytes)} + KV "
+            f"  per replica  weights {weights} + KV "
             f"{format_size(s.kv_cache_bytes)} ({self._kv_words()}) + overhead "
             f"{format_size(s.overhead_bytes)} on {s.device}",
             *(f"  kv pin       {note}" for note in self.kv_notes),
+            f"  memory       {memory_formula(s, len(self.replicas), o.share_weights)[1]}",
+            *([f"  share        replica {LEADER} leads (loads the weights, publishes them in "
+               f"{share_dir(self.run_dir)}); "
+               + (f"replica(s) {', '.join(str(r.index) for r in self.replicas[1:])} follow "
+                  "(map them), started once it published, stopped before it"
+                  if len(self.replicas) > 1 else "no follower")] if o.share_weights else []),
             f"  start        {self.start} (each healthy within {self.start_timeout:g} s)",
             f"  router       {self.router_url} (policy {o.policy}, {o.router_workers} "
             "worker(s))",
@@ -152,6 +163,7 @@ class LaunchPlan:
             "warnings": list(self.warnings),
             "command": self.command,  # for the commands the detached supervisor prints
             "api_key_set": o.api_key is not None,  # the key itself never goes to disk
+            "share_weights": o.share_weights,
         }
 
 
@@ -277,6 +289,15 @@ def _api_key(o: LaunchOptions) -> list[str]:
     return []
 
 
+def _share_weights(o: LaunchOptions) -> list[str]:
+    engine = ENGINES.get(o.engine)
+    if not o.share_weights or engine is None or engine.shares_weights:
+        return []
+    able = ", ".join(name for name, e in ENGINES.items() if e.shares_weights)
+    return [f"--share-weights: engine {o.engine} cannot share weights between replicas; only "
+            f"{able} can: run without --share-weights"]
+
+
 def _no_gpu_check(o: LaunchOptions) -> list[str]:
     return ["--no-gpu-check only applies to --mps"] if o.no_gpu_check and not o.mps else []
 
@@ -306,6 +327,7 @@ def _router_port(o: LaunchOptions) -> list[str]:
 OPTION_CHECKS: tuple[Callable[[LaunchOptions], list[str]], ...] = (
     _replica_count, _kv_pin, _kv_sizes, _choices, _router_workers, _engine, _run_id, _seconds,
     _restart_counts, _memory_headroom, _api_key, _no_gpu_check, _replica_ports, _router_port,
+    _share_weights,
 )
 
 
@@ -502,11 +524,7 @@ def plan_memory(o: LaunchOptions, facts: LaunchFacts, gpu: GpuPart | None,
     """Whether N replicas fit in the device's memory; the part is the bytes they need."""
     if gpu is None or kv is None or _replica_count(o) or _memory_headroom(o):
         return None, []
-    sizing = kv.sizing
-    need = o.replicas * sizing.total_bytes
-    each = (f"{o.replicas} × (weights {format_size(sizing.weights_bytes)} + KV "
-            f"{format_size(sizing.kv_cache_bytes)} + overhead {format_size(sizing.overhead_bytes)})"
-            f" = {format_size(need)}")
+    need, each = memory_formula(kv.sizing, o.replicas, o.share_weights)
     if gpu.gpu is not None:
         problems = _gpu_memory_problems(o, gpu.gpu, need, each)
     elif need > facts.host_memory_available:
@@ -516,6 +534,25 @@ def plan_memory(o: LaunchOptions, facts: LaunchFacts, gpu: GpuPart | None,
     else:
         problems = []
     return (None, problems) if problems else (need, [])
+
+
+def memory_formula(sizing: EngineSizing, replicas: int, share: bool) -> tuple[int, str]:
+    """What N replicas need, and the formula with its numbers: N × (weights + KV + overhead),
+    or with --share-weights W + N × (private weights + KV + overhead), W the shared weights
+    held once (beside it, what the same replicas would need without sharing)."""
+    s = sizing
+    plain = replicas * s.total_bytes
+    plain_text = (f"{replicas} × (weights {format_size(s.weights_bytes)} + KV "
+                  f"{format_size(s.kv_cache_bytes)} + overhead {format_size(s.overhead_bytes)})"
+                  f" = {format_size(plain)}")
+    if not share:
+        return plain, plain_text
+    need = s.shared_weights_bytes + replicas * (
+        s.private_weights_bytes + s.kv_cache_bytes + s.overhead_bytes)
+    return need, (f"shared weights {format_size(s.shared_weights_bytes)} + {replicas} × "
+                  f"(private weights {format_size(s.private_weights_bytes)} + KV "
+                  f"{format_size(s.kv_cache_bytes)} + overhead {format_size(s.overhead_bytes)})"
+                  f" = {format_size(need)} (without --share-weights: {plain_text})")
 
 
 def _gpu_memory_problems(o: LaunchOptions, gpu: GpuFacts, need: int, each: str) -> list[str]:
@@ -579,7 +616,8 @@ def plan_launch(o: LaunchOptions, facts: LaunchFacts, *,
         replicas=replicas, router_argv=tuple(router_argv), router_url=router.url,
         expected_kv_tokens=kv.pin.expected_tokens, sizing=kv.sizing, mps_binary=mps.binary,
         mps_binaries=mps.binaries,
-        warnings=(*gpu.warnings, *_neighbour_warnings(run, gpu, facts), *cpus.warnings),
+        warnings=(*gpu.warnings, *_neighbour_warnings(run, gpu, facts), *cpus.warnings,
+                  *_share_warnings(o)),
         command=facts.command,
         start_timeout=o.start_timeout if o.start_timeout is not None else engine.start_timeout_s,
         kv_notes=kv.pin.notes,
@@ -601,7 +639,9 @@ def plan_replicas(o: LaunchOptions, facts: LaunchFacts, run: RunPart, gpu: GpuPa
             port, gpu.device, threads, o.kv_cache_bytes, o.max_total_tokens,
             log_format=o.log_format,
             python=facts.engine_python if external else None, kv_args=kv.pin.args,
-            cpus=block, work_dir=engine_work_dir(run.directory, i) if external else None)
+            cpus=block, work_dir=engine_work_dir(run.directory, i) if external else None,
+            share_role=share_role(o.share_weights, i),
+            share_dir=share_dir(run.directory) if o.share_weights else None)
         argv = engine.argv(launch, engine_args)
         env = {**_replica_env(o, run, gpu, i, threads), **engine.environment(launch)}
         replicas.append(ReplicaPlan(i, port, block, tuple(_pinned(argv, block, facts)), env))
@@ -617,6 +657,13 @@ def _replica_env(o: LaunchOptions, run: RunPart, gpu: GpuPart, index: int,
         env["CUDA_MPS_PIPE_DIRECTORY"] = str(mps_pipe_dir(run.directory))
         env["CUDA_MPS_LOG_DIRECTORY"] = str(mps_log_dir(run.directory))
     return env
+
+
+def _share_warnings(o: LaunchOptions) -> list[str]:
+    if o.share_weights and o.replicas == 1:
+        return ["--share-weights with one replica: replica 0 leads and shares with nobody "
+                "(its weights are published all the same)"]
+    return []
 
 
 def _neighbour_warnings(run: RunPart, gpu: GpuPart, facts: LaunchFacts) -> list[str]:

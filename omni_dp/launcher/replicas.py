@@ -9,11 +9,14 @@ from __future__ import annotations
 import subprocess
 import time
 from collections import Counter
+from pathlib import Path
+
+import psutil
 
 from omni_dp.files import make_private_dir
-from omni_dp.gpus import nvml_gpu_pids
+from omni_dp.gpus import nvml_gpu_memory, nvml_gpu_pids
 from omni_dp.launcher.engines import ENGINES, EngineAdapter, EngineUnreadable
-from omni_dp.launcher.gates import GateFailed, kv_problems, wait_healthy
+from omni_dp.launcher.gates import GateFailed, kv_problems, server_info, wait_healthy
 from omni_dp.launcher.processes import child_env, spawn
 from omni_dp.launcher.replica_groups import (
     FoundProcess,
@@ -22,12 +25,21 @@ from omni_dp.launcher.replica_groups import (
     session_processes,
     stop_replicas,
 )
+from omni_dp.launcher.share_group import (
+    LEADER,
+    follower_problem,
+    manifest_problem,
+    share_record,
+    stop_waves,
+)
 from omni_dp.launcher.state import RunState, append_private
 from omni_dp.logs import json_line
 from omni_dp.mps.attach import AttachReport, DeclaredProcess
 from omni_dp.mps.runs import verify_and_record
-from omni_dp.rundir import engine_work_dir
+from omni_dp.procs import ProcessIdentity, is_alive
+from omni_dp.rundir import engine_work_dir, share_dir
 from omni_dp.runfile import ReplicaState
+from omni_dp.sharefile import ShareFileError, read_manifest
 
 # The replicas whose processes are up (their attachment is proven with the others')
 RUNNING = (ReplicaState.STARTING, ReplicaState.HEALTHY, ReplicaState.UNHEALTHY,
@@ -49,6 +61,14 @@ class ReplicaSet:
     def engine(self) -> EngineAdapter:
         return ENGINES[self.state.plan.engine]
 
+    @property
+    def sharing(self) -> bool:
+        return self.state.plan.share_weights
+
+    @property
+    def share_dir(self) -> Path:
+        return share_dir(self.state.directory)
+
     def start(self, index: int) -> None:
         record = self.state.replica(index)
         log = self.state.logs / record.log
@@ -62,11 +82,16 @@ class ReplicaSet:
             work = engine_work_dir(self.state.directory, index)
             for path in (work.parent, work, *(work / name for name in WORK_SUBDIRS)):
                 make_private_dir(path)
+        if self.sharing and index == LEADER:
+            # The directory it publishes in, private before it exists; what an earlier leader
+            # published is no proof of this one's (its manifest is checked against this pid).
+            make_private_dir(self.share_dir)
+            self.state.update(share=None)
         started = spawn(record.argv, child_env(record.env, self.state.token), log, cwd=work)
         self.popens[index] = started.popen
         self.state.update_replica(index, identity=started.identity, pgid=started.pid,
                                   processes=(), state=ReplicaState.STARTING, kv_tokens=None,
-                                  mps_attached=None)
+                                  mps_attached=None, memory_bytes=None)
         self.state.event("replica_started", replica=index, pid=started.pid,
                          cpus=record.cpus, port=record.port)
 
@@ -176,6 +201,62 @@ class ReplicaSet:
         if problems:
             raise GateFailed(problems[0])
 
+    def share_gate(self, index: int) -> None:
+        """--share-weights: the leader's manifest, published by the leader now running, is
+        recorded as the run's share; a follower must be attached to that leader through the
+        run's share directory. GateFailed naming the replica otherwise."""
+        if not self.sharing:
+            return
+        if index == LEADER:
+            self._check_published()
+        else:
+            self._check_attached(index)
+
+    def _check_published(self) -> None:
+        leader = self.state.replica(LEADER)
+        what = f"replica {LEADER} (the weight-share leader)"
+        try:
+            manifest = read_manifest(self.share_dir)
+        except ShareFileError as exc:
+            raise GateFailed(f"{what}: {exc}") from None
+        problem = manifest_problem(manifest, leader.identity, self.state.run_id,
+                                   self.state.record.gpu)
+        if problem:
+            raise GateFailed(f"{what}: {problem}")
+        followers = [r.index for r in self.state.replicas if r.index != LEADER]
+        record = share_record(manifest, self.share_dir, followers)
+        self.state.update(share=record)
+        self.state.event("share_published", replica=LEADER, pid=manifest.leader.pid,
+                         bytes=record.shared_bytes, private_bytes=record.private_bytes,
+                         tensors=record.tensors, policy=record.policy)
+
+    def _check_attached(self, index: int) -> None:
+        record = self.state.replica(index)
+        leader = self.state.replica(LEADER).identity
+        what = f"replica {index} (a weight-share follower)"
+        try:
+            info = server_info(record.url)
+        except GateFailed as exc:
+            raise GateFailed(f"{what}: {exc}") from None
+        problem = follower_problem(info.get("weight_share"), leader, self.share_dir)
+        if problem:
+            raise GateFailed(f"{what}: {problem}")
+        assert leader is not None
+        self.state.event("share_attached", replica=index, leader_pid=leader.pid)
+
+    def measure_memory(self, indices: list[int]) -> None:
+        """Record each replica's private memory as measured now (never guessed)."""
+        on_gpu = None
+        if self.state.plan.device == "cuda":
+            on_gpu, _ = nvml_gpu_memory(self.state.record.gpu)
+        measured = {}
+        for i in indices:
+            value = replica_memory(self.state.replica(i).processes, self.state.plan.device,
+                                   on_gpu)
+            self.state.update_replica(i, memory_bytes=value)
+            measured[str(i)] = value
+        self.state.event("memory_measured", device=self.state.plan.device, bytes=measured)
+
     def verify_attachment(self) -> AttachReport:
         """Every CUDA process of every started replica must be a client of the run's server."""
         record = self.state.record
@@ -197,7 +278,9 @@ class ReplicaSet:
         A process that survives even SIGKILL is still recorded (teardown still owes it a stop),
         and GateFailed says so: nothing is started beside it."""
         reap = [self.popens[i] for i in indices if i in self.popens]
-        survivors = {s.pid for s in stop_replicas(self.state, indices, timeout_s, reap=reap)}
+        survivors: set[int] = set()
+        for wave in stop_waves(self.state.record, indices):  # followers before their leader
+            survivors |= {s.pid for s in stop_replicas(self.state, wave, timeout_s, reap=reap)}
         left = []
         for i in indices:
             record = self.state.replica(i)
@@ -213,3 +296,25 @@ class ReplicaSet:
             raise GateFailed("still running after SIGKILL: " + ", ".join(left)
                              + " (inspect: ps -o pid,stat,wchan,args -p PID)")
 
+
+def replica_memory(processes: tuple[DeclaredProcess, ...], device: str,
+                   on_gpu: dict[int, int] | None) -> int | None:
+    """A replica's private memory: on CPU the USS (pages no other process maps) summed over its
+    recorded processes; on CUDA the GPU memory NVML says they use. None when it cannot be read
+    (a process gone or not ours, NVML without per-process figures)."""
+    live = [p for p in processes if p.create_time is not None
+            and is_alive(ProcessIdentity(p.pid, p.create_time))]
+    if not live:
+        return None
+    if device == "cuda":
+        if on_gpu is None:
+            return None
+        figures = [on_gpu[p.pid] for p in live if p.pid in on_gpu]
+        return sum(figures) if figures else None
+    total = 0
+    for p in live:
+        try:
+            total += psutil.Process(p.pid).memory_full_info().uss
+        except (psutil.Error, AttributeError):  # gone meanwhile, or no USS on this system
+            return None
+    return total

@@ -8,6 +8,7 @@
                     signals the process in charge, which then tears down with that bound
       logs/         replica_<i>.log, router.log, supervisor.log
       mps/pipe, mps/log, mps_attach.txt, mps_attach.json   (with --mps)
+      share/        weights.json (+ weights.bin on CPU)      (with --share-weights)
 
 run.json:
     {"schema": 1, "run_id", "created_at", "state", "gpu", "device", "plan": {...},
@@ -17,10 +18,13 @@ run.json:
      "router": {"pid", "create_time", "pgid", "url", "argv", "log"} | null,
      "mps": {"daemon": {"pid", "create_time", "binary", "pipe_dir", "log_dir", "gpu_uuid",
                         "server_binary"}} | null,
+     "share": {"leader", "followers", "directory", "policy", "shared_bytes",
+               "private_bytes", "tensors", "leader_pid", "published_at"} | null,
      "replicas": [{"index", "port", "url", "cpus", "argv", "env", "log",
                    "pid", "create_time", "pgid",          # null until started
                    "processes": [{"pid", "role", "device"}],  # from /get_server_info
-                   "state", "kv_tokens", "mps_attached", "restarts", "last_error"}]}
+                   "state", "kv_tokens", "mps_attached", "memory_bytes", "restarts",
+                   "last_error"}]}
 
 Exactly one process writes run.json at a time: `omni-dp launch` until the supervisor is up, then
 the supervisor; `omni-dp down` only once the supervisor is gone.

@@ -8,6 +8,7 @@ from __future__ import annotations
 from omni_dp import runfile
 from omni_dp.launcher.facts import invoked_as
 from omni_dp.launcher.gates import http_json
+from omni_dp.launcher.share_group import LEADER, share_role
 from omni_dp.launcher.state import RunState
 from omni_dp.procs import is_alive
 from omni_dp.rundir import runs_dir, state_dir
@@ -20,6 +21,7 @@ from omni_dp.runfile import (
     find_run_dir,
     stored_runs,
 )
+from omni_dp.sizes import format_size
 
 
 class NoSuchRun(RunFileError):
@@ -64,8 +66,21 @@ def collect(state: RunState, *, probe: bool = True) -> dict:
         "mps": {"daemon_pid": record.mps.identity.pid,
                 "daemon_alive": is_alive(record.mps.identity),
                 "attached": _attached(record)} if record.mps else None,
-        "replicas": [_replica_row(r, probe) for r in record.replicas],
+        "share": _share(record),
+        "replicas": [_replica_row(r, probe, share_role(record.plan.share_weights, r.index))
+                     for r in record.replicas],
     }
+
+
+def _share(record: RunRecord) -> dict | None:
+    """--share-weights as proven (the leader's manifest, checked), or null: not sharing, or not
+    published (yet, or again after the leader's restart: `published` false)."""
+    if not record.plan.share_weights:
+        return None
+    if record.share is None:
+        return {"published": False, "leader": LEADER,
+                "followers": [r.index for r in record.replicas if r.index != LEADER]}
+    return {"published": True, **record.share.to_json()}
 
 
 def _shown_state(record: RunRecord, supervisor_alive: bool) -> str:
@@ -87,7 +102,7 @@ def _attached(record: RunRecord) -> bool | None:
     return None if any(f is None for f in flags) else all(flags)
 
 
-def _replica_row(r: ReplicaRecord, probe: bool) -> dict:
+def _replica_row(r: ReplicaRecord, probe: bool, role: str | None) -> dict:
     alive = r.identity is not None and is_alive(r.identity)
     health = "down"
     if alive:
@@ -99,6 +114,7 @@ def _replica_row(r: ReplicaRecord, probe: bool) -> dict:
         "index": r.index, "pid": r.pid, "alive": alive, "port": r.port,
         "cpus": r.cpus, "state": r.state.value, "health": health,
         "kv_tokens": r.kv_tokens, "mps_attached": r.mps_attached,
+        "share_role": role, "memory_bytes": r.memory_bytes,
         "restarts": len(r.restarts), "last_error": r.last_error,
     }
 
@@ -113,6 +129,16 @@ def format_status(s: dict, command: str = "omni-dp") -> str:
         lines.append(f"  mps daemon  pid {s['mps']['daemon_pid']} "
                      f"{'alive' if s['mps']['daemon_alive'] else 'NOT running'}  "
                      f"attached={s['mps']['attached']}")
+    share = s.get("share")
+    if share:
+        followers = ", ".join(map(str, share["followers"])) or "none"
+        lines.append(
+            f"  share       replica {share['leader']} leads, replica(s) {followers} follow: "
+            + (f"{format_size(share['shared_bytes'])} of weights held once "
+               f"({share['tensors']} tensors, policy {share['policy']}; "
+               f"{format_size(share['private_bytes'])} private per replica) in "
+               f"{share['directory']}" if share["published"] else
+               "not published (the leader is starting)"))
     lines.append(replica_table(s["replicas"]))
     if s["state"] == "abandoned":
         lines.append(f"nothing owns this run: its `launch` is gone and no supervisor took it "
@@ -125,11 +151,13 @@ def format_status(s: dict, command: str = "omni-dp") -> str:
 
 
 def replica_table(replicas: list[dict]) -> str:
-    header = ("replica", "pid", "cpus", "port", "health", "kv_tokens", "mps", "restarts",
-              "last_error")
+    header = ("replica", "pid", "cpus", "port", "health", "kv_tokens", "mps", "share",
+              "memory", "restarts", "last_error")
     rows = [header] + [
         (str(r["index"]), str(r["pid"]), r["cpus"] or "-", str(r["port"]), r["health"],
          str(r["kv_tokens"]), {None: "-", True: "attached", False: "NO"}[r["mps_attached"]],
+         r.get("share_role") or "-",
+         format_size(r["memory_bytes"]) if r.get("memory_bytes") is not None else "-",
          str(r["restarts"]), r["last_error"] or "")
         for r in replicas
     ]

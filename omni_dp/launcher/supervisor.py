@@ -33,11 +33,25 @@ from omni_dp.launcher.supervision.replica_restart import ReplicaRestart
 from omni_dp.launcher.supervision.replica_watch import ReplicaWatch, Seen
 from omni_dp.launcher.supervision.restart_policy import RestartPolicy
 from omni_dp.launcher.supervision.router_link import RouterLink
-from omni_dp.launcher.supervision.slots import MPS, ROUTER, Busy, Slot, run_slots
+from omni_dp.launcher.supervision.slots import (
+    MPS,
+    ROUTER,
+    Busy,
+    Slot,
+    replica_group,
+    run_slots,
+)
 from omni_dp.launcher.teardown import teardown
 from omni_dp.logs import setup_logging
 from omni_dp.procs import ProcessIdentity, identify
-from omni_dp.runfile import WATCHED, ReplicaState, RunFileError, RunPhase, SupervisorRecord
+from omni_dp.runfile import (
+    REPLICA_TRANSITIONS,
+    WATCHED,
+    ReplicaState,
+    RunFileError,
+    RunPhase,
+    SupervisorRecord,
+)
 
 __all__ = ["DeathWatch", "Supervisor", "main"]
 
@@ -170,11 +184,24 @@ class Supervisor:
         elif verdict.state is not None:
             self.state.update_replica(index, state=verdict.state, last_error=verdict.error)
         if verdict.restart:
-            self.say(f"replica {index}: {verdict.restart}; restarting")
-            self.state.update_replica(index, state=ReplicaState.RESTARTING,
-                                      last_error=verdict.restart)
+            # A restart takes the slot's dependents with it (a weight-share leader's followers)
+            group = replica_group(self.busy.deps, index)
+            others = group[1:]
+            self.say(f"replica {index}: {verdict.restart}; restarting"
+                     + (f" with replica(s) {', '.join(map(str, others))}, which depend on it"
+                        if others else ""))
+            restarting = ReplicaState.RESTARTING
+            self.state.update_replica(index, state=restarting, last_error=verdict.restart)
+            for i in others:
+                now = self.state.replica(i).state
+                if now is not restarting and restarting not in REPLICA_TRANSITIONS[now]:
+                    continue  # stopped: nothing of it runs to restart
+                self.state.update_replica(
+                    i, state=restarting,
+                    last_error=f"restarted with replica {index}, which it depends on "
+                               f"({verdict.restart})")
             self.busy.start(Slot.replica(index), self.restart_replica, index, verdict.restart,
-                            name=f"restart-{index}")
+                            group, name=f"restart-{index}")
 
     def _look(self, index: int) -> Seen:
         record, probe = self.state.replica(index), self.crew.probe

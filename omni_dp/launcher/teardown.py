@@ -3,7 +3,8 @@
 Order: supervisor (so no restart races the teardown) → router (stops accepting, drains) →
 replica groups (each replica's leader, its session's processes and those recorded with it, also
 the orphans a dead leader left: SIGTERM drains, MPS clients' GPU work is terminated, SIGKILL
-after the bound; replica_groups.py) → any process still carrying the run token (a replacement a
+after the bound; replica_groups.py; with --share-weights the followers' groups before the
+weight-share leader's) → any process still carrying the run token (a replacement a
 SIGKILLed supervisor never recorded) → MPS: wait until no client is left, then `quit` the daemon
 and wait for its exit → remove the state directory. Whatever could not be confirmed gone is
 named, with commands to inspect it, and the state directory is kept.
@@ -11,6 +12,7 @@ named, with commands to inspect it, and the state directory is kept.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -25,11 +27,14 @@ from omni_dp.launcher.replica_groups import (
     stop_groups,
     unproven_orphans,
 )
+from omni_dp.launcher.share_group import stop_waves
 from omni_dp.launcher.state import RunState
 from omni_dp.mps.control import MpsControlError
 from omni_dp.mps.daemon import DaemonRecord, MpsDaemon, MpsDaemonError
 from omni_dp.procs import ProcessIdentity, is_alive
+from omni_dp.rundir import share_dir
 from omni_dp.runfile import ReplicaState, RunPhase, RunRecord
+from omni_dp.sharefile import segment_path
 
 
 @dataclass
@@ -68,10 +73,22 @@ def teardown(state: RunState, *, drain_timeout: float, keep_state: bool = False,
         state.remove()
         result.removed = True
     else:
+        if result.clean:
+            _drop_share_segment(state)
         state.event("teardown_finished", leftovers=result.leftovers)
         if state.record.state not in (RunPhase.FAILED, RunPhase.STOPPED):
             state.set_phase(RunPhase.STOPPED if result.clean else RunPhase.STOPPING)
     return result
+
+
+def _drop_share_segment(state: RunState) -> None:
+    """A kept state (for diagnosis) keeps the share manifest, not the weights' CPU segment:
+    nothing maps it once every process is gone, and it may hold gigabytes of a tmpfs."""
+    segment = segment_path(share_dir(state.directory))
+    with contextlib.suppress(FileNotFoundError):
+        size = segment.stat().st_size
+        segment.unlink()
+        state.event("share_segment_removed", path=str(segment), bytes=size)
 
 
 def _stop_owner(state: RunState, role: str, drain_timeout: float, result: TeardownResult,
@@ -129,8 +146,10 @@ def _stop_replicas(state: RunState, drain_timeout: float, result: TeardownResult
         {"index": i, "leader": group.leader.pid if group.leader else None,
          "leader_alive": i not in orphaned, "pids": [p.pid for p in processes]}
         for i, (group, processes) in live.items()])
-    survivors = stop_groups([group for group, _ in live.values()], state.token, drain_timeout,
-                            grace_s=10.0, reap=reap, before_kill=mps_terminator(state))
+    survivors: list[ProcessIdentity] = []
+    for wave in stop_waves(state.record, list(live)):  # weight-share followers before the leader
+        survivors += stop_groups([live[i][0] for i in wave], state.token, drain_timeout,
+                                 grace_s=10.0, reap=reap, before_kill=mps_terminator(state))
     state.event("replicas_stopped", indices=list(live), survivors=[s.pid for s in survivors])
     _note(result, survivors, "replica")
     _note_unproven(state, groups, result)

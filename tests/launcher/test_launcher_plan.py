@@ -987,3 +987,87 @@ def test_an_address_the_router_cannot_listen_on_is_named():
     problem = host_problem("no-such-host.invalid")
     assert problem is not None and "--host 'no-such-host.invalid'" in problem
     assert not port_taken("no-such-host.invalid", 8000)  # not reported as a busy port
+
+
+# --- --share-weights ----------------------------------------------------------------------------
+
+
+def share_facts(facts, **gpu):
+    """The H200 machine, its engine sharing 3.5 of 4 GiB of weights (KV 1 GiB, overhead ½)."""
+    return dataclasses.replace(
+        facts, gpu=h200(**gpu),
+        sizing=sizing(weights_bytes=4 * GiB, shared_weights_bytes=int(3.5 * GiB),
+                      kv_cache_bytes=1 * GiB, overhead_bytes=512 * MiB))
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "sglang-omni"])
+def test_share_weights_with_an_external_engine_is_a_problem_naming_it(facts, engine):
+    problems = problems_of(opts(engine=engine, share_weights=True,
+                                engine_args=("/models/m",)), facts)
+    assert (f"--share-weights: engine {engine} cannot share weights between replicas; only "
+            "builtin can: run without --share-weights") in problems
+
+
+def test_share_weights_gives_replica_0_the_leaders_argv_and_the_others_the_followers(facts):
+    p = plan(opts(replicas=3, cpu_blocks="none", share_weights=True), share_facts(facts))
+    share = str(p.run_dir / "share")
+    for r in p.replicas:
+        argv = list(r.argv)
+        role = argv[argv.index("--share-weights") + 1]
+        assert role == ("leader" if r.index == 0 else "follower")
+        assert argv[argv.index("--share-dir") + 1] == share
+    assert p.to_json()["share_weights"] is True
+    assert find(p.describe(), "  share        replica 0 leads").endswith(
+        "replica(s) 1, 2 follow (map them), started once it published, stopped before it")
+    assert p.warnings == ()
+    plain = plan(opts(replicas=3, cpu_blocks="none"), share_facts(facts))
+    assert not any("--share" in arg for r in plain.replicas for arg in r.argv)
+    assert plain.to_json()["share_weights"] is False
+
+
+def test_replicas_that_fit_only_when_sharing_weights_plan_with_the_formula(facts):
+    """16 GiB, 5% headroom → 15.20 GiB usable: 3 × 5.5 GiB does not fit, 3.5 + 3 × 2 does."""
+    f = share_facts(facts, memory_total_bytes=16 * GiB)
+    problem = only_problem(opts(replicas=3, cpu_blocks="none"), f)
+    assert problem.startswith("GPU memory: 3 × (weights 4.00 GiB + KV 1.00 GiB + overhead "
+                              "512.00 MiB) = 16.50 GiB does not fit")
+    p = plan(opts(replicas=3, cpu_blocks="none", share_weights=True), f)
+    assert find(p.describe(), "memory ") == (
+        "  memory       shared weights 3.50 GiB + 3 × (private weights 512.00 MiB + KV 1.00 GiB "
+        "+ overhead 512.00 MiB) = 9.50 GiB (without --share-weights: 3 × (weights 4.00 GiB + "
+        "KV 1.00 GiB + overhead 512.00 MiB) = 16.50 GiB)")
+    assert "weights 4.00 GiB (3.50 GiB shared, 512.00 MiB private)" in find(p.describe(),
+                                                                           "per replica")
+    # Sharing is no licence: 8 of them (3.5 + 8 × 2 = 19.5 GiB) still do not fit, in its words.
+    problem = only_problem(opts(replicas=8, cpu_blocks="none", share_weights=True), f)
+    assert problem.startswith("GPU memory: shared weights 3.50 GiB + 8 × (private weights "
+                              "512.00 MiB + KV 1.00 GiB + overhead 512.00 MiB) = 19.50 GiB")
+
+
+def test_sharing_weights_with_one_replica_is_a_warning(facts):
+    p = plan(opts(replicas=1, cpu_blocks="none", share_weights=True), share_facts(facts))
+    assert p.warnings == ("--share-weights with one replica: replica 0 leads and shares with "
+                          "nobody (its weights are published all the same)",)
+    assert find(p.describe(), "  share        replica 0 leads").endswith("no follower")
+
+
+def test_share_weights_is_a_config_setting_and_its_engine_flags_are_the_launchers(tmp_path,
+                                                                                 facts):
+    problems: list[str] = []
+    values = load_config_file(write(tmp_path, "share-weights: true\n"), problems)
+    assert problems == [] and merge_options(values, {}, None).share_weights is True
+    problem = only_problem(opts(engine_args=("--share-weights", "follower")), facts)
+    assert problem == ("engine argument --share-weights is set by the launcher for every "
+                       "replica; use omni-dp launch --share-weights instead")
+
+
+def test_a_dry_run_that_did_not_take_the_share_flags_is_a_problem():
+    from omni_dp.launcher.engines.builtin import share_problems
+
+    shared = sizing(weights_bytes=4 * GiB, shared_weights_bytes=3 * GiB)
+    assert share_problems(shared, "leader", "leader") == []
+    assert share_problems(sizing(), None, None) == []
+    [problem] = share_problems(shared, "leader", None)
+    assert "does not share weights" in problem
+    [problem] = share_problems(sizing(shared_weights_bytes=2 * GiB), None, None)
+    assert "shared_weights_bytes 2147483648 is not within its weights_bytes" in problem

@@ -225,6 +225,34 @@ def test_the_engine_dry_run_gets_a_private_empty_mps_pipe_directory(tmp_path, mo
     assert not os.path.exists(seen["pipe"])
 
 
+def test_with_share_weights_the_dry_run_is_a_leaders_naming_the_runs_share_dir(tmp_path,
+                                                                            monkeypatch):
+    """So that an architecture without a share policy is refused before anything starts (the
+    directory is named, not made: a dry run creates nothing)."""
+    from omni_dp.launcher import facts as facts_module
+    from omni_dp.launcher.engines import ENGINES, BuiltinEngine
+
+    seen = []
+
+    class RecordingEngine(BuiltinEngine):
+        name = "recording"
+
+        def dry_run(self, launch, engine_args, env):
+            seen.append(self.argv(launch, engine_args))
+            return None, ["recorded"]
+
+    monkeypatch.setitem(ENGINES, "recording", RecordingEngine())
+    monkeypatch.setenv("OMNI_DP_STATE_DIR", str(tmp_path / "state"))
+    for share in (True, False):
+        facts_module.gather_facts(LaunchOptions(engine="recording", gpu="none", run_id="r",
+                                                share_weights=share), option_problems=[])
+    shared, plain = seen
+    share_dir = str(tmp_path / "state" / "runs" / "r" / "share")
+    assert shared[shared.index("--share-weights") + 1] == "leader"
+    assert shared[shared.index("--share-dir") + 1] == share_dir
+    assert "--share-weights" not in plain and not os.path.exists(share_dir)
+
+
 def test_a_router_that_never_became_ready_is_stopped_not_left_recorded_as_alive(
         tmp_path, monkeypatch) -> None:
     """Left running, a router that failed its /ready gate stays "alive" in run.json, so the

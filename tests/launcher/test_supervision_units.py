@@ -18,7 +18,15 @@ from omni_dp.launcher.supervision.crew import Probe
 from omni_dp.launcher.supervision.mps_watch import MpsWatch, describe_fault
 from omni_dp.launcher.supervision.replica_watch import ReplicaWatch, Seen, Verdict
 from omni_dp.launcher.supervision.restart_policy import GiveUp, Restart, RestartPolicy
-from omni_dp.launcher.supervision.slots import MPS, ROUTER, Busy, Dependencies, Slot, run_slots
+from omni_dp.launcher.supervision.slots import (
+    MPS,
+    ROUTER,
+    Busy,
+    Dependencies,
+    Slot,
+    replica_group,
+    run_slots,
+)
 from omni_dp.launcher.supervisor import Supervisor
 from omni_dp.mps.daemon import DaemonHealth, DaemonRecord
 from omni_dp.mps.faults import FaultScanner
@@ -43,7 +51,7 @@ NOW = 1_000_000.0
 
 def make_state(tmp_path, *, replicas: int = 2, mps: bool = False, budget: int = 3,
                window: float = 600.0, failures: int = 3, on_mps_fault: str = "restart",
-               restarts: tuple[float, ...] = ()) -> RunState:
+               restarts: tuple[float, ...] = (), share: bool = False) -> RunState:
     settings = SupervisionSettings(
         check_interval=0.5, restart_after_failures=failures, restart_budget=budget,
         restart_window=window, on_mps_fault=on_mps_fault, start_timeout=5.0,
@@ -54,7 +62,7 @@ def make_state(tmp_path, *, replicas: int = 2, mps: bool = False, budget: int = 
         kv_cache_bytes=None, max_total_tokens=1024, expected_kv_tokens=1024,
         router=RouterPlan("http://router.test", "least_inflight", 1, ()),
         supervision=settings, log_format="text", warnings=(), command="omni-dp",
-        api_key_set=False)
+        api_key_set=False, share_weights=share)
     record = RunRecord(
         run_id="run-units", created_at=NOW, state=RunPhase.RUNNING, gpu="cpu", device="cpu",
         plan=plan, launcher=None,
@@ -107,6 +115,7 @@ class FakeReplicas:
         self.attached = True  # what verify_attachment finds
         self.popens: dict = {}
         self.calls: list[tuple] = []
+        self.sharing = state.plan.share_weights
         self._next_pid = 5000
 
     def start(self, index):
@@ -126,6 +135,13 @@ class FakeReplicas:
 
     def check_kv(self, indices):
         self.calls.append(("check_kv", *indices))
+
+    def share_gate(self, index):
+        if self.state.plan.share_weights:
+            self.calls.append(("share_gate", index))
+
+    def measure_memory(self, indices):
+        self.calls.append(("measure_memory", *indices))
 
     def verify_attachment(self):
         return SimpleNamespace(passed=self.attached, problems=[], replicas=[])
@@ -270,7 +286,7 @@ def test_the_sweep_counts_failed_health_checks_and_restarts_past_the_threshold(t
     state = make_state(tmp_path, failures=2)
     sup, world, said = supervisor(state)
     started: list[tuple[int, str]] = []
-    sup.restart_replica = lambda index, reason: started.append((index, reason))
+    sup.restart_replica = lambda index, reason, group: started.append((index, reason))
     world.health_of["http://replica-0.test"] = 503
     sup.sweep()
     assert state.replica(0).state is U and started == []
@@ -312,7 +328,8 @@ def test_a_restart_backs_off_passes_the_gates_and_is_back_in_the_router(tmp_path
     record = state.replica(0)
     assert record.state is H and record.last_error is None and record.restarts == (NOW - 30, NOW)
     assert sup.replicas.calls == [("stop", 0), ("start", 0), ("wait_healthy", 0),
-                                  ("record_processes", 0), ("check_kv", 0)]
+                                  ("record_processes", 0), ("check_kv", 0),
+                                  ("measure_memory", 0)]
     [started] = [e for e in events(state) if e["event"] == "restart_started"]
     assert (started["attempt"], started["backoff_s"]) == (2, 1.0)
     assert names(state)[-2:] == ["router_enabled", "restart_completed"]
@@ -486,6 +503,126 @@ def test_under_mps_every_replica_depends_on_the_daemon(tmp_path):
     assert MPS not in run_slots(make_state(tmp_path / "plain").record).slots
 
 
+# --- a weight-sharing group: the followers depend on the leader ------------------------------
+
+
+def test_with_share_weights_every_follower_depends_on_the_leader(tmp_path):
+    deps = run_slots(make_state(tmp_path, replicas=3, share=True).record)
+    leader, f1, f2 = (Slot.replica(i) for i in range(3))
+    assert deps.dependents(leader) == [f1, f2] and deps.dependents(f1) == []
+    assert replica_group(deps, 0) == [0, 1, 2] and replica_group(deps, 2) == [2]
+    assert deps.order()[:3] == [leader, f1, f2]  # a sweep sees a dead leader first
+    both = run_slots(make_state(tmp_path / "mps", replicas=3, share=True, mps=True).record)
+    assert both.order()[:2] == [MPS, leader] and both.dependents(MPS) == [leader, f1, f2]
+    assert replica_group(run_slots(make_state(tmp_path / "plain").record), 0) == [0]
+
+
+def gates(i: int, *more: int) -> list[tuple]:
+    """What FakeReplicas records for replicas started and gated one after another."""
+    return [c for j in (i, *more) for c in (("start", j), ("wait_healthy", j),
+                                           ("record_processes", j), ("check_kv", j),
+                                           ("share_gate", j))]
+
+
+def test_a_dead_leader_restarts_its_group_in_waves_and_no_follower_restarts_on_its_own(
+        tmp_path):
+    state = make_state(tmp_path, replicas=3, share=True)
+    router = FakeRouter()
+    sup, world, said = supervisor(state, router=router)
+    real, handed = sup.restart_replica, []
+    began, release = threading.Event(), threading.Event()
+
+    def held(index, reason, group):
+        handed.append((index, group))
+        began.set()
+        release.wait(10)
+        real(index, reason, group)
+
+    sup.restart_replica = held
+    world.live.discard(1000)  # the leader is SIGKILLed
+    sup.sweep()
+    assert began.wait(5)
+    try:
+        assert [r.state for r in state.replicas] == [R, R, R]
+        world.live -= {1001, 1002}  # its followers exit 4 a moment later
+        sup.sweep()
+        sup.sweep()  # neither sweep restarts a follower: the group restart owns them
+        assert handed == [(0, [0, 1, 2])] and sup._watched() == [state.record.router.identity]
+    finally:
+        release.set()
+        sup.busy.join(5)
+    assert said[0] == ("replica 0: its process is gone; restarting with replica(s) 1, 2, which "
+                       "depend on it")
+    # stopped as a group (ReplicaSet.stop orders it), then in waves: [0], then [1, 2] together
+    assert sup.replicas.calls[0] == ("stop", 0, 1, 2)
+    assert sup.replicas.calls[1:] == [
+        *gates(0), ("start", 1), ("start", 2),
+        *[c for j in (1, 2) for c in gates(j) if c[0] != "start"], ("measure_memory", 0, 1, 2)]
+    assert [r.state for r in state.replicas] == [H, H, H]
+    assert all(r.restarts == (NOW,) and r.last_error is None for r in state.replicas)
+    [started] = [e for e in events(state) if e["event"] == "restart_started"]
+    assert (started["replica"], started["group"]) == (0, [0, 1, 2])
+    assert [e["replica"] for e in events(state) if e["event"] == "restart_completed"] == [0, 1, 2]
+    assert [(u[-1], d) for u, d, _ in router.calls] == [
+        ("0", True), ("1", True), ("2", True), ("0", False), ("1", False), ("2", False)]
+    sup.sweep()  # the new processes are healthy: nothing more to restart
+    sup.busy.join(5)
+    assert handed == [(0, [0, 1, 2])]
+
+
+def test_a_dead_follower_is_restarted_alone_and_its_leader_untouched(tmp_path):
+    state = make_state(tmp_path, replicas=3, share=True)
+    router = FakeRouter()
+    sup, world, _ = supervisor(state, router=router)
+    world.live.discard(1002)
+    sup.sweep()
+    sup.busy.join(5)
+    assert sup.replicas.calls == [("stop", 2), *gates(2), ("measure_memory", 2)]
+    assert [r.pid for r in state.replicas][:2] == [1000, 1001]
+    assert [len(r.restarts) for r in state.replicas] == [0, 0, 1]
+    assert [(u[-1], d) for u, d, _ in router.calls] == [("2", True), ("2", False)]
+
+
+def test_past_the_budget_a_leader_fails_with_its_whole_group(tmp_path):
+    state = make_state(tmp_path, replicas=3, share=True, budget=1, restarts=(NOW - 10,))
+    sup, _, said = supervisor(state)
+    sup.restart_replica.through_gates(0, "its process is gone", [0, 1, 2])
+    assert [r.state for r in state.replicas] == [ReplicaState.FAILED] * 3
+    assert sup.replicas.calls == [("stop", 0, 1, 2)]
+    assert state.replica(2).last_error == (
+        "restart budget exhausted (1 restarts within 600 s); last: its process is gone (of "
+        "replica 0, which it depends on)")
+    assert [e["replica"] for e in events(state) if e["event"] == "replica_failed"] == [0, 1, 2]
+    assert len(said) == 3
+
+
+def test_a_leader_failing_its_gates_leaves_its_followers_unstarted_and_down(tmp_path):
+    state = make_state(tmp_path, replicas=3, share=True)
+    sup, _, said = supervisor(state, healthy=False)
+    sup.restart_replica(0, "its process is gone", [0, 1, 2])
+    assert [c for c in sup.replicas.calls if c[0] == "start"] == [("start", 0)]
+    assert [r.state for r in state.replicas] == [ReplicaState.DOWN] * 3
+    assert state.replica(1).last_error == ("not started: replica(s) 0 it depends on did not "
+                                           "come back")
+    assert said[0].startswith("replica 0: restart failed: not healthy within 5 s")
+
+
+def test_bring_up_starts_the_leader_alone_before_its_followers(tmp_path):
+    from omni_dp.launcher.bringup import start_replicas
+
+    state = make_state(tmp_path, replicas=3, share=True)
+    for i in range(3):  # as the MPS group restart leaves them (bring-up: planned)
+        state.update_replica(i, state=R)
+    fake = FakeReplicas(state, FakeWorld(set()))
+    start_replicas(state, fake, [0, 1, 2], sequential=False, timeout_s=5.0, say=lambda _: None)
+    assert fake.calls == [
+        ("start", 0), ("wait_healthy", 0), ("record_processes", 0), ("check_kv", 0),
+        ("share_gate", 0), ("start", 1), ("start", 2), ("wait_healthy", 1),
+        ("record_processes", 1), ("wait_healthy", 2), ("record_processes", 2),
+        ("check_kv", 1, 2), ("share_gate", 1), ("share_gate", 2), ("measure_memory", 0, 1, 2)]
+    assert [r.state for r in state.replicas] == [H, H, H]
+
+
 # --- the MPS daemon --------------------------------------------------------------------------
 
 
@@ -502,7 +639,7 @@ def test_an_mps_fault_restarts_every_dependent_replica_and_no_sweep_touches_them
 
     replica_restarts: list[int] = []
     sup.restart_group = group_restart
-    sup.restart_replica = lambda index, reason: replica_restarts.append(index)
+    sup.restart_replica = lambda index, reason, group: replica_restarts.append(index)
     world.daemon = DaemonHealth(alive=False, reachable=False)
     world.live -= {800, 1000}  # the daemon and one of its clients are gone
     world.health_of["http://replica-1.test"] = 503
@@ -532,7 +669,7 @@ def test_a_replica_restart_in_progress_defers_the_daemon_check(tmp_path):
     state = make_state(tmp_path, mps=True)
     sup, world, _ = supervisor(state)
     release = threading.Event()
-    sup.restart_replica = lambda index, reason: release.wait(10)
+    sup.restart_replica = lambda index, reason, group: release.wait(10)
     world.live.discard(1000)
     try:
         sup.sweep()  # the daemon is fine, replica 0 is dead: its restart begins
@@ -570,7 +707,7 @@ def test_mps_restarts_are_budgeted_like_every_other(tmp_path):
 def test_a_sweep_that_stopped_the_run_begins_no_restart(tmp_path):
     state = make_state(tmp_path, mps=True, on_mps_fault="fail")
     sup, world, said = supervisor(state)
-    sup.restart_replica = lambda index, reason: pytest.fail("a restart during the teardown")
+    sup.restart_replica = lambda *args: pytest.fail("a restart during the teardown")
     world.daemon = DaemonHealth(alive=False, reachable=False)
     world.live.discard(1000)  # its client died with it
     sup.sweep()

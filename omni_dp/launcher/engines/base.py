@@ -39,10 +39,17 @@ class EngineSizing:
     kv_tokens: int | None  # None: the engine decides the count from the bytes (read back)
     overhead_bytes: int
     device: str
+    # Of weights_bytes, what --share-weights keeps once on the device (the builtin engine's
+    # dry run says; 0 for engines that cannot share): a follower holds only the rest.
+    shared_weights_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
         return self.weights_bytes + self.kv_cache_bytes + self.overhead_bytes
+
+    @property
+    def private_weights_bytes(self) -> int:
+        return self.weights_bytes - self.shared_weights_bytes
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,8 @@ class ReplicaLaunch:
     kv_args: tuple[str, ...] = ()  # KvPlan.args
     cpus: tuple[int, ...] | None = None  # the replica's CPU block
     work_dir: Path | None = None  # the replica's own directory inside the run directory
+    share_role: str | None = None  # --share-weights: "leader" | "follower" (builtin only)
+    share_dir: Path | None = None  # where the leader publishes (the run's share/)
 
 
 class EngineUnreadable(Exception):
@@ -140,6 +149,10 @@ class EngineAdapter(Protocol):
     # get equal KV (the built-in engine's 16384 tokens).
     fixed_default_kv: bool
     needs_gpu: bool
+    # True: its replicas can share one copy of the weights (--share-weights: the argv's
+    # share_role / share_dir, the dry run's shared_weights_bytes, /get_server_info's
+    # weight_share).
+    shares_weights: bool
     # How many processes of one replica hold a CUDA context, for MPS's client limit.
     cuda_processes_per_replica: int
     start_timeout_s: float  # --start-timeout's default for this engine

@@ -37,10 +37,13 @@ class BuiltinEngine:
         "--kv-cache-bytes": "omni-dp launch --kv-cache-bytes",
         "--max-total-tokens": "omni-dp launch --max-total-tokens",
         "--dry-run": "omni-dp launch --dry-run", "--log-format": "omni-dp launch --log-format",
+        "--share-weights": "omni-dp launch --share-weights",
+        "--share-dir": "omni-dp launch --share-weights (the run's share/ directory)",
     })
     kv_profiled = False
     fixed_default_kv = True
     needs_gpu = False
+    shares_weights = True  # --share-weights: one copy of the weights per run
     cuda_processes_per_replica = 1
     start_timeout_s = 300.0
     example = "speech"
@@ -57,6 +60,8 @@ class BuiltinEngine:
                 argv += ["--kv-cache-bytes", str(launch.kv_cache_bytes)]
             if launch.max_total_tokens is not None:
                 argv += ["--max-total-tokens", str(launch.max_total_tokens)]
+        if launch.share_role is not None:
+            argv += ["--share-weights", launch.share_role, "--share-dir", str(launch.share_dir)]
         return [*argv, "--log-format", launch.log_format, *engine_args]
 
     def environment(self, launch: ReplicaLaunch) -> dict[str, str]:
@@ -96,15 +101,19 @@ class BuiltinEngine:
                 f"the engine's dry run exited {done.returncode} without saying why"]
         try:
             plan = json.loads(done.stdout)
-            return EngineSizing(
+            sizing = EngineSizing(
                 weights_bytes=int(plan["weights_bytes"]),
                 kv_cache_bytes=int(plan["kv_cache_bytes"]),
                 kv_tokens=int(plan["max_total_num_tokens"]),
                 overhead_bytes=int(plan["overhead_bytes"]),
                 device=str(plan["device"]),
-            ), []
-        except (ValueError, KeyError, TypeError) as exc:
+                # what sharing would keep once; an engine that predates it shares nothing
+                shared_weights_bytes=int(plan.get("shared_weights_bytes", 0)),
+            )
+            role = plan.get("share_weights")
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             return None, [f"the engine's dry run printed no plan ({exc!r}): {done.stdout[:200]}"]
+        return sizing, share_problems(sizing, launch.share_role, role)
 
     def read_capacity(self, url: str, log: Path) -> int:
         try:
@@ -121,3 +130,15 @@ class BuiltinEngine:
         except (KeyError, TypeError, ValueError) as exc:  # a malformed list is no list
             raise EngineUnreadable(f"GET {url}/get_server_info: its processes list is "
                                      f"malformed ({exc!r}); see docs/contracts.md") from None
+
+
+def share_problems(sizing: EngineSizing, asked: str | None, said: object) -> list[str]:
+    """The dry run must have taken --share-weights as asked, and its shared bytes must be a
+    part of the weights: a plan is never made on sizes that do not add up."""
+    if asked is not None and said != asked:
+        return [f"engine: the dry run was asked --share-weights {asked} and reports "
+                f"share_weights {said!r}: this omni-dp serve does not share weights"]
+    if not 0 <= sizing.shared_weights_bytes <= sizing.weights_bytes:
+        return [f"engine: the dry run's shared_weights_bytes {sizing.shared_weights_bytes} is "
+                f"not within its weights_bytes {sizing.weights_bytes}"]
+    return []

@@ -62,6 +62,7 @@ class SglangEngine:
     kv_profiled = True  # the pool depends on what was free when each replica started
     fixed_default_kv = False
     needs_gpu = True
+    shares_weights = False
     cuda_processes_per_replica = 1  # the scheduler; the HTTP and detokenizer processes hold none
     start_timeout_s = 900.0  # weights, then CUDA graph capture and JIT kernels on a cold cache
     example = "completions"

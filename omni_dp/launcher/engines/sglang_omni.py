@@ -58,6 +58,7 @@ class SglangOmniEngine:
     kv_profiled = True  # unpinned, each engine stage sizes its KV from what is free
     fixed_default_kv = False
     needs_gpu = True
+    shares_weights = False
     cuda_processes_per_replica = 4  # one per GPU stage process; an upper estimate for Higgs
     start_timeout_s = 1200.0  # loading, CUDA graphs, then warm-up (SGLANG_OMNI_WARMUP_TIMEOUT)
     example = "speech"

@@ -61,6 +61,7 @@ class VllmEngine:
     kv_profiled = False  # an exact block count: every replica the same, whatever is free
     fixed_default_kv = False
     needs_gpu = False  # the CPU build serves on the host
+    shares_weights = False
     cuda_processes_per_replica = 2  # EngineCore and its Worker (upper estimate for TP 1)
     start_timeout_s = 600.0  # 38-114 s measured on a 2-core CPU machine; a GPU loads more
     example = "completions"

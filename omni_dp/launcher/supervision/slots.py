@@ -2,9 +2,11 @@
 
 A slot is one restartable part of a run: a replica, the router, the MPS daemon. A slot depends
 on another when restarting that other restarts it too: every replica is a client of the run's
-one MPS daemon. The dependencies are declared in one place, `run_slots`. A sweep leaves a slot
-alone while a restart thread owns it, anything it depends on, or anything depending on it, so
-no two threads ever restart the same process.
+one MPS daemon; a weight-sharing follower maps its leader's weights. The dependencies are
+declared in one place, `run_slots`. A sweep leaves a slot alone while a restart thread owns it,
+anything it depends on, or anything depending on it, so no two threads ever restart the same
+process; a sweep checks a slot after what it depends on (`order`), so a dead leader is seen,
+and its group restarted, before its followers' own deaths are.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from omni_dp.launcher.share_group import LEADER
 from omni_dp.runfile import RunRecord
 
 
@@ -81,14 +84,26 @@ class Dependencies:
 
 
 def run_slots(record: RunRecord) -> Dependencies:
-    """The one place a run's dependencies are declared (a weight-sharing leader and its
-    followers would be one more line: deps.declare(follower, on=leader))."""
+    """The one place a run's dependencies are declared: under --mps every replica on the
+    daemon; under --share-weights every follower on the leader (a dead leader takes its
+    followers' weights with it, so its restart restarts them, leader first)."""
     replicas = [Slot.replica(r.index) for r in record.replicas]
     deps = Dependencies([*replicas, ROUTER, *([MPS] if record.plan.mps else [])])
     if record.plan.mps:
         for slot in replicas:
             deps.declare(slot, on=MPS)
+    if record.plan.share_weights:
+        leader = Slot.replica(LEADER)
+        for slot in replicas:
+            if slot != leader:
+                deps.declare(slot, on=leader)
     return deps
+
+
+def replica_group(deps: Dependencies, index: int) -> list[int]:
+    """The replicas a restart of this one takes with it: itself, then its dependents."""
+    return [index, *(s.index for s in deps.dependents(Slot.replica(index))
+                     if s.kind == "replica" and s.index is not None)]
 
 
 class Busy:

@@ -57,7 +57,7 @@ def test_two_replicas_get_the_token_cap_and_a_fraction_sized_for_the_last_one():
     assert pin.args == ("--max-total-tokens", "100000", "--mem-fraction-static", "0.273")
     assert pin.expected_tokens == 100000
     assert dataclasses.astuple(pin.sizing) == (16 * GiB, 100000 * PER_TOKEN, 100000,
-                                               OVERHEAD_BYTES, "cuda")
+                                               OVERHEAD_BYTES, "cuda", 0)  # 0: nothing shared
     assert pin.sizing.total_bytes == FOOTPRINT
     assert any("the last of 2 replicas starts with 110.79 GiB free" in n for n in pin.notes)
 

@@ -1,0 +1,102 @@
+"""A weight-sharing run's group, in one place: who leads, in which waves its replicas start and
+stop, and what makes a leader's publication and a follower's attachment the run's.
+
+With --share-weights replica 0 is the leader: it loads the weights and publishes them (the
+manifest, omni_dp/sharefile.py) in the run's share/ directory before its /health turns 200;
+every other replica is a follower and maps them. So the leader starts alone, in a first wave,
+and the followers only once its manifest is checked; they stop in the reverse order, followers
+before the leader. Bring-up, the MPS group restart, the supervisor's restarts and teardown all
+ask these functions; none decides an order of its own. The checks are pure (the callers read
+the manifest and /get_server_info).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from omni_dp.procs import ProcessIdentity
+from omni_dp.runfile import RunRecord, ShareRecord
+from omni_dp.sharefile import ShareManifest
+
+LEADER = 0
+LEADER_ROLE = "leader"
+FOLLOWER_ROLE = "follower"
+
+
+def share_role(share_weights: bool, index: int) -> str | None:
+    """The replica's --share-weights role; None without sharing."""
+    if not share_weights:
+        return None
+    return LEADER_ROLE if index == LEADER else FOLLOWER_ROLE
+
+
+def start_waves(record: RunRecord, indices: Iterable[int]) -> list[list[int]]:
+    """These replicas in the order they start: the leader (if among them) alone first, then
+    the followers; without sharing one wave of all."""
+    wanted = sorted(set(indices))
+    if not record.plan.share_weights:
+        return [wanted] if wanted else []
+    leader = [i for i in wanted if i == LEADER]
+    followers = [i for i in wanted if i != LEADER]
+    return [wave for wave in (leader, followers) if wave]
+
+
+def stop_waves(record: RunRecord, indices: Iterable[int]) -> list[list[int]]:
+    """The reverse: followers first (they hold the leader's memory), then the leader."""
+    return start_waves(record, indices)[::-1]
+
+
+def _same_path(a: str | Path, b: str | Path) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def manifest_problem(manifest: ShareManifest, leader: ProcessIdentity | None, run_id: str,
+                     gpu: str) -> str | None:
+    """Why a manifest is not the one this run's leader published now; None when it is."""
+    if leader is None:
+        return "the leader has no recorded process"
+    if manifest.leader != leader:
+        return (f"the manifest was published by pid {manifest.leader.pid} (created "
+                f"{manifest.leader.create_time}), not by the leader now running (pid "
+                f"{leader.pid}, created {leader.create_time}): it is stale")
+    if manifest.run_id != run_id:
+        return f"the manifest is of run {manifest.run_id!r}, not of {run_id!r}"
+    # the run names its GPU by UUID (or "cpu"), as the manifest does; an index says nothing
+    if (gpu == "cpu" or gpu.startswith("GPU-")) and manifest.device != gpu:
+        return f"the manifest's weights are on {manifest.device}, the run's on {gpu}"
+    if not manifest.shared:
+        return "the manifest shares no tensor"
+    return None
+
+
+def follower_problem(weight_share: object, leader: ProcessIdentity | None,
+                     directory: Path) -> str | None:
+    """Why a follower's /get_server_info weight_share does not show it attached to this run's
+    leader through this run's share directory; None when it does."""
+    if not isinstance(weight_share, dict):
+        return (f"/get_server_info reports weight_share {weight_share!r}: it is not sharing "
+                "(docs/contracts.md)")
+    if weight_share.get("role") != FOLLOWER_ROLE:
+        return f"it reports the role {weight_share.get('role')!r}, not {FOLLOWER_ROLE!r}"
+    said = weight_share.get("share_dir")
+    if not isinstance(said, str) or not _same_path(said, directory):
+        return f"it reads the share directory {said!r}, not the run's {str(directory)!r}"
+    attached = weight_share.get("leader")
+    if not isinstance(attached, dict) or leader is None or (
+            attached.get("pid"), attached.get("create_time")) != (leader.pid,
+                                                                  leader.create_time):
+        expected = f"pid {leader.pid}, created {leader.create_time}" if leader else "none"
+        return f"it is attached to the leader {attached!r}, not to replica {LEADER} ({expected})"
+    return None
+
+
+def share_record(manifest: ShareManifest, directory: Path,
+                 followers: Iterable[int]) -> ShareRecord:
+    """What run.json keeps as proof of the sharing, from the checked manifest."""
+    return ShareRecord(
+        leader=LEADER, followers=tuple(sorted(followers)), directory=str(directory),
+        policy=manifest.policy, shared_bytes=manifest.shared_bytes,
+        private_bytes=manifest.private_bytes, tensors=len(manifest.shared),
+        leader_pid=manifest.leader.pid, published_at=manifest.created_at)

@@ -1,0 +1,256 @@
+"""--share-weights on the launcher's side, without processes: the start and stop waves, the
+leader's manifest and a follower's attachment checked (ReplicaSet.share_gate), stopping
+followers before their leader (restarts and teardown), the memory measured, and what
+`status` shows of it."""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from omni_dp import gpus
+from omni_dp.files import make_private_dir
+from omni_dp.launcher import replicas as replicas_module
+from omni_dp.launcher import teardown as teardown_mod
+from omni_dp.launcher.gates import GateFailed
+from omni_dp.launcher.replicas import ReplicaSet, replica_memory
+from omni_dp.launcher.share_group import start_waves, stop_waves
+from omni_dp.launcher.state import RunState
+from omni_dp.launcher.status import collect, format_status
+from omni_dp.mps.attach import DeclaredProcess
+from omni_dp.procs import ProcessIdentity, identify
+from omni_dp.runfile import RunRecord
+from omni_dp.sharefile import (
+    SEGMENT_FILE,
+    Buffer,
+    ModelIdentity,
+    ShareManifest,
+    TensorEntry,
+    write_manifest,
+)
+
+from support.plans import run_record
+
+LEADER_ID = ProcessIdentity(1000, 1700000000.5)
+
+
+def sharing_state(tmp_path, *, share: bool = True, replicas: int = 3) -> RunState:
+    data = run_record("run-share", [
+        {"index": i, "pid": 1000 + i, "create_time": LEADER_ID.create_time + i,
+         "pgid": 1000 + i} for i in range(replicas)], gpu="cpu")
+    data["plan"]["share_weights"] = share
+    directory = tmp_path / "run-share"
+    (directory / "logs").mkdir(parents=True)
+    state = RunState(directory, RunRecord.from_json(data), "token")
+    state.save()
+    return state
+
+
+def manifest(leader: ProcessIdentity = LEADER_ID, **changes) -> ShareManifest:
+    tensors = (TensorEntry("talker.embed.weight", "float32", (64, 4), 0, 0, 1024),
+               TensorEntry("talker.layers.0.w", "float32", (8,), 0, 1024, 32))
+    base = dict(architecture="omni-dp-tts", policy="omni-dp-tts/1",
+                model=ModelIdentity("preset tiny, seed 0", "ab" * 32), dtype="float32",
+                device="cpu", run_id="run-share", leader=leader,
+                buffers=(Buffer("segment", 4096, file=SEGMENT_FILE, sha256="0" * 64),),
+                shared=tensors[:1], private=tensors[1:], created_at=1700000001.25)
+    return ShareManifest(**{**base, **changes})
+
+
+def publish(state: RunState, m: ShareManifest) -> None:
+    directory = state.directory / "share"
+    make_private_dir(directory)
+    write_manifest(directory, m)
+
+
+# --- the waves ----------------------------------------------------------------------------------
+
+
+def test_the_leader_starts_alone_before_its_followers_and_stops_after_them(tmp_path):
+    record = sharing_state(tmp_path).record
+    assert start_waves(record, [2, 0, 1]) == [[0], [1, 2]]
+    assert stop_waves(record, [0, 1, 2]) == [[1, 2], [0]]
+    assert start_waves(record, [2]) == [[2]] and start_waves(record, [0]) == [[0]]
+    assert start_waves(record, []) == []
+    plain = sharing_state(tmp_path / "plain", share=False).record
+    assert start_waves(plain, [1, 0, 2]) == [[0, 1, 2]] == stop_waves(plain, [0, 1, 2])
+
+
+def test_replica_set_stops_followers_before_their_leader(tmp_path, monkeypatch):
+    state = sharing_state(tmp_path)
+    waves = []
+    monkeypatch.setattr(replicas_module, "stop_replicas",
+                        lambda state, indices, timeout_s, reap: waves.append(indices) or [])
+    ReplicaSet(state).stop([0, 1, 2], 1.0)
+    assert waves == [[1, 2], [0]]
+
+
+def test_teardown_stops_the_followers_groups_before_the_leaders(tmp_path, monkeypatch):
+    state = sharing_state(tmp_path)
+    stopped = []
+    monkeypatch.setattr(teardown_mod, "live_processes", lambda group, token: [group.leader])
+    monkeypatch.setattr(teardown_mod, "is_alive", lambda identity: True)
+    monkeypatch.setattr(teardown_mod, "unproven_orphans", lambda group: [])
+    monkeypatch.setattr(teardown_mod, "stop_groups", lambda groups, *a, **k: stopped.append(
+        [g.leader.pid for g in groups]) or [])
+    result = teardown_mod.TeardownResult()
+    teardown_mod._stop_replicas(state, 1.0, result, lambda line: None, [])
+    assert stopped == [[1001, 1002], [1000]] and result.clean
+
+
+# --- the share gate ------------------------------------------------------------------------------
+
+
+def test_the_leaders_manifest_becomes_the_runs_share_record(tmp_path):
+    state = sharing_state(tmp_path)
+    publish(state, manifest())
+    ReplicaSet(state).share_gate(0)
+    share = state.record.share
+    assert (share.leader, share.followers, share.policy) == (0, (1, 2), "omni-dp-tts/1")
+    assert (share.shared_bytes, share.private_bytes, share.tensors) == (1024, 32, 1)
+    assert share.directory == str(state.directory / "share") and share.leader_pid == 1000
+    [event] = [e for e in state.events() if e["event"] == "share_published"]
+    assert (event["replica"], event["bytes"], event["tensors"]) == (0, 1024, 1)
+
+
+@pytest.mark.parametrize(("published", "why"), [
+    (None, "does not exist"),
+    (manifest(ProcessIdentity(999, 1.0)), "published by pid 999 (created 1.0), not by the "
+                                          "leader now running (pid 1000"),
+    (manifest(run_id="another"), "the manifest is of run 'another', not of 'run-share'"),
+    (manifest(device="GPU-x"), "the manifest's weights are on GPU-x, the run's on cpu"),
+])
+def test_a_manifest_that_is_not_this_leaders_fails_its_gate(tmp_path, published, why):
+    state = sharing_state(tmp_path)
+    if published is not None:
+        publish(state, published)
+    with pytest.raises(GateFailed) as caught:
+        ReplicaSet(state).share_gate(0)
+    assert str(caught.value).startswith("replica 0 (the weight-share leader): ")
+    assert why in str(caught.value) and state.record.share is None
+
+
+def test_a_manifest_others_can_read_fails_its_gate(tmp_path):
+    state = sharing_state(tmp_path)
+    publish(state, manifest())
+    os.chmod(state.directory / "share" / "weights.json", 0o644)
+    with pytest.raises(GateFailed, match="has mode 644"):
+        ReplicaSet(state).share_gate(0)
+
+
+def attached(state: RunState, **changes) -> dict:
+    share = {"role": "follower", "share_dir": str(state.directory / "share"),
+             "policy": "omni-dp-tts/1", "shared_bytes": 1024, "private_bytes": 32,
+             "tensors_shared": 1, "leader": LEADER_ID.to_json()}
+    return {"max_total_num_tokens": 1024, "processes": [], "weight_share": {**share, **changes}}
+
+
+@pytest.mark.parametrize(("changes", "why"), [
+    ({}, None),
+    ({"role": "leader"}, "it reports the role 'leader', not 'follower'"),
+    ({"share_dir": "/elsewhere"}, "it reads the share directory '/elsewhere', not the run's"),
+    ({"leader": {"pid": 1000, "create_time": 5.0}}, "not to replica 0 (pid 1000, created"),
+    ({"leader": None}, "it is attached to the leader None"),
+])
+def test_a_follower_must_be_attached_to_this_leader_through_this_share_dir(tmp_path,
+                                                                           monkeypatch, changes,
+                                                                           why):
+    state = sharing_state(tmp_path)
+    monkeypatch.setattr(replicas_module, "server_info", lambda url: attached(state, **changes))
+    if why is None:
+        ReplicaSet(state).share_gate(2)
+        [event] = [e for e in state.events() if e["event"] == "share_attached"]
+        assert (event["replica"], event["leader_pid"]) == (2, 1000)
+        return
+    with pytest.raises(GateFailed) as caught:
+        ReplicaSet(state).share_gate(2)
+    assert str(caught.value).startswith("replica 2 (a weight-share follower): ")
+    assert why in str(caught.value)
+
+
+def test_a_follower_that_does_not_share_fails_and_a_plain_run_has_no_share_gate(tmp_path,
+                                                                                monkeypatch):
+    state = sharing_state(tmp_path)
+    monkeypatch.setattr(replicas_module, "server_info",
+                        lambda url: {"max_total_num_tokens": 1, "processes": [],
+                                     "weight_share": None})
+    with pytest.raises(GateFailed, match="reports weight_share None: it is not sharing"):
+        ReplicaSet(state).share_gate(1)
+    plain = sharing_state(tmp_path / "plain", share=False)
+    ReplicaSet(plain).share_gate(0)  # reads nothing
+    ReplicaSet(plain).share_gate(1)
+
+
+# --- memory ----------------------------------------------------------------------------------
+
+
+def test_a_replicas_memory_is_measured_never_guessed():
+    me = identify(os.getpid())
+    mine = (DeclaredProcess(me.pid, "main", "cpu", me.create_time),)
+    gone = (DeclaredProcess(me.pid, "main", "cpu", me.create_time - 100),)
+    uss = replica_memory(mine, "cpu", None)
+    assert uss is not None and 1024**2 < uss < 64 * 1024**3
+    assert replica_memory(gone, "cpu", None) is None and replica_memory((), "cpu", None) is None
+    assert replica_memory(mine, "cuda", {me.pid: 3 << 30, 1: 5}) == 3 << 30
+    assert replica_memory(mine, "cuda", {1: 5}) is None  # NVML does not list it
+    assert replica_memory(mine, "cuda", None) is None  # NVML cannot say
+
+
+def test_nvml_gives_each_processes_used_memory_where_it_has_a_figure():
+    class Error(Exception):
+        pass
+
+    process = SimpleNamespace
+    nvml = SimpleNamespace(
+        NVMLError=Error, nvmlInit=lambda: None, nvmlShutdown=lambda: None,
+        nvmlDeviceGetHandleByUUID=lambda uuid: "h",
+        nvmlDeviceGetComputeRunningProcesses=lambda h: [process(pid=1, usedGpuMemory=10),
+                                                        process(pid=2, usedGpuMemory=None)],
+        nvmlDeviceGetMPSComputeRunningProcesses=lambda h: [process(pid=3, usedGpuMemory=7),
+                                                           process(pid=1, usedGpuMemory=4)])
+    assert gpus.nvml_gpu_memory("GPU-x", nvml) == ({1: 10, 3: 7}, None)
+
+    def refused(h):
+        raise Error("Not Supported")
+
+    nvml.nvmlDeviceGetComputeRunningProcesses = refused
+    used, why = gpus.nvml_gpu_memory("GPU-x", nvml)
+    assert used is None and "Not Supported" in why
+
+
+# --- status --------------------------------------------------------------------------------------
+
+
+def test_status_shows_who_shares_the_bytes_shared_once_and_each_replicas_memory(tmp_path):
+    state = sharing_state(tmp_path)
+    report = collect(state, probe=False)
+    assert report["share"] == {"published": False, "leader": 0, "followers": [1, 2]}
+    assert "not published (the leader is starting)" in format_status(report)
+    publish(state, manifest())
+    ReplicaSet(state).share_gate(0)
+    state.update_replica(1, memory_bytes=3 * 1024**2)
+    report = json.loads(json.dumps(collect(state, probe=False)))  # as --json prints it
+    assert report["share"]["published"] is True and report["share"]["shared_bytes"] == 1024
+    assert [r["share_role"] for r in report["replicas"]] == ["leader", "follower", "follower"]
+    assert [r["memory_bytes"] for r in report["replicas"]] == [None, 3 * 1024**2, None]
+    text = format_status(report)
+    assert ("share       replica 0 leads, replica(s) 1, 2 follow: 1.00 KiB of weights held "
+            "once (1 tensors, policy omni-dp-tts/1; 32 B private per replica)") in text
+    assert "3.00 MiB" in text.splitlines()[-2]  # replica 1's row
+    plain = collect(sharing_state(tmp_path / "plain", share=False), probe=False)
+    assert plain["share"] is None and plain["replicas"][0]["share_role"] is None
+
+
+def test_a_kept_state_keeps_the_manifest_but_not_the_weights_segment(tmp_path):
+    state = sharing_state(tmp_path)  # its recorded processes are long gone
+    publish(state, manifest())
+    segment = state.directory / "share" / "weights.bin"
+    segment.write_bytes(b"\0" * 4096)
+    result = teardown_mod.teardown(state, drain_timeout=1.0, keep_state=True)
+    assert result.clean and not result.removed
+    assert not segment.exists() and (state.directory / "share" / "weights.json").exists()
+    [event] = [e for e in state.events() if e["event"] == "share_segment_removed"]
+    assert event["bytes"] == 4096
