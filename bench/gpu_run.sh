@@ -7,20 +7,24 @@
 #
 # Steps in value order, each bounded (never past the budget) and teed under $OUT: probe (kernel,
 # GPU, driver, /dev/shm, where the MPS binaries are and their versions), the MPS smoke test
-# (bench/mps_smoke.py), one replica's device path (bench/gpu_check.py, ≤ 90 s), then the DP table
-# (bench/launch_scaling.py, a row written as each configuration ends). No `set -e`: a failed or
+# (bench/mps_smoke.py), one replica's device path (bench/gpu_check.py, ≤ 90 s), weight sharing
+# (bench/weight_share.py, ≤ 120 s: SHARE_REPLICAS replicas with their own weights, then sharing
+# one copy by CUDA IPC under MPS — device memory, identical audio, leader kill -9 and the group's
+# recovery), then the DP table (bench/launch_scaling.py, a row written as each configuration
+# ends). No `set -e`: a failed or
 # timed-out step is a line of summary.md and the next step runs. The EXIT trap stops every run and
 # MPS daemon the steps started (by their records: `omni-dp down`, the smoke test's own cleanup),
 # reports anything still running, and packs the runs' artifacts (run.json, events, mps_attach.*,
-# MPS and replica logs). $OUT then holds exactly these 8 files, whatever happened:
-#   summary.md probe.txt mps_smoke.txt gpu_check.txt scaling.txt scaling.md scaling.jsonl
-#   artifacts.tar.gz
+# MPS and replica logs). $OUT then holds exactly these 9 files, whatever happened:
+#   summary.md probe.txt mps_smoke.txt gpu_check.txt share.txt scaling.txt scaling.md
+#   scaling.jsonl artifacts.tar.gz
 # Exit status: 0 every step ok, 1 some step failed, timed out or was skipped (summary.md says
 # which), 3 a process of this call is still running (named in scaling.txt; work dir kept).
 # Needs python3 with torch (CUDA build on a GPU), aiohttp, click, numpy, psutil, nvidia-ml-py,
 # pyyaml, prometheus-client, safetensors: what the lent machine's image has; no venv, no network.
 # Knobs (environment): OUT BUDGET GPU MODEL CONFIGS CONCURRENCY REQUESTS CONFIG_TIMEOUT
-# LIMIT_PROBE LIMIT_SMOKE LIMIT_CHECK TEARDOWN_RESERVE PYTHON.
+# LIMIT_PROBE LIMIT_SMOKE LIMIT_CHECK LIMIT_SHARE SHARE_REPLICAS SHARE_RUNS TEARDOWN_RESERVE
+# PYTHON.
 
 cd "$(dirname "$0")/.." || exit 3
 ROOT=$PWD
@@ -35,10 +39,14 @@ CONFIG_TIMEOUT=${CONFIG_TIMEOUT:-75}
 LIMIT_PROBE=${LIMIT_PROBE:-30}
 LIMIT_SMOKE=${LIMIT_SMOKE:-60}
 LIMIT_CHECK=${LIMIT_CHECK:-90}
+LIMIT_SHARE=${LIMIT_SHARE:-120}
+SHARE_REPLICAS=${SHARE_REPLICAS:-3}
+SHARE_RUNS=${SHARE_RUNS:-separate,shared}  # bench/weight_share.py --runs
 TEARDOWN_RESERVE=${TEARDOWN_RESERVE:-45}  # kept for the exit trap's downs and packing
 export PY=${PYTHON:-python3}
 START=$SECONDS
-FILES=(summary.md probe.txt mps_smoke.txt gpu_check.txt scaling.txt scaling.md scaling.jsonl)
+FILES=(summary.md probe.txt mps_smoke.txt gpu_check.txt share.txt scaling.txt scaling.md
+       scaling.jsonl)
 
 mkdir -p "$OUT" || exit 3
 for f in "${FILES[@]}"; do : >"$OUT/$f"; done
@@ -51,7 +59,8 @@ mkdir -p "$WORK/artifacts"
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # "MPS Server failed to create/open SHM segment" is a too-low open-file limit.
 ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null
-if [ "$GPU" = none ]; then DEVICE=cpu; SMOKE_GPU=0; else DEVICE=cuda; SMOKE_GPU=$GPU; fi
+if [ "$GPU" = none ]; then DEVICE=cpu; SMOKE_GPU=0; SHARE_MPS=; else
+    DEVICE=cuda; SMOKE_GPU=$GPU; SHARE_MPS=--mps; fi
 
 STATUS=0
 left() { echo $((BUDGET - (SECONDS - START))); }
@@ -134,6 +143,7 @@ cleanup() {
     {
         echo; echo "## DP table"; cat "$OUT/scaling.md"
         echo; echo "## gpu_check"; grep -E '^(ok|FAIL|RESULT|\{)' "$OUT/gpu_check.txt"
+        echo; echo "## weight share"; grep -E '^(\||## )' "$OUT/share.txt"
         echo; echo "## MPS smoke (facts)"
         grep -E '^(binaries|gpu|daemon|client_pid|after_|start_server|quit|stopped)' \
             "$OUT/mps_smoke.txt" | cut -c1-700
@@ -155,6 +165,10 @@ step "mps smoke" "$LIMIT_SMOKE" mps_smoke.txt \
     "$PY" bench/mps_smoke.py --work "$WORK/smoke" --gpu "$SMOKE_GPU"
 step gpu_check "$LIMIT_CHECK" gpu_check.txt \
     bash -c "cd bench && exec \"\$PY\" gpu_check.py '$MODEL' --device $DEVICE"
+step "weight share" "$LIMIT_SHARE" share.txt bash -c "cd bench && exec \"\$PY\" weight_share.py \
+    --replicas '$SHARE_REPLICAS' --runs '$SHARE_RUNS' --serve-args '--model $MODEL' --gpu '$GPU' \
+    $SHARE_MPS --state-dir '$STATE' --out '$WORK/share' --artifacts '$WORK/artifacts' \
+    --run-timeout 60 --recovery-timeout 40 --launch-args '--start-timeout 50 --on-mps-fault fail'"
 room=$(($(left) - TEARDOWN_RESERVE))
 step "DP table" "$room" scaling.txt bash -c "cd bench && exec \"\$PY\" launch_scaling.py \
     --configs '$CONFIGS' --concurrency '$CONCURRENCY' --requests '$REQUESTS' \

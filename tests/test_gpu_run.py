@@ -27,7 +27,7 @@ from support.mps import real_control_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
-PROMISED = {"summary.md", "probe.txt", "mps_smoke.txt", "gpu_check.txt", "scaling.txt",
+PROMISED = {"summary.md", "probe.txt", "mps_smoke.txt", "gpu_check.txt", "share.txt", "scaling.txt",
             "scaling.md", "scaling.jsonl", "artifacts.tar.gz"}
 
 sys.path.insert(0, str(BENCH))  # the bench scripts import each other as top-level modules
@@ -47,6 +47,7 @@ def processes_under(directory: str) -> list[int]:
 def gpu_run(out: Path, timeout: float = 400, **knobs: str) -> tuple[int, str]:
     env = {**os.environ, "OUT": str(out), "GPU": "none", "MODEL": "tiny", "CONFIGS": "1,2",
            "CONCURRENCY": "4", "REQUESTS": "8", "BUDGET": "300", "PYTHON": sys.executable,
+           "SHARE_REPLICAS": "2", "SHARE_RUNS": "shared",
            **knobs}
     done = subprocess.run(["bash", str(BENCH / "gpu_run.sh")], env=env, capture_output=True,
                           text=True, timeout=timeout, check=False)
@@ -67,13 +68,17 @@ def test_the_device_script_runs_on_cpu_and_brings_back_exactly_its_files(tmp_pat
     real_control_binary()  # the smoke step drives the real daemon (fails in CI if missing)
     rc, summary = gpu_run(tmp_path / "out")
     assert rc == 0, summary
-    for step in ("probe", "mps smoke", "gpu_check", "DP table"):
+    for step in ("probe", "mps smoke", "gpu_check", "weight share", "DP table"):
         assert re.search(rf"^\| {step} \| ok \|", summary, re.M), summary
     assert "| cleanup | nothing left running |" in summary
     assert [(r["config"], r["result"]) for r in rows(tmp_path / "out")] == [
         ("1", "ok"), ("2", "ok")]
     assert all(r["down_rc"] == 0 and r["left_behind"] == [] for r in rows(tmp_path / "out"))
     assert "RESULT: PASS" in (tmp_path / "out" / "gpu_check.txt").read_text()
+    # the sharing run: identical audio from leader and follower, back after the leader's kill
+    share = (tmp_path / "out" / "share.txt").read_text()
+    assert re.search(r"^\| shared \| ok \|.*\| True \(after: True\) \| [\d.]+ \| clean \|$",
+                     share, re.M), share
     table = (tmp_path / "out" / "scaling.md").read_text()
     assert re.search(r"^\| 2 \| ok \|", table, re.M)
     with tarfile.open(tmp_path / "out" / "artifacts.tar.gz") as tar:
@@ -89,12 +94,13 @@ def test_the_device_script_runs_on_cpu_and_brings_back_exactly_its_files(tmp_pat
 
 @pytest.mark.slow
 def test_a_step_that_times_out_or_fails_still_leaves_every_file_and_no_process(tmp_path):
-    """gpu_check is killed at 3 s; the DP table's MPS configuration fails its preflight (no
-    GPU) and the next one still runs."""
+    """gpu_check and the weight-share step are killed at 3 s; the DP table's MPS configuration
+    fails its preflight (no GPU) and the next one still runs."""
     real_control_binary()
-    rc, summary = gpu_run(tmp_path / "out", LIMIT_CHECK="3", CONFIGS="2mps,1")
+    rc, summary = gpu_run(tmp_path / "out", LIMIT_CHECK="3", LIMIT_SHARE="3", CONFIGS="2mps,1")
     assert rc == 1, summary
     assert re.search(r"^\| gpu_check \| timed out after 3s \|", summary, re.M), summary
+    assert re.search(r"^\| weight share \| timed out after 3s \|", summary, re.M), summary
     assert "RESULT" not in (tmp_path / "out" / "gpu_check.txt").read_text()
     results = {r["config"]: r for r in rows(tmp_path / "out")}
     assert results["2mps"]["result"] == "launch exit 2"
