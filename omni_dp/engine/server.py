@@ -95,13 +95,22 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise
 
 
-def build_models(plan: ServePlan) -> PipelineModels:
+def build_models(plan: ServePlan, device: torch.device | None = None) -> PipelineModels:
+    """The replica's models, cast, on `device` (default: the plan's)."""
     if plan.model_dir is None:
         models = seeded_models(plan.cfg, plan.options.weight_seed)
     else:
         models = load_models(plan.cfg, Path(plan.model_dir))
-    place(models, plan.device, plan.dtype)
+    place(models, device or plan.device, plan.dtype)
     return models
+
+
+def leader_build_device(plan: ServePlan) -> torch.device:
+    """Where a sharing leader builds before it publishes: a CUDA leader builds and casts on the
+    CPU and copies each tensor once into the device buffers it exports, so that the GPU holds
+    the weights once while it starts (building on the device, then copying into the buffers,
+    would hold them twice: the plan's memory fit counts them once)."""
+    return torch.device("cpu") if plan.device.type == "cuda" else plan.device
 
 
 @web.middleware
@@ -203,7 +212,8 @@ class ReplicaServer:
                          self.share.shared_bytes, self.share.private_bytes, share_dir,
                          time.perf_counter() - started)
             else:
-                self.models = await asyncio.to_thread(build_models, plan)
+                device = leader_build_device(plan) if role == "leader" else None
+                self.models = await asyncio.to_thread(build_models, plan, device)
                 if role == "leader":
                     failed = "weight share"
                     self.share = await asyncio.to_thread(publish, plan, self.models, share_dir)

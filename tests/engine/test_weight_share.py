@@ -483,3 +483,19 @@ def test_the_watch_calls_once_when_the_leader_is_gone():
     state["alive"] = True
     watch.stop()
     assert calls == [1]
+
+
+def test_a_cuda_leader_builds_on_the_cpu_so_the_device_holds_its_weights_once(tmp_path):
+    """Built on the device and then copied into the buffers it exports, a CUDA leader would
+    hold the weights twice while it starts; the plan's fit counts them once."""
+    import dataclasses
+
+    from omni_dp.engine.server import build_models, leader_build_device
+
+    plan = plan_for("leader", tmp_path / "share")
+    on_gpu = dataclasses.replace(plan, device=torch.device("cuda", 0))  # no GPU needed to plan
+    assert leader_build_device(on_gpu) == torch.device("cpu")
+    assert leader_build_device(plan) == torch.device("cpu")
+    models = build_models(on_gpu, leader_build_device(on_gpu))  # cast, but never moved
+    assert {p.device.type for p in models.talker.parameters()} == {"cpu"}
+    assert {p.dtype for p in models.talker.parameters()} == {on_gpu.dtype}
