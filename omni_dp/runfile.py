@@ -82,9 +82,20 @@ _RUN_PHASES = tuple(p.value for p in RunPhase)
 _REPLICA_STATES = tuple(s.value for s in ReplicaState)
 
 
+# A replica in these states runs as the process that passed its gates: a weight-share leader
+# is its run's publisher, a follower proven attached stays so (RunRecord.with_replica).
+ATTACHED = frozenset({_R.HEALTHY, _R.UNHEALTHY})
+
+
+def can_transition(old: enum.Enum, new: enum.Enum,
+                   allowed: Mapping[Any, frozenset[Any]] = REPLICA_TRANSITIONS) -> bool:
+    """Whether the lifecycle lets old become new (staying as it is always may)."""
+    return new == old or new in allowed[old]
+
+
 def check_transition(old: enum.Enum, new: enum.Enum,
                      allowed: Mapping[Any, frozenset[Any]]) -> None:
-    if new != old and new not in allowed[old]:
+    if not can_transition(old, new, allowed):
         raise IllegalTransition(f"{type(old).__name__}: {old.value} -> {new.value} is not an "
                                 "allowed transition")
 
@@ -316,7 +327,7 @@ class ShareRecord:
     """--share-weights, as proven: the leader's manifest read and checked after its wave."""
 
     leader: int  # the replica that loaded and published the weights
-    followers: tuple[int, ...]  # the replicas that map them
+    followers: tuple[int, ...]  # the followers proven attached to it (their share gate passed)
     directory: str  # the run's share/ (manifest, and on CPU the segment)
     policy: str  # the architecture's share policy, e.g. "omni-dp-tts/1"
     shared_bytes: int  # held once on the device, whatever the replica count
@@ -324,6 +335,17 @@ class ShareRecord:
     tensors: int  # tensors shared
     leader_pid: int | None = None  # who published it (the manifest's leader)
     published_at: float | None = None  # the manifest's created_at
+
+    def with_follower(self, index: int) -> ShareRecord:
+        """This share with one more follower proven attached."""
+        return replace(self, followers=tuple(sorted({*self.followers, index})))
+
+    def without(self, index: int) -> ShareRecord | None:
+        """This share once replica index no longer runs as what passed its gates: none left
+        when it is the leader (nothing publishes), else without that follower."""
+        if index == self.leader:
+            return None
+        return replace(self, followers=tuple(i for i in self.followers if i != index))
 
     def to_json(self) -> dict:
         return {"leader": self.leader, "followers": list(self.followers),
@@ -408,14 +430,22 @@ class RunRecord:
 
     def with_replica(self, index: int, **fields: Any) -> RunRecord:
         """This record with one replica's fields changed (their types and its state change
-        checked: TypeError for a plain "healthy" or a dict where a record goes)."""
+        checked: TypeError for a plain "healthy" or a dict where a record goes).
+
+        The share proof follows the replica's state: once a replica is no longer running as
+        the process that passed its gates (it restarts, is down, failed, stopped, or a new
+        process starts), a weight-share leader's `share` is null and a follower leaves
+        `share.followers`, whoever changed the state."""
         old = self.replicas[index]
         check_types("replica", fields, REPLICA_FIELD_TYPES)
+        share = self.share
         if "state" in fields:
             check_transition(old.state, fields["state"], REPLICA_TRANSITIONS)
+            if share is not None and fields["state"] not in ATTACHED:
+                share = share.without(index)
         replicas = list(self.replicas)
         replicas[index] = replace(old, **fields)
-        return replace(self, replicas=tuple(replicas))
+        return replace(self, replicas=tuple(replicas), share=share)
 
     def with_phase(self, phase: RunPhase) -> RunRecord:
         check_types("run", {"state": phase}, {"state": (RunPhase,)})

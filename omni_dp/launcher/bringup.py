@@ -16,7 +16,7 @@ from omni_dp.launcher.gates import GateFailed, describe_exit, http_json, log_tai
 from omni_dp.launcher.plan import LaunchPlan
 from omni_dp.launcher.processes import Started, child_env, spawn, stop_processes
 from omni_dp.launcher.replicas import ReplicaSet
-from omni_dp.launcher.share_group import LEADER, start_waves
+from omni_dp.launcher.share_group import LEADER, followers, start_waves
 from omni_dp.launcher.state import RunState
 from omni_dp.mps.attach import format_text
 from omni_dp.mps.control import MpsControl, MpsControlError
@@ -116,9 +116,9 @@ def _start_wave(state: RunState, replicas: ReplicaSet, wave: list[int], *, seque
     if replicas.sharing and LEADER in wave and share is not None:
         say(f"replica {LEADER} published {format_size(share.shared_bytes)} of weights "
             f"({share.tensors} tensors, policy {share.policy}) in {share.directory}")
-    followers = [i for i in wave if replicas.sharing and i != LEADER]
-    if followers:
-        say(f"replica(s) {', '.join(map(str, followers))} attached to the leader's weights "
+    attached = followers(replicas.sharing, wave)
+    if attached:
+        say(f"replica(s) {', '.join(map(str, attached))} attached to the leader's weights "
             f"(replica {LEADER}, pid {state.replica(LEADER).pid})")
     for i in wave:
         state.update_replica(i, state=ReplicaState.HEALTHY)

@@ -71,6 +71,9 @@ class LaunchFacts:
     command: str = "omni-dp"  # how the user ran omni-dp (invoked_as)
     model: ModelFacts | None = None  # an external engine's model directory, as read
     engine_python: str = sys.executable  # the interpreter that runs the engine
+    # Free bytes of the state root's filesystem (of its nearest existing ancestor while it
+    # does not exist): a CPU weight-share segment is written there; None when unreadable
+    state_root_free: int | None = None
 
 
 def visible_id(gpu: GpuFacts | None) -> str:
@@ -108,6 +111,18 @@ def host_problem(host: str) -> str | None:
         return None
     return (f"--host {host!r}: the router cannot listen there ({why}); "
             "use an address of this machine, e.g. 127.0.0.1 or 0.0.0.0")
+
+
+def free_bytes(path: Path) -> int | None:
+    """Free bytes of the filesystem path is on, or will be once created (that of its nearest
+    existing ancestor); None when it cannot be read."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            try:
+                return shutil.disk_usage(candidate).free
+            except OSError:
+                return None
+    return None
 
 
 def known_runs(root: Path) -> tuple[KnownRun, ...]:
@@ -154,6 +169,7 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
         command=invoked_as(),
         model=model,
         engine_python=python,
+        state_root_free=free_bytes(root),
     )
 
 

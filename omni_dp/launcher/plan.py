@@ -39,7 +39,7 @@ from omni_dp.launcher.options import (
     LaunchOptions,
     replica_ports,
 )
-from omni_dp.launcher.share_group import LEADER, share_role
+from omni_dp.launcher.share_group import LEADER, followers, share_role
 from omni_dp.launcher.topology import format_cpu_list, plan_auto, plan_explicit
 from omni_dp.logs import LOG_FORMATS
 from omni_dp.mps.binaries import MpsBinaries
@@ -101,6 +101,7 @@ class LaunchPlan:
         """The resolved plan, as printed before anything starts."""
         o = self.options
         s = self.sizing
+        sharing = followers(o.share_weights, (r.index for r in self.replicas))
         weights = format_size(s.weights_bytes)
         if o.share_weights:
             weights += (f" ({format_size(s.shared_weights_bytes)} shared, "
@@ -116,9 +117,9 @@ class LaunchPlan:
             f"  memory       {memory_formula(s, len(self.replicas), o.share_weights)[1]}",
             *([f"  share        replica {LEADER} leads (loads the weights, publishes them in "
                f"{share_dir(self.run_dir)}); "
-               + (f"replica(s) {', '.join(str(r.index) for r in self.replicas[1:])} follow "
+               + (f"replica(s) {', '.join(map(str, sharing))} follow "
                   "(map them), started once it published, stopped before it"
-                  if len(self.replicas) > 1 else "no follower")] if o.share_weights else []),
+                  if sharing else "no follower")] if o.share_weights else []),
             f"  start        {self.start} (each healthy within {self.start_timeout:g} s)",
             f"  router       {self.router_url} (policy {o.policy}, {o.router_workers} "
             "worker(s))",
@@ -536,6 +537,23 @@ def plan_memory(o: LaunchOptions, facts: LaunchFacts, gpu: GpuPart | None,
     return (None, problems) if problems else (need, [])
 
 
+def plan_share_room(o: LaunchOptions, facts: LaunchFacts, gpu: GpuPart | None,
+                    kv: KvPart | None) -> tuple[int | None, list[str]]:
+    """--share-weights on the CPU: the leader writes every weight, shared and private, as one
+    segment file into the run's share/ directory, on the state root's filesystem (by default
+    under $XDG_RUNTIME_DIR, often a small tmpfs). The part is the segment's bytes."""
+    if not o.share_weights or gpu is None or gpu.device != "cpu" or kv is None:
+        return None, []
+    need, free = kv.sizing.weights_bytes, facts.state_root_free
+    if free is None or need <= free:
+        return need, []
+    return None, [f"--share-weights on the CPU: the leader writes its weights "
+                  f"({format_size(need)}, shared and private) as one segment into the run "
+                  f"directory under {facts.state_root}, whose filesystem has "
+                  f"{format_size(free)} free; set OMNI_DP_STATE_DIR to a directory on a "
+                  "filesystem with room for it, or run without --share-weights"]
+
+
 def memory_formula(sizing: EngineSizing, replicas: int, share: bool) -> tuple[int, str]:
     """What N replicas need, and the formula with its numbers: N × (weights + KV + overhead),
     or with --share-weights W + N × (private weights + KV + overhead), W the shared weights
@@ -594,6 +612,7 @@ def plan_launch(o: LaunchOptions, facts: LaunchFacts, *,
     cpus = _take(plan_cpus(o, facts), problems)
     kv = _take(plan_kv(o, facts, gpu), problems)
     _take(plan_memory(o, facts, gpu, kv), problems)
+    _take(plan_share_room(o, facts, gpu, kv), problems)
     if problems:
         raise LaunchPlanError(problems)
     if kv is None:  # no dry run, and nothing said why: never plan without the engine's word

@@ -223,8 +223,8 @@ class ReplicaSet:
                                    self.state.record.gpu)
         if problem:
             raise GateFailed(f"{what}: {problem}")
-        followers = [r.index for r in self.state.replicas if r.index != LEADER]
-        record = share_record(manifest, self.share_dir, followers)
+        # No follower is proven attached to this leader yet: each is added by its own gate.
+        record = share_record(manifest, self.share_dir)
         self.state.update(share=record)
         self.state.event("share_published", replica=LEADER, pid=manifest.leader.pid,
                          bytes=record.shared_bytes, private_bytes=record.private_bytes,
@@ -242,6 +242,7 @@ class ReplicaSet:
         if problem:
             raise GateFailed(f"{what}: {problem}")
         assert leader is not None
+        self.state.add_follower(index, leader.pid)
         self.state.event("share_attached", replica=index, leader_pid=leader.pid)
 
     def measure_memory(self, indices: list[int]) -> None:

@@ -32,6 +32,12 @@ def share_role(share_weights: bool, index: int) -> str | None:
     return LEADER_ROLE if index == LEADER else FOLLOWER_ROLE
 
 
+def followers(share_weights: bool, indices: Iterable[int]) -> list[int]:
+    """The weight-share followers among these replicas, in their order (none without
+    sharing): every replica but the leader."""
+    return [i for i in indices if share_weights and i != LEADER]
+
+
 def start_waves(record: RunRecord, indices: Iterable[int]) -> list[list[int]]:
     """These replicas in the order they start: the leader (if among them) alone first, then
     the followers; without sharing one wave of all."""
@@ -39,8 +45,7 @@ def start_waves(record: RunRecord, indices: Iterable[int]) -> list[list[int]]:
     if not record.plan.share_weights:
         return [wanted] if wanted else []
     leader = [i for i in wanted if i == LEADER]
-    followers = [i for i in wanted if i != LEADER]
-    return [wave for wave in (leader, followers) if wave]
+    return [wave for wave in (leader, followers(True, wanted)) if wave]
 
 
 def stop_waves(record: RunRecord, indices: Iterable[int]) -> list[list[int]]:
@@ -93,10 +98,12 @@ def follower_problem(weight_share: object, leader: ProcessIdentity | None,
 
 
 def share_record(manifest: ShareManifest, directory: Path,
-                 followers: Iterable[int]) -> ShareRecord:
-    """What run.json keeps as proof of the sharing, from the checked manifest."""
+                 attached: Iterable[int] = ()) -> ShareRecord:
+    """What run.json keeps as proof of the sharing, from the checked manifest; `attached`: the
+    followers proven attached to this leader (none yet when its manifest is first checked:
+    each is added when its own share gate passes)."""
     return ShareRecord(
-        leader=LEADER, followers=tuple(sorted(followers)), directory=str(directory),
+        leader=LEADER, followers=tuple(sorted(attached)), directory=str(directory),
         policy=manifest.policy, shared_bytes=manifest.shared_bytes,
         private_bytes=manifest.private_bytes, tensors=len(manifest.shared),
         leader_pid=manifest.leader.pid, published_at=manifest.created_at)

@@ -174,6 +174,17 @@ class RunState:
             self._record = self._record.with_replica(index, **fields)
             self.save()
 
+    def add_follower(self, index: int, leader_pid: int) -> bool:
+        """Record a follower proven attached to the share the leader leader_pid published (at
+        once: two followers' gates may pass together); False when that share is not the
+        recorded one (none is, or another leader's)."""
+        with self._lock:
+            share = self._record.share
+            if share is None or share.leader_pid != leader_pid:
+                return False
+            self.update(share=share.with_follower(index))
+            return True
+
     def event(self, name: str, **fields) -> None:
         line = json.dumps({"ts": round(time.time(), 3), "event": name, **fields})
         with self._lock:

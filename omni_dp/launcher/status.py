@@ -8,7 +8,7 @@ from __future__ import annotations
 from omni_dp import runfile
 from omni_dp.launcher.facts import invoked_as
 from omni_dp.launcher.gates import http_json
-from omni_dp.launcher.share_group import LEADER, share_role
+from omni_dp.launcher.share_group import LEADER, followers, share_role
 from omni_dp.launcher.state import RunState
 from omni_dp.procs import is_alive
 from omni_dp.rundir import runs_dir, state_dir
@@ -73,13 +73,15 @@ def collect(state: RunState, *, probe: bool = True) -> dict:
 
 
 def _share(record: RunRecord) -> dict | None:
-    """--share-weights as proven (the leader's manifest, checked), or null: not sharing, or not
-    published (yet, or again after the leader's restart: `published` false)."""
+    """--share-weights as proven (the leader's manifest, checked; `followers` those proven
+    attached to it), or null without sharing; `published` false while the leader does not run
+    as the publisher (starting, restarting, down, failed, stopped: `leader_state` says which),
+    and then no follower is attached."""
     if not record.plan.share_weights:
         return None
     if record.share is None:
         return {"published": False, "leader": LEADER,
-                "followers": [r.index for r in record.replicas if r.index != LEADER]}
+                "leader_state": record.replicas[LEADER].state.value, "followers": []}
     return {"published": True, **record.share.to_json()}
 
 
@@ -131,14 +133,7 @@ def format_status(s: dict, command: str = "omni-dp") -> str:
                      f"attached={s['mps']['attached']}")
     share = s.get("share")
     if share:
-        followers = ", ".join(map(str, share["followers"])) or "none"
-        lines.append(
-            f"  share       replica {share['leader']} leads, replica(s) {followers} follow: "
-            + (f"{format_size(share['shared_bytes'])} of weights held once "
-               f"({share['tensors']} tensors, policy {share['policy']}; "
-               f"{format_size(share['private_bytes'])} private per replica) in "
-               f"{share['directory']}" if share["published"] else
-               "not published (the leader is starting)"))
+        lines.append("  share       " + share_line(share, s["replicas"]))
     lines.append(replica_table(s["replicas"]))
     if s["state"] == "abandoned":
         lines.append(f"nothing owns this run: its `launch` is gone and no supervisor took it "
@@ -148,6 +143,30 @@ def format_status(s: dict, command: str = "omni-dp") -> str:
         lines.append(f"its supervisor is gone: nothing restarts a replica that fails; "
                      f"`{command} down {s['run_id']}` stops the run")
     return "\n".join(lines)
+
+
+# What the leader is doing while its weights are not published, by its state
+_NOT_PUBLISHING = {"planned": "starting", "starting": "starting", "restarting": "restarting",
+                   "down": "down (the next sweep restarts it)",
+                   "failed": "failed, out of its restart budget", "stopped": "stopped"}
+
+
+def share_line(share: dict, replicas: list[dict]) -> str:
+    """Who shares, from the proof: the followers proven attached, and the others not."""
+    planned = followers(True, (r["index"] for r in replicas))
+    attached = [i for i in planned if i in share["followers"]]
+    others = [i for i in planned if i not in attached]
+    if not share["published"]:
+        state = share.get("leader_state")
+        return (f"replica {share['leader']} leads: not published (the leader is "
+                f"{_NOT_PUBLISHING.get(state, state or 'starting')}); no follower attached")
+    return (f"replica {share['leader']} leads, replica(s) "
+            f"{', '.join(map(str, attached)) or 'none'} follow: "
+            f"{format_size(share['shared_bytes'])} of weights held once "
+            f"({share['tensors']} tensors, policy {share['policy']}; "
+            f"{format_size(share['private_bytes'])} private per replica) in "
+            f"{share['directory']}"
+            + (f"; replica(s) {', '.join(map(str, others))} not attached" if others else ""))
 
 
 def replica_table(replicas: list[dict]) -> str:

@@ -38,14 +38,13 @@ from omni_dp.launcher.supervision.slots import (
     ROUTER,
     Busy,
     Slot,
-    replica_group,
+    restart_group,
     run_slots,
 )
 from omni_dp.launcher.teardown import teardown
 from omni_dp.logs import setup_logging
 from omni_dp.procs import ProcessIdentity, identify
 from omni_dp.runfile import (
-    REPLICA_TRANSITIONS,
     WATCHED,
     ReplicaState,
     RunFileError,
@@ -184,24 +183,33 @@ class Supervisor:
         elif verdict.state is not None:
             self.state.update_replica(index, state=verdict.state, last_error=verdict.error)
         if verdict.restart:
-            # A restart takes the slot's dependents with it (a weight-share leader's followers)
-            group = replica_group(self.busy.deps, index)
-            others = group[1:]
-            self.say(f"replica {index}: {verdict.restart}; restarting"
-                     + (f" with replica(s) {', '.join(map(str, others))}, which depend on it"
-                        if others else ""))
-            restarting = ReplicaState.RESTARTING
-            self.state.update_replica(index, state=restarting, last_error=verdict.restart)
-            for i in others:
-                now = self.state.replica(i).state
-                if now is not restarting and restarting not in REPLICA_TRANSITIONS[now]:
-                    continue  # stopped: nothing of it runs to restart
-                self.state.update_replica(
-                    i, state=restarting,
-                    last_error=f"restarted with replica {index}, which it depends on "
-                               f"({verdict.restart})")
-            self.busy.start(Slot.replica(index), self.restart_replica, index, verdict.restart,
-                            group, name=f"restart-{index}")
+            self._restart(index, verdict.restart)
+
+    def _restart(self, index: int, reason: str) -> None:
+        """Hand the replica's restart to a thread: it takes the slot's dependents with it (a
+        weight-share leader's followers), but not a failed or stopped one (slots.LEFT_OUT)."""
+        group, left = restart_group(self.busy.deps, self.state.record, index)
+        others = group[1:]
+        words = {ReplicaState.FAILED: "stays failed (out of its own restart budget), out of "
+                                      "the router",
+                 ReplicaState.STOPPED: "is stopped: nothing of it runs to restart"}
+        self.say(f"replica {index}: {reason}; restarting"
+                 + (f" with replica(s) {', '.join(map(str, others))}, which depend on it"
+                    if others else "")
+                 + "".join(f"; replica {i}, which depends on it, "
+                           + words.get(self.state.replica(i).state,
+                                       f"is {self.state.replica(i).state.value}: left as it is")
+                           for i in left))
+        for i in left:
+            self.state.event("restart_left_out", replica=i, group_of=index,
+                             state=self.state.replica(i).state.value)
+        self.state.update_replica(index, state=ReplicaState.RESTARTING, last_error=reason)
+        for i in others:
+            self.state.update_replica(
+                i, state=ReplicaState.RESTARTING,
+                last_error=f"restarted with replica {index}, which it depends on ({reason})")
+        self.busy.start(Slot.replica(index), self.restart_replica, index, reason, group,
+                        name=f"restart-{index}")
 
     def _look(self, index: int) -> Seen:
         record, probe = self.state.replica(index), self.crew.probe

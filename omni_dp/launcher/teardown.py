@@ -104,12 +104,20 @@ def _stop_owner(state: RunState, role: str, drain_timeout: float, result: Teardo
         f"≤ {drain_timeout:g} s")
     state.request_stop(drain_timeout)
     signal_ours(owner, signal.SIGTERM)
-    if wait_gone([owner], 2 * drain_timeout + 60):
+    if wait_gone([owner], owner_bound(state.record, drain_timeout)):
         signal_ours(owner, signal.SIGKILL)
         _note(result, wait_gone([owner], 5.0), role)  # never "clean" with it still running
     if not state.directory.exists():
         return None
     return RunState.load(state.directory)
+
+
+def owner_bound(record: RunRecord, drain_timeout: float) -> float:
+    """How long the owner may take to tear the run down before it is SIGKILLed: a drain for
+    the router and one for each wave the replicas stop in (with --share-weights the followers,
+    then their leader), and a minute for the rest (grace periods, the daemon)."""
+    waves = stop_waves(record, [r.index for r in record.replicas])
+    return (1 + max(len(waves), 1)) * drain_timeout + 60
 
 
 def _stop_router(state: RunState, drain_timeout: float, result: TeardownResult,

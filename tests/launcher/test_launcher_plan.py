@@ -1044,6 +1044,25 @@ def test_replicas_that_fit_only_when_sharing_weights_plan_with_the_formula(facts
                               "512.00 MiB + KV 1.00 GiB + overhead 512.00 MiB) = 19.50 GiB")
 
 
+def test_sharing_on_the_cpu_needs_room_for_the_weights_segment_under_the_state_root(cpu_facts):
+    """The CPU leader writes every weight (shared and private: weights_bytes) into the run
+    directory, under the state root, by default on a tmpfs that may be small."""
+    share = dataclasses.replace(cpu_facts, sizing=sizing(
+        device="cpu", weights_bytes=4 * GiB, shared_weights_bytes=int(3.5 * GiB)))
+    options = opts(replicas=3, cpu_blocks="none", share_weights=True)
+    small = dataclasses.replace(share, state_root_free=1 * GiB)
+    assert only_problem(options, small) == (
+        "--share-weights on the CPU: the leader writes its weights (4.00 GiB, shared and "
+        f"private) as one segment into the run directory under {share.state_root}, whose "
+        "filesystem has 1.00 GiB free; set OMNI_DP_STATE_DIR to a directory on a filesystem "
+        "with room for it, or run without --share-weights")
+    plan(options, dataclasses.replace(share, state_root_free=4 * GiB))  # room enough
+    plan(options, dataclasses.replace(share, state_root_free=None))  # unknown: not refused
+    plan(dataclasses.replace(options, share_weights=False), small)  # nothing is written
+    # on a GPU the weights are shared in device memory: nothing goes to the state root
+    plan(options, dataclasses.replace(share_facts(cpu_facts), state_root_free=1 * GiB))
+
+
 def test_sharing_weights_with_one_replica_is_a_warning(facts):
     p = plan(opts(replicas=1, cpu_blocks="none", share_weights=True), share_facts(facts))
     assert p.warnings == ("--share-weights with one replica: replica 0 leads and shares with "

@@ -1,7 +1,8 @@
 """End to end: `omni-dp launch --share-weights` with three real CPU replicas of the tiny preset
 behind a real router — the share proven in run.json and status, a SIGKILLed follower restarted
-alone, a SIGKILLed leader restarted with its whole group (leader first, the share published
-again), and `down` leaving no process, no share directory, no run directory.
+alone while requests keep being served, a SIGKILLed leader restarted with its whole group
+(leader first, the share published again), and `down` leaving no process, no share directory,
+no run directory.
 
 One run, every wait bounded; the `runs` fixture (tests/launcher/conftest.py) always downs it and
 SIGKILLs by pid whatever of it survived.
@@ -11,18 +12,20 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 import time
 
 import psutil
 import pytest
 
-from support.http_client import is_wav, speech
+from support.http_client import is_wav, post_json, speech
 from support.launcher import SUPERVISION, Run, describe, kill_replica, token_pids
 from support.wait import wait_for
 
 pytestmark = pytest.mark.slow
 
 GROUP_RESTART_TIMEOUT_S = 90.0
+LOAD_REQUESTS = 20  # at most, sent one after another while a killed follower comes back
 
 
 def pids(run: Run) -> list[int]:
@@ -68,12 +71,30 @@ def test_a_sharing_run_restarts_a_follower_alone_and_a_dead_leader_with_its_grou
     text = run.cli("status", run.run_id)
     assert "replica 0 leads, replica(s) 1, 2 follow" in text.stdout, describe(text)
 
-    # A follower killed: restarted alone; the leader and the other follower untouched.
+    # A follower killed under load: restarted alone; the leader and the other follower
+    # untouched, and every request meanwhile served (the router routes around the dead one).
     before = pids(run)
     killed_at, started = time.time(), time.monotonic()
     kill_replica(run, 2)
-    wait_for("follower 2 back", lambda: all_back(run, before, {2}), timeout=60, interval=0.3)
+    served: list[tuple[int, bool]] = []
+    is_back = threading.Event()
+
+    def load() -> None:  # short requests, one after another, until the follower is back
+        while not is_back.is_set() and len(served) < LOAD_REQUESTS:
+            code, _, body = post_json(run.router_url + "/v1/audio/speech",
+                                      {"input": "Load.", "max_new_tokens": 8}, timeout=30)
+            served.append((code, is_wav(body)))
+
+    loader = threading.Thread(target=load, name="load", daemon=True)
+    loader.start()
+    try:
+        wait_for("follower 2 back", lambda: all_back(run, before, {2}), timeout=60,
+                 interval=0.3)
+    finally:
+        is_back.set()
+        loader.join(35)
     follower_restart = time.monotonic() - started
+    assert len(served) >= 3 and served == [(200, True)] * len(served), served
     [restart] = restarts_since(run, killed_at)
     assert restart["replica"] == 2 and "group" not in restart
     assert pids(run)[:2] == before[:2]
@@ -97,11 +118,14 @@ def test_a_sharing_run_restarts_a_follower_alone_and_a_dead_leader_with_its_grou
     assert sorted(attached) == [1, 2]
     started_at = {e["replica"]: e["ts"] for e in events if e["event"] == "replica_started"}
     assert started_at[0] < published[0]["ts"] < min(started_at[1], started_at[2])
-    assert [r["restarts"] for r in status["replicas"]] == [1, 1, 2]
+    # only the replica that failed is charged: the leader once, follower 2 for its own death
+    assert [r["restarts"] for r in status["replicas"]] == [1, 0, 1]
+    assert status["share"]["followers"] == [1, 2]  # both proven attached to the new leader
     code, _, body = speech(run.router_url)
     assert code == 200 and is_wav(body), body[:300]
-    print(f"\nbring-up {bring_up:.1f} s, follower restart {follower_restart:.1f} s, "
-          f"leader group restart {group_restart:.1f} s")
+    print(f"\nbring-up {bring_up:.1f} s, follower restart {follower_restart:.1f} s "
+          f"({len(served)} requests served meanwhile), leader group restart "
+          f"{group_restart:.1f} s")
 
     token = run.token
     down = run.down()

@@ -253,6 +253,28 @@ def test_with_share_weights_the_dry_run_is_a_leaders_naming_the_runs_share_dir(t
     assert "--share-weights" not in plain and not os.path.exists(share_dir)
 
 
+def test_the_facts_give_the_free_room_of_the_state_roots_filesystem_before_it_exists(
+        tmp_path, monkeypatch):
+    """A CPU weight-share segment is written there (plan_share_room checks it)."""
+    from types import SimpleNamespace
+
+    from omni_dp.launcher import facts as facts_module
+
+    root = tmp_path / "not" / "yet" / "state"
+    assert facts_module.free_bytes(root) > 0
+    asked = []
+    monkeypatch.setattr(facts_module.shutil, "disk_usage",
+                        lambda path: asked.append(path) or SimpleNamespace(free=12345))
+    assert facts_module.free_bytes(root) == 12345 and asked == [tmp_path]
+    assert not (tmp_path / "not").exists()  # read, not made
+
+    def refused(path):
+        raise PermissionError(path)
+
+    monkeypatch.setattr(facts_module.shutil, "disk_usage", refused)
+    assert facts_module.free_bytes(root) is None
+
+
 def test_a_router_that_never_became_ready_is_stopped_not_left_recorded_as_alive(
         tmp_path, monkeypatch) -> None:
     """Left running, a router that failed its /ready gate stays "alive" in run.json, so the

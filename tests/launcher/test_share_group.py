@@ -17,12 +17,19 @@ from omni_dp.launcher import replicas as replicas_module
 from omni_dp.launcher import teardown as teardown_mod
 from omni_dp.launcher.gates import GateFailed
 from omni_dp.launcher.replicas import ReplicaSet, replica_memory
-from omni_dp.launcher.share_group import start_waves, stop_waves
+from omni_dp.launcher.share_group import followers, start_waves, stop_waves
 from omni_dp.launcher.state import RunState
 from omni_dp.launcher.status import collect, format_status
 from omni_dp.mps.attach import DeclaredProcess
 from omni_dp.procs import ProcessIdentity, identify
-from omni_dp.runfile import RunRecord
+from omni_dp.runfile import (
+    RUN_TRANSITIONS,
+    ReplicaState,
+    RunPhase,
+    RunRecord,
+    SupervisorRecord,
+    can_transition,
+)
 from omni_dp.sharefile import (
     SEGMENT_FILE,
     Buffer,
@@ -109,7 +116,8 @@ def test_the_leaders_manifest_becomes_the_runs_share_record(tmp_path):
     publish(state, manifest())
     ReplicaSet(state).share_gate(0)
     share = state.record.share
-    assert (share.leader, share.followers, share.policy) == (0, (1, 2), "omni-dp-tts/1")
+    # no follower is proven attached to it yet: each is added by its own gate
+    assert (share.leader, share.followers, share.policy) == (0, (), "omni-dp-tts/1")
     assert (share.shared_bytes, share.private_bytes, share.tensors) == (1024, 32, 1)
     assert share.directory == str(state.directory / "share") and share.leader_pid == 1000
     [event] = [e for e in state.events() if e["event"] == "share_published"]
@@ -224,13 +232,22 @@ def test_nvml_gives_each_processes_used_memory_where_it_has_a_figure():
 # --- status --------------------------------------------------------------------------------------
 
 
-def test_status_shows_who_shares_the_bytes_shared_once_and_each_replicas_memory(tmp_path):
+def test_status_shows_who_shares_the_bytes_shared_once_and_each_replicas_memory(
+        tmp_path, monkeypatch):
     state = sharing_state(tmp_path)
+    for step in (ReplicaState.RESTARTING, ReplicaState.STARTING):
+        state.update_replica(0, state=step)
     report = collect(state, probe=False)
-    assert report["share"] == {"published": False, "leader": 0, "followers": [1, 2]}
-    assert "not published (the leader is starting)" in format_status(report)
+    assert report["share"] == {"published": False, "leader": 0, "leader_state": "starting",
+                               "followers": []}
+    assert ("share       replica 0 leads: not published (the leader is starting); no "
+            "follower attached") in format_status(report)
+    state.update_replica(0, state=ReplicaState.HEALTHY)
     publish(state, manifest())
     ReplicaSet(state).share_gate(0)
+    monkeypatch.setattr(replicas_module, "server_info", lambda url: attached(state))
+    for i in (1, 2):
+        ReplicaSet(state).share_gate(i)
     state.update_replica(1, memory_bytes=3 * 1024**2)
     report = json.loads(json.dumps(collect(state, probe=False)))  # as --json prints it
     assert report["share"]["published"] is True and report["share"]["shared_bytes"] == 1024
@@ -254,3 +271,78 @@ def test_a_kept_state_keeps_the_manifest_but_not_the_weights_segment(tmp_path):
     assert not segment.exists() and (state.directory / "share" / "weights.json").exists()
     [event] = [e for e in state.events() if e["event"] == "share_segment_removed"]
     assert event["bytes"] == 4096
+
+
+# --- the proof follows who runs as what passed its gates -----------------------------------------
+
+
+def test_share_followers_are_the_ones_proven_attached_and_leave_when_they_stop(tmp_path,
+                                                                               monkeypatch):
+    state = sharing_state(tmp_path)
+    publish(state, manifest())
+    replicas = ReplicaSet(state)
+    replicas.share_gate(0)
+    monkeypatch.setattr(replicas_module, "server_info", lambda url: attached(state))
+    replicas.share_gate(2)
+    assert state.record.share.followers == (2,)
+    [line] = [t for t in format_status(collect(state, probe=False)).splitlines()
+              if t.startswith("  share ")]
+    assert "replica 0 leads, replica(s) 2 follow: " in line
+    assert line.endswith("; replica(s) 1 not attached")
+    replicas.share_gate(1)
+    assert state.record.share.followers == (1, 2)
+    monkeypatch.setattr(replicas_module, "stop_replicas", lambda *a, **k: [])
+    replicas.stop([2], 1.0)  # stopped: no longer attached
+    assert state.record.share.followers == (1,)
+    state.update_replica(1, state=ReplicaState.DOWN)  # failed, down: neither
+    assert state.record.share.followers == ()
+    state.update_replica(0, state=ReplicaState.RESTARTING)  # the leader: no proof at all
+    assert state.record.share is None
+
+
+def test_a_follower_attached_to_another_leader_is_not_added_to_this_ones_proof(tmp_path):
+    state = sharing_state(tmp_path)
+    publish(state, manifest())
+    ReplicaSet(state).share_gate(0)
+    assert not state.add_follower(1, leader_pid=4242)
+    assert state.add_follower(1, leader_pid=LEADER_ID.pid)
+    assert state.record.share.followers == (1,)
+    state.update(share=None)
+    assert not state.add_follower(2, leader_pid=LEADER_ID.pid) and state.record.share is None
+
+
+def test_the_followers_of_a_run_are_named_in_one_place(tmp_path):
+    assert followers(True, [0, 1, 2]) == [1, 2] and followers(True, (2, 0)) == [2]
+    assert followers(False, [0, 1, 2]) == [] and followers(True, [0]) == []
+    plain = sharing_state(tmp_path, share=False)
+    assert collect(plain, probe=False)["share"] is None
+
+
+def test_a_replicas_lifecycle_says_which_transitions_are_allowed():
+    assert can_transition(ReplicaState.FAILED, ReplicaState.RESTARTING)
+    assert can_transition(ReplicaState.DOWN, ReplicaState.DOWN)  # staying as it is
+    assert not can_transition(ReplicaState.STOPPED, ReplicaState.RESTARTING)
+    assert not can_transition(ReplicaState.PLANNED, ReplicaState.DOWN)
+    assert can_transition(RunPhase.STOPPING, RunPhase.STOPPED, RUN_TRANSITIONS)
+
+
+# --- teardown ------------------------------------------------------------------------------------
+
+
+def test_the_owner_is_given_a_drain_for_the_router_and_each_stop_wave(tmp_path, monkeypatch):
+    state = sharing_state(tmp_path)
+    owner = ProcessIdentity(4321, 1.0)
+    state.update(supervisor=SupervisorRecord(owner, True))
+    (state.directory / "run_token").write_text("token\n")
+    bounds = []
+    monkeypatch.setattr(teardown_mod, "is_alive", lambda identity: True)
+    monkeypatch.setattr(teardown_mod, "signal_ours", lambda identity, sig: True)
+    monkeypatch.setattr(teardown_mod, "wait_gone",
+                        lambda identities, timeout: bounds.append(timeout) or [])
+    teardown_mod._stop_owner(state, "supervisor", 5.0, teardown_mod.TeardownResult(),
+                             lambda line: None)
+    assert bounds == [3 * 5.0 + 60]  # the router, the followers, then their leader
+    plain = sharing_state(tmp_path / "plain", share=False).record
+    assert teardown_mod.owner_bound(plain, 5.0) == 2 * 5.0 + 60
+    alone = sharing_state(tmp_path / "alone", replicas=1).record
+    assert teardown_mod.owner_bound(alone, 5.0) == 2 * 5.0 + 60

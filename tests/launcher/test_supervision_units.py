@@ -13,6 +13,7 @@ from omni_dp.contract import API_KEY_ENV
 from omni_dp.launcher.bringup import BringUpFailed
 from omni_dp.launcher.gates import GateFailed
 from omni_dp.launcher.state import RunState
+from omni_dp.launcher.status import collect, format_status
 from omni_dp.launcher.supervision import mps_restart, router_link
 from omni_dp.launcher.supervision.crew import Probe
 from omni_dp.launcher.supervision.mps_watch import MpsWatch, describe_fault
@@ -25,6 +26,7 @@ from omni_dp.launcher.supervision.slots import (
     Dependencies,
     Slot,
     replica_group,
+    restart_group,
     run_slots,
 )
 from omni_dp.launcher.supervisor import Supervisor
@@ -39,6 +41,7 @@ from omni_dp.runfile import (
     RouterRecord,
     RunPhase,
     RunRecord,
+    ShareRecord,
     SupervisionSettings,
 )
 
@@ -333,8 +336,9 @@ def test_a_restart_backs_off_passes_the_gates_and_is_back_in_the_router(tmp_path
     [started] = [e for e in events(state) if e["event"] == "restart_started"]
     assert (started["attempt"], started["backoff_s"]) == (2, 1.0)
     assert names(state)[-2:] == ["router_enabled", "restart_completed"]
-    assert said == [f"replica 0: restarted (pid {record.pid}), passed health and KV checks, "
-                    "back in the router"]
+    assert said == [f"replica 0: restarted (pid {record.pid}), passed its gates (health, "
+                    "processes, KV), back in the router"]
+    assert events(state)[-1]["gates"] == ["health", "processes", "KV"]
     assert sup.watches[0].failures == 0
 
 
@@ -559,7 +563,9 @@ def test_a_dead_leader_restarts_its_group_in_waves_and_no_follower_restarts_on_i
         *gates(0), ("start", 1), ("start", 2),
         *[c for j in (1, 2) for c in gates(j) if c[0] != "start"], ("measure_memory", 0, 1, 2)]
     assert [r.state for r in state.replicas] == [H, H, H]
-    assert all(r.restarts == (NOW,) and r.last_error is None for r in state.replicas)
+    assert all(r.last_error is None for r in state.replicas)
+    # only the failed slot is charged: its followers did not fail on their own
+    assert [r.restarts for r in state.replicas] == [(NOW,), (), ()]
     [started] = [e for e in events(state) if e["event"] == "restart_started"]
     assert (started["replica"], started["group"]) == (0, [0, 1, 2])
     assert [e["replica"] for e in events(state) if e["event"] == "restart_completed"] == [0, 1, 2]
@@ -621,6 +627,241 @@ def test_bring_up_starts_the_leader_alone_before_its_followers(tmp_path):
         ("record_processes", 1), ("wait_healthy", 2), ("record_processes", 2),
         ("check_kv", 1, 2), ("share_gate", 1), ("share_gate", 2), ("measure_memory", 0, 1, 2)]
     assert [r.state for r in state.replicas] == [H, H, H]
+
+
+# --- a weight-sharing group: what a restart charges, what it takes, what it undoes -------------
+
+
+F, D, S = ReplicaState.FAILED, ReplicaState.DOWN, ReplicaState.STOPPED
+
+
+def share_proof(state: RunState, followers: tuple[int, ...] = (1, 2)) -> ShareRecord:
+    share = ShareRecord(leader=0, followers=followers, directory="share", policy="p/1",
+                        shared_bytes=1024, private_bytes=32, tensors=1,
+                        leader_pid=state.replica(0).pid)
+    state.update(share=share)
+    return share
+
+
+def enabled(router: FakeRouter) -> list[int]:
+    return [int(url.rsplit("/", 1)[1]) for url, disabled, _ in router.calls if not disabled]
+
+
+def test_an_unexpected_error_in_the_followers_wave_leaves_the_leader_that_passed_up(tmp_path):
+    state = make_state(tmp_path, replicas=3, share=True)
+    router = FakeRouter()
+    sup, world, said = supervisor(state, router=router)
+    fake, start = sup.replicas, sup.replicas.start
+
+    def spawn(i):
+        if i == 1:
+            raise OSError("spawn failed")
+        start(i)
+
+    fake.start = spawn
+    sup.restart_replica(0, "its process is gone", [0, 1, 2])
+    leader = state.replica(0)
+    assert [r.state for r in state.replicas] == [H, D, D]
+    assert world.alive(leader.identity) and leader.last_error is None and enabled(router) == [0]
+    assert ("stop", 1) in fake.calls  # tried to start: stopped, whatever it left
+    [failed] = [e for e in events(state) if e["event"] == "restart_failed"]
+    assert (failed["group"], failed["passed"], failed["stopped"]) == ([0, 1, 2], [0], [1])
+    assert state.replica(2).last_error == "restart failed: OSError('spawn failed')"
+    assert said[-1] == ("replica 0: restart failed: OSError('spawn failed'); replica(s) 0 passed "
+                        "and stay; replica(s) 1 not through the gates: stopped; replica(s) 1, 2 "
+                        "down, the next sweep tries again")
+
+
+def test_an_unexpected_error_stops_the_followers_started_but_not_gated(tmp_path):
+    state = make_state(tmp_path, replicas=3, share=True)
+    router = FakeRouter()
+    sup, world, _ = supervisor(state, router=router)
+    fake, share_gate = sup.replicas, sup.replicas.share_gate
+
+    def broken(i):
+        if i == 1:
+            raise RuntimeError("boom")  # not a GateFailed: a bug, a run.json not written
+        share_gate(i)
+
+    fake.share_gate = broken
+    sup.restart_replica(0, "its process is gone", [0, 1, 2])
+    r1, r2 = state.replica(1), state.replica(2)
+    assert [r.state for r in state.replicas] == [H, D, D]
+    # both were started together, neither passed: neither runs ungated
+    assert not world.alive(r1.identity) and not world.alive(r2.identity)
+    assert fake.calls[-1] == ("stop", 1, 2) and enabled(router) == [0]
+    fake.share_gate = share_gate
+    sup.sweep()  # they are dead, so restarted (alone: their leader runs), never "healthy"
+    sup.busy.join(5)
+    assert [r.state for r in state.replicas] == [H, H, H] and sorted(enabled(router)) == [0, 1, 2]
+    assert state.replica(1).pid not in (r1.pid, None)
+
+
+def test_an_unexpected_error_before_anything_started_puts_the_old_healthy_ones_back(tmp_path):
+    state = make_state(tmp_path, replicas=3, share=True)
+    router = FakeRouter()
+    sup, _, _ = supervisor(state, router=router)
+
+    def stop(indices, timeout_s):
+        raise RuntimeError("cannot stop")
+
+    sup.replicas.stop = stop
+    sup.restart_replica(0, "/health answered 503 (3 in a row)", [0, 1, 2])
+    assert [r.state for r in state.replicas] == [D, D, D] and enabled(router) == []
+    sup.sweep()  # their old processes still answer: healthy, and back in the router
+    assert [r.state for r in state.replicas] == [H, H, H]
+    assert enabled(router) == [0, 1, 2]
+
+
+def test_a_follower_whose_leader_died_meanwhile_waits_uncharged_for_its_groups_restart(tmp_path):
+    state = make_state(tmp_path, replicas=3, share=True)
+    sup, world, _ = supervisor(state)
+    real, handed, release = sup.restart_replica, [], threading.Event()
+
+    def held(index, reason, group):
+        handed.append((index, list(group)))
+        if index == 1:
+            release.wait(10)  # follower 1's own restart is still under way when...
+        real(index, reason, group)
+
+    sup.restart_replica = held
+    world.live.discard(1001)
+    sup.sweep()
+    world.live -= {1000, 1002}  # ...the leader dies, and follower 2 exits 4
+    sup.sweep()  # the leader is left alone (follower 1's restart runs): follower 2 is handed
+    release.set()
+    sup.busy.join(5)
+    assert handed == [(1, [1]), (2, [2])]
+    why = "waiting for its leader (replica 0), which is gone"
+    for i in (1, 2):  # neither started against a dead leader, neither charged
+        assert (state.replica(i).state, state.replica(i).last_error) == (D, why)
+        assert state.replica(i).restarts == ()
+    assert not [c for c in sup.replicas.calls if c[0] in ("start", "stop")]
+    assert sorted(e["replica"] for e in events(state) if e["event"] == "restart_deferred") == [1, 2]
+    sup.sweep()  # now the dead leader is seen: its whole group restarts, the leader charged
+    sup.busy.join(5)
+    assert handed[2:] == [(0, [0, 1, 2])]
+    assert [r.state for r in state.replicas] == [H, H, H]
+    assert [r.restarts for r in state.replicas] == [(NOW,), (), ()]
+
+
+def test_a_follower_restarted_with_its_leader_is_not_charged_for_it(tmp_path):
+    state = make_state(tmp_path, replicas=3, share=True, budget=1)
+    sup, world, _ = supervisor(state)
+    world.live.discard(1000)
+    sup.sweep()
+    sup.busy.join(5)
+    assert [len(r.restarts) for r in state.replicas] == [1, 0, 0]
+    world.live.discard(state.replica(1).pid)  # follower 1's own first crash: restarted
+    sup.sweep()
+    sup.busy.join(5)
+    assert [r.state for r in state.replicas] == [H, H, H]
+    assert [len(r.restarts) for r in state.replicas] == [1, 1, 0]
+
+
+def test_a_failed_follower_stays_failed_and_out_of_the_router_when_its_leader_restarts(
+        tmp_path):
+    state = make_state(tmp_path, replicas=3, share=True, budget=1)
+    for step in (R, F):  # out of its own budget
+        state.update_replica(2, state=step, restarts=(NOW - 5,))
+    router = FakeRouter()
+    sup, world, said = supervisor(state, router=router)
+    world.live -= {1000, 1002}
+    real, handed = sup.restart_replica, []
+    sup.restart_replica = lambda index, reason, group: (handed.append(list(group)),
+                                                       real(index, reason, group))
+    sup.sweep()
+    sup.busy.join(5)
+    assert handed == [[0, 1]] and ("start", 2) not in sup.replicas.calls
+    assert [r.state for r in state.replicas] == [H, H, F] and 2 not in enabled(router)
+    assert state.replica(2).restarts == (NOW - 5,)
+    [left] = [e for e in events(state) if e["event"] == "restart_left_out"]
+    assert (left["replica"], left["group_of"], left["state"]) == (2, 0, "failed")
+    assert said[0] == ("replica 0: its process is gone; restarting with replica(s) 1, which "
+                       "depend on it; replica 2, which depends on it, stays failed (out of its "
+                       "own restart budget), out of the router")
+
+
+def test_a_stopped_follower_is_neither_labelled_nor_handed_to_its_leaders_restart(tmp_path):
+    state = make_state(tmp_path, replicas=3, share=True)
+    state.update_replica(2, state=S)
+    sup, world, said = supervisor(state)
+    world.live.discard(1000)
+    real, handed = sup.restart_replica, []
+    sup.restart_replica = lambda index, reason, group: (handed.append(list(group)),
+                                                       real(index, reason, group))
+    sup.sweep()
+    sup.busy.join(5)
+    assert handed == [[0, 1]] and ("start", 2) not in sup.replicas.calls
+    assert said[0].startswith("replica 0: its process is gone; restarting with replica(s) 1, "
+                              "which depend on it; replica 2, which depends on it, is stopped")
+    assert [r.state for r in state.replicas] == [H, H, S]
+    assert restart_group(sup.busy.deps, state.record, 1) == ([1], [])
+
+
+def test_the_share_proof_is_gone_once_the_leaders_restart_begins_or_it_fails(tmp_path):
+    state = make_state(tmp_path, replicas=3, share=True)
+    share_proof(state)
+    sup, world, _ = supervisor(state)
+    real, seen = sup.restart_replica, []
+    sup.restart_replica = lambda index, reason, group: (seen.append(state.record.share),
+                                                       real(index, reason, group))
+    world.live.discard(1000)
+    sup.sweep()
+    sup.busy.join(5)
+    assert seen == [None]  # not while the restart runs: the leader publishes nothing then
+    over = make_state(tmp_path / "over", replicas=3, share=True, budget=1,
+                      restarts=(NOW - 10,))
+    share_proof(over)
+    sup, _, _ = supervisor(over)
+    sup.restart_replica.through_gates(0, "its process is gone", [0, 1, 2])
+    assert over.record.share is None and over.replica(0).state is F
+    assert collect(over, probe=False)["share"]["leader_state"] == "failed"
+    text = format_status(collect(over, probe=False))
+    assert "not published (the leader is failed, out of its restart budget)" in text
+
+
+def test_a_followers_restart_keeps_the_leaders_proof_without_that_follower(tmp_path):
+    state = make_state(tmp_path, replicas=3, share=True)
+    share = share_proof(state)
+    sup, world, _ = supervisor(state)
+    world.live.discard(1002)
+    sup.sweep()
+    assert state.record.share == replace(share, followers=(1,))
+    sup.busy.join(5)
+    assert state.replica(2).state is H  # the fake gate proves nothing: not listed again
+
+
+def test_once_teardown_began_a_restart_writes_and_says_nothing(tmp_path):
+    state = make_state(tmp_path, replicas=3, share=True)
+    sup, _, said = supervisor(state)
+    wait_healthy = sup.replicas.wait_healthy
+
+    def teardown_begins(index, timeout_s):
+        sup.crew.gate.close()
+        raise GateFailed("not healthy: it was stopped")
+
+    sup.replicas.wait_healthy = teardown_begins
+    sup.restart_replica(0, "its process is gone", [0, 1, 2])
+    assert said == [] and [r.state for r in state.replicas] == [S, S, S]
+    assert not [e for e in events(state) if e["event"] in ("restart_failed", "replica_failed")]
+    sup.replicas.wait_healthy = wait_healthy
+    over = make_state(tmp_path / "over", replicas=3, share=True, budget=0)
+    sup, _, said = supervisor(over)
+    sup.crew.gate.close()
+    sup.restart_replica.through_gates(0, "its process is gone", [0, 1, 2])
+    assert said == [] and [r.state for r in over.replicas] == [H, H, H]
+    assert ("stop", 0, 1, 2) not in sup.replicas.calls
+
+
+def test_a_restarted_follower_says_every_gate_it_passed(tmp_path):
+    state = make_state(tmp_path, replicas=3, share=True)
+    sup, world, said = supervisor(state)
+    world.live.discard(1002)
+    sup.sweep()
+    sup.busy.join(5)
+    assert said[-1] == (f"replica 2: restarted (pid {state.replica(2).pid}), passed its gates "
+                        "(health, processes, KV, share), back in the router")
 
 
 # --- the MPS daemon --------------------------------------------------------------------------

@@ -2,30 +2,44 @@
 of its own so the others stay watched.
 
 The supervisor hands over the slot's replica group: the replica whose check failed, then its
-dependents (slots.run_slots declares them: a weight-sharing leader's followers). Usually that
-is the replica alone. The group is taken out of the router → budget and backoff, decided on the
-failed replica's own history (the restart is recorded on every member) → stopped in
+dependents that may restart (slots.run_slots declares them: a weight-sharing leader's
+followers; slots.restart_group leaves a failed or stopped one out). Usually that is the
+replica alone. The group is taken out of the router → (a follower restarted without its
+leader: the leader must be alive, else the follower waits, down and charged nothing, for the
+sweep to restart the leader's group) → budget and backoff, decided on and charged to the
+failed replica's own history only → stopped in
 share_group.stop_waves (followers before their leader) → their ports free → started again in
 share_group.start_waves (the leader, then its followers), each with the same block and
 environment, each through health → KV equal to the plan → the share checks → (--mps)
 attachment → back in the router as soon as its wave passed. A member that fails its gates is
 stopped and left down (the next sweep tries again); a later wave, which depends on it, is not
-started. Past the budget the whole group is marked failed and stays out of the router.
+started. Past the budget the whole group is marked failed and stays out of the router. An
+error no gate names leaves what passed up, stops what was started and not gated, and leaves
+the rest down. Once teardown began nothing more is written or said: teardown owns the run.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from omni_dp.launcher.gates import GateFailed
-from omni_dp.launcher.share_group import start_waves
+from omni_dp.launcher.share_group import LEADER, start_waves
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.restart_policy import GiveUp
 from omni_dp.launcher.supervision.router_link import RouterLink
-from omni_dp.runfile import REPLICA_TRANSITIONS, ReplicaState
+from omni_dp.runfile import ReplicaState, can_transition
 
 PORT_FREE_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Progress:
+    """What one restart has done to its members so far: what an unexpected error must undo."""
+
+    started: set[int] = field(default_factory=set)  # started (or tried to), not stopped since
+    passed: set[int] = field(default_factory=set)  # passed every gate, back in service
 
 
 class ReplicaRestart:
@@ -34,35 +48,70 @@ class ReplicaRestart:
         self.crew = crew
         self.router = router
         self.passed = passed  # told when a restarted replica passed every gate
+        self._waiting: set[int] = set()  # followers said to wait for their gone leader
 
     def __call__(self, index: int, reason: str, group: list[int] | None = None) -> None:
         """The restart thread's body: whatever goes wrong leaves the group down (the next
         sweep tries again), never the supervisor dead."""
         members = list(group or [index])
+        progress = Progress()
         try:
-            self.through_gates(index, reason, members)
+            self.through_gates(index, reason, members, progress)
         except Exception as exc:
             if not self.crew.gate.closed:  # once teardown began, failing midway is expected
-                for i in members:
-                    self._down(i, repr(exc))
-                self.crew.state.event("restart_failed", replica=index, group=members,
-                                      error=repr(exc))
+                self._unexpected(index, members, progress, exc)
 
-    def through_gates(self, index: int, reason: str, group: list[int] | None = None) -> None:
+    def _unexpected(self, index: int, members: list[int], progress: Progress,
+                    exc: Exception) -> None:
+        """An error no gate names (a spawn that raised, a run.json that cannot be written, a
+        bug): what passed its gates stays up, in the router; what was started and not gated
+        is stopped (it must neither serve nor pass for healthy at the next sweep); the other
+        members are down, the next sweep tries again. A member never restarted may still run
+        its old process, taken out of the router: healthy at a sweep, it is put back."""
+        crew = self.crew
+        error = repr(exc)
+        ungated = sorted(progress.started - progress.passed)
+        stop_error = None
+        if ungated:
+            try:
+                crew.replicas.stop(ungated, crew.drain_timeout)
+            except Exception as again:  # GateFailed: a survivor, still recorded
+                stop_error = str(again) if isinstance(again, GateFailed) else repr(again)
+        down = [i for i in members if i not in progress.passed]
+        for i in down:
+            self._down(i, f"restart failed: {error}")
+        self.router.not_in_router.update(i for i in down if i not in ungated)
+        crew.state.event("restart_failed", replica=index, group=members, error=error,
+                         passed=sorted(progress.passed), stopped=ungated,
+                         **({"stop_error": stop_error} if stop_error else {}))
+        kept = sorted(progress.passed)
+        crew.say(f"replica {index}: restart failed: {error}"
+                 + (f"; replica(s) {', '.join(map(str, kept))} passed and stay" if kept else "")
+                 + (f"; replica(s) {', '.join(map(str, ungated))} not through the gates: "
+                    "stopped" if ungated else "")
+                 + (f" (not all: {stop_error})" if stop_error else "")
+                 + (f"; replica(s) {', '.join(map(str, down))} down, the next sweep tries "
+                    "again" if down else ""))
+
+    def through_gates(self, index: int, reason: str, group: list[int] | None = None,
+                      progress: Progress | None = None) -> None:
         crew, state = self.crew, self.crew.state
         members = list(group or [index])
-        history = state.replica(index).restarts
-        now = crew.clock()
+        progress = progress if progress is not None else Progress()
         for i in members:
             self.router.set_disabled(i, True)
-        decision = crew.policy.decide(history, now)
+        if self._leader_gone(members):
+            return
+        self._waiting.difference_update(members)
+        now = crew.clock()
+        decision = crew.policy.decide(state.replica(index).restarts, now)
         if isinstance(decision, GiveUp):
             self._give_up(index, members,
                           f"restart budget exhausted ({decision.reason}); last: {reason}")
             return
-        for i in members:
-            state.update_replica(i, restarts=decision.history if i == index else
-                                 crew.policy.remember(state.replica(i).restarts, now))
+        # Only the failed replica's history is charged: a dependent restarted with it did not
+        # fail on its own (its own crashes are charged when it restarts alone).
+        state.update_replica(index, restarts=decision.history)
         state.event("restart_started", replica=index, reason=reason, attempt=decision.attempt,
                     backoff_s=decision.delay,
                     **({"group": members} if len(members) > 1 else {}))
@@ -79,7 +128,7 @@ class ReplicaRestart:
         waves = start_waves(state.record, members)
         up: list[int] = []
         for n, wave in enumerate(waves):
-            passed = self._wave(wave)
+            passed = self._wave(wave, progress)
             if passed is None:  # teardown began: nothing more is started
                 return
             up += passed
@@ -93,7 +142,31 @@ class ReplicaRestart:
         if up:
             crew.replicas.measure_memory(up)
 
-    def _wave(self, wave: list[int]) -> list[int] | None:
+    def _leader_gone(self, members: list[int]) -> bool:
+        """A follower restarted without its leader (a restart of the leader would take it
+        along) whose leader is gone: it would attach to nothing and fail closed, each try
+        charged. It waits, down and charged nothing: the sweep sees the dead leader once no
+        restart owns it, and restarts the leader's whole group, this follower with it."""
+        state = self.crew.state
+        if not state.plan.share_weights or LEADER in members:
+            return False
+        if self.crew.probe.alive(state.replica(LEADER).identity):
+            return False
+        why = f"waiting for its leader (replica {LEADER}), which is gone"
+        new = [i for i in members if i not in self._waiting]
+        for i in members:
+            self._down(i, why)
+        self._waiting.update(members)
+        # down, out of the router: put back should it answer healthy after all
+        self.router.not_in_router.update(members)
+        if new and not self.crew.gate.closed:
+            for i in new:
+                state.event("restart_deferred", replica=i, reason=why)
+            self.crew.say(f"replica(s) {', '.join(map(str, new))}: not restarted alone, {why}; "
+                          f"the restart of replica {LEADER}'s group brings it back")
+        return True
+
+    def _wave(self, wave: list[int], progress: Progress) -> list[int] | None:
         """Start these replicas (together, unless the run starts one after another) and pass
         each through the gates; each that passed is back in the router. The ones that passed;
         None when teardown began."""
@@ -105,64 +178,80 @@ class ReplicaRestart:
                 if not may:
                     return None
                 for i in batch:
+                    progress.started.add(i)  # before: a start that raises midway is stopped
                     crew.replicas.start(i)
             for i in batch:
                 try:
-                    self._gates(i)
+                    ran = self._gates(i)
                 except GateFailed as exc:
                     crew.replicas.stop([i], crew.drain_timeout)
+                    progress.started.discard(i)
                     self._failed(i, str(exc))
                     continue
+                self._back(i, ran)
+                progress.passed.add(i)
                 passed.append(i)
-                self._back(i)
         return passed
 
-    def _gates(self, index: int) -> None:
+    def _gates(self, index: int) -> list[str]:
+        """Every gate of bring-up, in its order; the names of those that ran."""
         crew = self.crew
         crew.replicas.wait_healthy(index, crew.state.supervision.start_timeout)
         crew.replicas.record_processes(index)
         crew.replicas.check_kv([index])
-        crew.replicas.share_gate(index)
+        ran = ["health", "processes", "KV"]
+        if crew.replicas.sharing:
+            crew.replicas.share_gate(index)
+            ran.append("share")
         if crew.state.record.mps is not None:
             report = crew.replicas.verify_attachment()
             if not report.passed:
                 raise GateFailed("MPS attachment FAILED: " + "; ".join(
                     report.problems + [p for v in report.replicas for p in v.problems]))
+            ran.append("MPS attachment")
+        return ran
 
-    def _back(self, index: int) -> None:
+    def _back(self, index: int, gates: list[str]) -> None:
         state = self.crew.state
         self.passed(index)
         # The reason for the restart is resolved (it stays in events.jsonl, restart_started).
         state.update_replica(index, state=ReplicaState.HEALTHY, last_error=None)
         back = self.router.enable(index)
         pid = state.replica(index).pid
-        state.event("restart_completed", replica=index, pid=pid, in_router=back)
-        done = f"replica {index}: restarted (pid {pid}), passed health and KV checks, "
+        state.event("restart_completed", replica=index, pid=pid, in_router=back, gates=gates)
+        done = f"replica {index}: restarted (pid {pid}), passed its gates ({', '.join(gates)}), "
         self.crew.say(done + ("back in the router" if back else
                               "but NOT back in the router (above); retrying at every sweep"))
 
     def _give_up(self, index: int, members: list[int], why: str) -> None:
+        if self.crew.gate.closed:  # teardown stops them and owns their state
+            return
         try:
             self.crew.replicas.stop(members, self.crew.drain_timeout)
         except GateFailed as exc:  # it stays recorded; teardown names it
             why += f"; {exc}"
         for i in members:
             said = why if i == index else f"{why} (of replica {index}, which it depends on)"
+            # failed, the leader no longer publishes: run.json's share is null (with_replica)
             self.crew.state.update_replica(i, state=ReplicaState.FAILED, last_error=said)
             self.crew.state.event("replica_failed", replica=i, reason=said)
             self.crew.say(f"replica {i}: {said}; it stays out of the router")
 
     def _failed(self, index: int, error: str) -> None:
+        if self.crew.gate.closed:  # teardown began: failing midway is expected, not news
+            return
         first = error.splitlines()[0]
         self._down(index, first)
         self.crew.state.event("restart_failed", replica=index, error=error)
         self.crew.say(f"replica {index}: restart failed: {first}")
 
     def _down(self, index: int, error: str) -> None:
-        """Down (the next sweep tries again), unless the lifecycle says it cannot be."""
+        """Down (the next sweep tries again), unless the lifecycle says it cannot be or
+        teardown began (teardown owns the state then)."""
+        if self.crew.gate.closed:
+            return
         state = self.crew.state
-        now = state.replica(index).state
-        if now is ReplicaState.DOWN or ReplicaState.DOWN in REPLICA_TRANSITIONS[now]:
+        if can_transition(state.replica(index).state, ReplicaState.DOWN):
             state.update_replica(index, state=ReplicaState.DOWN, last_error=error)
 
     def _wait_port_free(self, port: int) -> bool:

@@ -45,8 +45,3 @@ class RestartPolicy:
             return GiveUp(n, self.window)
         delay = min(2.0 ** (n - 1), self.max_backoff) if n else 0.0
         return Restart(delay, n + 1, (*recent, now))
-
-    def remember(self, history: tuple[float, ...], now: float) -> tuple[float, ...]:
-        """history with a restart at now, as decide() keeps it (the ones within the window):
-        for the replicas a restart of another takes with it."""
-        return (*(t for t in history if now - t < self.window), now)

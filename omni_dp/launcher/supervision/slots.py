@@ -15,8 +15,8 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from omni_dp.launcher.share_group import LEADER
-from omni_dp.runfile import RunRecord
+from omni_dp.launcher.share_group import LEADER, followers
+from omni_dp.runfile import ReplicaState, RunRecord, can_transition
 
 
 @dataclass(frozen=True)
@@ -92,11 +92,8 @@ def run_slots(record: RunRecord) -> Dependencies:
     if record.plan.mps:
         for slot in replicas:
             deps.declare(slot, on=MPS)
-    if record.plan.share_weights:
-        leader = Slot.replica(LEADER)
-        for slot in replicas:
-            if slot != leader:
-                deps.declare(slot, on=leader)
+    for index in followers(record.plan.share_weights, (r.index for r in record.replicas)):
+        deps.declare(Slot.replica(index), on=Slot.replica(LEADER))
     return deps
 
 
@@ -104,6 +101,26 @@ def replica_group(deps: Dependencies, index: int) -> list[int]:
     """The replicas a restart of this one takes with it: itself, then its dependents."""
     return [index, *(s.index for s in deps.dependents(Slot.replica(index))
                      if s.kind == "replica" and s.index is not None)]
+
+
+# A dependent in these states does not go with a restart of what it depends on: a FAILED one
+# is out of its own restart budget (only the failed slot's history is charged, so it is never
+# given up for another's crashes, nor brought back past its own budget by another's restart);
+# a STOPPED one has nothing running to restart.
+LEFT_OUT = frozenset({ReplicaState.FAILED, ReplicaState.STOPPED})
+
+
+def restart_group(deps: Dependencies, record: RunRecord,
+                  index: int) -> tuple[list[int], list[int]]:
+    """What a restart of this replica takes with it, as (group, left out): itself, then each
+    dependent that may restart (replica_group's order); the dependents in LEFT_OUT, or that the
+    lifecycle does not let restart, stay as they are."""
+    group, left = [index], []
+    for i in replica_group(deps, index)[1:]:
+        now = record.replicas[i].state
+        restartable = now not in LEFT_OUT and can_transition(now, ReplicaState.RESTARTING)
+        (group if restartable else left).append(i)
+    return group, left
 
 
 class Busy:
