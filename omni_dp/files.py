@@ -16,13 +16,14 @@ class PrivateDirError(OSError):
 
 def private_dir_problem(path: Path) -> str | None:
     """Why an existing directory cannot be a private (0700, ours, real) directory of the run:
-    the state root, the MPS pipe and log dirs. None if it can, or does not exist yet."""
+    the state root, the MPS pipe and log dirs, the weight-share directory. None if it can, or
+    does not exist yet."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:
         return None
     if stat.S_ISLNK(info.st_mode):
-        return f"{path} is a symlink; the MPS directories must be real, private directories"
+        return f"{path} is a symlink; it must be a real, private directory"
     if not stat.S_ISDIR(info.st_mode):
         return f"{path} exists and is not a directory"
     if info.st_uid != os.getuid():

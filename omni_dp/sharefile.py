@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import stat
 from dataclasses import dataclass
@@ -38,6 +39,9 @@ BUFFER_KINDS = ("segment", "cuda_ipc")
 DTYPES = ("float64", "float32", "bfloat16", "float16", "int64", "int32")
 ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}
 MAX_DIMS = 8
+# A cudaIpcMemHandle_t or cudaIpcEventHandle_t is 64 bytes; torch's handle bytes are that, or
+# a little more: anything near a kilobyte is not one.
+MAX_IPC_HANDLE_BYTES = 1024
 
 
 class ShareFileError(Exception):
@@ -82,9 +86,24 @@ class CudaIpcHandle:
 
     @classmethod
     def from_json(cls, f: JsonFields) -> CudaIpcHandle:
-        return cls(f.int("device"), _hex(f, "handle"), f.int("storage_size"),
-                   f.int("storage_offset"), _hex(f, "ref_counter_handle"),
-                   f.int("ref_counter_offset"), _hex(f, "event_handle"),
+        counts = {}
+        for key in ("device", "storage_size", "storage_offset", "ref_counter_offset"):
+            counts[key] = f.int(key)
+            if counts[key] < 0:
+                raise Malformed(f"{f.path(key)} is negative")
+        handles = {}
+        # The event handle is empty when the leader's stream needs no waiting on.
+        for key, may_be_empty in (("handle", False), ("ref_counter_handle", False),
+                                  ("event_handle", True)):
+            handles[key] = value = _hex(f, key)
+            if not value and not may_be_empty:
+                raise Malformed(f"{f.path(key)} is empty")
+            if len(value) > MAX_IPC_HANDLE_BYTES:
+                raise Malformed(f"{f.path(key)} is {len(value)} bytes, more than "
+                                f"{MAX_IPC_HANDLE_BYTES}")
+        return cls(counts["device"], handles["handle"], counts["storage_size"],
+                   counts["storage_offset"], handles["ref_counter_handle"],
+                   counts["ref_counter_offset"], handles["event_handle"],
                    f.bool("event_sync_required"))
 
 
@@ -216,7 +235,7 @@ class ShareManifest:
             tuple(Buffer.from_json(b) for b in f.items("buffers")),
             tuple(TensorEntry.from_json(t) for t in f.items("shared")),
             tuple(TensorEntry.from_json(t) for t in f.items("private")),
-            f.number("created_at"), version,
+            _finite(f, "created_at"), version,
         )
         manifest.check_layout()
         return manifest
@@ -303,10 +322,20 @@ def read_manifest(directory: Path) -> ShareManifest:
         data = json.loads(raw)
     except ValueError as exc:
         raise ShareFileError(f"the weight-share manifest {path} is not JSON ({exc})") from None
+    except RecursionError:  # nested deeper than the parser's stack: not a manifest either
+        raise ShareFileError(f"the weight-share manifest {path} is not a manifest: nested "
+                             "too deeply to parse") from None
     try:
         return ShareManifest.from_json(data)
     except Malformed as exc:
         raise ShareFileError(f"the weight-share manifest {path} is malformed: {exc}") from None
+
+
+def _finite(f: JsonFields, key: str) -> float:
+    value = f.number(key)
+    if isinstance(value, float) and not math.isfinite(value):  # json reads NaN, Infinity
+        raise Malformed(f"{f.path(key)} is {value}, not a finite number")
+    return value
 
 
 def _hex(f: JsonFields, key: str) -> bytes:

@@ -135,7 +135,7 @@ def plan_serve(options: ServeOptions) -> ServePlan:
         problems.append("--drain-timeout must not be negative")
     if not 0 <= options.port <= 65535:
         problems.append(f"--port must be 0-65535, got {options.port}")
-    _check_share(options, cfg, dtype, problems)
+    _check_share(options, cfg, device, dtype, problems)
 
     kv = None
     if cfg is not None and dtype is not None:
@@ -159,13 +159,20 @@ def plan_serve(options: ServeOptions) -> ServePlan:
     )
 
 
-def _check_share(options: ServeOptions, cfg: ModelConfig | None, dtype: torch.dtype | None,
-                 problems: list[str]) -> None:
+def _check_share(options: ServeOptions, cfg: ModelConfig | None, device: torch.device | None,
+                 dtype: torch.dtype | None, problems: list[str]) -> None:
     """--share-weights and --share-dir go together; the directory is private if it exists
-    (the leader creates it); the architecture has a share policy that fits the model."""
+    (the leader creates it); a CUDA leader's allocator can export IPC handles (read from the
+    environment: no GPU touched); the architecture has a share policy that fits the model."""
     role, directory = options.share_weights, options.share_dir
     if role is None and directory is None:
         return
+    if role == "leader" and device is not None and device.type == "cuda":
+        from omni_dp.engine.share.cuda_ipc import exportable_problem
+
+        problem = exportable_problem()
+        if problem:
+            problems.append(f"--share-weights leader: {problem}")
     if role is None:
         problems.append("--share-dir needs --share-weights leader|follower")
     if directory is None:

@@ -69,9 +69,10 @@ log = logging.getLogger("omni_dp.serve")
 # default 5 ms, 13.4 at 0.2 ms, 15.1 at 0.05 ms.
 SWITCH_INTERVAL_S = 0.00005
 # A follower whose leader is gone stops serving at once (exit 4); if its clean stop (every
-# in-flight request cut off, the workers joined) has not ended the process by then, it exits
-# without one.
+# in-flight request cut off, the workers joined) has not ended the process this long after the
+# leader's exit was seen, it exits without one.
 LEADER_GONE_GRACE_S = 0.5
+LEADER_GONE_REASON = "the leader of this replica's shared weights is gone"
 
 
 class State(str, Enum):
@@ -275,15 +276,18 @@ class ReplicaServer:
         LEADER_GONE_GRACE_S.
         """
         assert self.share is not None
+        if self._loop is None or self._loop.is_closed():
+            return  # run() has returned: the process is on its way out with its own code
         log.error("weight share: the leader (pid %d) is gone; this follower stops serving",
                   self.share.leader.pid)
         self.state = State.FAILED  # /health says 503 from now on
         self.exit_code = ExitCode.LEADER_GONE
         if self.plan.device.type == "cuda":
             os._exit(ExitCode.LEADER_GONE)
-        assert self._loop is not None  # run() set it before anything could be shared
-        self._loop.call_soon_threadsafe(self._abandon, "the leader of this replica's shared "
-                                        "weights is gone")
+        try:
+            self._loop.call_soon_threadsafe(self._abandon, LEADER_GONE_REASON)
+        except RuntimeError:  # the loop closed since: run() has returned
+            return
         time.sleep(LEADER_GONE_GRACE_S)
         log.error("weight share: the clean stop took longer than %.1f s; exiting",
                   LEADER_GONE_GRACE_S)
@@ -575,7 +579,7 @@ def serve(plan: ServePlan) -> int:
     code = asyncio.run(main())
     if code == ExitCode.LEADER_GONE:
         # Stopped cleanly, but without the interpreter's teardown (torch's alone takes about
-        # half a second): a follower whose leader is gone is out within about a second.
+        # half a second): a follower whose leader is gone is out right after its clean stop.
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

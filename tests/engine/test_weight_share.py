@@ -7,7 +7,10 @@ attached here too, except where a write must kill one (a subprocess).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import errno
+import logging
 import os
 import shutil
 import signal
@@ -16,6 +19,7 @@ import sys
 import textwrap
 import time
 
+import psutil
 import pytest
 import torch
 from click.testing import CliRunner
@@ -33,11 +37,12 @@ from omni_dp.engine.share.export import publish
 from omni_dp.engine.share.identity import model_identity
 from omni_dp.engine.share.layout import buffer_per_dtype, lay_out
 from omni_dp.engine.share.policy import PolicyError, policy_for
+from omni_dp.engine.share.segment import map_segment
 from omni_dp.engine.share.tensors import named_tensors
 from omni_dp.engine.share.verify import check_manifest, expected_of
 from omni_dp.engine.share.watch import LeaderWatch
 from omni_dp.engine.weights import meta_models, save_models, seeded_models
-from omni_dp.procs import identify
+from omni_dp.procs import identify, is_alive
 from omni_dp.sharefile import (
     ALIGN,
     MANIFEST_FILE,
@@ -201,6 +206,17 @@ def test_share_flags_go_together_and_every_problem_is_said(tmp_path):
     assert not (open_dir / MANIFEST_FILE).exists()  # planning created nothing
 
 
+def test_a_share_dir_that_is_a_symlink_is_refused_in_words_of_its_own(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(ServePlanError) as caught:
+        plan_for("leader", link)
+    assert caught.value.problems == [
+        f"--share-dir: {link} is a symlink; it must be a real, private directory"]
+
+
 @pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
 def test_the_dry_run_says_what_sharing_would_keep_once(tmp_path, dtype):
     summary = plan_summary(plan_for("leader", tmp_path / "share", dtype=dtype))
@@ -298,17 +314,57 @@ def test_a_new_leader_replaces_what_an_earlier_one_left_but_nothing_else(publish
         publish(plan, build_models(plan), share)
 
 
-@pytest.mark.parametrize(("env", "value"), [
-    ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
-    ("PYTORCH_ALLOC_CONF", "max_split_size_mb:64, expandable_segments:true"),
-])
-def test_a_cuda_leader_refuses_expandable_segments(monkeypatch, env, value):
+NO_IPC_ALLOCATORS = [
+    ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", "enables expandable_segments"),
+    ("PYTORCH_ALLOC_CONF", "max_split_size_mb:64, expandable_segments:true",
+     "enables expandable_segments"),
+    ("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync", "selects backend:cudaMallocAsync"),
+    ("PYTORCH_ALLOC_CONF", "max_split_size_mb:64, backend: cudaMallocAsync",
+     "selects backend:cudaMallocAsync"),
+]
+
+
+@pytest.mark.parametrize(("env", "value", "reason"), NO_IPC_ALLOCATORS)
+def test_a_cuda_leader_refuses_an_allocator_without_ipc_handles(monkeypatch, env, value,
+                                                                reason):
     from omni_dp.engine.share.cuda_ipc import check_exportable
 
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    check_exportable()
+    monkeypatch.setenv(env, "expandable_segments:False,backend:native")
     check_exportable()
     monkeypatch.setenv(env, value)
-    with pytest.raises(ShareError, match=f"{env} enables expandable_segments"):
+    with pytest.raises(ShareError, match=f"{env} {reason}"):
         check_exportable()
+
+
+@pytest.mark.parametrize(("env", "value", "reason"), NO_IPC_ALLOCATORS)
+def test_the_plan_of_a_cuda_leader_refuses_it_before_anything_starts(monkeypatch, tmp_path,
+                                                                     env, value, reason):
+    """Planning reads the environment only: a device faked as CUDA is enough (exit 2)."""
+    from omni_dp.cli import serve
+    from omni_dp.engine import plan as plan_module
+
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(plan_module, "_resolve_device",
+                        lambda name, problems: torch.device("cuda", 0))
+    monkeypatch.setattr(plan_module, "_check_memory", lambda kv, device, problems: None)
+    share = tmp_path / "share"
+    assert plan_for("leader", share).device.type == "cuda"
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ServePlanError) as caught:
+        plan_for("leader", share)
+    [problem] = caught.value.problems
+    assert problem.startswith(f"--share-weights leader: {env} {reason}")
+    plan_for("follower", share)  # a follower exports nothing
+    plan_for(None, None)
+    result = CliRunner().invoke(serve, ["--device", "cuda", "--share-weights", "leader",
+                                        "--share-dir", str(share), "--dry-run"])
+    assert result.exit_code == 2, result.output
+    assert f"--share-weights leader: {env} {reason}" in result.output
+    assert not share.exists()
 
 
 # --- fail closed ------------------------------------------------------------------------
@@ -414,6 +470,50 @@ def test_a_truncated_or_changed_segment_is_refused(published, unit_dir):
         in refused(share, unit_dir)
 
 
+@pytest.mark.parametrize(("change", "reason"), [
+    ({"device": "GPU-x"}, "the device differs: the leader's is GPU-x, this follower's is cpu"),
+    ({"policy": "omni-dp-tts/0"}, "the share policy differs: the leader's is omni-dp-tts/0, "
+                                  "this follower's is omni-dp-tts/1"),
+])
+def test_a_manifest_of_another_device_or_policy_is_refused(published, unit_dir, change, reason):
+    share, _, _ = published
+    rewrite(share, **change)
+    assert reason in refused(share, unit_dir)
+
+
+def test_a_segment_that_is_a_link_or_larger_than_the_manifest_says_is_refused(published,
+                                                                              tmp_path):
+    share, _, _ = published
+    segment = share / SEGMENT_FILE
+    size = read_manifest(share).buffers[0].nbytes
+    map_segment(share, size)  # as published: fine
+    elsewhere = tmp_path / "elsewhere.bin"
+    shutil.copyfile(segment, elsewhere)
+    os.chmod(elsewhere, 0o600)  # a file that would pass every other check
+    kept = share / "kept.bin"
+    segment.rename(kept)
+    segment.symlink_to(elsewhere)
+    with pytest.raises(ShareError, match=r"cannot open the weight-share segment .*\(it is a "
+                                         r"symlink\)"):
+        map_segment(share, size)
+    segment.unlink()
+    kept.rename(segment)
+    os.chmod(segment, 0o600)
+    with open(segment, "ab") as f:
+        f.write(bytes(ALIGN))
+    with pytest.raises(ShareError, match=f"is {size + ALIGN} bytes, the manifest says {size}"):
+        map_segment(share, size)
+
+
+def test_a_leader_gone_while_the_follower_attached_is_refused(published, unit_dir):
+    """Alive when the manifest is checked, gone once the views are bound."""
+    share, _, _ = published
+    answers = iter([True, False])
+    with pytest.raises(ShareError, match=r"the leader \(pid \d+\) went away while this "
+                                         "follower attached"):
+        attach(follower_plan(share, unit_dir), share, alive=lambda _: next(answers))
+
+
 def test_the_checks_run_in_order_and_the_leader_is_checked_before_the_tensors(published,
                                                                              unit_dir):
     share, _, _ = published
@@ -467,22 +567,269 @@ def test_a_follower_that_writes_a_shared_tensor_dies_and_nobody_else_sees_it(pub
     assert all(torch.equal(a, b) for a, b in zip(outputs(leader), expected, strict=True))
 
 
+def _file_mappings(path) -> list[tuple[int, int, str]]:
+    """(start, end, permissions) of this process's mappings of `path`."""
+    target = str(path.resolve())
+    spans = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.rstrip("\n").split(maxsplit=5)
+            if len(fields) == 6 and fields[5] == target:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                spans.append((start, end, fields[1]))
+    return spans
+
+
+def test_the_leader_computes_from_its_own_read_only_mapping_of_the_segment(published):
+    share, leader, _ = published
+    spans = _file_mappings(share / SEGMENT_FILE)
+    assert spans and {perms for _, _, perms in spans} == {"r--s"}  # read-only, shared
+    tensors = named_tensors(leader)
+    manifest = read_manifest(share)
+    for entry in (*manifest.shared, *manifest.private):  # the leader keeps no copy of any
+        at = tensors[entry.name].data_ptr()
+        assert any(start <= at and at + entry.nbytes <= end for start, end, _ in spans), \
+            entry.name
+
+
+_LEADER_WRITER = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from omni_dp.engine.options import ServeOptions
+    from omni_dp.engine.plan import plan_serve
+    from omni_dp.engine.server import build_models
+    from omni_dp.engine.share.export import publish
+
+    share = Path(sys.argv[1])
+    plan = plan_serve(ServeOptions(device="cpu", threads=1, max_total_tokens=256,
+                                   model=sys.argv[2], share_weights="leader",
+                                   share_dir=str(share)))
+    models = build_models(plan)
+    publish(plan, models, share)
+    print("published", flush=True)
+    models.talker.layers[0].attn.qkv_proj.weight.data.mul_(2.0)  # a shared tensor
+    print("wrote", flush=True)
+""")
+
+
+def test_a_leader_that_writes_a_shared_tensor_dies_too(tmp_path, unit_dir):
+    share = tmp_path / "share"
+    done = subprocess.run([sys.executable, "-c", _LEADER_WRITER, str(share), str(unit_dir)],
+                          capture_output=True, text=True, timeout=120)
+    assert "published" in done.stdout, done.stderr
+    assert "wrote" not in done.stdout
+    assert done.returncode == -signal.SIGSEGV, done.stderr
+
+
+# --- the CUDA path, on the CPU ----------------------------------------------------------
+
+
+def test_the_cuda_publish_and_bind_give_views_of_the_right_per_dtype_buffer(tmp_path,
+                                                                            monkeypatch):
+    """export._publish_cuda and attach._bind_cuda with the device calls faked (buffers are
+    CPU tensors; a handle names one of them): the per-dtype layout, the copies into the
+    buffers, the views bound on both sides, the private copies, the same bytes computed."""
+    from omni_dp.engine.share import attach as attach_module
+    from omni_dp.engine.share import export as export_module
+    from omni_dp.engine.share import verify as verify_module
+    from omni_dp.sharefile import CudaIpcHandle
+
+    torch.set_num_threads(1)
+    monkeypatch.delenv("OMNI_DP_RUN_ID", raising=False)
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    exported: dict[bytes, torch.Tensor] = {}
+
+    def fake_export(flat: torch.Tensor) -> CudaIpcHandle:
+        handle = f"buffer {len(exported)}".encode()
+        exported[handle] = flat
+        return CudaIpcHandle(0, handle, flat.numel(), 0, b"refcount", 0, b"", False)
+
+    def fake_device_name(device: torch.device) -> str:
+        return "GPU-fake" if device.type == "cuda" else "cpu"
+
+    monkeypatch.setattr(export_module, "new_buffer",
+                        lambda nbytes, device: torch.full((nbytes,), 0xAB, dtype=torch.uint8))
+    monkeypatch.setattr(export_module, "export", fake_export)
+    monkeypatch.setattr(export_module, "_KEEP", [])
+    monkeypatch.setattr(attach_module, "open_buffer", lambda ipc, device: exported[ipc.handle])
+    monkeypatch.setattr(export_module, "device_name", fake_device_name)
+    monkeypatch.setattr(verify_module, "device_name", fake_device_name)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    gpu = torch.device("cuda", 0)
+    share = tmp_path / "share"
+
+    def on_gpu(role):
+        return dataclasses.replace(plan_for(role, share, dtype="bfloat16"), device=gpu)
+
+    leader_plan = on_gpu("leader")
+    leader = build_models(leader_plan, torch.device("cpu"))  # as leader_build_device says
+    publish(leader_plan, leader, share)
+    manifest = read_manifest(share)
+    assert manifest.device == "GPU-fake"
+    assert [b.kind for b in manifest.buffers] == ["cuda_ipc", "cuda_ipc"]
+    flats = list(exported.values())
+    assert [f.numel() for f in flats] == [b.nbytes for b in manifest.buffers]
+    dtypes = [{e.dtype for e in (*manifest.shared, *manifest.private) if e.buffer == i}
+              for i in range(2)]
+    assert dtypes == [{"bfloat16"}, {"float32"}]  # the talker's, then the vocoder's
+    assert not (share / SEGMENT_FILE).exists()
+
+    follower, info = attach(on_gpu("follower"), share)
+    assert info.tensors_shared == len(manifest.shared)
+    plain = build_models(plan_for(None, None, dtype="bfloat16"))
+    expected = outputs(plain)
+    for got in (outputs(leader), outputs(follower)):
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+    def inside(tensor: torch.Tensor, flat: torch.Tensor) -> bool:
+        at = tensor.data_ptr()
+        return flat.data_ptr() <= at and at + tensor.nbytes <= flat.data_ptr() + flat.numel()
+
+    followers, leaders = named_tensors(follower), named_tensors(leader)
+    for entry in manifest.shared:  # a view of its own dtype's buffer, on both sides
+        flat = flats[entry.buffer]
+        assert inside(followers[entry.name], flat) and inside(leaders[entry.name], flat), \
+            entry.name
+        assert followers[entry.name].data_ptr() == leaders[entry.name].data_ptr()
+    for entry in manifest.private:  # the follower's own copy; the leader's lies in the buffer
+        assert not any(inside(followers[entry.name], flat) for flat in flats), entry.name
+        assert inside(leaders[entry.name], flats[entry.buffer]), entry.name
+
+
 # --- the leader watch -------------------------------------------------------------------
 
 
-def test_the_watch_calls_once_when_the_leader_is_gone():
+@pytest.fixture
+def orphan():
+    """A process that is not our child (its parent, a shell, has exited), as a follower's
+    leader is not the follower's; killed by pid at teardown if the test did not."""
+    done = subprocess.run(["sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $!"],
+                          capture_output=True, text=True, timeout=10, check=True)
+    identity = identify(int(done.stdout))
+    assert identity is not None
+    yield identity
+    if is_alive(identity):
+        os.kill(identity.pid, signal.SIGKILL)
+
+
+def _no_pidfd(pid: int) -> int:
+    raise OSError(errno.ENOSYS, "Function not implemented")
+
+
+def test_the_watch_sees_a_leader_that_is_not_its_child_exit_at_once(orphan):
+    leader = orphan
+    assert leader.pid not in {c.pid for c in psutil.Process().children()}
+    called = []
+    watch = LeaderWatch(leader, lambda: called.append(time.monotonic()))
+    watch.start()
+    wait_for("the pidfd", lambda: watch.mode, 5, 0.005)
+    assert watch.mode == "pidfd"
+    time.sleep(0.05)
+    assert called == []  # alive: no call
+    killed = time.monotonic()
+    os.kill(leader.pid, signal.SIGKILL)
+    wait_for("the call", lambda: called, 5, 0.001)
+    latency = called[0] - killed
+    print(f"leader kill -> on_gone: {latency * 1000:.1f} ms")
+    assert latency < 0.1  # a poll every 0.5 s would be 250 ms late on average
+    watch.join(5)
+    assert called == [called[0]]
+
+
+def test_a_pid_recycled_before_the_pidfd_was_taken_is_a_gone_leader():
+    """The fd names whoever has the pid now: the identity is checked once, after it is taken."""
+    calls, checks = [], []
+
+    def recycled(identity):
+        checks.append(identity)
+        return False
+
+    watch = LeaderWatch(identify(os.getpid()), lambda: calls.append(1), alive=recycled)
+    watch.start()
+    wait_for("the call", lambda: calls, 5, 0.005)
+    assert (watch.mode, len(checks)) == ("pidfd", 1)
+
+
+def test_an_alive_leader_is_checked_once_not_polled():
+    """No repeated create-time comparison (it moves with the wall clock: a clock step would
+    make every follower exit 4)."""
+    checks, calls = [], []
+    watch = LeaderWatch(identify(os.getpid()), lambda: calls.append(1), interval=0.01,
+                        alive=lambda identity: checks.append(identity) or True)
+    watch.start()
+    time.sleep(0.2)  # twenty poll intervals
+    watch.stop()
+    watch.join(5)
+    assert (watch.mode, len(checks), calls) == ("pidfd", 1, [])
+
+
+def test_without_a_pidfd_the_watch_polls_and_calls_once():
     calls = []
     state = {"alive": True}
     watch = LeaderWatch(identify(os.getpid()), lambda: calls.append(1), interval=0.01,
-                        alive=lambda _: state["alive"])
+                        alive=lambda _: state["alive"], pidfd_open=_no_pidfd)
     watch.start()
     time.sleep(0.05)  # a few polls
-    assert calls == []
+    assert (watch.mode, calls) == ("poll", [])
     state["alive"] = False
     wait_for("the call", lambda: calls, 5, 0.01)
     state["alive"] = True
+    watch.join(5)
     watch.stop()
     assert calls == [1]
+
+
+@pytest.mark.parametrize("where", ["alive", "pidfd_open"])
+def test_a_watch_that_fails_says_the_leader_is_gone(caplog, where):
+    """Fail closed: an error in the watch is logged and stops the follower."""
+    def broken(_):
+        raise RuntimeError("psutil broke")
+
+    calls = []
+    kwargs = {"alive": broken} if where == "alive" else {"pidfd_open": broken}
+    watch = LeaderWatch(identify(os.getpid()), lambda: calls.append(1), **kwargs)
+    with caplog.at_level(logging.ERROR, logger="omni_dp.serve"):
+        watch.start()
+        wait_for("the call", lambda: calls, 5, 0.005)
+    assert "watching the leader (pid" in caplog.text
+    assert "RuntimeError: psutil broke" in caplog.text
+
+
+@pytest.mark.parametrize("pidfd", [True, False])
+def test_a_stopped_watch_never_calls_and_its_thread_ends(orphan, pidfd):
+    """A clean stop (SIGTERM, exit 0) must not turn into an exit 4 when the leader is
+    stopped right after its followers."""
+    leader = orphan
+    calls = []
+    options = {} if pidfd else {"pidfd_open": _no_pidfd, "interval": 0.01}
+    watch = LeaderWatch(leader, lambda: calls.append(1), **options)
+    watch.start()
+    wait_for("the watch", lambda: watch.mode, 5, 0.005)
+    watch.stop()
+    os.kill(leader.pid, signal.SIGKILL)
+    watch.join(5)
+    assert not watch._thread.is_alive()  # woken by stop(), not left blocked on the pidfd
+    time.sleep(0.05)
+    assert calls == []
+    watch.stop()  # twice is harmless
+
+
+def test_a_gone_leader_seen_after_the_loop_closed_does_nothing(tmp_path):
+    """The watch thread can outlive run(): by then the exit code is the process's own."""
+    from omni_dp.contract import ExitCode
+    from omni_dp.engine.server import ReplicaServer, State
+    from omni_dp.engine.share import ShareInfo
+
+    server = ReplicaServer(plan_for("follower", tmp_path / "share"))
+    server.share = ShareInfo("follower", str(tmp_path / "share"), "p", 1, 1, 1,
+                             identify(os.getpid()))
+    loop = asyncio.new_event_loop()
+    loop.close()
+    server._loop = loop
+    server._on_leader_gone()  # returns: no exception, no os._exit
+    assert (server.state, server.exit_code) == (State.STARTING, ExitCode.OK)
 
 
 def test_a_cuda_leader_builds_on_the_cpu_so_the_device_holds_its_weights_once(tmp_path):

@@ -64,17 +64,21 @@ def test_leader_follower_and_own_replica_agree_and_the_follower_stops_with_its_l
     worker.start()
     wait_for("a request running on the follower",
              lambda: follower.metric("omni_dp_requests_running") == 1, 30, 0.02)
-    os.kill(leader.pid, signal.SIGKILL)
-    leader.proc.wait(10)
     killed = time.monotonic()
+    os.kill(leader.pid, signal.SIGKILL)
     assert follower.proc.wait(10) == 4
-    assert time.monotonic() - killed < 2  # a poll (0.5 s) and a stop without a drain
+    stopped = time.monotonic() - killed
+    print(f"leader kill -9 -> follower exit 4: {stopped * 1000:.0f} ms")
+    # Seen at once (a pidfd), then a stop without a drain, cut short 0.5 s after the exit is
+    # seen at the latest (measured: 35-170 ms; the pidfd itself: ~1 ms, test_weight_share).
+    assert stopped < 1
     worker.join(30)
     status, _, answer = held["answer"]
-    # Cut off, never a success: a 503 saying why (or, had the clean stop overrun its 0.5 s,
-    # no answer at all).
-    gone = b"the leader of this replica's shared weights is gone"
-    assert (status == 503 and gone in answer) or status == 0, (status, answer[:200])
+    # Cut off, never a success: on the CPU the clean stop answers the request in flight with
+    # a 503 saying why before the process exits.
+    assert status == 503, (status, answer[:200])
+    assert b"the leader of this replica's shared weights is gone; retry on another replica" \
+        in answer
     assert (f"weight share: the leader (pid {leader.pid}) is gone; this follower stops "
             "serving") in follower.log_text()
     assert get(plain.url + "/health")[0] == 200  # a replica of its own is not affected

@@ -4,8 +4,11 @@ torch's own primitives, as torch.multiprocessing uses them (torch/multiprocessin
 `reduce_tensor` calls `_share_cuda_()`, `rebuild_cuda_tensor` calls `_new_shared_cuda`), without
 its pickling: the eight values travel in the manifest (sharefile.CudaIpcHandle). A buffer is one
 caching-allocator allocation; its handle names the whole cudaMalloc block and the buffer's offset
-in it. The leader keeps every buffer for its lifetime, so no ref counting beyond torch's own is
-needed.
+in it. The buffers are never released: the leader keeps every one for its lifetime
+(export._KEEP). torch's per-export ref counter (`ref_counter_handle`, which its own sharing
+uses to decide when the exporter may free a block) is decremented by each follower's exit too,
+so it is not meaningful here; it does not need to be, since nothing is ever freed while the
+leader runs.
 
 Not testable without a GPU; every device-agnostic step around it (layout, views, checks) is
 tested on the CPU.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 
 import torch
 
@@ -32,16 +36,41 @@ def device_name(device: torch.device) -> str:
     return "GPU-" + str(torch.cuda.get_device_properties(device).uuid)
 
 
-def check_exportable() -> None:
-    """Expandable segments map memory with the cuMem* API, whose IPC export needs
-    pidfd_getfd (and a kernel and ptrace rules to allow it); torch's cudaIpc handles are not
-    available for them: refuse rather than hand followers a handle that will not open."""
+def _alloc_settings(value: str) -> dict[str, str]:
+    """`key:value,key:value` as torch parses PYTORCH_CUDA_ALLOC_CONF, lowercased."""
+    settings = {}
+    for item in value.replace(" ", "").lower().split(","):
+        key, _, setting = item.partition(":")
+        if key:
+            settings[key] = setting
+    return settings
+
+
+def exportable_problem(environ: Mapping[str, str] = os.environ) -> str | None:
+    """Why the allocator this environment configures gives no cudaIpc handles, or None.
+
+    Expandable segments map memory with the cuMem* API, whose IPC export needs pidfd_getfd
+    (and a kernel and ptrace rules to allow it); the cudaMallocAsync backend allocates from a
+    stream-ordered pool, which cudaIpcGetMemHandle does not export. torch's cudaIpc handles
+    are available for neither: refuse rather than hand followers a handle that will not open.
+    Reads only the environment (no GPU needed): the plan checks it, publish again."""
     for env in ALLOC_CONF_ENVS:
-        settings = os.environ.get(env, "").replace(" ", "").lower()
-        if "expandable_segments:true" in settings.split(","):
-            raise ShareError(f"{env} enables expandable_segments; a sharing leader needs "
-                             "cudaMalloc'd buffers for CUDA IPC: unset it (or set "
-                             "expandable_segments:False)")
+        settings = _alloc_settings(environ.get(env, ""))
+        if settings.get("expandable_segments") == "true":
+            return (f"{env} enables expandable_segments; a sharing leader needs cudaMalloc'd "
+                    "buffers for CUDA IPC: unset it (or set expandable_segments:False)")
+        if settings.get("backend") == "cudamallocasync":
+            return (f"{env} selects backend:cudaMallocAsync, whose pool allocations have no "
+                    "CUDA IPC handles; a sharing leader needs the native caching allocator: "
+                    "unset it (or set backend:native)")
+    return None
+
+
+def check_exportable() -> None:
+    """ShareError with `exportable_problem`'s reason, if any."""
+    problem = exportable_problem()
+    if problem:
+        raise ShareError(problem)
 
 
 def new_buffer(nbytes: int, device: torch.device) -> torch.Tensor:

@@ -41,7 +41,11 @@ from omni_dp.sharefile import (
 log = logging.getLogger("omni_dp.serve")
 
 Placed = list[tuple[TensorEntry, torch.Tensor]]
-_KEEP: list[torch.Tensor] = []  # the exported CUDA buffers: alive as long as the leader
+# The exported CUDA buffers, never released: the leader holds them for its whole life. The
+# ref counter torch keeps per export (the leader would free a block once it reads zero) is
+# decremented by each follower's exit as well, so it says nothing here; holding the buffers
+# for the leader's lifetime is what makes that harmless.
+_KEEP: list[torch.Tensor] = []
 
 
 def publish(plan: ServePlan, models: PipelineModels, share_dir: Path) -> ShareInfo:
