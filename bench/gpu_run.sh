@@ -41,7 +41,7 @@ LIMIT_SMOKE=${LIMIT_SMOKE:-60}
 LIMIT_CHECK=${LIMIT_CHECK:-90}
 LIMIT_SHARE=${LIMIT_SHARE:-120}
 SHARE_REPLICAS=${SHARE_REPLICAS:-3}
-SHARE_RUNS=${SHARE_RUNS:-separate,shared}  # bench/weight_share.py --runs
+SHARE_RUNS=${SHARE_RUNS:-separate,shared}  # bench/weight_share.py --runs; none: skip the step
 TEARDOWN_RESERVE=${TEARDOWN_RESERVE:-45}  # kept for the exit trap's downs and packing
 export PY=${PYTHON:-python3}
 START=$SECONDS
@@ -165,10 +165,14 @@ step "mps smoke" "$LIMIT_SMOKE" mps_smoke.txt \
     "$PY" bench/mps_smoke.py --work "$WORK/smoke" --gpu "$SMOKE_GPU"
 step gpu_check "$LIMIT_CHECK" gpu_check.txt \
     bash -c "cd bench && exec \"\$PY\" gpu_check.py '$MODEL' --device $DEVICE"
-step "weight share" "$LIMIT_SHARE" share.txt bash -c "cd bench && exec \"\$PY\" weight_share.py \
+if [ "$SHARE_RUNS" = none ]; then
+    echo "skipped: SHARE_RUNS=none" >>"$OUT/share.txt"
+    summary "| weight share | skipped (SHARE_RUNS=none) | 0 | share.txt |"
+else step "weight share" "$LIMIT_SHARE" share.txt bash -c "cd bench && exec \"\$PY\" weight_share.py \
     --replicas '$SHARE_REPLICAS' --runs '$SHARE_RUNS' --serve-args '--model $MODEL' --gpu '$GPU' \
     $SHARE_MPS --state-dir '$STATE' --out '$WORK/share' --artifacts '$WORK/artifacts' \
     --run-timeout 60 --recovery-timeout 40 --launch-args '--start-timeout 50 --on-mps-fault fail'"
+fi
 room=$(($(left) - TEARDOWN_RESERVE))
 step "DP table" "$room" scaling.txt bash -c "cd bench && exec \"\$PY\" launch_scaling.py \
     --configs '$CONFIGS' --concurrency '$CONCURRENCY' --requests '$REQUESTS' \

@@ -181,27 +181,34 @@ class ShareBench:
         row["run_dir_left"] = run_dir.exists()
 
 
+HEADER = ("| run | result | up s | ΣPSS MiB | ΣUSS MiB | per replica USS MiB | shared MiB "
+          "| GPU used Δ MiB | per replica GPU MiB | identical audio | leader kill → all back s "
+          "| down |\n" + "|" + "---|" * 12)
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| run | result | up s | ΣPSS MiB | ΣUSS MiB | per replica USS MiB | shared MiB "
-             "| GPU used Δ MiB | identical audio | leader kill → all back s | down |",
-             "|" + "---|" * 11]
-    for r in rows:
-        host = r.get("host") or {}
-        uss = " / ".join(f"{m['uss'] / MiB:.0f}" for m in host.values()) or "-"
-        share = r.get("share") or {}
-        delta = r.get("device_used_delta")
-        down = ("clean" if r.get("down_rc") == 0 and not r.get("left_behind")
-                and not r.get("run_dir_left") else f"rc {r.get('down_rc')}, left "
-                f"{len(r.get('left_behind') or [])}")
-        after = "" if "identical_after" not in r else f" (after: {r['identical_after']})"
-        lines.append(
-            f"| {r['run']} | {r['result']} | {r.get('up_s', '-')} | "
-            f"{r.get('sum_pss', 0) / MiB:.0f} | {r.get('sum_uss', 0) / MiB:.0f} | {uss} | "
-            f"{share.get('shared_bytes', 0) / MiB:.0f} | "
-            f"{'-' if delta is None else f'{delta / MiB:.0f}'} | {r.get('identical', '-')}"
-            f"{after} | "
-            f"{r.get('leader_kill_recovery_s', '-')} | {down} |")
-    return "\n".join(lines)
+    return "\n".join([HEADER, *(table_row(r) for r in rows)])
+
+
+def table_row(r: dict) -> str:
+    """One run's row, printed as soon as the run ends (a device call cut short keeps it)."""
+    host = r.get("host") or {}
+    uss = " / ".join(f"{m['uss'] / MiB:.0f}" for m in host.values()) or "-"
+    share = r.get("share") or {}
+    delta = r.get("device_used_delta")
+    down = ("clean" if r.get("down_rc") == 0 and not r.get("left_behind")
+            and not r.get("run_dir_left") else f"rc {r.get('down_rc')}, left "
+            f"{len(r.get('left_behind') or [])}")
+    after = "" if "identical_after" not in r else f" (after: {r['identical_after']})"
+    gpu = " / ".join("-" if b is None else f"{b / MiB:.0f}"
+                     for b in (r.get("device_per_process") or {}).values()) or "-"
+    return (
+        f"| {r['run']} | {r['result']} | {r.get('up_s', '-')} | "
+        f"{r.get('sum_pss', 0) / MiB:.0f} | {r.get('sum_uss', 0) / MiB:.0f} | {uss} | "
+        f"{share.get('shared_bytes', 0) / MiB:.0f} | "
+        f"{'-' if delta is None else f'{delta / MiB:.0f}'} | {gpu} | "
+        f"{r.get('identical', '-')}{after} | "
+        f"{r.get('leader_kill_recovery_s', '-')} | {down} |")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -237,18 +244,20 @@ def main(argv: list[str] | None = None) -> int:
     bench = ShareBench(args)
     bench.out.mkdir(parents=True, exist_ok=True)
     rows = []
+    title = (f"## {time.strftime('%Y-%m-%d %H:%M')} — `{args.serve_args}`, {args.replicas} "
+             f"replicas, gpu {args.gpu}{' (MPS)' if args.mps else ''}, KV {args.kv_tokens} "
+             "tokens")
+    print(f"{title}\n\n{HEADER}", flush=True)
     try:
         for name in args.runs:
             row = bench.run(share=name == "shared")
             print(json.dumps(row), flush=True)
+            print(table_row(row), flush=True)
             rows.append(row)
     except (Interrupted, KeyboardInterrupt) as exc:
         print(f"interrupted ({exc or 'SIGINT'}): the run in progress was torn down", flush=True)
         return 130
-    text = (f"## {time.strftime('%Y-%m-%d %H:%M')} — `{args.serve_args}`, {args.replicas} "
-            f"replicas, gpu {args.gpu}{' (MPS)' if args.mps else ''}, KV {args.kv_tokens} "
-            f"tokens\n\n{table(rows)}\n")
-    print(text, flush=True)
+    text = f"{title}\n\n{table(rows)}\n"
     (bench.out / "weight_share.md").write_text(text)
     if args.record:
         with open(args.record, "a") as f:

@@ -135,8 +135,9 @@ def test_a_configuration_past_its_time_limit_is_a_row_and_is_torn_down(tmp_path)
 @pytest.mark.slow
 def test_steps_past_the_budget_are_skipped_and_said_so(tmp_path):
     rc, summary = gpu_run(tmp_path / "out", BUDGET="55", TEARDOWN_RESERVE="45",
-                          LIMIT_PROBE="8")
+                          LIMIT_PROBE="8", SHARE_RUNS="none")
     assert rc == 1
+    assert re.search(r"^\| weight share \| skipped \(SHARE_RUNS=none\) \|", summary, re.M)
     assert re.search(r"^\| probe \| (ok|timed out after \d+s) \|", summary, re.M), summary
     assert re.search(r"^\| DP table \| skipped \(budget spent\) \|", summary, re.M), summary
     assert (tmp_path / "out" / "scaling.jsonl").read_text() == ""

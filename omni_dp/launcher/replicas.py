@@ -6,6 +6,7 @@ the same argv, environment, CPU block and port, and passes the same gates.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections import Counter
@@ -29,6 +30,7 @@ from omni_dp.launcher.share_group import (
     LEADER,
     follower_problem,
     manifest_problem,
+    segment_mapping_problem,
     share_record,
     stop_waves,
 )
@@ -39,7 +41,7 @@ from omni_dp.mps.runs import verify_and_record
 from omni_dp.procs import ProcessIdentity, is_alive
 from omni_dp.rundir import engine_work_dir, share_dir
 from omni_dp.runfile import ReplicaState
-from omni_dp.sharefile import ShareFileError, read_manifest
+from omni_dp.sharefile import ShareFileError, read_manifest, segment_path
 
 # The replicas whose processes are up (their attachment is proven with the others')
 RUNNING = (ReplicaState.STARTING, ReplicaState.HEALTHY, ReplicaState.UNHEALTHY,
@@ -223,6 +225,7 @@ class ReplicaSet:
                                    self.state.record.gpu)
         if problem:
             raise GateFailed(f"{what}: {problem}")
+        self._check_mapped(LEADER, what)
         # No follower is proven attached to this leader yet: each is added by its own gate.
         record = share_record(manifest, self.share_dir)
         self.state.update(share=record)
@@ -242,8 +245,22 @@ class ReplicaSet:
         if problem:
             raise GateFailed(f"{what}: {problem}")
         assert leader is not None
-        self.state.add_follower(index, leader.pid)
+        self._check_mapped(index, what)
+        if not self.state.add_follower(index, leader.pid):
+            raise GateFailed(f"{what}: the run records no share published by the leader it is "
+                             f"attached to (pid {leader.pid})")
         self.state.event("share_attached", replica=index, leader_pid=leader.pid)
+
+    def _check_mapped(self, index: int, what: str) -> None:
+        """On the CPU, see for ourselves that the replica's process maps the run's segment
+        read-only (CUDA IPC memory shows in no CPU mapping: there the replica's word stands)."""
+        if self.state.plan.device != "cpu":
+            return
+        pid = self.state.replica(index).pid
+        problem = (segment_mapped_problem(pid, segment_path(self.share_dir)) if pid is not None
+                   else "it has no recorded process")
+        if problem:
+            raise GateFailed(f"{what}: {problem}")
 
     def measure_memory(self, indices: list[int]) -> None:
         """Record each replica's private memory as measured now (never guessed)."""
@@ -319,3 +336,16 @@ def replica_memory(processes: tuple[DeclaredProcess, ...], device: str,
         except (psutil.Error, AttributeError):  # gone meanwhile, or no USS on this system
             return None
     return total
+
+
+def segment_mapped_problem(pid: int, segment: Path) -> str | None:
+    """Why process pid does not map the segment read-only and shared (share_group's check on
+    its /proc/PID/maps); None when it does."""
+    try:
+        info = os.stat(segment)
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError as exc:
+        return f"its mappings cannot be checked: {exc}"
+    return segment_mapping_problem(maps, (os.major(info.st_dev), os.minor(info.st_dev)),
+                                   info.st_ino, segment)
+

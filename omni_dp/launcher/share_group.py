@@ -107,3 +107,32 @@ def share_record(manifest: ShareManifest, directory: Path,
         policy=manifest.policy, shared_bytes=manifest.shared_bytes,
         private_bytes=manifest.private_bytes, tensors=len(manifest.shared),
         leader_pid=manifest.leader.pid, published_at=manifest.created_at)
+
+
+def segment_mapping_problem(maps: str, device: tuple[int, int], inode: int,
+                            segment: Path) -> str | None:
+    """Why a process's /proc/PID/maps does not show the run's CPU segment (that file: device
+    and inode) mapped read-only and shared; None when it does. The launcher's own look at the
+    process, beside the replica's word on /get_server_info: a replica that computed from a copy
+    of its own would not map the segment at all."""
+    read_only = writable = False
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+        if len(fields) < 5 or fields[4] != str(inode):
+            continue
+        major, _, minor = fields[3].partition(":")
+        try:
+            if (int(major, 16), int(minor, 16)) != device:
+                continue
+        except ValueError:
+            continue
+        perms = fields[1]
+        writable |= "w" in perms
+        read_only |= perms.startswith("r-") and perms.endswith("s")
+    if writable:
+        return f"it maps the weight-share segment {segment} writable"
+    if not read_only:
+        return (f"it does not map the weight-share segment {segment} (read-only, shared): its "
+                "weights are not the ones the run shares")
+    return None
+

@@ -42,6 +42,7 @@ from omni_dp.sharefile import (
 from support.plans import run_record
 
 LEADER_ID = ProcessIdentity(1000, 1700000000.5)
+SEGMENT_MAPPED = replicas_module.segment_mapped_problem  # the real check (the fixture fakes it)
 
 
 def sharing_state(tmp_path, *, share: bool = True, replicas: int = 3) -> RunState:
@@ -111,6 +112,13 @@ def test_teardown_stops_the_followers_groups_before_the_leaders(tmp_path, monkey
 # --- the share gate ------------------------------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def mapped(monkeypatch):
+    """These runs' replicas are records without processes: their mappings are taken as seen
+    (the check itself is tested below, on real mappings of this process)."""
+    monkeypatch.setattr(replicas_module, "segment_mapped_problem", lambda pid, segment: None)
+
+
 def test_the_leaders_manifest_becomes_the_runs_share_record(tmp_path):
     state = sharing_state(tmp_path)
     publish(state, manifest())
@@ -167,6 +175,8 @@ def test_a_follower_must_be_attached_to_this_leader_through_this_share_dir(tmp_p
                                                                            monkeypatch, changes,
                                                                            why):
     state = sharing_state(tmp_path)
+    publish(state, manifest())
+    ReplicaSet(state).share_gate(0)
     monkeypatch.setattr(replicas_module, "server_info", lambda url: attached(state, **changes))
     if why is None:
         ReplicaSet(state).share_gate(2)
@@ -346,3 +356,58 @@ def test_the_owner_is_given_a_drain_for_the_router_and_each_stop_wave(tmp_path, 
     assert teardown_mod.owner_bound(plain, 5.0) == 2 * 5.0 + 60
     alone = sharing_state(tmp_path / "alone", replicas=1).record
     assert teardown_mod.owner_bound(alone, 5.0) == 2 * 5.0 + 60
+
+
+def test_a_follower_is_not_called_attached_to_a_share_the_run_never_recorded(tmp_path,
+                                                                              monkeypatch):
+    state = sharing_state(tmp_path)  # the leader's gate never passed: no share recorded
+    monkeypatch.setattr(replicas_module, "server_info", lambda url: attached(state))
+    with pytest.raises(GateFailed, match="the run records no share published by the leader"):
+        ReplicaSet(state).share_gate(2)
+    assert not [e for e in state.events() if e["event"] == "share_attached"]
+
+
+# --- the launcher's own look at a replica's mappings (CPU) ---------------------------------------
+
+
+def test_a_read_only_shared_mapping_of_the_segment_is_seen_and_anything_else_is_not(tmp_path):
+    """This process maps files the three ways a replica could; the check reads its real
+    /proc/self/maps."""
+    import mmap
+
+    segment, other = tmp_path / "weights.bin", tmp_path / "copy.bin"
+    for path in (segment, other):
+        path.write_bytes(b"\1" * 8192)
+    check = SEGMENT_MAPPED
+    assert "does not map the weight-share segment" in check(os.getpid(), segment)
+    with open(other, "rb") as f:  # a copy of its own: the same bytes, not the run's file
+        copy = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    assert "does not map the weight-share segment" in check(os.getpid(), segment)
+    with open(segment, "rb") as f:
+        shared = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    assert check(os.getpid(), segment) is None
+    with open(segment, "r+b") as f:
+        writable = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED)
+    assert "maps the weight-share segment" in check(os.getpid(), segment)
+    assert "writable" in check(os.getpid(), segment)
+    for m in (copy, shared, writable):
+        m.close()
+    assert "cannot be checked" in check(2**22 + 1, segment)  # no such process
+
+
+def test_the_share_gate_on_cpu_asks_for_the_mapping_of_the_replicas_own_process(tmp_path,
+                                                                                 monkeypatch):
+    state = sharing_state(tmp_path)
+    publish(state, manifest())
+    asked = []
+    monkeypatch.setattr(replicas_module, "segment_mapped_problem",
+                        lambda pid, segment: asked.append((pid, segment.name)) or
+                        ("it does not map the weight-share segment" if pid == 1002 else None))
+    ReplicaSet(state).share_gate(0)
+    monkeypatch.setattr(replicas_module, "server_info", lambda url: attached(state))
+    ReplicaSet(state).share_gate(1)
+    with pytest.raises(GateFailed, match=r"replica 2 .*does not map the weight-share segment"):
+        ReplicaSet(state).share_gate(2)
+    assert asked == [(1000, "weights.bin"), (1001, "weights.bin"), (1002, "weights.bin")]
+    assert state.record.share.followers == (1,)
+
