@@ -117,11 +117,11 @@ def free_bytes(path: Path) -> int | None:
     """Free bytes of the filesystem path is on, or will be once created (that of its nearest
     existing ancestor); None when it cannot be read."""
     for candidate in (path, *path.parents):
-        if candidate.exists():
-            try:
+        try:
+            if candidate.exists():
                 return shutil.disk_usage(candidate).free
-            except OSError:
-                return None
+        except OSError:  # an ancestor we may not search, or a vanished one
+            return None
     return None
 
 

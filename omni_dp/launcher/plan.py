@@ -51,6 +51,7 @@ STAGE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 MAX_SECONDS = 7 * 24 * 3600.0  # any timeout or interval beyond is a typo (and overflows poll())
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                     "NUMEXPR_NUM_THREADS")
+SEGMENT_SLACK_BYTES = 16 * 1024**2
 NO_DRY_RUN = ("the engine's dry run did not run, so the replicas' sizes are unknown; run "
               "`omni-dp serve --dry-run` with the engine arguments to see why")
 
@@ -544,11 +545,13 @@ def plan_share_room(o: LaunchOptions, facts: LaunchFacts, gpu: GpuPart | None,
     under $XDG_RUNTIME_DIR, often a small tmpfs). The part is the segment's bytes."""
     if not o.share_weights or gpu is None or gpu.device != "cpu" or kv is None:
         return None, []
-    need, free = kv.sizing.weights_bytes, facts.state_root_free
+    # + the manifest, alignment padding and buffers beside the parameters: a slack, not a size
+    need, free = kv.sizing.weights_bytes + SEGMENT_SLACK_BYTES, facts.state_root_free
     if free is None or need <= free:
         return need, []
     return None, [f"--share-weights on the CPU: the leader writes its weights "
-                  f"({format_size(need)}, shared and private) as one segment into the run "
+                  f"({format_size(kv.sizing.weights_bytes)}, shared and private; "
+                  f"{format_size(need)} with the manifest and padding) as one segment into the run "
                   f"directory under {facts.state_root}, whose filesystem has "
                   f"{format_size(free)} free; set OMNI_DP_STATE_DIR to a directory on a "
                   "filesystem with room for it, or run without --share-weights"]

@@ -343,7 +343,8 @@ def segment_mapped_problem(pid: int, segment: Path) -> str | None:
     its /proc/PID/maps); None when it does."""
     try:
         info = os.stat(segment)
-        maps = Path(f"/proc/{pid}/maps").read_text()
+        # surrogateescape: a mapped file's path need not be UTF-8
+        maps = Path(f"/proc/{pid}/maps").read_bytes().decode("utf-8", "surrogateescape")
     except OSError as exc:
         return f"its mappings cannot be checked: {exc}"
     return segment_mapping_problem(maps, (os.major(info.st_dev), os.minor(info.st_dev)),

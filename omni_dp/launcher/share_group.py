@@ -116,15 +116,15 @@ def segment_mapping_problem(maps: str, device: tuple[int, int], inode: int,
     process, beside the replica's word on /get_server_info: a replica that computed from a copy
     of its own would not map the segment at all."""
     read_only = writable = False
+    real = os.path.realpath(segment)
     for line in maps.splitlines():
         fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
         if len(fields) < 5 or fields[4] != str(inode):
             continue
-        major, _, minor = fields[3].partition(":")
-        try:
-            if (int(major, 16), int(minor, 16)) != device:
-                continue
-        except ValueError:
+        # The device maps shows is not always stat's (btrfs subvolumes; overlayfs before
+        # Linux 6.8 shows the upper layer's): the file's path then names it instead.
+        path = fields[5].removesuffix(" (deleted)") if len(fields) > 5 else ""
+        if _maps_device(fields[3]) != device and path != real:
             continue
         perms = fields[1]
         writable |= "w" in perms
@@ -132,7 +132,17 @@ def segment_mapping_problem(maps: str, device: tuple[int, int], inode: int,
     if writable:
         return f"it maps the weight-share segment {segment} writable"
     if not read_only:
-        return (f"it does not map the weight-share segment {segment} (read-only, shared): its "
-                "weights are not the ones the run shares")
+        return (f"/proc/PID/maps shows no read-only shared mapping of the weight-share segment "
+                f"{segment}: the replica does not compute from the run's shared weights as far "
+                "as its mappings show")
     return None
+
+
+def _maps_device(field: str) -> tuple[int, int] | None:
+    """ "fd:01" (hex major:minor, as /proc/PID/maps prints it) → (253, 1)."""
+    major, _, minor = field.partition(":")
+    try:
+        return int(major, 16), int(minor, 16)
+    except ValueError:
+        return None
 

@@ -1053,10 +1053,13 @@ def test_sharing_on_the_cpu_needs_room_for_the_weights_segment_under_the_state_r
     small = dataclasses.replace(share, state_root_free=1 * GiB)
     assert only_problem(options, small) == (
         "--share-weights on the CPU: the leader writes its weights (4.00 GiB, shared and "
-        f"private) as one segment into the run directory under {share.state_root}, whose "
+        "private; 4.02 GiB with the manifest and padding) as one segment into the run "
+        f"directory under {share.state_root}, whose "
         "filesystem has 1.00 GiB free; set OMNI_DP_STATE_DIR to a directory on a filesystem "
         "with room for it, or run without --share-weights")
-    plan(options, dataclasses.replace(share, state_root_free=4 * GiB))  # room enough
+    plan(options, dataclasses.replace(share, state_root_free=5 * GiB))  # room enough
+    with pytest.raises(LaunchPlanError):  # the weights exactly: no room for the rest
+        plan(options, dataclasses.replace(share, state_root_free=4 * GiB))
     plan(options, dataclasses.replace(share, state_root_free=None))  # unknown: not refused
     plan(dataclasses.replace(options, share_weights=False), small)  # nothing is written
     # on a GPU the weights are shared in device memory: nothing goes to the state root

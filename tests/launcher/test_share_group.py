@@ -379,10 +379,10 @@ def test_a_read_only_shared_mapping_of_the_segment_is_seen_and_anything_else_is_
     for path in (segment, other):
         path.write_bytes(b"\1" * 8192)
     check = SEGMENT_MAPPED
-    assert "does not map the weight-share segment" in check(os.getpid(), segment)
+    assert "no read-only shared mapping of the weight-share segment" in check(os.getpid(), segment)
     with open(other, "rb") as f:  # a copy of its own: the same bytes, not the run's file
         copy = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-    assert "does not map the weight-share segment" in check(os.getpid(), segment)
+    assert "no read-only shared mapping of the weight-share segment" in check(os.getpid(), segment)
     with open(segment, "rb") as f:
         shared = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     assert check(os.getpid(), segment) is None
@@ -411,3 +411,23 @@ def test_the_share_gate_on_cpu_asks_for_the_mapping_of_the_replicas_own_process(
     assert asked == [(1000, "weights.bin"), (1001, "weights.bin"), (1002, "weights.bin")]
     assert state.record.share.followers == (1,)
 
+
+
+def test_a_mapping_is_recognised_by_its_path_where_maps_shows_another_device(tmp_path):
+    """btrfs subvolumes (and overlayfs before Linux 6.8) show a device in /proc/PID/maps that
+    is not stat's: the inode and the file's path then name the segment."""
+    from omni_dp.launcher.share_group import segment_mapping_problem
+
+    segment = tmp_path / "weights.bin"
+    line = "7f00-7f10 {perms} 00000000 00:{dev} 4242 {path}"
+    ours = line.format(perms="r--s", dev="2f", path=os.path.realpath(segment))
+    assert segment_mapping_problem(ours, (0, 0x2f), 4242, segment) is None  # as stat says
+    assert segment_mapping_problem(ours, (0, 0x30), 4242, segment) is None  # by its path
+    elsewhere = line.format(perms="r--s", dev="2f", path="/elsewhere/weights.bin")
+    assert "no read-only shared mapping" in segment_mapping_problem(elsewhere, (0, 0x30), 4242,
+                                                                    segment)
+    deleted = ours + " (deleted)"
+    assert segment_mapping_problem(deleted, (0, 0x30), 4242, segment) is None
+    private = line.format(perms="r--p", dev="2f", path=os.path.realpath(segment))
+    assert "no read-only shared mapping" in segment_mapping_problem(private, (0, 0x2f), 4242,
+                                                                    segment)

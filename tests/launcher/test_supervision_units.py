@@ -663,13 +663,14 @@ def test_an_unexpected_error_in_the_followers_wave_leaves_the_leader_that_passed
     leader = state.replica(0)
     assert [r.state for r in state.replicas] == [H, D, D]
     assert world.alive(leader.identity) and leader.last_error is None and enabled(router) == [0]
-    assert ("stop", 1) in fake.calls  # tried to start: stopped, whatever it left
+    assert ("stop", 1, 2) in fake.calls  # not through the gates: stopped, whatever they left
     [failed] = [e for e in events(state) if e["event"] == "restart_failed"]
-    assert (failed["group"], failed["passed"], failed["stopped"]) == ([0, 1, 2], [0], [1])
+    assert (failed["group"], failed["passed"], failed["stopped"], failed["ungated"]) == (
+        [0, 1, 2], [0], [1, 2], [1])
     assert state.replica(2).last_error == "restart failed: OSError('spawn failed')"
     assert said[-1] == ("replica 0: restart failed: OSError('spawn failed'); replica(s) 0 passed "
-                        "and stay; replica(s) 1 not through the gates: stopped; replica(s) 1, 2 "
-                        "down, the next sweep tries again")
+                        "and stay; replica(s) 1, 2 not through the gates: stopped, down, the "
+                        "next sweep restarts them")
 
 
 def test_an_unexpected_error_stops_the_followers_started_but_not_gated(tmp_path):
@@ -711,6 +712,26 @@ def test_an_unexpected_error_before_anything_started_puts_the_old_healthy_ones_b
     sup.sweep()  # their old processes still answer: healthy, and back in the router
     assert [r.state for r in state.replicas] == [H, H, H]
     assert enabled(router) == [0, 1, 2]
+
+
+def test_an_unexpected_error_before_the_stop_stops_the_old_processes_too(tmp_path):
+    """A leader still running its old process, put back by a sweep without its gates, would
+    serve with no share recorded: what did not pass is stopped, and restarted properly."""
+    state = make_state(tmp_path, replicas=3, share=True)
+    router = FakeRouter()
+    sup, _, _ = supervisor(state, router=router)
+
+    class Broken:
+        def decide(self, history, now):
+            raise OSError(28, "No space left on device")
+
+    sup.crew.policy = Broken()
+    sup.restart_replica(0, "/health answered 503 (3 in a row)", [0, 1, 2])
+    assert ("stop", 0, 1, 2) in sup.replicas.calls
+    assert [r.state for r in state.replicas] == [D, D, D] and enabled(router) == []
+    assert not sup.router.not_in_router  # nothing left running that a sweep could put back
+    [event] = [e for e in events(state) if e["event"] == "restart_failed"]
+    assert event["stopped"] == [0, 1, 2] and event["ungated"] == []
 
 
 def test_a_follower_whose_leader_died_meanwhile_waits_uncharged_for_its_groups_restart(tmp_path):

@@ -64,34 +64,35 @@ class ReplicaRestart:
     def _unexpected(self, index: int, members: list[int], progress: Progress,
                     exc: Exception) -> None:
         """An error no gate names (a spawn that raised, a run.json that cannot be written, a
-        bug): what passed its gates stays up, in the router; what was started and not gated
-        is stopped (it must neither serve nor pass for healthy at the next sweep); the other
-        members are down, the next sweep tries again. A member never restarted may still run
-        its old process, taken out of the router: healthy at a sweep, it is put back."""
+        bug): what passed its gates stays up, in the router; every other member is stopped —
+        started and not gated, or still its old process (the error came before the stop) —
+        so that nothing serves, or passes for healthy at the next sweep, without having passed
+        the gates (a leader back that way would serve with no share recorded); they are down,
+        the next sweep restarts them. Only what could not be stopped may still answer: healthy
+        at a sweep, it is put back in the router."""
         crew = self.crew
         error = repr(exc)
-        ungated = sorted(progress.started - progress.passed)
+        down = [i for i in members if i not in progress.passed]
+        ungated = sorted(i for i in down if i in progress.started)
         stop_error = None
-        if ungated:
+        if down:
             try:
-                crew.replicas.stop(ungated, crew.drain_timeout)
+                crew.replicas.stop(down, crew.drain_timeout)  # followers before their leader
             except Exception as again:  # GateFailed: a survivor, still recorded
                 stop_error = str(again) if isinstance(again, GateFailed) else repr(again)
-        down = [i for i in members if i not in progress.passed]
         for i in down:
             self._down(i, f"restart failed: {error}")
-        self.router.not_in_router.update(i for i in down if i not in ungated)
+        if stop_error is not None:
+            self.router.not_in_router.update(down)
         crew.state.event("restart_failed", replica=index, group=members, error=error,
-                         passed=sorted(progress.passed), stopped=ungated,
+                         passed=sorted(progress.passed), stopped=down, ungated=ungated,
                          **({"stop_error": stop_error} if stop_error else {}))
         kept = sorted(progress.passed)
         crew.say(f"replica {index}: restart failed: {error}"
                  + (f"; replica(s) {', '.join(map(str, kept))} passed and stay" if kept else "")
-                 + (f"; replica(s) {', '.join(map(str, ungated))} not through the gates: "
-                    "stopped" if ungated else "")
-                 + (f" (not all: {stop_error})" if stop_error else "")
-                 + (f"; replica(s) {', '.join(map(str, down))} down, the next sweep tries "
-                    "again" if down else ""))
+                 + (f"; replica(s) {', '.join(map(str, down))} not through the gates: "
+                    "stopped, down, the next sweep restarts them" if down else "")
+                 + (f" (not all stopped: {stop_error})" if stop_error else ""))
 
     def through_gates(self, index: int, reason: str, group: list[int] | None = None,
                       progress: Progress | None = None) -> None:
@@ -140,7 +141,12 @@ class ReplicaRestart:
                                      "it depends on did not come back")
                 break
         if up:
-            crew.replicas.measure_memory(up)
+            try:
+                crew.replicas.measure_memory(up)
+            except Exception as exc:  # every member passed: a figure missing is no failure
+                state.event("memory_measure_failed", replicas=up, error=repr(exc))
+                crew.say(f"replica(s) {', '.join(map(str, up))}: restarted, but measuring "
+                         f"their memory failed: {exc!r}")
 
     def _leader_gone(self, members: list[int]) -> bool:
         """A follower restarted without its leader (a restart of the leader would take it
