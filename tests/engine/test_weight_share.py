@@ -24,7 +24,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from omni_dp.engine.config import ARCHITECTURE, PRESETS, ModelConfig, VocoderConfig
+from omni_dp.engine.config import ARCHITECTURE, PRESETS
 from omni_dp.engine.kv_cache import KVCache, plan_kv_cache
 from omni_dp.engine.model import FlatBatch, SequenceSlice
 from omni_dp.engine.options import ServeOptions
@@ -51,13 +51,8 @@ from omni_dp.sharefile import (
     write_manifest,
 )
 
+from support.talker import PIPELINE
 from support.wait import wait_for
-
-UNIT = ModelConfig(
-    name="unit", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-    intermediate_size=48, codebook_size=16, num_speakers=4,
-    vocoder=VocoderConfig(embed_dim=16, channels=(8, 4), upsample_factors=(4, 5), kernel_size=3),
-)
 
 
 def plan_for(role, share_dir, model="tiny", **options):
@@ -91,7 +86,7 @@ def outputs(models) -> tuple[torch.Tensor, torch.Tensor]:
 def unit_dir(tmp_path_factory):
     """The small unit model as a weights directory (so its identity is its files' bytes)."""
     directory = tmp_path_factory.mktemp("unit") / "model"
-    save_models(seeded_models(UNIT, 7), directory)
+    save_models(seeded_models(PIPELINE, 7), directory)
     return directory
 
 
@@ -141,7 +136,7 @@ def test_every_tensor_of_the_presets_is_declared_once(preset):
 
 
 def test_a_new_parameter_forces_a_decision():
-    models = meta_models(UNIT, torch.float32)
+    models = meta_models(PIPELINE, torch.float32)
     models.talker.register_parameter("gate", torch.nn.Parameter(torch.zeros(3, device="meta")))
     with pytest.raises(PolicyError, match=r"talker\.gate is matched by no pattern"):
         policy_for(ARCHITECTURE).split(named_tensors(models))
@@ -152,7 +147,7 @@ def test_a_name_matched_twice_is_an_error():
     doubled = dataclasses.replace(policy, shared=(*policy.shared, r"talker\.norm\.weight"))
     with pytest.raises(PolicyError, match=r"talker\.norm\.weight is matched by shared .* and "
                                           r"private"):
-        doubled.split(named_tensors(meta_models(UNIT, torch.float32)))
+        doubled.split(named_tensors(meta_models(PIPELINE, torch.float32)))
 
 
 def test_an_architecture_without_a_policy_cannot_share(monkeypatch, tmp_path):
@@ -251,7 +246,7 @@ def test_the_model_identity_needs_no_weights_and_follows_seed_and_bytes(tmp_path
 
 
 def test_cuda_layout_is_one_aligned_buffer_per_dtype():
-    models = meta_models(UNIT, torch.bfloat16)  # talker bfloat16, vocoder float32
+    models = meta_models(PIPELINE, torch.bfloat16)  # talker bfloat16, vocoder float32
     tensors = named_tensors(models)
     shared, private = policy_for(ARCHITECTURE).split(tensors)
     sizes, shared_entries, private_entries = lay_out(
@@ -373,7 +368,7 @@ def test_the_plan_of_a_cuda_leader_refuses_it_before_anything_starts(monkeypatch
 def test_a_follower_of_another_model_refuses(published, tmp_path, unit_dir):
     share, _, _ = published
     other = tmp_path / "other"
-    save_models(seeded_models(UNIT, 8), other)
+    save_models(seeded_models(PIPELINE, 8), other)
     with pytest.raises(ShareError) as caught:
         attach(follower_plan(share, other), share)
     assert (f"the model digest differs: the leader's is {unit_dir.resolve()} (sha256 "

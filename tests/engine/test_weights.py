@@ -11,18 +11,13 @@ from omni_dp.engine.config import (
     WEIGHTS_FILE,
     ModelConfig,
     ModelConfigError,
-    VocoderConfig,
     resolve_model,
 )
 from omni_dp.engine.plan import ServeOptions, plan_serve, plan_summary
 from omni_dp.engine.server import build_models
 from omni_dp.engine.weights import load_models, save_models, seeded_models
 
-SMALL = ModelConfig(
-    name="unit", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-    intermediate_size=48, codebook_size=16, num_speakers=4,
-    vocoder=VocoderConfig(embed_dim=16, channels=(8, 4), upsample_factors=(4, 5), kernel_size=3),
-)
+from support.talker import PIPELINE
 
 
 def state(models):
@@ -32,7 +27,7 @@ def state(models):
 
 
 def test_seeded_models_are_reproducible_and_seed_dependent():
-    a, b, c = seeded_models(SMALL, 1), seeded_models(SMALL, 1), seeded_models(SMALL, 2)
+    a, b, c = seeded_models(PIPELINE, 1), seeded_models(PIPELINE, 1), seeded_models(PIPELINE, 2)
     assert all(torch.equal(a_t, b_t) for a_t, b_t in zip(state(a).values(), state(b).values(),
                                                           strict=True))
     assert not torch.equal(state(a)["talker.embed.weight"], state(c)["talker.embed.weight"])
@@ -42,18 +37,18 @@ def test_seeded_models_do_not_touch_the_global_rng():
     torch.manual_seed(5)
     expected = torch.rand(3)
     torch.manual_seed(5)
-    seeded_models(SMALL, 0)
+    seeded_models(PIPELINE, 0)
     assert torch.equal(torch.rand(3), expected)
 
 
 def test_save_then_load_round_trips_identical_tensors(tmp_path):
-    models = seeded_models(SMALL, 3)
+    models = seeded_models(PIPELINE, 3)
     save_models(models, tmp_path / "model")
     assert (tmp_path / "model" / CONFIG_FILE).is_file()
     assert (tmp_path / "model" / WEIGHTS_FILE).is_file()
     assert not list((tmp_path / "model").glob("*.tmp"))
     cfg, path = resolve_model(str(tmp_path / "model"))
-    assert cfg == SMALL
+    assert cfg == PIPELINE
     loaded = load_models(cfg, path)
     original, restored = state(models), state(loaded)
     assert original.keys() == restored.keys()
@@ -64,23 +59,23 @@ def test_save_then_load_round_trips_identical_tensors(tmp_path):
 
 
 def test_loaded_models_compute_like_the_saved_ones(tmp_path):
-    models = seeded_models(SMALL, 4)
+    models = seeded_models(PIPELINE, 4)
     save_models(models, tmp_path)
-    loaded = load_models(SMALL, tmp_path)
+    loaded = load_models(PIPELINE, tmp_path)
     codes = torch.tensor([1, 5, 0, 15, 7])
     assert torch.equal(models.vocoder(codes), loaded.vocoder(codes))
 
 
 def test_weights_not_matching_config_raise(tmp_path):
-    save_models(seeded_models(SMALL, 0), tmp_path)
-    wider = dataclasses.replace(SMALL, intermediate_size=64)
+    save_models(seeded_models(PIPELINE, 0), tmp_path)
+    wider = dataclasses.replace(PIPELINE, intermediate_size=64)
     with pytest.raises(ModelConfigError, match="does not match"):
         load_models(wider, tmp_path)
 
 
 def test_weights_with_fewer_layers_than_config_raise(tmp_path):
-    save_models(seeded_models(SMALL, 0), tmp_path)
-    deeper = dataclasses.replace(SMALL, num_layers=3)
+    save_models(seeded_models(PIPELINE, 0), tmp_path)
+    deeper = dataclasses.replace(PIPELINE, num_layers=3)
     with pytest.raises(ModelConfigError):
         load_models(deeper, tmp_path)
 
@@ -88,7 +83,7 @@ def test_weights_with_fewer_layers_than_config_raise(tmp_path):
 def test_unreadable_weights_file_raises(tmp_path):
     (tmp_path / WEIGHTS_FILE).write_bytes(b"not a safetensors file")
     with pytest.raises(ModelConfigError, match="cannot read"):
-        load_models(SMALL, tmp_path)
+        load_models(PIPELINE, tmp_path)
 
 
 # --- resolve_model -----------------------------------------------------------------------
@@ -133,22 +128,22 @@ def test_config_json_that_is_not_an_object_raises(tmp_path):
 
 
 def test_config_json_round_trips():
-    data = json.loads(json.dumps(SMALL.to_json()))
+    data = json.loads(json.dumps(PIPELINE.to_json()))
     assert data["architecture"] == ARCHITECTURE
-    assert ModelConfig.from_json(data) == SMALL
+    assert ModelConfig.from_json(data) == PIPELINE
     assert ModelConfig.from_json(json.loads(json.dumps(PRESETS["tiny"].to_json()))) == PRESETS[
         "tiny"]
 
 
 def test_from_json_rejects_unknown_fields():
-    data = SMALL.to_json() | {"dropout": 0.1, "alpha": 1}
+    data = PIPELINE.to_json() | {"dropout": 0.1, "alpha": 1}
     with pytest.raises(ModelConfigError) as info:
         ModelConfig.from_json(data)
     assert "alpha" in str(info.value) and "dropout" in str(info.value)
 
 
 def test_from_json_rejects_unknown_vocoder_fields():
-    data = SMALL.to_json()
+    data = PIPELINE.to_json()
     data["vocoder"] = dict(data["vocoder"], stride=2)
     with pytest.raises(ModelConfigError):
         ModelConfig.from_json(data)
@@ -156,7 +151,7 @@ def test_from_json_rejects_unknown_vocoder_fields():
 
 @pytest.mark.parametrize("architecture", [None, "llama", ARCHITECTURE.upper()])
 def test_from_json_rejects_wrong_architecture(architecture):
-    data = SMALL.to_json()
+    data = PIPELINE.to_json()
     if architecture is None:
         del data["architecture"]
     else:
@@ -166,7 +161,7 @@ def test_from_json_rejects_wrong_architecture(architecture):
 
 
 def test_from_json_rejects_missing_required_field():
-    data = SMALL.to_json()
+    data = PIPELINE.to_json()
     del data["hidden_size"]
     with pytest.raises(ModelConfigError):
         ModelConfig.from_json(data)
@@ -183,11 +178,11 @@ def test_from_json_rejects_missing_required_field():
 )
 def test_from_json_validates_values(change, words):
     with pytest.raises(ModelConfigError, match=words):
-        ModelConfig.from_json(SMALL.to_json() | change)
+        ModelConfig.from_json(PIPELINE.to_json() | change)
 
 
 def test_from_json_does_not_modify_its_input():
-    data = SMALL.to_json()
+    data = PIPELINE.to_json()
     snapshot = json.loads(json.dumps(data))
     ModelConfig.from_json(data)
     assert json.loads(json.dumps(data)) == snapshot
@@ -195,14 +190,14 @@ def test_from_json_does_not_modify_its_input():
 
 @pytest.mark.parametrize("vocoder", [None, [], "conv"])
 def test_from_json_rejects_vocoder_that_is_not_an_object(vocoder):
-    data = SMALL.to_json() | {"vocoder": vocoder}
+    data = PIPELINE.to_json() | {"vocoder": vocoder}
     with pytest.raises(ModelConfigError):
         ModelConfig.from_json(data)
 
 
 def test_from_json_rejects_string_for_integer_field():
     with pytest.raises(ModelConfigError):
-        ModelConfig.from_json(SMALL.to_json() | {"hidden_size": "32"})
+        ModelConfig.from_json(PIPELINE.to_json() | {"hidden_size": "32"})
 
 
 @pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
