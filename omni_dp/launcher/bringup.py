@@ -116,7 +116,8 @@ def _start_wave(state: RunState, replicas: ReplicaSet, wave: list[int], *, seque
     if replicas.sharing and LEADER in wave and share is not None:
         say(f"replica {LEADER} published {format_size(share.shared_bytes)} of weights "
             f"({share.tensors} tensors, policy {share.policy}) in {share.directory}")
-    attached = followers(replicas.sharing, wave)
+    # from the proof each share gate recorded, not from the plan
+    attached = [i for i in followers(replicas.sharing, wave) if share and i in share.followers]
     if attached:
         say(f"replica(s) {', '.join(map(str, attached))} attached to the leader's weights "
             f"(replica {LEADER}, pid {state.replica(LEADER).pid})")

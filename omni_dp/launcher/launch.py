@@ -22,6 +22,7 @@ from omni_dp.launcher.gates import GateFailed, describe_exit, log_tail
 from omni_dp.launcher.plan import LaunchPlan
 from omni_dp.launcher.processes import child_env, spawn
 from omni_dp.launcher.replicas import ReplicaSet
+from omni_dp.launcher.share_group import attachment_basis
 from omni_dp.launcher.state import RunState
 from omni_dp.launcher.status import collect, replica_table
 from omni_dp.launcher.supervisor import Supervisor
@@ -113,7 +114,8 @@ def summary(plan: LaunchPlan, state: RunState) -> str:
     if share is not None:
         lines.insert(2, f"share      replica {share.leader}'s {format_size(share.shared_bytes)} "
                         f"of weights held once, mapped by replica(s) "
-                        f"{', '.join(map(str, share.followers)) or 'none'} ({share.directory})")
+                        f"{', '.join(map(str, share.followers)) or 'none'}, "
+                        f"{attachment_basis(plan.device)} ({share.directory})")
     return "\n".join(lines)
 
 

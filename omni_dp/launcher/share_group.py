@@ -146,3 +146,11 @@ def _maps_device(field: str) -> tuple[int, int] | None:
     except ValueError:
         return None
 
+
+def attachment_basis(device: str) -> str:
+    """What a follower's attachment rests on, for the lines that claim it: the launcher's own
+    look on the CPU, the replica's word on CUDA (IPC memory shows in no CPU mapping)."""
+    if device == "cpu":
+        return "seen mapped read-only in their /proc/PID/maps"
+    return "as they report it (CUDA IPC memory shows in no CPU mapping)"
+

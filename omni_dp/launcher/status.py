@@ -8,7 +8,7 @@ from __future__ import annotations
 from omni_dp import runfile
 from omni_dp.launcher.facts import invoked_as
 from omni_dp.launcher.gates import http_json
-from omni_dp.launcher.share_group import LEADER, followers, share_role
+from omni_dp.launcher.share_group import LEADER, attachment_basis, followers, share_role
 from omni_dp.launcher.state import RunState
 from omni_dp.procs import is_alive
 from omni_dp.rundir import runs_dir, state_dir
@@ -79,10 +79,17 @@ def _share(record: RunRecord) -> dict | None:
     and then no follower is attached."""
     if not record.plan.share_weights:
         return None
-    if record.share is None:
-        return {"published": False, "leader": LEADER,
-                "leader_state": record.replicas[LEADER].state.value, "followers": []}
-    return {"published": True, **record.share.to_json()}
+    leader = record.replicas[LEADER]
+    share = record.share
+    # Re-checked like every recorded process: the record may predate a death no sweep saw yet
+    # (or no supervisor will see).
+    if share is None or leader.identity is None or leader.pid != share.leader_pid \
+            or not is_alive(leader.identity):
+        return {"published": False, "leader": LEADER, "leader_state": leader.state.value,
+                "followers": []}
+    alive = [i for i in share.followers
+             if (f := record.replicas[i].identity) is not None and is_alive(f)]
+    return {"published": True, **share.to_json(), "followers": alive}
 
 
 def _shown_state(record: RunRecord, supervisor_alive: bool) -> str:
@@ -133,7 +140,7 @@ def format_status(s: dict, command: str = "omni-dp") -> str:
                      f"attached={s['mps']['attached']}")
     share = s.get("share")
     if share:
-        lines.append("  share       " + share_line(share, s["replicas"]))
+        lines.append("  share       " + share_line(share, s["replicas"], s["gpu"]))
     lines.append(replica_table(s["replicas"]))
     if s["state"] == "abandoned":
         lines.append(f"nothing owns this run: its `launch` is gone and no supervisor took it "
@@ -151,21 +158,28 @@ _NOT_PUBLISHING = {"planned": "starting", "starting": "starting", "restarting": 
                    "failed": "failed, out of its restart budget", "stopped": "stopped"}
 
 
-def share_line(share: dict, replicas: list[dict]) -> str:
+def share_line(share: dict, replicas: list[dict], gpu: str = "cpu") -> str:
     """Who shares, from the proof: the followers proven attached, and the others not."""
     planned = followers(True, (r["index"] for r in replicas))
     attached = [i for i in planned if i in share["followers"]]
     others = [i for i in planned if i not in attached]
     if not share["published"]:
         state = share.get("leader_state")
-        return (f"replica {share['leader']} leads: not published (the leader is "
-                f"{_NOT_PUBLISHING.get(state, state or 'starting')}); no follower attached")
+        why = _NOT_PUBLISHING.get(state, state or "starting")
+        leader_row = next((r for r in replicas if r["index"] == share["leader"]), None)
+        if state in ("healthy", "unhealthy") and leader_row is not None \
+                and not leader_row["alive"]:
+            why = "gone, not yet seen by a sweep"
+        return (f"replica {share['leader']} leads: not published (the leader is {why}); no "
+                "follower attached")
     return (f"replica {share['leader']} leads, replica(s) "
             f"{', '.join(map(str, attached)) or 'none'} follow: "
             f"{format_size(share['shared_bytes'])} of weights held once "
             f"({share['tensors']} tensors, policy {share['policy']}; "
             f"{format_size(share['private_bytes'])} private per replica) in "
             f"{share['directory']}"
+            + (f"; attachment {attachment_basis('cpu' if gpu == 'cpu' else 'cuda')}"
+               if attached else "")
             + (f"; replica(s) {', '.join(map(str, others))} not attached" if others else ""))
 
 

@@ -14,6 +14,7 @@ import pytest
 from omni_dp import gpus
 from omni_dp.files import make_private_dir
 from omni_dp.launcher import replicas as replicas_module
+from omni_dp.launcher import status as status_module
 from omni_dp.launcher import teardown as teardown_mod
 from omni_dp.launcher.gates import GateFailed
 from omni_dp.launcher.replicas import ReplicaSet, replica_memory
@@ -244,6 +245,7 @@ def test_nvml_gives_each_processes_used_memory_where_it_has_a_figure():
 
 def test_status_shows_who_shares_the_bytes_shared_once_and_each_replicas_memory(
         tmp_path, monkeypatch):
+    monkeypatch.setattr(status_module, "is_alive", lambda identity: True)  # a live run
     state = sharing_state(tmp_path)
     for step in (ReplicaState.RESTARTING, ReplicaState.STARTING):
         state.update_replica(0, state=step)
@@ -288,6 +290,7 @@ def test_a_kept_state_keeps_the_manifest_but_not_the_weights_segment(tmp_path):
 
 def test_share_followers_are_the_ones_proven_attached_and_leave_when_they_stop(tmp_path,
                                                                                monkeypatch):
+    monkeypatch.setattr(status_module, "is_alive", lambda identity: True)  # a live run
     state = sharing_state(tmp_path)
     publish(state, manifest())
     replicas = ReplicaSet(state)
@@ -431,3 +434,31 @@ def test_a_mapping_is_recognised_by_its_path_where_maps_shows_another_device(tmp
     private = line.format(perms="r--p", dev="2f", path=os.path.realpath(segment))
     assert "no read-only shared mapping" in segment_mapping_problem(private, (0, 0x2f), 4242,
                                                                     segment)
+
+
+def test_status_calls_nothing_published_by_a_leader_whose_process_is_gone(tmp_path,
+                                                                           monkeypatch):
+    """run.json still says healthy and published (no sweep has seen the death yet, or no
+    supervisor will): status re-checks the processes, as it does every recorded one."""
+    state = sharing_state(tmp_path)
+    publish(state, manifest())
+    ReplicaSet(state).share_gate(0)
+    monkeypatch.setattr(replicas_module, "server_info", lambda url: attached(state))
+    for i in (1, 2):
+        ReplicaSet(state).share_gate(i)
+    for i in range(3):
+        state.update_replica(i, state=ReplicaState.HEALTHY)
+    assert state.record.share.followers == (1, 2)
+    follower_2 = state.replica(2).identity
+    monkeypatch.setattr(status_module, "is_alive", lambda identity: identity != follower_2)
+    report = collect(state, probe=False)
+    assert report["share"]["published"] is True and report["share"]["followers"] == [1]
+    assert ("attachment seen mapped read-only in their /proc/PID/maps; replica(s) 2 not "
+            "attached") in format_status(report)
+    monkeypatch.setattr(status_module, "is_alive", lambda identity: False)  # all gone
+    report = collect(state, probe=False)
+    assert report["share"] == {"published": False, "leader": 0, "leader_state": "healthy",
+                               "followers": []}
+    assert ("replica 0 leads: not published (the leader is gone, not yet seen by a sweep)"
+            in format_status(report))
+

@@ -116,6 +116,7 @@ class FakeReplicas:
     def __init__(self, state: RunState, world: FakeWorld, *, healthy: bool = True) -> None:
         self.state, self.world, self.healthy = state, world, healthy
         self.attached = True  # what verify_attachment finds
+        self.share_fails: set[int] = set()  # whose share gate fails
         self.popens: dict = {}
         self.calls: list[tuple] = []
         self.sharing = state.plan.share_weights
@@ -140,8 +141,21 @@ class FakeReplicas:
         self.calls.append(("check_kv", *indices))
 
     def share_gate(self, index):
-        if self.state.plan.share_weights:
-            self.calls.append(("share_gate", index))
+        """As the real gate: the leader's share recorded, a follower added to it (or
+        GateFailed for those in share_fails)."""
+        if not self.state.plan.share_weights:
+            return
+        self.calls.append(("share_gate", index))
+        if index in self.share_fails:
+            raise GateFailed(f"replica {index} (a weight-share follower): it reports "
+                             "weight_share None: it is not sharing")
+        leader = self.state.replica(0)
+        if index == 0:
+            self.state.update(share=ShareRecord(
+                leader=0, followers=(), directory="share", policy="p/1", shared_bytes=1024,
+                private_bytes=32, tensors=1, leader_pid=leader.pid))
+        else:
+            self.state.add_follower(index, leader.pid)
 
     def measure_memory(self, indices):
         self.calls.append(("measure_memory", *indices))
@@ -627,6 +641,42 @@ def test_bring_up_starts_the_leader_alone_before_its_followers(tmp_path):
         ("record_processes", 1), ("wait_healthy", 2), ("record_processes", 2),
         ("check_kv", 1, 2), ("share_gate", 1), ("share_gate", 2), ("measure_memory", 0, 1, 2)]
     assert [r.state for r in state.replicas] == [H, H, H]
+
+
+def test_bring_up_says_published_and_attached_only_for_what_passed_its_share_gate(tmp_path):
+    from omni_dp.launcher.bringup import BringUpFailed, start_replicas
+
+    def planned(directory):
+        state = make_state(directory, replicas=3, share=True)
+        for i in range(3):  # as an MPS group restart leaves them (bring-up: planned)
+            state.update_replica(i, state=R)
+        return state
+
+    state = planned(tmp_path)
+    fake, said = FakeReplicas(state, FakeWorld(set())), []
+    fake.share_fails = {2}
+    with pytest.raises(BringUpFailed, match=r"replica 2 .*it is not sharing"):
+        start_replicas(state, fake, [0, 1, 2], sequential=False, timeout_s=5.0, say=said.append)
+    assert any(line.startswith("replica 0 published ") for line in said)
+    assert not [line for line in said if "attached" in line]
+    state = planned(tmp_path / "again")
+    fake, said = FakeReplicas(state, FakeWorld(set())), []
+    start_replicas(state, fake, [0, 1, 2], sequential=False, timeout_s=5.0, say=said.append)
+    assert said[-1] == ("replica(s) 1, 2 attached to the leader's weights (replica 0, pid "
+                        f"{state.replica(0).pid})")
+
+
+def test_a_follower_failing_its_share_gate_in_a_restart_stays_down_and_out(tmp_path):
+    state = make_state(tmp_path, replicas=3, share=True)
+    router = FakeRouter()
+    sup, _, said = supervisor(state, router=router)
+    sup.replicas.share_gate(0)  # the leader's proof, as bring-up left it
+    sup.replicas.share_fails = {1}
+    sup.restart_replica(1, "its process is gone", [1])
+    assert state.replica(1).state is D and enabled(router) == []
+    assert state.replica(1).last_error.startswith("replica 1 (a weight-share follower)")
+    assert not [line for line in said if "restarted (pid" in line]
+    assert ("stop", 1) in sup.replicas.calls[-2:]  # stopped again: it never serves ungated
 
 
 # --- a weight-sharing group: what a restart charges, what it takes, what it undoes -------------
