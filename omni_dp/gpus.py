@@ -306,17 +306,23 @@ def nvml_gpu_pids(gpu: str, nvml: Any = None) -> tuple[set[int] | None, str | No
                     lambda problem: (None, f"NVML unavailable ({problem.message})"))
 
 
-def _gpu_pids(nvml: Any, gpu: str) -> tuple[set[int] | None, str | None]:
+def _gpu_processes(nvml: Any, gpu: str) -> tuple[list[Any] | None, str | None]:
+    """NVML's compute process list of the GPU and, where the driver has one, its MPS list."""
     error = _nvml_error(nvml)
     try:
         handle = (nvml.nvmlDeviceGetHandleByUUID(gpu) if gpu.startswith(("GPU-", "MIG-"))
                   else nvml.nvmlDeviceGetHandleByIndex(int(gpu)))
-        pids = {p.pid for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+        processes = list(nvml.nvmlDeviceGetComputeRunningProcesses(handle))
         with contextlib.suppress(error):  # older drivers: the compute list alone
-            pids |= {p.pid for p in nvml.nvmlDeviceGetMPSComputeRunningProcesses(handle)}
-        return pids, None
+            processes += list(nvml.nvmlDeviceGetMPSComputeRunningProcesses(handle))
+        return processes, None
     except (error, ValueError) as exc:
         return None, f"NVML could not list GPU processes ({_text(exc)})"
+
+
+def _gpu_pids(nvml: Any, gpu: str) -> tuple[set[int] | None, str | None]:
+    processes, why = _gpu_processes(nvml, gpu)
+    return (None, why) if processes is None else ({p.pid for p in processes}, None)
 
 
 def nvml_gpu_memory(gpu: str, nvml: Any = None) -> tuple[dict[int, int] | None, str | None]:
@@ -329,15 +335,9 @@ def nvml_gpu_memory(gpu: str, nvml: Any = None) -> tuple[dict[int, int] | None, 
 
 
 def _gpu_memory(nvml: Any, gpu: str) -> tuple[dict[int, int] | None, str | None]:
-    error = _nvml_error(nvml)
-    try:
-        handle = (nvml.nvmlDeviceGetHandleByUUID(gpu) if gpu.startswith(("GPU-", "MIG-"))
-                  else nvml.nvmlDeviceGetHandleByIndex(int(gpu)))
-        processes = list(nvml.nvmlDeviceGetComputeRunningProcesses(handle))
-        with contextlib.suppress(error):  # older drivers: the compute list alone
-            processes += list(nvml.nvmlDeviceGetMPSComputeRunningProcesses(handle))
-    except (error, ValueError) as exc:
-        return None, f"NVML could not list GPU processes ({_text(exc)})"
+    processes, why = _gpu_processes(nvml, gpu)
+    if processes is None:
+        return None, why
     used: dict[int, int] = {}
     for p in processes:
         value = getattr(p, "usedGpuMemory", None)

@@ -36,13 +36,7 @@ def http_json(method: str, url: str, body: dict | None = None, timeout: float = 
     request = urllib.request.Request(url, data=data, method=method,
                                      headers={"Content-Type": "application/json",
                                               **(headers or {})})
-    try:
-        with _OPENER.open(request, timeout=timeout) as response:
-            status, raw = response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        status, raw = exc.code, exc.read()
-    except (OSError, ValueError):  # refused, reset, timed out
-        return 0, None
+    status, raw, _ = _send(request, timeout)
     try:
         return status, json.loads(raw) if raw else None
     except ValueError:
@@ -50,14 +44,22 @@ def http_json(method: str, url: str, body: dict | None = None, timeout: float = 
 
 
 def http_text(url: str, timeout: float = 3.0) -> tuple[int, str | None]:
-    """GET url: (status, body as text); status 0 when nothing answered."""
+    """GET url: (status, body as text); status 0 when nothing answered; no text for an error
+    status."""
+    status, raw, ok = _send(urllib.request.Request(url), timeout)
+    return status, raw.decode("utf-8", "replace") if ok and raw is not None else None
+
+
+def _send(request: urllib.request.Request, timeout: float) -> tuple[int, bytes | None, bool]:
+    """(status, body, whether the status was a success); (0, None, False) when nothing
+    answered (refused, reset, timed out)."""
     try:
-        with _OPENER.open(urllib.request.Request(url), timeout=timeout) as response:
-            return response.status, response.read().decode("utf-8", "replace")
+        with _OPENER.open(request, timeout=timeout) as response:
+            return response.status, response.read(), True
     except urllib.error.HTTPError as exc:
-        return exc.code, None
+        return exc.code, exc.read(), False
     except (OSError, ValueError):
-        return 0, None
+        return 0, None, False
 
 
 def describe_exit(code: int | None) -> str:
