@@ -164,8 +164,7 @@ class ReplicaSet:
             # Its own word on its device, unless the CPU side shows a CUDA context it did not
             # declare (such a process must then be proven an MPS client too).
             device = process.device
-            if (not process.uses_cuda and self.state.plan.device == "cuda"
-                    and (process.pid in on_gpu or session.cuda_evidence is not None)):
+            if not process.uses_cuda and self._on_cuda(session, on_gpu):
                 device = "cuda:0"
             declared.append(DeclaredProcess(process.pid, process.role, device,
                                             session.identity.create_time))
@@ -174,10 +173,14 @@ class ReplicaSet:
 
     def _declared(self, process: FoundProcess, on_gpu: set[int]) -> DeclaredProcess:
         """A process the engine did not list: on CUDA if NVML or its mappings say so."""
-        cuda = (self.state.plan.device == "cuda"
-                and (process.identity.pid in on_gpu or process.cuda_evidence is not None))
-        return DeclaredProcess(process.identity.pid, process.name, "cuda:0" if cuda else "cpu",
+        return DeclaredProcess(process.identity.pid, process.name,
+                               "cuda:0" if self._on_cuda(process, on_gpu) else "cpu",
                                process.identity.create_time)
+
+    def _on_cuda(self, process: FoundProcess, on_gpu: set[int]) -> bool:
+        """A CUDA run's process holds a context: NVML lists it, or its mappings show one."""
+        return self.state.plan.device == "cuda" and (
+            process.identity.pid in on_gpu or process.cuda_evidence is not None)
 
     def _gpu_pids(self) -> set[int]:
         pids, _ = nvml_gpu_pids(self.state.record.gpu)
@@ -189,7 +192,6 @@ class ReplicaSet:
         kept serving)."""
         expected = self.state.plan.expected_kv_tokens
         tokens = {i: self.read_kv(i) for i in indices}
-        compared = dict(tokens)
         if expected is None:
             # The reference is what the serving replicas hold; a failed or stopped one holds
             # nothing and is no reference.
@@ -197,7 +199,7 @@ class ReplicaSet:
                        and r.state == ReplicaState.HEALTHY and r.kv_tokens is not None]
             if serving:
                 expected = Counter(serving).most_common(1)[0][0]
-        problems = kv_problems(compared, expected)
+        problems = kv_problems(tokens, expected)
         self.state.event("kv_checked", tokens={str(i): t for i, t in tokens.items()},
                          expected=expected, ok=not problems)
         if problems:

@@ -97,13 +97,11 @@ def follower_problem(weight_share: object, leader: ProcessIdentity | None,
     return None
 
 
-def share_record(manifest: ShareManifest, directory: Path,
-                 attached: Iterable[int] = ()) -> ShareRecord:
-    """What run.json keeps as proof of the sharing, from the checked manifest; `attached`: the
-    followers proven attached to this leader (none yet when its manifest is first checked:
-    each is added when its own share gate passes)."""
+def share_record(manifest: ShareManifest, directory: Path) -> ShareRecord:
+    """What run.json keeps as proof of the sharing, from the checked manifest; no follower is
+    proven attached to this leader yet: each is added when its own share gate passes."""
     return ShareRecord(
-        leader=LEADER, followers=tuple(sorted(attached)), directory=str(directory),
+        leader=LEADER, followers=(), directory=str(directory),
         policy=manifest.policy, shared_bytes=manifest.shared_bytes,
         private_bytes=manifest.private_bytes, tensors=len(manifest.shared),
         leader_pid=manifest.leader.pid, published_at=manifest.created_at)
