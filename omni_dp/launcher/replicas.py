@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import psutil
 from omni_dp.files import make_private_dir
 from omni_dp.gpus import nvml_gpu_memory, nvml_gpu_pids
 from omni_dp.launcher.engines import ENGINES, EngineAdapter, EngineUnreadable
+from omni_dp.launcher.engines.readback import start_banner
 from omni_dp.launcher.gates import GateFailed, kv_problems, server_info, wait_healthy
 from omni_dp.launcher.processes import child_env, spawn
 from omni_dp.launcher.replica_groups import (
@@ -35,7 +35,6 @@ from omni_dp.launcher.share_group import (
     stop_waves,
 )
 from omni_dp.launcher.state import RunState, append_private
-from omni_dp.logs import json_line
 from omni_dp.mps.attach import AttachReport, DeclaredProcess
 from omni_dp.mps.runs import verify_and_record
 from omni_dp.procs import ProcessIdentity, is_alive
@@ -74,9 +73,7 @@ class ReplicaSet:
     def start(self, index: int) -> None:
         record = self.state.replica(index)
         log = self.state.logs / record.log
-        banner = f"--- omni-dp: starting replica {index} at {time.strftime('%F %T')} ---"
-        if self.state.plan.log_format == "json":  # every line of the log is JSON then
-            banner = json_line("omni_dp.launch", f"starting replica {index}")
+        banner = start_banner(index, self.state.plan.log_format)
         with append_private(log) as f:
             f.write(banner.encode() + b"\n")
         work = None

@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from omni_dp.launcher.engines.base import EngineUnreadable
+from omni_dp.logs import json_line
 from omni_dp.sizes import format_size
 
 TEXT_BANNER = "--- omni-dp: starting replica"
@@ -27,6 +29,14 @@ TAIL_BYTES = 8 * 1024 * 1024
 # A count as engines print it: `12345`, or with thousands separators `12,345` (not the comma
 # that may follow it: `#tokens: 12345, KV size: …`).
 COUNT = r"(\d{1,3}(?:,\d{3})+(?!\d)|\d+)"
+
+
+def start_banner(index: int, log_format: str) -> str:
+    """The line the launcher writes into a replica's log before each start: what
+    `is_start_banner` finds again, so that a read-back never takes an earlier start's line."""
+    if log_format == "json":  # every line of the log is JSON then
+        return json_line(JSON_BANNER_LOGGER, f"{JSON_BANNER_MESSAGE} {index}")
+    return f"{TEXT_BANNER} {index} at {time.strftime('%F %T')} ---"
 
 
 def read_tail(path: Path, max_bytes: int = TAIL_BYTES) -> list[str]:

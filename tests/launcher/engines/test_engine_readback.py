@@ -95,3 +95,14 @@ def test_no_line_since_the_last_start_is_unreadable_and_names_what_was_looked_fo
 def test_an_unreadable_log_is_unreadable_capacity(tmp_path: Path):
     with pytest.raises(EngineUnreadable, match="cannot read the replica's log"):
         kv_tokens_from_log(tmp_path, (KV,), "KV size")  # a directory
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_the_banner_the_launcher_writes_is_the_one_the_read_back_finds(log_format):
+    """One writer, one reader: a reworded banner that the read-back no longer recognised
+    would make it read an earlier start's KV line."""
+    from omni_dp.launcher.engines.readback import is_start_banner, start_banner
+
+    banner = start_banner(3, log_format)
+    assert is_start_banner(banner)
+    assert since_last_start(["old KV line", banner, "new KV line"]) == ["new KV line"]
