@@ -36,8 +36,8 @@ SEGMENT_FILE = "weights.bin"
 MAX_MANIFEST_BYTES = 8 * 1024**2  # thousands of tensors fit in far less; more is not ours
 ALIGN = 64  # every tensor starts on a cache line of its buffer
 BUFFER_KINDS = ("segment", "cuda_ipc")
-DTYPES = ("float64", "float32", "bfloat16", "float16", "int64", "int32")
 ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}
+DTYPES = tuple(ITEMSIZE)  # the dtypes a manifest may name, by torch's names
 MAX_DIMS = 8
 # A cudaIpcMemHandle_t or cudaIpcEventHandle_t is 64 bytes; torch's handle bytes are that, or
 # a little more: anything near a kilobyte is not one.

@@ -45,6 +45,15 @@ class ServePlanError(Problems):
 
 
 @dataclass(frozen=True)
+class WeightSizes:
+    """A plan's models, by their shapes and dtypes, and what its share policy makes of them."""
+
+    weights_bytes: int  # every parameter, in the dtype the replica holds it
+    shared_bytes: int  # the tensors the share policy shares; 0 where no policy fits
+    share_problem: str | None  # why this model cannot share (no policy, or one that misfits)
+
+
+@dataclass(frozen=True)
 class ServePlan:
     options: ServeOptions
     cfg: ModelConfig
@@ -54,17 +63,35 @@ class ServePlan:
     threads: int
     kv: KVCacheSpec
     served_model_name: str
+    # Sharing (--share-weights): the sizes of cfg and dtype that planning computed to check the
+    # policy; the dry run's summary reuses them rather than building the meta models again.
+    weights: WeightSizes | None = None
+
+
+def weight_sizes(cfg: ModelConfig, dtype: torch.dtype) -> WeightSizes:
+    """Shapes only, nothing allocated (the meta device); the dtypes as build_models holds them
+    (weights.place); split by the architecture's share policy."""
+    from omni_dp.engine.config import ARCHITECTURE
+    from omni_dp.engine.share.policy import PolicyError, policy_for
+    from omni_dp.engine.share.tensors import named_tensors
+    from omni_dp.engine.weights import meta_models
+
+    models = meta_models(cfg, dtype)
+    weights_bytes = sum(p.numel() * p.element_size()
+                        for module in (models.talker, models.vocoder) for p in module.parameters())
+    tensors = named_tensors(models)
+    try:
+        shared, _ = policy_for(ARCHITECTURE).split(tensors)
+    except PolicyError as exc:  # no policy, or one that does not fit: nothing is shared
+        return WeightSizes(weights_bytes, 0, str(exc))
+    return WeightSizes(weights_bytes,
+                       sum(tensors[n].numel() * tensors[n].element_size() for n in shared), None)
 
 
 def plan_summary(plan: ServePlan) -> dict:
     """What `serve --dry-run --json` prints: the numbers a launcher needs before starting."""
-    from omni_dp.engine.weights import meta_models
-
-    # Shapes only, nothing allocated; the dtypes as build_models holds them (weights.place).
-    models = meta_models(plan.cfg, plan.dtype)
-    weights_bytes = sum(p.numel() * p.element_size()
-                        for module in (models.talker, models.vocoder) for p in module.parameters())
-    shared_bytes = _shared_bytes(models)
+    sizes = plan.weights or weight_sizes(plan.cfg, plan.dtype)
+    weights_bytes, shared_bytes = sizes.weights_bytes, sizes.shared_bytes
     return {
         "model": plan.cfg.name,
         "device": str(plan.device),
@@ -81,23 +108,6 @@ def plan_summary(plan: ServePlan) -> dict:
         "shared_weights_bytes": shared_bytes,
         "private_weights_bytes": weights_bytes - shared_bytes,
     }
-
-
-def _shared_bytes(models) -> int:
-    """Bytes of the tensors the architecture's share policy shares (0 without a policy)."""
-    from omni_dp.engine.config import ARCHITECTURE
-    from omni_dp.engine.share.policy import POLICIES, PolicyError
-    from omni_dp.engine.share.tensors import named_tensors
-
-    policy = POLICIES.get(ARCHITECTURE)
-    if policy is None:
-        return 0
-    tensors = named_tensors(models)
-    try:
-        shared, _ = policy.split(tensors)
-    except PolicyError:  # refused by plan_serve under --share-weights; nothing shared here
-        return 0
-    return sum(tensors[n].numel() * tensors[n].element_size() for n in shared)
 
 
 def available_cpus() -> int:
@@ -135,7 +145,7 @@ def plan_serve(options: ServeOptions) -> ServePlan:
         problems.append("--drain-timeout must not be negative")
     if not 0 <= options.port <= 65535:
         problems.append(f"--port must be 0-65535, got {options.port}")
-    _check_share(options, cfg, device, dtype, problems)
+    weights = _check_share(options, cfg, device, dtype, problems)
 
     kv = None
     if cfg is not None and dtype is not None:
@@ -155,18 +165,19 @@ def plan_serve(options: ServeOptions) -> ServePlan:
     return ServePlan(
         options=options, cfg=cfg, model_dir=model_dir, device=device, dtype=dtype,
         threads=threads, kv=kv,
-        served_model_name=options.served_model_name or f"omni-dp-{cfg.name}",
+        served_model_name=options.served_model_name or f"omni-dp-{cfg.name}", weights=weights,
     )
 
 
 def _check_share(options: ServeOptions, cfg: ModelConfig | None, device: torch.device | None,
-                 dtype: torch.dtype | None, problems: list[str]) -> None:
+                 dtype: torch.dtype | None, problems: list[str]) -> WeightSizes | None:
     """--share-weights and --share-dir go together; the directory is private if it exists
     (the leader creates it); a CUDA leader's allocator can export IPC handles (read from the
-    environment: no GPU touched); the architecture has a share policy that fits the model."""
+    environment: no GPU touched); the architecture has a share policy that fits the model.
+    Returns the sizes it computed for that last check, if it got that far."""
     role, directory = options.share_weights, options.share_dir
     if role is None and directory is None:
-        return
+        return None
     if role == "leader" and device is not None and device.type == "cuda":
         from omni_dp.engine.share.cuda_ipc import exportable_problem
 
@@ -183,16 +194,11 @@ def _check_share(options: ServeOptions, cfg: ModelConfig | None, device: torch.d
         if problem:
             problems.append(f"--share-dir: {problem}")
     if role is None or cfg is None or dtype is None:
-        return
-    from omni_dp.engine.config import ARCHITECTURE
-    from omni_dp.engine.share.policy import PolicyError, policy_for
-    from omni_dp.engine.share.tensors import named_tensors
-    from omni_dp.engine.weights import meta_models
-
-    try:
-        policy_for(ARCHITECTURE).split(named_tensors(meta_models(cfg, dtype)))
-    except PolicyError as exc:
-        problems.append(str(exc))
+        return None
+    sizes = weight_sizes(cfg, dtype)
+    if sizes.share_problem:
+        problems.append(sizes.share_problem)
+    return sizes
 
 
 def _resolve_device(name: str, problems: list[str]) -> torch.device | None:

@@ -107,11 +107,12 @@ def build_models(plan: ServePlan, device: torch.device | None = None) -> Pipelin
 
 
 def leader_build_device(plan: ServePlan) -> torch.device:
-    """Where a sharing leader builds before it publishes: a CUDA leader builds and casts on the
-    CPU and copies each tensor once into the device buffers it exports, so that the GPU holds
-    the weights once while it starts (building on the device, then copying into the buffers,
-    would hold them twice: the plan's memory fit counts them once)."""
-    return torch.device("cpu") if plan.device.type == "cuda" else plan.device
+    """Where a sharing leader builds before it publishes: always the CPU. A CUDA leader builds
+    and casts there and copies each tensor once into the device buffers it exports, so that the
+    GPU holds the weights once while it starts (building on the device, then copying into the
+    buffers, would hold them twice: the plan's memory fit counts them once); a CPU leader builds
+    on its own device. The plan allows no other device (plan._resolve_device: cpu or cuda)."""
+    return torch.device("cpu")
 
 
 @web.middleware

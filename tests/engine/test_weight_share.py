@@ -12,6 +12,7 @@ import dataclasses
 import errno
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -47,6 +48,8 @@ from omni_dp.sharefile import (
     ALIGN,
     MANIFEST_FILE,
     SEGMENT_FILE,
+    Buffer,
+    CudaIpcHandle,
     read_manifest,
     write_manifest,
 )
@@ -225,6 +228,21 @@ def test_the_dry_run_says_what_sharing_would_keep_once(tmp_path, dtype):
     assert plan_summary(plan_for(None, None))["share_weights"] is None
 
 
+def test_a_sharing_dry_run_builds_the_meta_models_once(tmp_path, monkeypatch):
+    from omni_dp.engine import weights as weights_module
+
+    plan = plan_for("leader", tmp_path / "share")
+    assert plan.weights is not None and plan.weights.share_problem is None
+
+    def no_second_build(*args, **kwargs):
+        raise AssertionError("the summary built the meta models again")
+
+    monkeypatch.setattr(weights_module, "meta_models", no_second_build)
+    summary = plan_summary(plan)
+    assert (summary["weights_bytes"], summary["shared_weights_bytes"]) == (
+        plan.weights.weights_bytes, plan.weights.shared_bytes)
+
+
 # --- identity and layout ----------------------------------------------------------------
 
 
@@ -322,16 +340,16 @@ NO_IPC_ALLOCATORS = [
 @pytest.mark.parametrize(("env", "value", "reason"), NO_IPC_ALLOCATORS)
 def test_a_cuda_leader_refuses_an_allocator_without_ipc_handles(monkeypatch, env, value,
                                                                 reason):
-    from omni_dp.engine.share.cuda_ipc import check_exportable
+    from omni_dp.engine.share.cuda_ipc import exportable_problem
 
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)
-    check_exportable()
+    assert exportable_problem() is None
     monkeypatch.setenv(env, "expandable_segments:False,backend:native")
-    check_exportable()
+    assert exportable_problem() is None
     monkeypatch.setenv(env, value)
-    with pytest.raises(ShareError, match=f"{env} {reason}"):
-        check_exportable()
+    problem = exportable_problem()
+    assert problem is not None and re.search(f"{env} {reason}", problem), problem
 
 
 @pytest.mark.parametrize(("env", "value", "reason"), NO_IPC_ALLOCATORS)
@@ -509,6 +527,45 @@ def test_a_leader_gone_while_the_follower_attached_is_refused(published, unit_di
         attach(follower_plan(share, unit_dir), share, alive=lambda _: next(answers))
 
 
+def test_a_shared_tensor_bound_as_a_copy_is_refused(published, unit_dir, monkeypatch):
+    """Each shared tensor is proven to lie inside the leader's buffer once it is bound."""
+    from omni_dp.engine.share import attach as attach_module
+    from omni_dp.engine.share.tensors import bind
+
+    share, _, _ = published
+    monkeypatch.setattr(attach_module, "bind",
+                        lambda models, name, tensor: bind(models, name, tensor.clone()))
+    first = read_manifest(share).shared[0]
+    assert f"tensor {first.name} is not a view of the leader's buffer" \
+        in refused(share, unit_dir)
+
+
+def test_a_cpu_follower_refuses_buffers_that_are_not_one_segment(published, unit_dir):
+    share, _, _ = published
+    nbytes = read_manifest(share).buffers[0].nbytes
+    ipc = CudaIpcHandle(0, b"handle", nbytes, 0, b"refcount", 0, b"", False)
+    rewrite(share, buffers=(Buffer("cuda_ipc", nbytes, ipc=ipc),))
+    assert "the manifest's buffers are ['cuda_ipc']; on cpu a follower needs 1 segment buffer" \
+        in refused(share, unit_dir)
+
+
+def test_a_meta_tensor_left_as_a_plain_attribute_is_refused(published, unit_dir, monkeypatch):
+    """Rotary tables left on the meta device (neither parameters nor buffers: no manifest
+    entry binds them) would fail only at the first request; the follower refuses at once."""
+    from omni_dp.engine.share import attach as attach_module
+
+    share, _, _ = published
+
+    def meta_tables(*args, **kwargs):
+        models = meta_models(*args, **kwargs)
+        rope = models.talker.rope
+        rope.cos = torch.empty_like(rope.cos, device="meta")
+        return models
+
+    monkeypatch.setattr(attach_module, "meta_models", meta_tables)
+    assert "tensors left unbound after attaching: talker.rope.cos" in refused(share, unit_dir)
+
+
 def test_the_checks_run_in_order_and_the_leader_is_checked_before_the_tensors(published,
                                                                              unit_dir):
     share, _, _ = published
@@ -619,15 +676,14 @@ def test_a_leader_that_writes_a_shared_tensor_dies_too(tmp_path, unit_dir):
 # --- the CUDA path, on the CPU ----------------------------------------------------------
 
 
-def test_the_cuda_publish_and_bind_give_views_of_the_right_per_dtype_buffer(tmp_path,
-                                                                            monkeypatch):
-    """export._publish_cuda and attach._bind_cuda with the device calls faked (buffers are
-    CPU tensors; a handle names one of them): the per-dtype layout, the copies into the
-    buffers, the views bound on both sides, the private copies, the same bytes computed."""
+@pytest.fixture
+def fake_cuda(tmp_path, monkeypatch):
+    """export._publish_cuda and attach._bind_cuda with the device calls faked (buffers are CPU
+    tensors; a handle names one of them): (the exported buffers by handle, a plan on the fake
+    GPU for a role, the share directory)."""
     from omni_dp.engine.share import attach as attach_module
     from omni_dp.engine.share import export as export_module
     from omni_dp.engine.share import verify as verify_module
-    from omni_dp.sharefile import CudaIpcHandle
 
     torch.set_num_threads(1)
     monkeypatch.delenv("OMNI_DP_RUN_ID", raising=False)
@@ -651,13 +707,19 @@ def test_the_cuda_publish_and_bind_give_views_of_the_right_per_dtype_buffer(tmp_
     monkeypatch.setattr(export_module, "device_name", fake_device_name)
     monkeypatch.setattr(verify_module, "device_name", fake_device_name)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     gpu = torch.device("cuda", 0)
     share = tmp_path / "share"
 
     def on_gpu(role):
         return dataclasses.replace(plan_for(role, share, dtype="bfloat16"), device=gpu)
 
+    return exported, on_gpu, share
+
+
+def test_the_cuda_publish_and_bind_give_views_of_the_right_per_dtype_buffer(fake_cuda):
+    """The per-dtype layout, the copies into the buffers, the views bound on both sides, the
+    private copies, the same bytes computed."""
+    exported, on_gpu, share = fake_cuda
     leader_plan = on_gpu("leader")
     leader = build_models(leader_plan, torch.device("cpu"))  # as leader_build_device says
     publish(leader_plan, leader, share)
@@ -693,6 +755,20 @@ def test_the_cuda_publish_and_bind_give_views_of_the_right_per_dtype_buffer(tmp_
         assert inside(leaders[entry.name], flats[entry.buffer]), entry.name
 
 
+def test_a_cuda_buffer_smaller_than_the_manifest_says_is_refused(fake_cuda, monkeypatch):
+    from omni_dp.engine.share import attach as attach_module
+
+    exported, on_gpu, share = fake_cuda
+    leader_plan = on_gpu("leader")
+    publish(leader_plan, build_models(leader_plan, torch.device("cpu")), share)
+    nbytes = read_manifest(share).buffers[0].nbytes
+    monkeypatch.setattr(attach_module, "open_buffer",
+                        lambda ipc, device: exported[ipc.handle][:-1])
+    with pytest.raises(ShareError, match=f"the leader's CUDA buffer 0 is {nbytes - 1} bytes, "
+                                         f"the manifest says {nbytes}"):
+        attach(on_gpu("follower"), share)
+
+
 # --- the leader watch -------------------------------------------------------------------
 
 
@@ -711,6 +787,25 @@ def orphan():
 
 def _no_pidfd(pid: int) -> int:
     raise OSError(errno.ENOSYS, "Function not implemented")
+
+
+def test_pidfd_of_a_live_a_gone_and_a_recycled_process(orphan):
+    from omni_dp.procs import pidfd_of
+
+    fd = pidfd_of(orphan)
+    assert fd is not None
+    os.close(fd)
+    read_end, write_end = os.pipe()  # the write end stands in for the pidfd
+    assert pidfd_of(orphan, alive=lambda _: False, pidfd_open=lambda pid: write_end) is None
+    assert os.read(read_end, 1) == b""  # EOF: the recycled pid's fd was closed
+    os.close(read_end)
+    with pytest.raises(OSError) as caught:
+        pidfd_of(orphan, pidfd_open=_no_pidfd)
+    assert caught.value.errno == errno.ENOSYS  # the caller's fallback decides
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.2)"])
+    gone = identify(child.pid)
+    child.wait()  # reaped: no such pid
+    assert gone is not None and pidfd_of(gone) is None
 
 
 def test_the_watch_sees_a_leader_that_is_not_its_child_exit_at_once(orphan):

@@ -3,7 +3,9 @@
 Fail closed: anything unexpected — the manifest's file or fields, another model, dtype, device
 or run, a gone leader, other tensor sets, dtypes or shapes, a segment of the wrong size or
 bytes — is a ShareError naming it, and nothing is served. The model is built on the meta device
-(no memory), so the shared tensors are never held twice, not even while attaching.
+(no memory), so the shared tensors are never held twice, not even while attaching; its rotary
+tables, which are neither parameters nor buffers, are built on the CPU with it, as every
+replica's are.
 """
 
 from __future__ import annotations
@@ -44,8 +46,7 @@ def attach(plan: ServePlan, share_dir: Path,
         _bind_cuda(models, manifest, plan.device)
     else:
         _bind_cpu(models, manifest, share_dir)
-    policy.rebuild(models.talker, models.vocoder)
-    check_materialized(models)
+    check_materialized(models)  # nothing left on the meta device, bound or built
     if not alive(manifest.leader):  # it may have gone while we mapped what it published
         raise ShareError(f"the leader (pid {manifest.leader.pid}) went away while this "
                          "follower attached")
@@ -99,5 +100,3 @@ def _bind_cuda(models: PipelineModels, manifest: ShareManifest, device: torch.de
                              f"manifest says {buffer.nbytes}")
         flats.append(flat)
     _bind_views(models, manifest, flats)
-    del flats
-    torch.cuda.empty_cache()

@@ -53,7 +53,8 @@ def exportable_problem(environ: Mapping[str, str] = os.environ) -> str | None:
     (and a kernel and ptrace rules to allow it); the cudaMallocAsync backend allocates from a
     stream-ordered pool, which cudaIpcGetMemHandle does not export. torch's cudaIpc handles
     are available for neither: refuse rather than hand followers a handle that will not open.
-    Reads only the environment (no GPU needed): the plan checks it, publish again."""
+    Reads only the environment (no GPU needed): plan_serve checks it before anything starts,
+    in the process and environment that then publishes."""
     for env in ALLOC_CONF_ENVS:
         settings = _alloc_settings(environ.get(env, ""))
         if settings.get("expandable_segments") == "true":
@@ -64,13 +65,6 @@ def exportable_problem(environ: Mapping[str, str] = os.environ) -> str | None:
                     "CUDA IPC handles; a sharing leader needs the native caching allocator: "
                     "unset it (or set backend:native)")
     return None
-
-
-def check_exportable() -> None:
-    """ShareError with `exportable_problem`'s reason, if any."""
-    problem = exportable_problem()
-    if problem:
-        raise ShareError(problem)
 
 
 def new_buffer(nbytes: int, device: torch.device) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 from omni_dp.engine.config import ARCHITECTURE
 from omni_dp.engine.plan import ServePlan, dtype_name
 from omni_dp.engine.share import ShareError, ShareInfo
-from omni_dp.engine.share.cuda_ipc import check_exportable, device_name, export, new_buffer
+from omni_dp.engine.share.cuda_ipc import device_name, export, new_buffer
 from omni_dp.engine.share.identity import model_identity, run_id
 from omni_dp.engine.share.layout import buffer_per_dtype, lay_out, one_buffer
 from omni_dp.engine.share.policy import policy_for
@@ -52,8 +52,7 @@ def publish(plan: ServePlan, models: PipelineModels, share_dir: Path) -> ShareIn
     policy = policy_for(ARCHITECTURE)
     tensors = named_tensors(models)
     shared_names, private_names = policy.split(tensors)
-    if plan.device.type == "cuda":
-        check_exportable()
+    # A CUDA leader's allocator was checked by plan_serve (exportable_problem), in this process.
     try:
         make_private_dir(share_dir)
     except PrivateDirError as exc:
@@ -74,8 +73,6 @@ def publish(plan: ServePlan, models: PipelineModels, share_dir: Path) -> ShareIn
     else:
         buffers = _publish_cpu(models, sizes[0], placed, share_dir)
     del placed  # the original tensors: the models hold views of the buffers now
-    if cuda:
-        torch.cuda.empty_cache()  # their blocks back to the driver
     leader = identify(os.getpid())
     assert leader is not None  # this very process
     manifest = ShareManifest(

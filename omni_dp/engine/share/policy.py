@@ -10,19 +10,17 @@ run. Private: the small tensors not worth the bookkeeping (norm weights, biases)
 every follower; also where anything a request may write would go (nothing in omni-dp-tts
 writes a parameter). Per-process state that is not a parameter or buffer — the KV pool,
 sampling state, the talker's rotary cos/sin tables (plain attributes) — is never in the
-manifest: each process builds its own (`rebuild`).
+manifest: each process builds its own (a follower's rotary tables are built on the CPU when its
+model is built, on the meta device or not, as every replica's are).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-
-from torch import nn
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from omni_dp.engine.config import ARCHITECTURE
-from omni_dp.engine.model import RotaryEmbedding, Talker
 from omni_dp.engine.share import ShareError
 
 
@@ -30,24 +28,11 @@ class PolicyError(ShareError):
     """A model's tensor names and its architecture's policy disagree, or there is no policy."""
 
 
-def _rebuild_tts(talker: nn.Module, vocoder: nn.Module) -> None:
-    """omni-dp-tts's derived state: the rotary tables, computed by this process exactly as
-    Talker builds them (on the CPU, float64; tables() moves them on first use). The talker
-    builds them on the CPU even on the meta device, so a follower's are real already and are
-    not built twice; only tables left on the meta device are rebuilt."""
-    assert isinstance(talker, Talker)
-    if talker.rope.cos.is_meta or talker.rope.sin.is_meta:
-        cfg = talker.cfg
-        talker.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta)
-
-
 @dataclass(frozen=True)
 class SharePolicy:
     name: str  # "<architecture>/<version>": a follower attaches only to the same one
     shared: tuple[str, ...]  # regular expressions, each matched against a whole name
     private: tuple[str, ...]
-    # Recomputes, in a follower's own memory, what is neither a parameter nor a buffer.
-    rebuild: Callable[[nn.Module, nn.Module], None] = field(compare=False)
 
     def split(self, names: Iterable[str]) -> tuple[list[str], list[str]]:
         """(shared, private) names, in the order given; PolicyError naming every name that no
@@ -91,7 +76,6 @@ POLICIES: dict[str, SharePolicy] = {
             r"vocoder\.(pre|post)\.bias",
             r"vocoder\.ups\.\d+\.bias",
         ),
-        rebuild=_rebuild_tts,
     ),
 }
 

@@ -31,7 +31,6 @@ class Mapping:
 
     def __init__(self, mm: mmap.mmap) -> None:
         _MAPPINGS.append(mm)
-        self.nbytes = len(mm)
         with warnings.catch_warnings():
             # "The given buffer is not writable": it is meant not to be; a write faults.
             warnings.filterwarnings("ignore", message="The given buffer is not writable")

@@ -3,10 +3,10 @@
 A daemon thread waits on a pidfd of the leader (Linux ≥ 5.3; `pidfd_open` works for any
 process we may see, our child or not) and calls `on_gone` once, the moment the pidfd turns
 readable: the leader exited. Right after the fd is taken the leader's identity (pid and create
-time) is checked once more, which rules out a pid recycled before the fd named it; from then on
-the fd names that one process, so nothing is compared again (psutil's create time is derived
-from the wall clock's boot time and moves when the clock is stepped: a repeated exact comparison
-would see every leader "gone" after a step).
+time) is checked once more (procs.pidfd_of), which rules out a pid recycled before the fd named
+it; from then on the fd names that one process, so nothing is compared again (psutil's create
+time is derived from the wall clock's boot time and moves when the clock is stepped: a repeated
+exact comparison would see every leader "gone" after a step).
 
 Where `pidfd_open` is unavailable (an older kernel, seccomp: OSError), the thread polls the
 identity every `interval` seconds instead (which a clock step can trip: then the follower
@@ -19,32 +19,24 @@ Fail closed: an unexpected error in the watch is logged and counts as the leader
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import select
 import threading
 from collections.abc import Callable
 
-from omni_dp.procs import ProcessIdentity, is_alive
+from omni_dp.procs import ProcessIdentity, is_alive, open_pidfd, pidfd_of
 
 log = logging.getLogger("omni_dp.serve")
 
 POLL_INTERVAL_S = 0.5  # the fallback's, without a pidfd
 
 
-def _pidfd_open(pid: int) -> int:
-    opener = getattr(os, "pidfd_open", None)
-    if opener is None:  # not Linux, or Python built without it
-        raise OSError(errno.ENOSYS, "os.pidfd_open is not available")
-    return opener(pid)
-
-
 class LeaderWatch:
     def __init__(self, leader: ProcessIdentity, on_gone: Callable[[], None],
                  interval: float = POLL_INTERVAL_S,
                  alive: Callable[[ProcessIdentity], bool] = is_alive,
-                 pidfd_open: Callable[[int], int] = _pidfd_open) -> None:
+                 pidfd_open: Callable[[int], int] = open_pidfd) -> None:
         self.leader = leader
         self._on_gone = on_gone
         self._interval = interval
@@ -100,10 +92,7 @@ class LeaderWatch:
     def _wait(self) -> None:
         """Returns when the leader is gone, or stop() was called."""
         try:
-            pidfd = self._pidfd_open(self.leader.pid)
-        except ProcessLookupError:  # no such pid: gone already
-            self.mode = "pidfd"
-            return
+            pidfd = pidfd_of(self.leader, alive=self._alive, pidfd_open=self._pidfd_open)
         except OSError as exc:
             log.info("weight share: no pidfd for the leader (%s); polling it every %.1f s",
                      exc, self._interval)
@@ -111,9 +100,9 @@ class LeaderWatch:
             self._poll()
             return
         self.mode = "pidfd"
+        if pidfd is None:  # no such pid, or it was recycled before the fd named it: gone
+            return
         try:
-            if not self._alive(self.leader):  # the pid was recycled before the fd named it
-                return
             poller = select.poll()
             poller.register(pidfd, select.POLLIN)
             poller.register(self._wake_r, select.POLLIN)
