@@ -6,6 +6,9 @@ create time match what it recorded, or whose environment carries the run's token
 
 from __future__ import annotations
 
+import errno
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
@@ -41,6 +44,40 @@ def is_alive(identity: ProcessIdentity) -> bool:
         )
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
+
+
+def open_pidfd(pid: int) -> int:
+    """os.pidfd_open (Linux ≥ 5.3); OSError(ENOSYS) where Python has none (not Linux, or built
+    without it), as where the kernel has none."""
+    opener = getattr(os, "pidfd_open", None)
+    if opener is None:
+        raise OSError(errno.ENOSYS, "os.pidfd_open is not available")
+    return opener(pid)
+
+
+def pidfd_of(identity: ProcessIdentity, *,
+             alive: Callable[[ProcessIdentity], bool] = is_alive,
+             pidfd_open: Callable[[int], int] = open_pidfd) -> int | None:
+    """A pidfd of the recorded process (readable once it exits; it works for processes that are
+    not our children), or None when that process is gone: no such pid, or the pid now names
+    another process. The identity is checked once, right after the fd is taken, which rules out
+    a pid recycled before the fd named it; from then on the fd names that one process, so the
+    caller compares nothing again. The caller closes the fd.
+
+    OSError other than ESRCH (no pidfd_open here, seccomp, ...) propagates: each caller has its
+    own fallback. So does whatever `alive` raises (the fd closed first)."""
+    try:
+        fd = pidfd_open(identity.pid)
+    except ProcessLookupError:  # ESRCH: no such pid, gone already
+        return None
+    try:
+        if alive(identity):
+            return fd
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)  # the pid was recycled before the fd named it
+    return None
 
 
 def read_environ(pid: int) -> dict[str, str] | None:

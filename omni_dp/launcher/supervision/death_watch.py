@@ -7,7 +7,7 @@ import os
 import select
 import signal
 
-from omni_dp.procs import ProcessIdentity, is_alive
+from omni_dp.procs import ProcessIdentity, pidfd_of
 
 
 class DeathWatch:
@@ -29,12 +29,12 @@ class DeathWatch:
         try:
             for identity in identities:
                 try:
-                    fd = os.pidfd_open(identity.pid)
-                except (OSError, AttributeError):
+                    fd = pidfd_of(identity)
+                except OSError:  # no pidfd here: the interval bounds detection
                     continue
-                fds.append(fd)
-                if not is_alive(identity):  # the pid was recycled before we opened it
+                if fd is None:  # gone already, or its pid recycled: wake the loop now
                     return
+                fds.append(fd)
                 poller.register(fd, select.POLLIN)
             poller.poll(timeout_s * 1000)
         finally:
