@@ -133,6 +133,25 @@ def processes_of(state_dir: Path, pipe_root: Path | None = None) -> list[dict]:
     return found
 
 
+def finish_run(state: Path, env: dict, run_id: str, row: dict, artifacts: Path | None,
+               pipe_root: Path | None = None) -> None:
+    """Artifacts out (when `artifacts` names where), then down — always, whatever happened
+    before; the row says how down ended and what is still running of the state dir."""
+    run_dir = state / "runs" / run_id
+    if run_dir.is_dir() and artifacts is not None:
+        row["artifacts"] = len(copy_artifacts(run_dir, artifacts / run_id))
+    try:
+        down = omni_dp("down", run_id, "--json", env=env, timeout=DOWN_TIMEOUT_S)
+        row["down_rc"] = down.returncode
+        row["down"] = (json.loads(down.stdout) if down.stdout.strip().startswith("{")
+                       else (down.stdout + down.stderr).strip()[-500:])
+    except subprocess.TimeoutExpired:
+        row["down_rc"] = None
+        row["down"] = f"down did not finish in {DOWN_TIMEOUT_S} s"
+    row["left_behind"] = processes_of(state, pipe_root)
+    row["run_dir_left"] = run_dir.exists()
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -229,19 +248,7 @@ class Bench:
             row[f"c{concurrency}"] = result.__dict__
 
     def finish(self, run_id: str, row: dict) -> None:
-        """Artifacts out, then down — always, whatever happened before."""
-        run_dir = self.state / "runs" / run_id
-        if run_dir.is_dir():
-            row["artifacts"] = len(copy_artifacts(run_dir, self.artifacts / run_id))
-        try:
-            down = omni_dp("down", run_id, "--json", env=self.env, timeout=DOWN_TIMEOUT_S)
-            row["down_rc"] = down.returncode
-            row["down"] = (json.loads(down.stdout) if down.stdout.strip().startswith("{")
-                           else (down.stdout + down.stderr).strip()[-500:])
-        except subprocess.TimeoutExpired:
-            row["down_rc"] = None
-            row["down"] = f"down did not finish in {DOWN_TIMEOUT_S} s"
-        row["left_behind"] = processes_of(self.state, self.pipe_root)
+        finish_run(self.state, self.env, run_id, row, self.artifacts, self.pipe_root)
 
     # --- a killed run's leftovers -----------------------------------------------------------
     def cleanup(self) -> int:

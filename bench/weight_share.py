@@ -9,7 +9,7 @@ own — and the audio of one seeded request sent to every replica directly (byte
 not). The sharing run then loses its leader to kill -9 and the time until every replica is back
 through the gates (new pids, healthy, the share re-published) is taken.
 
-    python bench/weight_share.py --serve-args "--model small --dtype float32" --device cpu \\
+    python bench/weight_share.py --serve-args "--model small --dtype float32" \\
         --replicas 3 --out results/
     python bench/weight_share.py --serve-args "--model small" --gpu 0 --mps   # on a GPU
 
@@ -34,14 +34,15 @@ from pathlib import Path
 
 import psutil
 from launch_scaling import (
-    DOWN_TIMEOUT_S,
     Interrupted,
     _raise_interrupted,
-    copy_artifacts,
+    finish_run,
     free_port_block,
     omni_dp,
     processes_of,
 )
+
+from omni_dp.gpus import nvml_gpu_memory, query_gpu
 
 MiB = 1024**2
 SPEECH = {"input": "One copy of the weights for every replica.", "seed": 7,
@@ -66,29 +67,11 @@ def host_memory(pids: list[int]) -> dict[int, dict[str, int]]:
 
 
 def device_memory(gpu: str) -> tuple[int | None, dict[int, int]]:
-    """Used bytes of the GPU and each compute process's own (MPS clients included); (None, {})
-    without NVML."""
-    try:
-        import pynvml
-    except ImportError:
-        return None, {}
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return None, {}
-    try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(int(gpu))
-        used = pynvml.nvmlDeviceGetMemoryInfo(handle).used
-        per: dict[int, int] = {}
-        for query in ("nvmlDeviceGetComputeRunningProcesses",
-                      "nvmlDeviceGetMPSComputeRunningProcesses"):
-            with contextlib.suppress(pynvml.NVMLError, AttributeError):
-                for p in getattr(pynvml, query)(handle):
-                    if p.usedGpuMemory is not None:
-                        per[p.pid] = p.usedGpuMemory
-        return used, per
-    finally:
-        pynvml.nvmlShutdown()
+    """Used bytes of the GPU and each compute process's own (MPS clients included), as the
+    launcher reads them (omni_dp/gpus.py); (None, {}) where NVML cannot say."""
+    facts, _, _ = query_gpu(gpu)
+    per, _ = nvml_gpu_memory(gpu)
+    return (facts.memory_used_bytes if facts else None), per or {}
 
 
 class ShareBench:
@@ -169,16 +152,8 @@ class ShareBench:
         row["result"] = f"not recovered {self.args.recovery_timeout:g} s after the leader kill"
 
     def finish(self, run_id: str, row: dict) -> None:
-        run_dir = self.state / "runs" / run_id
-        if run_dir.is_dir() and self.args.artifacts:
-            copy_artifacts(run_dir, Path(self.args.artifacts) / run_id)
-        try:
-            down = omni_dp("down", run_id, env=self.env, timeout=DOWN_TIMEOUT_S)
-            row["down_rc"] = down.returncode
-        except subprocess.TimeoutExpired:
-            row["down_rc"] = None
-        row["left_behind"] = processes_of(self.state)
-        row["run_dir_left"] = run_dir.exists()
+        artifacts = Path(self.args.artifacts) if self.args.artifacts else None
+        finish_run(self.state, self.env, run_id, row, artifacts)
 
 
 HEADER = ("| run | result | up s | ΣPSS MiB | ΣUSS MiB | per replica USS MiB | shared MiB "
@@ -255,15 +230,18 @@ def main(argv: list[str] | None = None) -> int:
             print(table_row(row), flush=True)
             rows.append(row)
     except (Interrupted, KeyboardInterrupt) as exc:
-        print(f"interrupted ({exc or 'SIGINT'}): the run in progress was torn down", flush=True)
+        left = processes_of(bench.state)
+        print(f"interrupted ({exc or 'SIGINT'}): the run in progress was torn down; left "
+              f"running: {left or 'nothing'}", flush=True)
         return 130
     text = f"{title}\n\n{table(rows)}\n"
     (bench.out / "weight_share.md").write_text(text)
     if args.record:
         with open(args.record, "a") as f:
             f.write("\n" + text)
-    ok = all(r["result"] == "ok" and r.get("identical") and r.get("down_rc") == 0
-             and not r.get("left_behind") for r in rows)
+    ok = all(r["result"] == "ok" and r.get("identical") and r.get("identical_after", True)
+             and r.get("down_rc") == 0 and not r.get("left_behind") and not r.get("run_dir_left")
+             for r in rows)
     return 0 if ok else 1
 
 
