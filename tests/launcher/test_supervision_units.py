@@ -544,9 +544,7 @@ def gates(i: int, *more: int) -> list[tuple]:
 
 def test_a_dead_leader_restarts_its_group_in_waves_and_no_follower_restarts_on_its_own(
         tmp_path):
-    state = make_state(tmp_path, replicas=3, share=True)
-    router = FakeRouter()
-    sup, world, said = supervisor(state, router=router)
+    state, router, sup, world, said = sharing_run(tmp_path)
     real, handed = sup.restart_replica, []
     began, release = threading.Event(), threading.Event()
 
@@ -591,9 +589,7 @@ def test_a_dead_leader_restarts_its_group_in_waves_and_no_follower_restarts_on_i
 
 
 def test_a_dead_follower_is_restarted_alone_and_its_leader_untouched(tmp_path):
-    state = make_state(tmp_path, replicas=3, share=True)
-    router = FakeRouter()
-    sup, world, _ = supervisor(state, router=router)
+    state, router, sup, world, _ = sharing_run(tmp_path)
     world.live.discard(1002)
     sup.sweep()
     sup.busy.join(5)
@@ -667,9 +663,7 @@ def test_bring_up_says_published_and_attached_only_for_what_passed_its_share_gat
 
 
 def test_a_follower_failing_its_share_gate_in_a_restart_stays_down_and_out(tmp_path):
-    state = make_state(tmp_path, replicas=3, share=True)
-    router = FakeRouter()
-    sup, _, said = supervisor(state, router=router)
+    state, router, sup, _, said = sharing_run(tmp_path)
     sup.replicas.share_gate(0)  # the leader's proof, as bring-up left it
     sup.replicas.share_fails = {1}
     sup.restart_replica(1, "its process is gone", [1])
@@ -685,6 +679,15 @@ def test_a_follower_failing_its_share_gate_in_a_restart_stays_down_and_out(tmp_p
 F, D, S = ReplicaState.FAILED, ReplicaState.DOWN, ReplicaState.STOPPED
 
 
+def sharing_run(tmp_path) -> tuple[RunState, FakeRouter, Supervisor, FakeWorld, list[str]]:
+    """Three replicas sharing weights (0 leads), all healthy, supervised with a fake world
+    and a router whose calls are kept."""
+    state = make_state(tmp_path, replicas=3, share=True)
+    router = FakeRouter()
+    sup, world, said = supervisor(state, router=router)
+    return state, router, sup, world, said
+
+
 def share_proof(state: RunState, followers: tuple[int, ...] = (1, 2)) -> ShareRecord:
     share = ShareRecord(leader=0, followers=followers, directory="share", policy="p/1",
                         shared_bytes=1024, private_bytes=32, tensors=1,
@@ -698,9 +701,7 @@ def enabled(router: FakeRouter) -> list[int]:
 
 
 def test_an_unexpected_error_in_the_followers_wave_leaves_the_leader_that_passed_up(tmp_path):
-    state = make_state(tmp_path, replicas=3, share=True)
-    router = FakeRouter()
-    sup, world, said = supervisor(state, router=router)
+    state, router, sup, world, said = sharing_run(tmp_path)
     fake, start = sup.replicas, sup.replicas.start
 
     def spawn(i):
@@ -724,9 +725,7 @@ def test_an_unexpected_error_in_the_followers_wave_leaves_the_leader_that_passed
 
 
 def test_an_unexpected_error_stops_the_followers_started_but_not_gated(tmp_path):
-    state = make_state(tmp_path, replicas=3, share=True)
-    router = FakeRouter()
-    sup, world, _ = supervisor(state, router=router)
+    state, router, sup, world, _ = sharing_run(tmp_path)
     fake, share_gate = sup.replicas, sup.replicas.share_gate
 
     def broken(i):
@@ -749,9 +748,7 @@ def test_an_unexpected_error_stops_the_followers_started_but_not_gated(tmp_path)
 
 
 def test_an_unexpected_error_before_anything_started_puts_the_old_healthy_ones_back(tmp_path):
-    state = make_state(tmp_path, replicas=3, share=True)
-    router = FakeRouter()
-    sup, _, _ = supervisor(state, router=router)
+    state, router, sup, _, _ = sharing_run(tmp_path)
 
     def stop(indices, timeout_s):
         raise RuntimeError("cannot stop")
@@ -767,9 +764,7 @@ def test_an_unexpected_error_before_anything_started_puts_the_old_healthy_ones_b
 def test_an_unexpected_error_before_the_stop_stops_the_old_processes_too(tmp_path):
     """A leader still running its old process, put back by a sweep without its gates, would
     serve with no share recorded: what did not pass is stopped, and restarted properly."""
-    state = make_state(tmp_path, replicas=3, share=True)
-    router = FakeRouter()
-    sup, _, _ = supervisor(state, router=router)
+    state, router, sup, _, _ = sharing_run(tmp_path)
 
     class Broken:
         def decide(self, history, now):
