@@ -12,6 +12,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,10 +20,18 @@ from dataclasses import dataclass
 import torch
 
 from omni_dp.engine.runner import ModelRunner
-from omni_dp.engine.scheduler import RequestOutput, RequestStatus, Scheduler, TalkerRequest
+from omni_dp.engine.scheduler import (
+    RequestOutput,
+    RequestStatus,
+    Scheduler,
+    SchedulerStats,
+    TalkerRequest,
+)
 from omni_dp.engine.vocoder import ChunkSchedule, Vocoder, VocoderStream, pcm16_bytes
 
 log = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.05  # a remote talker's gauges reach /metrics at most this often
 
 
 @dataclass
@@ -88,15 +97,38 @@ class TalkerWorker(StageWorker):
         runner: ModelRunner,
         emit: Callable[[StepOutputs], None],
         on_fatal: Callable[[str], None],
+        on_stats: Callable[[SchedulerStats], None] | None = None,
     ) -> None:
         super().__init__(on_fatal)
         self.scheduler = scheduler
         self.runner = runner
         self.emit = emit
+        # A talker in its own process publishes its gauges (the HTTP front cannot read them);
+        # in the front's process nothing is sent: /metrics reads the scheduler itself.
+        self.on_stats = on_stats
+        self._stats_sent = 0.0
 
     def serve(self) -> None:
         while self._drain_inbox(block=not self.scheduler.has_requests()):
             self.step()
+            self._publish_stats()
+        self.runner_stopped()
+
+    def runner_stopped(self) -> None:
+        """The loop ended (Stop): a runner with peers (tensor parallel) releases them."""
+        stop = getattr(self.runner, "stop", None)
+        if stop is not None:
+            stop()
+
+    def _publish_stats(self) -> None:
+        """Throttled, except when the talker turns idle: the last state is always sent."""
+        if self.on_stats is None:
+            return
+        now = time.monotonic()
+        idle = not self.scheduler.has_requests()
+        if idle or now - self._stats_sent >= STATS_INTERVAL_S:
+            self._stats_sent = now
+            self.on_stats(self.scheduler.stats())
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply pending adds/aborts; wait for one if idle. False once told to stop."""

@@ -63,6 +63,17 @@ class ServeOptions:
                 "device: the leader publishes them in --share-dir, a follower maps them "
                 "read-only instead of loading its own copy (and exits 4 when its leader is "
                 "gone). [default: no sharing]"})
+    placement_config: str | None = field(default=None, metadata={
+        "metavar": "FILE",
+        "help": "A YAML file placing the stages on processes and devices (top-level keys: "
+                "preprocess, talker, vocoder, placement), applied over the pipeline's defaults "
+                "(every stage in one process); dotted options override it: --vocoder.process "
+                "vocoder, --talker.gpu_memory_fraction 0.85, --talker.tp_size 2, "
+                "--vocoder.replicas 2, --placement.max_total_gpu_memory_fraction_per_gpu 0.9, "
+                "--placement.fused_stages talker,vocoder. --dry-run prints the process table."})
+    # The dotted --<stage>.<field> options, as (key, value) in command-line order; the CLI
+    # collects them (click cannot declare an open set of options).
+    placement_overrides: tuple[tuple[str, str], ...] = field(default=(), metadata={"flag": None})
     share_dir: str | None = field(default=None, metadata={
         "metavar": "DIR",
         "help": "With --share-weights: the private (0700) directory the leader publishes in "

@@ -1,7 +1,14 @@
-"""The built-in pipeline assembled in one process, with an asyncio face for the HTTP server.
+"""The built-in pipeline, as the HTTP front sees it: wherever its stages run.
 
-preprocess (on the event loop: cheap, and it must reject bad input before a response starts)
-→ talker worker → vocoder worker → the request's asyncio queue.
+preprocess → talker → vocoder → the request's asyncio queue. The placement
+(omni_dp/placement) says which process runs each stage: the stages of `main` run here, as
+threads (form ①: all of them); the others in stage processes (engine/stage_group.py) over
+pyzmq. Either way the front sends the same messages and receives the same ones, so a request
+gives the same bytes in every form.
+
+The preprocess stage answers before the response starts (a request it refuses is a 400, never
+a broken stream); it runs on the event loop when it is here (cheap), else as a request-reply to
+its process. The talker's Add and Abort go from here on one channel, so they stay in order.
 """
 
 from __future__ import annotations
@@ -13,20 +20,22 @@ import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-import torch
-
-from omni_dp.engine.core import Abort, Add, TalkerWorker, VocoderWorker
-from omni_dp.engine.kv_cache import KVCache
-from omni_dp.engine.preprocess import TalkerPrompt
-from omni_dp.engine.runner import ModelRunner
-from omni_dp.engine.scheduler import Scheduler, SchedulerStats, TalkerRequest
-from omni_dp.engine.stages import DEFAULT_STAGES, process_table, validate_placement
-from omni_dp.engine.vocoder import ChunkSchedule
-from omni_dp.engine.weights import PipelineModels
+from omni_dp.engine import messages
+from omni_dp.engine.core import Abort, Add, StepOutputs
+from omni_dp.engine.preprocess import (
+    PreparedSpeech,
+    PreprocessError,
+    PreprocessLimits,
+    SpeechAsk,
+)
+from omni_dp.engine.scheduler import SchedulerStats, TalkerRequest
+from omni_dp.engine.stage_set import LeastLoaded, StageModels, StageSet, VocoderRoute
+from omni_dp.placement.model import MAIN_PROCESS, Placement
 
 log = logging.getLogger(__name__)
 
 _END = object()
+STAGE_START_TIMEOUT_S = 300.0
 
 
 class EngineFailed(RuntimeError):
@@ -46,76 +55,126 @@ class _Failure:
 class Pipeline:
     def __init__(
         self,
-        models: PipelineModels,
-        kv_cache: KVCache,
-        device: torch.device,
+        placement: Placement,
+        held: StageModels,
         *,
+        limits: PreprocessLimits,
         max_running_requests: int,
         on_fatal: Callable[[str], None],
+        launch_base: dict | None = None,
+        log_setup: tuple[str, str] = ("info", "text"),
     ) -> None:
-        validate_placement(DEFAULT_STAGES)
-        self.cfg = models.cfg
-        self.device = device
-        self.kv_cache = kv_cache
-        self.scheduler = Scheduler(
-            kv_cache.spec,
-            end_of_audio=self.cfg.end_of_audio,
-            max_running_requests=max_running_requests,
-        )
+        """`held`: what main holds for its own stages; `launch_base`: the StageLaunch fields
+        of every stage process (engine/stage_process.py), when there are any."""
+        self.placement = placement
+        self.cfg = held.cfg
+        self.device = held.device
+        self.limits = limits
         self._loop = asyncio.get_running_loop()
         self._queues: dict[str, asyncio.Queue] = {}
+        self._preparing: dict[str, asyncio.Future] = {}
         self._ids = itertools.count()
         self.failure: str | None = None
         self._on_fatal = on_fatal
-        runner = ModelRunner(models.talker, self.kv_cache, device)
-        self.vocoder_worker = VocoderWorker(
-            models.vocoder,
-            ChunkSchedule(self.cfg.vocoder.first_chunk_tokens, self.cfg.vocoder.chunk_tokens),
-            deliver=self._deliver_threadsafe,
+        self._remote_stats: SchedulerStats | None = None
+        main = next(p for p in placement.processes if p.name == MAIN_PROCESS)
+        self.group = None
+        if not placement.is_single_process:
+            from omni_dp.engine.stage_group import StageGroup
+
+            assert launch_base is not None
+            self.group = StageGroup(placement, launch_base, on_message=self._from_stages,
+                                    on_fatal=self._fatal_threadsafe, log_level=log_setup[0],
+                                    log_format=log_setup[1])
+        to_vocoder = None
+        if "talker" in main.stages and "vocoder" not in main.stages:
+            assert self.group is not None
+            group = self.group
+            to_vocoder = VocoderRoute([
+                (lambda step, endpoint=endpoint: group.send(endpoint, step))
+                for endpoint in group.endpoint_of("vocoder")])
+        self.local = StageSet(
+            main.stages, held, limits=limits, max_running_requests=max_running_requests,
+            to_vocoder=to_vocoder, deliver=self._deliver_threadsafe,
             on_fatal=self._fatal_threadsafe,
         )
-        self.talker_worker = TalkerWorker(
-            self.scheduler, runner, emit=self.vocoder_worker.inbox.put,
-            on_fatal=self._fatal_threadsafe,
-        )
+        self._preprocessors = [] if self.local.preprocess else (
+            self.group.endpoint_of("preprocess") if self.group else [])
+        self._preprocess_policy = LeastLoaded(max(1, len(self._preprocessors)))
+        self._talker = None if self.local.talker else self.group.endpoint_of("talker")[0]
 
     # --- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
-        self.vocoder_worker.start()
-        self.talker_worker.start()
+        """Start the local stages and the stage processes (from the main thread)."""
+        self.local.start()
+        if self.group is not None:
+            self.group.spawn()
+
+    async def wait_ready(self) -> None:
+        if self.group is not None:
+            await asyncio.to_thread(self.group.wait_ready, STAGE_START_TIMEOUT_S)
 
     def stop(self) -> None:
-        self.talker_worker.stop()
-        self.vocoder_worker.stop()
+        if self.group is not None:
+            self.group.stop()
+        self.local.stop()
 
     @property
     def num_in_flight(self) -> int:
         return len(self._queues)
 
-    def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+    def stats(self) -> SchedulerStats | None:
+        if self.local.scheduler is not None:
+            return self.local.scheduler.stats()
+        return self._remote_stats
 
     def processes(self) -> list[dict]:
-        return process_table(DEFAULT_STAGES, os.getpid(), str(self.device))
+        """The `processes` of /get_server_info: every OS process of this replica."""
+        rows = []
+        for process in self.placement.processes:
+            pid = os.getpid() if process.name == MAIN_PROCESS else self.group.pid_of(process.name)
+            rows.append({"pid": pid, "role": process.name, "device": process.device,
+                         "stages": list(process.stages)})
+        return rows
 
     # --- requests ----------------------------------------------------------------------
-    def check_admissible(self, prompt: TalkerPrompt, max_new_tokens: int) -> None:
-        """Raise AdmissionError for a request this replica can never serve."""
-        self.scheduler.check_admissible(len(prompt.token_ids), max_new_tokens)
+    async def prepare(self, ask: SpeechAsk) -> PreparedSpeech:
+        """The preprocess stage's answer; PreprocessError when it refuses the request."""
+        if self.failure is not None:
+            raise EngineFailed(self.failure)
+        if self.local.preprocess is not None:
+            return self.local.preprocess.prepare(ask)
+        assert self.group is not None
+        request_id = f"p{next(self._ids)}"
+        answer = self._loop.create_future()
+        self._preparing[request_id] = answer
+        index = self._preprocess_policy.bind()
+        try:
+            self.group.send(self._preprocessors[index], messages.Prepare(request_id, ask))
+            prepared: messages.Prepared = await answer
+        finally:
+            self._preprocess_policy.release(index)
+            self._preparing.pop(request_id, None)
+        if prepared.speech is None:
+            raise PreprocessError(prepared.field or "input", prepared.error or "refused")
+        return prepared.speech
 
-    async def synthesize(
-        self, prompt: TalkerPrompt, *, max_new_tokens: int, seed: int
-    ) -> AsyncIterator[bytes]:
+    def _to_talker(self, message: Add | Abort) -> None:
+        if self._talker is None:
+            self.local.handle(message)
+        else:
+            self.group.send(self._talker, message)
+
+    async def synthesize(self, speech: PreparedSpeech) -> AsyncIterator[bytes]:
         """Yield the request's PCM chunks as they are decoded; abort it if the caller stops."""
         if self.failure is not None:
             raise EngineFailed(self.failure)
         request_id = f"r{next(self._ids)}"
         chunks: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = chunks
-        request = TalkerRequest(
-            request_id, list(prompt.token_ids), max_new_tokens, seed, self.cfg.first_code_id
-        )
-        self.talker_worker.inbox.put(Add(request))
+        request = TalkerRequest(request_id, list(speech.prompt.token_ids), speech.max_new_tokens,
+                                speech.seed, self.cfg.first_code_id)
+        self._to_talker(Add(request))
         finished = False
         try:
             while True:
@@ -128,16 +187,32 @@ class Pipeline:
                 yield item
         finally:
             del self._queues[request_id]
-            if not finished:
+            if not finished and self.failure is None:
                 # Client gone, or the consumer stopped early: free its pages now.
-                self.talker_worker.inbox.put(Abort(request_id))
+                self._to_talker(Abort(request_id))
 
     def cut_off_all(self, reason: str) -> None:
         """End every in-flight request with RequestCutOff (drain time is up)."""
         for chunks in self._queues.values():
             chunks.put_nowait(_Failure(reason, RequestCutOff))
 
-    # --- called from worker threads ----------------------------------------------------
+    # --- called from other threads -----------------------------------------------------
+    def _from_stages(self, message: object) -> None:
+        """The receiver thread: a message from a stage process."""
+        if isinstance(message, messages.Audio):
+            self._deliver_threadsafe(message.request_id, message.pcm, message.done)
+        elif isinstance(message, messages.Prepared):
+            self._loop.call_soon_threadsafe(self._prepared, message)
+        elif isinstance(message, messages.Stats):
+            self._remote_stats = message.stats
+        elif isinstance(message, StepOutputs):  # not for the front: a miswired placement
+            self._fatal_threadsafe("the front received a talker step; the placement is miswired")
+
+    def _prepared(self, message: messages.Prepared) -> None:
+        answer = self._preparing.get(message.request_id)
+        if answer is not None and not answer.done():
+            answer.set_result(message)
+
     def _deliver_threadsafe(self, request_id: str, chunk: bytes | None, done: bool) -> None:
         self._loop.call_soon_threadsafe(self._deliver, request_id, chunk, done)
 
@@ -151,6 +226,8 @@ class Pipeline:
             chunks.put_nowait(_END)
 
     def _fatal_threadsafe(self, reason: str) -> None:
+        if self._loop.is_closed():
+            return
         self._loop.call_soon_threadsafe(self._fail, reason)
 
     def _fail(self, reason: str) -> None:
@@ -159,4 +236,7 @@ class Pipeline:
             log.error("%s", reason)
             for chunks in self._queues.values():
                 chunks.put_nowait(_Failure(reason.splitlines()[0]))
+            for answer in self._preparing.values():
+                if not answer.done():
+                    answer.set_exception(EngineFailed(reason.splitlines()[0]))
             self._on_fatal(reason)

@@ -18,7 +18,16 @@ from omni_dp.contract import Problems
 from omni_dp.engine.config import ModelConfig, ModelConfigError, resolve_model
 from omni_dp.engine.kv_cache import KVCacheSpec, KVSizingError, plan_kv_cache
 from omni_dp.engine.options import DTYPE_NAMES, ServeOptions
+from omni_dp.engine.placement_plan import (
+    budget_check,
+    kv_bytes_from_budget,
+    plan_placement,
+    stage_weight_bytes,
+    talker_process,
+)
 from omni_dp.files import private_dir_problem
+from omni_dp.placement.model import Placement
+from omni_dp.placement.table import placement_json
 from omni_dp.sizes import format_size
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -33,6 +42,11 @@ CUDA_OVERHEAD_BYTES = 1024**3
 
 def overhead_bytes(device: torch.device) -> int:
     return CUDA_OVERHEAD_BYTES if device.type == "cuda" else CPU_OVERHEAD_BYTES
+
+
+def _overhead_of(device: str) -> int:
+    """overhead_bytes of a placement's device string (cpu, cuda:N)."""
+    return overhead_bytes(torch.device(device))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -66,6 +80,9 @@ class ServePlan:
     # Sharing (--share-weights): the sizes of cfg and dtype that planning computed to check the
     # policy; the dry run's summary reuses them rather than building the meta models again.
     weights: WeightSizes | None = None
+    # The stages on processes and devices (omni_dp/placement); None only in plans built by
+    # hand in tests, which run form ① (every stage in this process).
+    placement: Placement | None = None
 
 
 def weight_sizes(cfg: ModelConfig, dtype: torch.dtype) -> WeightSizes:
@@ -92,7 +109,11 @@ def plan_summary(plan: ServePlan) -> dict:
     """What `serve --dry-run --json` prints: the numbers a launcher needs before starting."""
     sizes = plan.weights or weight_sizes(plan.cfg, plan.dtype)
     weights_bytes, shared_bytes = sizes.weights_bytes, sizes.shared_bytes
-    return {
+    processes = plan.placement.processes if plan.placement else ()
+    # One overhead per OS process (a CUDA context each on a GPU): what a split costs.
+    overhead = (sum(_overhead_of(p.device) for p in processes) if processes
+                else overhead_bytes(plan.device))
+    summary = {
         "model": plan.cfg.name,
         "device": str(plan.device),
         "dtype": dtype_name(plan.dtype),
@@ -102,12 +123,15 @@ def plan_summary(plan: ServePlan) -> dict:
         "kv_cache_bytes": plan.kv.cache_bytes,
         "kv_bytes_per_token": plan.kv.bytes_per_token,
         "page_size": plan.kv.page_size,
-        "overhead_bytes": overhead_bytes(plan.device),
+        "overhead_bytes": overhead,
         "share_weights": plan.options.share_weights,
         # What --share-weights would hold once for the whole run, and per replica.
         "shared_weights_bytes": shared_bytes,
         "private_weights_bytes": weights_bytes - shared_bytes,
     }
+    if plan.placement is not None:
+        summary["placement"] = placement_json(plan.placement)
+    return summary
 
 
 def available_cpus() -> int:
@@ -146,17 +170,30 @@ def plan_serve(options: ServeOptions) -> ServePlan:
     if not 0 <= options.port <= 65535:
         problems.append(f"--port must be 0-65535, got {options.port}")
     weights = _check_share(options, cfg, device, dtype, problems)
+    placement = plan_placement(options, device, problems) if device is not None else None
 
     kv = None
     if cfg is not None and dtype is not None:
+        stage_bytes = stage_weight_bytes(cfg, dtype)
+        kv_cache_bytes = options.kv_cache_bytes
+        if placement is not None and kv_cache_bytes is None and options.max_total_tokens is None:
+            kv_cache_bytes = kv_bytes_from_budget(placement, stage_bytes, _overhead_of)
+            if kv_cache_bytes is not None and kv_cache_bytes <= 0:
+                problems.append(
+                    f"the talker's budget ({format_size(talker_process(placement).budget_bytes)})"
+                    " leaves no room for a KV pool after its weights and overhead; raise "
+                    "--talker.gpu_memory_fraction")
+                kv_cache_bytes = None
         try:
             kv = plan_kv_cache(
                 num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                 dtype=dtype, page_size=options.page_size,
-                kv_cache_bytes=options.kv_cache_bytes, max_total_tokens=options.max_total_tokens,
+                kv_cache_bytes=kv_cache_bytes, max_total_tokens=options.max_total_tokens,
             )
         except KVSizingError as exc:
             problems.append(str(exc))
+        if kv is not None and placement is not None:
+            problems += budget_check(placement, stage_bytes, kv.cache_bytes, _overhead_of)
     if kv is not None and device is not None:
         _check_memory(kv, device, problems)
     if problems:
@@ -166,6 +203,7 @@ def plan_serve(options: ServeOptions) -> ServePlan:
         options=options, cfg=cfg, model_dir=model_dir, device=device, dtype=dtype,
         threads=threads, kv=kv,
         served_model_name=options.served_model_name or f"omni-dp-{cfg.name}", weights=weights,
+        placement=placement,
     )
 
 

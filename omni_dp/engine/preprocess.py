@@ -11,6 +11,7 @@ import unicodedata
 from dataclasses import dataclass
 
 from omni_dp.engine.config import ModelConfig
+from omni_dp.engine.sampling import derive_seed
 
 # OpenAI's voice names, so that existing clients work unchanged; each is one speaker id.
 VOICES: tuple[str, ...] = ("alloy", "ash", "coral", "echo", "fable", "nova", "onyx", "shimmer")
@@ -66,3 +67,65 @@ def default_max_new_tokens(cfg: ModelConfig, prompt: TalkerPrompt) -> int:
     text_bytes = len(prompt.token_ids) - 4
     wanted = math.ceil(text_bytes * cfg.new_tokens_per_input_byte)
     return max(cfg.min_new_tokens_default, min(cfg.max_new_tokens, wanted))
+
+
+@dataclass(frozen=True)
+class SpeechAsk:
+    """What the preprocess stage reads from a speech request (it crosses processes as is)."""
+
+    input: str
+    voice: str
+    speed: float | None = None
+    seed: int | None = None
+    max_new_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class PreprocessLimits:
+    max_input_chars: int
+    max_total_tokens: int  # the talker's KV pool: a request needing more can never run
+
+
+@dataclass(frozen=True)
+class PreparedSpeech:
+    """A request the talker can serve: its prompt, how many codes, and its sampling seed."""
+
+    prompt: TalkerPrompt
+    max_new_tokens: int
+    seed: int
+
+
+def duration_prior(cfg: ModelConfig, prompt: TalkerPrompt, speed: float | None) -> int:
+    """Codec tokens for a request that names none; `speed` 2.0 gives half as many.
+
+    The talker speaks its text in the frames it is given, so scaling that budget changes the
+    speaking rate inside the model, with no resampling or time-stretching of its output.
+    Speed 1.0 is exactly the unscaled prior (same tokens, same default seed, same bytes).
+    """
+    prior = default_max_new_tokens(cfg, prompt)
+    if speed is None or speed == 1.0:
+        return prior
+    return max(1, min(cfg.max_new_tokens, math.ceil(prior / speed)))
+
+
+def prepare(cfg: ModelConfig, ask: SpeechAsk, limits: PreprocessLimits) -> PreparedSpeech:
+    """The preprocess stage: text → prompt, length and seed, or PreprocessError naming the
+    field. Every reason a request can never be served is found here, before a response starts
+    (in whichever process this stage runs)."""
+    prompt = build_prompt(cfg, ask.input, ask.voice, limits.max_input_chars)
+    max_new_tokens = ask.max_new_tokens or duration_prior(cfg, prompt, ask.speed)
+    positions = len(prompt.token_ids) + max_new_tokens
+    if positions > cfg.max_position:
+        raise PreprocessError("input", f"input and max_new_tokens need {positions} positions; "
+                                       f"the model has {cfg.max_position}")
+    need = positions - 1  # the last code is never fed back
+    if need > limits.max_total_tokens:
+        raise PreprocessError(
+            "input", f"request needs {need} KV tokens ({len(prompt.token_ids)} prompt + "
+            f"{max_new_tokens} new - 1) but the whole pool holds {limits.max_total_tokens}; "
+            "shorten the input or lower max_new_tokens")
+    seed = ask.seed
+    if seed is None:
+        seed = derive_seed({"input": prompt.text, "voice": ask.voice,
+                            "max_new_tokens": max_new_tokens})
+    return PreparedSpeech(prompt, max_new_tokens, seed)

@@ -60,8 +60,57 @@ class StepStaging:
         self._values += values
         return Segment(start, len(self._values), shape or (len(values),))
 
+    @property
+    def values(self) -> list[int]:
+        """Everything staged so far: what a tensor-parallel rank 0 sends the other ranks."""
+        return self._values
+
     def upload(self, device: torch.device) -> torch.Tensor:
         return upload(self._values, torch.long, device)
+
+
+# (start row, end row, context length, page table or None) of one sequence
+Span = tuple[int, int, int, Segment | None]
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where each of a FlatBatch's inputs lies in the staged buffer.
+
+    With the buffer, everything a batch is made of: plain ints, so that a tensor-parallel
+    rank 0 can send both to the other ranks and each of them builds the same FlatBatch.
+    """
+
+    input_ids: Segment
+    positions: Segment
+    slots: Segment
+    last_rows: Segment
+    spans: list[Span]  # every sequence, in row order
+    decode: tuple[Segment, Segment, Segment] | None  # one-token rows, context lengths, pages
+
+
+def assemble_batch(staged: torch.Tensor, layout: BatchLayout, page_size: int) -> FlatBatch:
+    """The FlatBatch whose inputs are views of `staged`, already on the talker's device."""
+    decode = None
+    if layout.decode is not None:
+        rows, lengths, table = layout.decode
+        page_table = table.of(staged)
+        # On the device from the uploaded lengths: a kernel, not another copy.
+        positions = torch.arange(page_table.shape[1] * page_size, device=staged.device)
+        mask = positions.unsqueeze(0) < lengths.of(staged).unsqueeze(1)
+        decode = DecodeGroup(rows=rows.of(staged), page_table=page_table,
+                             mask=mask[:, None, None, :])
+    return FlatBatch(
+        input_ids=layout.input_ids.of(staged),
+        positions=layout.positions.of(staged),
+        slots=layout.slots.of(staged),
+        last_rows=layout.last_rows.of(staged),
+        sequences=[
+            SequenceSlice(start, end, context_len, None if table is None else table.of(staged))
+            for start, end, context_len, table in layout.spans
+        ],
+        decode=decode,
+    )
 
 
 class ModelRunner:
@@ -73,12 +122,16 @@ class ModelRunner:
         self.temperature = talker.cfg.temperature
 
     def build_batch(self, output: SchedulerOutput) -> FlatBatch:
+        staging, layout = self.stage_batch(output)
+        return assemble_batch(staging.upload(self.device), layout, self.page_size)
+
+    def stage_batch(self, output: SchedulerOutput) -> tuple[StepStaging, BatchLayout]:
+        """The step's inputs as host-side ints and where each lies: nothing touches the device."""
         staging = StepStaging()
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        # (start row, end row, context length, page table or None) of each sequence
-        spans: list[tuple[int, int, int, Segment | None]] = []
+        spans: list[Span] = []
         for item in output.scheduled:
             request = item.request
             start_pos = request.num_computed_tokens
@@ -91,30 +144,18 @@ class ModelRunner:
                              + pos % self.page_size)
             page_table = staging.add(request.pages) if item.num_new_tokens > 1 else None
             spans.append((row, row + item.num_new_tokens, end_pos, page_table))
-        ids_at = staging.add(input_ids)
-        positions_at = staging.add(positions)
-        slots_at = staging.add(slots)
-        last_rows_at = staging.add([end - 1 for _, end, _, _ in spans])
-        decode_at = self._stage_decode_group(output, spans, staging)
-
-        staged = staging.upload(self.device)
-        return FlatBatch(
-            input_ids=ids_at.of(staged),
-            positions=positions_at.of(staged),
-            slots=slots_at.of(staged),
-            last_rows=last_rows_at.of(staged),
-            sequences=[
-                SequenceSlice(start, end, context_len, None if table is None else table.of(staged))
-                for start, end, context_len, table in spans
-            ],
-            decode=None if decode_at is None else self._decode_group(staged, *decode_at),
+        layout = BatchLayout(
+            input_ids=staging.add(input_ids),
+            positions=staging.add(positions),
+            slots=staging.add(slots),
+            last_rows=staging.add([end - 1 for _, end, _, _ in spans]),
+            spans=spans,
+            decode=self._stage_decode_group(output, spans, staging),
         )
+        return staging, layout
 
     def _stage_decode_group(
-        self,
-        output: SchedulerOutput,
-        spans: list[tuple[int, int, int, Segment | None]],
-        staging: StepStaging,
+        self, output: SchedulerOutput, spans: list[Span], staging: StepStaging
     ) -> tuple[Segment, Segment, Segment] | None:
         """The one-token sequences' rows, context lengths and page tables padded to the widest."""
         members = [
@@ -134,19 +175,13 @@ class ModelRunner:
             staging.add(table, (len(members), widest)),
         )
 
-    def _decode_group(
-        self, staged: torch.Tensor, rows: Segment, lengths: Segment, table: Segment
-    ) -> DecodeGroup:
-        page_table = table.of(staged)
-        # On the device from the uploaded lengths: a kernel, not another copy.
-        positions = torch.arange(page_table.shape[1] * self.page_size, device=self.device)
-        mask = positions.unsqueeze(0) < lengths.of(staged).unsqueeze(1)
-        return DecodeGroup(rows=rows.of(staged), page_table=page_table, mask=mask[:, None, None, :])
-
     def execute(self, output: SchedulerOutput) -> list[int]:
         """Run the talker on every scheduled request and sample its next code."""
         batch = self.build_batch(output)
-        logits = self.talker(batch, self.kv_cache.k, self.kv_cache.v)
+        return self.sample_codes(output, self.talker(batch, self.kv_cache.k, self.kv_cache.v))
+
+    def sample_codes(self, output: SchedulerOutput, logits: torch.Tensor) -> list[int]:
+        """Each scheduled request's next code from its row of `logits`."""
         uniforms = [
             uniform_for(item.request.seed, len(item.request.output_codes))
             for item in output.scheduled

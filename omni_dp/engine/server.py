@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import errno
 import logging
-import math
 import os
 import signal
 import socket
@@ -26,7 +25,7 @@ import torch
 from aiohttp import HttpVersion11, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from omni_dp import __version__
+from omni_dp import __version__, logs
 from omni_dp.contract import ExitCode
 from omni_dp.engine.api import (
     OPENAI_MODEL_ALIASES,
@@ -47,20 +46,22 @@ from omni_dp.engine.audio import (
 from omni_dp.engine.kv_cache import KVCache
 from omni_dp.engine.metrics import ReplicaMetrics
 from omni_dp.engine.pipeline import EngineFailed, Pipeline, RequestCutOff
+from omni_dp.engine.placement_plan import default_placement, main_of
 from omni_dp.engine.plan import ServePlan, dtype_name
-from omni_dp.engine.preprocess import (
-    PreprocessError,
-    TalkerPrompt,
-    build_prompt,
-    default_max_new_tokens,
-)
-from omni_dp.engine.sampling import derive_seed
-from omni_dp.engine.scheduler import AdmissionError
+from omni_dp.engine.preprocess import PreparedSpeech, PreprocessError, PreprocessLimits, SpeechAsk
+from omni_dp.engine.runner import ModelRunner
 from omni_dp.engine.share import ShareInfo
 from omni_dp.engine.share.attach import attach
 from omni_dp.engine.share.export import publish
 from omni_dp.engine.share.watch import LeaderWatch
-from omni_dp.engine.weights import PipelineModels, load_models, place, seeded_models
+from omni_dp.engine.stage_set import StageModels
+from omni_dp.engine.weights import (
+    PipelineModels,
+    load_models,
+    meta_models,
+    place,
+    seeded_models,
+)
 from omni_dp.net import bind_listening
 
 log = logging.getLogger("omni_dp.serve")
@@ -106,6 +107,32 @@ def build_models(plan: ServePlan, device: torch.device | None = None) -> Pipelin
     return models
 
 
+def weights_source(plan: ServePlan) -> str:
+    """Where the weights come from, as /get_server_info says it (weights.seeded_models and
+    load_models name them the same way)."""
+    if plan.model_dir is None:
+        return f"preset {plan.cfg.name}, seed {plan.options.weight_seed}"
+    return str(plan.model_dir)
+
+
+def stage_launch_base(plan: ServePlan) -> dict:
+    """The StageLaunch fields (engine/stage_process.py) every stage process of this replica
+    shares: the plan's model, dtype, threads and the exact KV pool."""
+    return {
+        "dtype": dtype_name(plan.dtype), "threads": plan.threads, "model": plan.options.model,
+        "weight_seed": plan.options.weight_seed, "page_size": plan.kv.page_size,
+        "num_pages": plan.kv.num_pages,
+        "max_running_requests": plan.options.max_running_requests,
+        "max_input_chars": plan.options.max_input_chars,
+    }
+
+
+def current_log_setup() -> tuple[str, str]:
+    """This process's log level and format, for its stage processes to log alike."""
+    setup = logs.current()
+    return logging.getLevelName(setup.level), setup.fmt
+
+
 def leader_build_device(plan: ServePlan) -> torch.device:
     """Where a sharing leader builds before it publishes: always the CPU. A CUDA leader builds
     and casts there and copies each tensor once into the device buffers it exports, so that the
@@ -134,15 +161,18 @@ class AdmittedSpeech:
     """A speech request that passed every check and can go to the pipeline."""
 
     params: SpeechParams
-    prompt: TalkerPrompt
-    max_new_tokens: int
-    seed: int
+    speech: PreparedSpeech
+
+    @property
+    def seed(self) -> int:
+        return self.speech.seed
 
 
 class ReplicaServer:
     def __init__(self, plan: ServePlan) -> None:
         self.plan = plan
         self.options = plan.options
+        self.placement = plan.placement or default_placement(plan.device)
         self.state = State.STARTING
         self.pipeline: Pipeline | None = None
         self.models: PipelineModels | None = None
@@ -202,6 +232,7 @@ class ReplicaServer:
 
     async def _load(self) -> None:
         plan = self.plan
+        main = main_of(self.placement)
         role, share_dir = self.options.share_weights, Path(self.options.share_dir or ".")
         failed = "start-up failed"
         try:
@@ -213,6 +244,9 @@ class ReplicaServer:
                          "private, copied) from %s in %.2f s", self.share.tensors_shared,
                          self.share.shared_bytes, self.share.private_bytes, share_dir,
                          time.perf_counter() - started)
+            elif not {"talker", "vocoder"} & set(main.stages):
+                # Every model is in a stage process: here only their shapes, for the info.
+                self.models = meta_models(plan.cfg, plan.dtype, weights_source(plan))
             else:
                 device = leader_build_device(plan) if role == "leader" else None
                 self.models = await asyncio.to_thread(build_models, plan, device)
@@ -220,18 +254,27 @@ class ReplicaServer:
                     failed = "weight share"
                     self.share = await asyncio.to_thread(publish, plan, self.models, share_dir)
             failed = "start-up failed"
-            kv_cache = await asyncio.to_thread(KVCache, plan.kv, plan.device)
-        except Exception as exc:  # weights, share or pool that cannot be had: report, exit 3
+            held = StageModels(plan.cfg, plan.device)
+            if "talker" in main.stages:
+                held.kv_cache = await asyncio.to_thread(KVCache, plan.kv, plan.device)
+                held.talker_runner = ModelRunner(self.models.talker, held.kv_cache, plan.device)
+            if "vocoder" in main.stages:
+                held.vocoder = self.models.vocoder
+            self.pipeline = Pipeline(
+                self.placement, held,
+                limits=PreprocessLimits(self.options.max_input_chars, plan.kv.max_total_tokens),
+                max_running_requests=self.options.max_running_requests,
+                on_fatal=self._on_fatal, launch_base=stage_launch_base(plan),
+                log_setup=current_log_setup(),
+            )
+            self.pipeline.start()  # here, on the main thread: stage processes die with it
+            await self.pipeline.wait_ready()
+        except Exception as exc:  # weights, share, pool or a stage process: report, exit 3
             log.error("%s: %s", failed, exc)
             self.state = State.FAILED
             self.exit_code = ExitCode.RUNTIME
             self._stop.set()
             return
-        self.pipeline = Pipeline(
-            self.models, kv_cache, plan.device,
-            max_running_requests=self.options.max_running_requests, on_fatal=self._on_fatal,
-        )
-        self.pipeline.start()
         if role == "follower" and self.share is not None:
             self._watch = LeaderWatch(self.share.leader, self._on_leader_gone)
             self._watch.start()
@@ -373,9 +416,7 @@ class ReplicaServer:
             headers = {"Retry-After": "1"} if exc.status == 503 else None
             return web.json_response(exc.body(), status=exc.status, headers=headers)
         assert self.pipeline is not None
-        synthesis = self.pipeline.synthesize(
-            job.prompt, max_new_tokens=job.max_new_tokens, seed=job.seed
-        )
+        synthesis = self.pipeline.synthesize(job.speech)
         params = job.params
         # aclosing: a handler cancelled while writing (client gone) closes the generator at
         # once, which aborts the request and frees its pages — not whenever GC gets to it.
@@ -401,41 +442,18 @@ class ReplicaServer:
         params = parse_speech_body(raw, max_new_tokens_limit=cfg.max_new_tokens)
         if params.model is not None and params.model not in self.model_names:
             raise model_not_found(params.model)
+        ask = SpeechAsk(params.input, params.voice, params.speed, params.seed,
+                        params.max_new_tokens)
         try:
-            prompt = build_prompt(cfg, params.input, params.voice, self.options.max_input_chars)
+            speech = await self.pipeline.prepare(ask)
         except PreprocessError as exc:
             raise ApiError(400, str(exc), exc.field) from None
-        max_new_tokens = params.max_new_tokens or self._duration_prior(prompt, params.speed)
-        if len(prompt.token_ids) + max_new_tokens > cfg.max_position:
-            raise ApiError(
-                400, f"input and max_new_tokens need {len(prompt.token_ids) + max_new_tokens} "
-                f"positions; the model has {cfg.max_position}", "input",
-            )
-        try:
-            self.pipeline.check_admissible(prompt, max_new_tokens)
-        except AdmissionError as exc:
-            raise ApiError(400, str(exc), "input") from None
+        except EngineFailed as exc:
+            raise ApiError(503, f"replica failed ({exc}); retry on another replica") from None
         capacity = self.options.max_running_requests + self.options.max_queued_requests
         if self.pipeline.num_in_flight >= capacity:
             raise ApiError(503, f"replica is full ({capacity} requests in flight); retry shortly")
-        seed = params.seed
-        if seed is None:
-            seed = derive_seed({"input": prompt.text, "voice": params.voice,
-                                "max_new_tokens": max_new_tokens})
-        return AdmittedSpeech(params, prompt, max_new_tokens, seed)
-
-    def _duration_prior(self, prompt: TalkerPrompt, speed: float | None) -> int:
-        """Codec tokens for a request that names none; `speed` 2.0 gives half as many.
-
-        The talker speaks its text in the frames it is given, so scaling that budget changes the
-        speaking rate inside the model, with no resampling or time-stretching of its output.
-        Speed 1.0 is exactly the unscaled prior (same tokens, same default seed, same bytes).
-        """
-        cfg = self.plan.cfg
-        prior = default_max_new_tokens(cfg, prompt)
-        if speed is None or speed == 1.0:
-            return prior
-        return max(1, min(cfg.max_new_tokens, math.ceil(prior / speed)))
+        return AdmittedSpeech(params, speech)
 
     async def _whole(self, job: AdmittedSpeech, chunks, started: float) -> web.Response:
         params = job.params
@@ -537,7 +555,7 @@ class ReplicaServer:
         """OpenAI's usage shape (prompt tokens, codec tokens spoken), then audio_seconds."""
         cfg = self.plan.cfg
         samples = num_pcm_bytes // 2
-        input_tokens = len(job.prompt.token_ids)
+        input_tokens = len(job.speech.prompt.token_ids)
         output_tokens = samples // cfg.vocoder.samples_per_token
         return {
             "input_tokens": input_tokens, "output_tokens": output_tokens,

@@ -114,14 +114,18 @@ class Hybrid:
 
 def declare_cuda() -> None:
     """In a replica: accelerator stages declare "cuda:0" instead of "cpu" (sitecustomize)."""
-    from omni_dp.engine import stages
+    from omni_dp.engine import pipeline
 
-    original = stages.process_table
+    original = pipeline.Pipeline.processes
 
-    def process_table(stage_specs, pid, device):
-        return original(stage_specs, pid, "cuda:0" if str(device) == "cpu" else device)
+    def processes(self):
+        rows = original(self)
+        for row in rows:
+            if row["device"] == "cpu" and {"talker", "vocoder"} & set(row["stages"]):
+                row["device"] = "cuda:0"
+        return rows
 
-    stages.process_table = process_table
+    pipeline.Pipeline.processes = processes
 
 
 # --- the front end ------------------------------------------------------------------------------

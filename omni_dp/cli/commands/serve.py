@@ -6,6 +6,7 @@ only when a command runs.
 
 from __future__ import annotations
 
+import difflib
 import json
 import sys
 
@@ -24,36 +25,70 @@ from omni_dp.engine.options import ServeOptions
 DEFAULTS = ServeOptions()
 
 
-@click.command()
+@click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @options_from(ServeOptions)
 @click.option("--dry-run", is_flag=True,
-              help="Validate the options, print the plan as JSON (weights, KV) and exit.")
+              help="Validate the options, print the plan as JSON on stdout (weights, KV, the "
+                   "placement with where each value came from) and the process table on "
+                   "stderr, and exit.")
 @log_level_option("Least severe log messages written to stderr.")
 @log_format_option()
-def serve(log_level: str, log_format: str, dry_run: bool, **kwargs) -> None:
+@click.pass_context
+def serve(ctx: click.Context, log_level: str, log_format: str, dry_run: bool,
+          **kwargs) -> None:
     """Serve ONE replica of the built-in TTS pipeline over HTTP.
 
     The pipeline is preprocess → talker (a decoder-only transformer over a paged KV cache,
     continuous batching) → vocoder (streaming, 24 kHz 16-bit PCM). Endpoints: POST
     /v1/audio/speech, GET /health, /get_server_info, /v1/models, /metrics.
 
+    Placement: every stage runs in this process unless --placement-config or a dotted
+    option (--<stage>.<field> VALUE: process, device, gpu_memory_fraction, tp_size, devices,
+    replicas; --placement.<field> VALUE) puts it elsewhere; see README.md, "Placement".
+
     Exit codes: 0 after SIGTERM/SIGINT and draining, 2 bad options (nothing started),
-    3 start-up or engine failure (a follower that cannot attach), 4 a --share-weights
-    follower whose leader is gone.
+    3 start-up or engine failure (a follower that cannot attach, a stage process that
+    died), 4 a --share-weights follower whose leader is gone.
     """
     from omni_dp.engine.plan import ServePlanError, plan_serve, plan_summary
+    from omni_dp.placement.config import split_overrides
+    from omni_dp.placement.model import PlacementError
 
     try:
-        plan = plan_serve(ServeOptions(**kwargs))
+        overrides, unknown = split_overrides(ctx.args)
+    except PlacementError as exc:
+        exit_with_problems("serve", exc.problems)
+    if unknown:
+        exit_with_problems("serve", [unknown_option_problem(unknown, ctx.command)])
+    try:
+        plan = plan_serve(ServeOptions(**kwargs, placement_overrides=tuple(overrides)))
     except ServePlanError as exc:
         exit_with_problems("serve", exc.problems)
     if dry_run:
+        from omni_dp.placement.table import render_table
+
         click.echo(json.dumps(plan_summary(plan)))
+        if plan.placement is not None:
+            click.echo(render_table(plan.placement), err=True)
         return
     setup_logging(log_level, log_format)
     from omni_dp.engine.server import serve as run_server
 
     sys.exit(run_server(plan))
+
+
+def unknown_option_problem(args: list[str], command: click.Command) -> str:
+    """What click would have said of an unknown option, which `serve` must let through for
+    the dotted placement options (an open set click cannot declare)."""
+    first = args[0]
+    if not first.startswith("-"):
+        return f"unexpected argument {first!r}: serve takes options only"
+    name = first.split("=", 1)[0]
+    known = [opt for param in command.params for opt in param.opts if opt.startswith("--")]
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return (f"no such option: {name}{hint} (a stage's placement is set with dotted options: "
+            "--vocoder.process NAME)")
 
 
 @click.command("save-weights")

@@ -1,0 +1,106 @@
+"""The replica's placement, planned: the torch-free placement model (omni_dp/placement) fed
+with this machine's devices and this model's sizes.
+
+Budgets are fractions of a device's TOTAL memory (vLLM's meaning), never of what is free now:
+stages load one after another, and what is free depends on who loaded first. A talker with a
+budget and no KV knob gets the KV pool its budget leaves after its weights and overhead, worked
+out here from the shapes, so the pool is exact before anything loads (the launcher compares it
+across replicas); on a GPU the talker's process checks it against what it measurably holds
+once it has loaded (engine/budget.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import torch
+
+from omni_dp.engine.config import ModelConfig
+from omni_dp.engine.options import ServeOptions
+from omni_dp.placement.builtin import BUILTIN_PIPELINE
+from omni_dp.placement.config import load_placement
+from omni_dp.placement.model import MAIN_PROCESS, Placement, PlacementError, ProcessPlan
+from omni_dp.placement.validate import budget_problems, resolve
+
+
+def stage_weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes of each stage's weights as a replica holds them (shapes only: the meta device)."""
+    from omni_dp.engine.weights import meta_models
+
+    models = meta_models(cfg, dtype)
+    return {
+        "preprocess": 0,
+        "talker": sum(p.numel() * p.element_size() for p in models.talker.parameters()),
+        "vocoder": sum(p.numel() * p.element_size() for p in models.vocoder.parameters()),
+    }
+
+
+def plan_placement(options: ServeOptions, device: torch.device,
+                   problems: list[str]) -> Placement | None:
+    """Defaults, then --placement-config, then the dotted overrides; resolved and validated."""
+    file = Path(options.placement_config) if options.placement_config else None
+    try:
+        request = load_placement(BUILTIN_PIPELINE, file, options.placement_overrides)
+        cuda = torch.cuda.is_available()
+        count = torch.cuda.device_count() if cuda else 0
+        totals = {i: torch.cuda.get_device_properties(i).total_memory for i in range(count)}
+        placement = resolve(BUILTIN_PIPELINE, request, default_device=str(device),
+                            gpu_count=count, gpu_total_bytes=totals,
+                            host_total_bytes=psutil.virtual_memory().total)
+    except PlacementError as exc:
+        problems.extend(exc.problems)
+        return None
+    if options.share_weights is not None and not placement.is_single_process:
+        problems.append("--share-weights shares the weights of single-process replicas; this "
+                        "placement starts stage processes (drop one or the other)")
+    return placement
+
+
+def talker_process(placement: Placement) -> ProcessPlan:
+    """The process whose budget the KV pool comes out of (a TP group: rank 0's, all alike)."""
+    return placement.process_of("talker")[0]
+
+
+def process_needs(placement: Placement, weights: dict[str, int], kv_bytes: int,
+                  overhead: Callable[[str], int]) -> dict[str, int]:
+    """What each process will hold: its stages' weights (a TP rank: its share of the
+    talker's) and the KV pool (a TP rank: its share), plus one overhead each."""
+    needs = {}
+    for process in placement.processes:
+        held = 0
+        for stage in process.stages:
+            share = weights[stage] + (kv_bytes if stage == "talker" else 0)
+            held += share // process.tp_size
+        needs[process.name] = held + overhead(process.device)
+    return needs
+
+
+def kv_bytes_from_budget(placement: Placement, weights: dict[str, int],
+                         overhead: Callable[[str], int]) -> int | None:
+    """The talker's budget less everything else its process holds; None without a budget."""
+    process = talker_process(placement)
+    if process.budget_bytes is None:
+        return None
+    others = sum(weights[s] for s in process.stages if s != "talker")
+    talker_share = weights["talker"] // process.tp_size
+    left = process.budget_bytes - overhead(process.device) - others - talker_share
+    return left * process.tp_size  # the pool over all ranks; each holds 1/tp_size of it
+
+
+def budget_check(placement: Placement, weights: dict[str, int], kv_bytes: int,
+                 overhead: Callable[[str], int]) -> list[str]:
+    return budget_problems(placement, process_needs(placement, weights, kv_bytes, overhead))
+
+
+def main_of(placement: Placement) -> ProcessPlan:
+    return next(p for p in placement.processes if p.name == MAIN_PROCESS)
+
+
+def default_placement(device: torch.device) -> Placement:
+    """The pipeline's own placement (form ①, every stage in `main`) on `device`."""
+    request = load_placement(BUILTIN_PIPELINE, None, ())
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return resolve(BUILTIN_PIPELINE, request, default_device=str(device), gpu_count=count,
+                   gpu_total_bytes={}, host_total_bytes=psutil.virtual_memory().total)

@@ -1,0 +1,179 @@
+"""The front's side of a split replica: it starts the stage processes, hears them, stops them.
+
+Only `main` (the HTTP front) owns one. Each stage process is our child (Popen), in the
+replica's session, started from the main thread (PR_SET_PDEATHSIG follows the thread that
+forked: a child of a pool thread would die when that thread did). A thread per child waits
+for its exit: an exit the front did not ask for makes the replica unhealthy at once; one
+receiver thread reads main's inbox and hands every message to the front.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from omni_dp.engine import messages
+from omni_dp.engine.links import Inbox, Outbox, endpoint, socket_dir
+from omni_dp.engine.stage_process import StageLaunch, TPRank
+from omni_dp.placement.model import MAIN_PROCESS, Placement, ProcessPlan
+
+log = logging.getLogger("omni_dp.serve")
+
+RECV_POLL_S = 0.2  # how often the receiver looks up from the inbox to see whether to stop
+STOP_TIMEOUT_S = 10.0
+
+
+class StageStartFailed(RuntimeError):
+    pass
+
+
+class StageGroup:
+    def __init__(self, placement: Placement, base: dict, *,
+                 on_message: Callable[[object], None], on_fatal: Callable[[str], None],
+                 log_level: str, log_format: str) -> None:
+        """`base`: the StageLaunch fields every process shares (model, dtype, KV pages...)."""
+        self.placement = placement
+        self._base = base
+        self._on_message = on_message
+        self._on_fatal = on_fatal
+        self._log = (log_level, log_format)
+        self.directory = socket_dir()
+        self.endpoints = {p.name: endpoint(self.directory, p.name) for p in placement.processes}
+        self.inbox = Inbox(self.endpoints[MAIN_PROCESS])
+        self.outbox = Outbox()
+        self.children: dict[str, subprocess.Popen] = {}
+        self.ready: dict[str, int] = {}
+        self._changed = threading.Condition()
+        self._failure: str | None = None
+        self._stopping = threading.Event()
+        self._store = None  # the TP rendezvous, open while the group runs
+        self._receiver = threading.Thread(target=self._receive, name="stage-inbox", daemon=True)
+
+    @property
+    def remote(self) -> list[ProcessPlan]:
+        return [p for p in self.placement.processes if p.name != MAIN_PROCESS]
+
+    def endpoint_of(self, stage: str) -> list[str]:
+        """Where a stage's messages go: each of its processes (TP: rank 0 alone)."""
+        return [self.endpoints[p.name] for p in self.placement.process_of(stage)
+                if not p.tp_rank]
+
+    # --- start ---------------------------------------------------------------------------
+    def spawn(self) -> None:
+        """Start every stage process. Call from the main thread (see the module's docstring)."""
+        assert threading.current_thread() is threading.main_thread()
+        self._receiver.start()
+        tp_port = None
+        if any(p.tp_rank is not None for p in self.remote):
+            from omni_dp.engine.tensor_parallel import open_store
+
+            self._store, tp_port = open_store()
+        for process in self.remote:
+            spec = self._launch(process, tp_port)
+            child = subprocess.Popen([sys.executable, "-m", "omni_dp.engine.stage_process",
+                                      spec.to_json()], stdin=subprocess.DEVNULL)
+            self.children[process.name] = child
+            threading.Thread(target=self._watch, args=(process.name, child),
+                             name=f"watch-{process.name}", daemon=True).start()
+            log.info("stage process %s (pid %d): starting %s on %s", process.name, child.pid,
+                     ", ".join(process.stages), process.device)
+
+    def _launch(self, process: ProcessPlan, tp_port: int | None) -> StageLaunch:
+        tp = None
+        if process.tp_rank is not None:
+            assert tp_port is not None
+            tp = TPRank(process.tp_rank, process.tp_size, tp_port,
+                        "gloo" if process.device == "cpu" else "nccl")
+        return StageLaunch(
+            **self._base, process=process.name, stages=process.stages, device=process.device,
+            inbox=self.endpoints[process.name], front=self.endpoints[MAIN_PROCESS],
+            vocoders=tuple(self.endpoint_of("vocoder")), log_level=self._log[0],
+            log_format=self._log[1], tp=tp)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until every stage process said Ready; StageStartFailed when one failed or
+        exited first, or the time ran out (each says which process)."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while len(self.ready) < len(self.children):
+                if self._failure is not None:
+                    raise StageStartFailed(self._failure)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    waiting = sorted(set(self.children) - set(self.ready))
+                    raise StageStartFailed(f"stage process(es) {', '.join(waiting)} not ready "
+                                           f"within {timeout_s:.0f} s")
+                self._changed.wait(left)
+
+    # --- while serving -------------------------------------------------------------------
+    def send(self, endpoint_: str, message: object) -> None:
+        self.outbox.send(endpoint_, message)
+
+    def pid_of(self, process: str) -> int | None:
+        child = self.children.get(process)
+        return None if child is None else child.pid
+
+    def _receive(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                message = self.inbox.recv(RECV_POLL_S)
+                if message is None:
+                    continue
+                if isinstance(message, messages.Ready):
+                    with self._changed:
+                        self.ready[message.process] = message.pid
+                        self._changed.notify_all()
+                elif isinstance(message, messages.StageFailed):
+                    self._fail(f"stage process {message.process} failed: {message.reason}")
+                else:
+                    self._on_message(message)
+        except Exception as exc:  # a message we cannot read is a replica we cannot trust
+            self._fail(f"the front's stage inbox failed: {exc!r}")
+        finally:
+            self.inbox.close()
+
+    def _watch(self, name: str, child: subprocess.Popen) -> None:
+        code = child.wait()
+        if not self._stopping.is_set():
+            how = f"was killed by signal {-code}" if code < 0 else f"exited {code}"
+            self._fail(f"stage process {name} (pid {child.pid}) {how}")
+
+    def _fail(self, reason: str) -> None:
+        with self._changed:
+            first = self._failure is None
+            self._failure = self._failure or reason
+            self._changed.notify_all()
+        if first:
+            self._on_fatal(reason)
+
+    # --- stop ----------------------------------------------------------------------------
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Stop every stage process: Stop first (a TP rank 0 releases its followers), then
+        SIGKILL what is left after `timeout_s`. Our children only: each Popen still holds its
+        pid (not reaped until wait() returns), so no other process can carry it."""
+        self._stopping.set()
+        for process in self.remote:
+            child = self.children.get(process.name)
+            if child is not None and child.poll() is None and not process.tp_rank:
+                with contextlib.suppress(Exception):
+                    self.outbox.send(self.endpoints[process.name], messages.Stop())
+        deadline = time.monotonic() + timeout_s
+        for name, child in self.children.items():
+            try:
+                child.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("stage process %s (pid %d) did not stop in %.0f s; killing it",
+                            name, child.pid, timeout_s)
+                child.kill()
+                child.wait()
+        self._receiver.join(2 * RECV_POLL_S + 1)
+        self.outbox.close_all()
+        shutil.rmtree(Path(self.directory), ignore_errors=True)
+        self._store = None

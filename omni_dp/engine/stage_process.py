@@ -1,0 +1,220 @@
+"""A stage process of one replica: `python -m omni_dp.engine.stage_process SPEC_JSON`.
+
+Started by the replica's front (engine/stage_group.py) when the placement puts stages outside
+`main`; never by a person. It builds only what its stages need, binds its inbox, says Ready,
+and serves until Stop. It dies with the front (PR_SET_PDEATHSIG) and says StageFailed before
+exiting 3 when a stage fails; the front turns either into an unhealthy replica at once.
+
+A tensor-parallel talker is one such process per rank: rank 0 is the talker stage (its
+scheduler decides each step and broadcasts it); ranks ≥ 1 only follow (engine/tensor_parallel).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("omni_dp.stage")
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+@dataclass(frozen=True)
+class TPRank:
+    rank: int
+    size: int
+    store_port: int  # the rendezvous the front opened (tensor_parallel.open_store)
+    backend: str  # gloo on the CPU, nccl on GPUs
+
+
+@dataclass(frozen=True)
+class StageLaunch:
+    """Everything a stage process needs, from its front's plan (argv: JSON)."""
+
+    process: str
+    stages: tuple[str, ...]
+    device: str  # cpu | cuda:N
+    dtype: str
+    threads: int
+    model: str
+    weight_seed: int
+    page_size: int
+    num_pages: int
+    max_running_requests: int
+    max_input_chars: int
+    inbox: str  # this process's endpoint
+    front: str  # main's endpoint: Ready, StageFailed, Audio, Prepared, Stats go there
+    vocoders: tuple[str, ...]  # the endpoints of the vocoder processes (a talker's downstream)
+    log_level: str
+    log_format: str
+    tp: TPRank | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> StageLaunch:
+        data = json.loads(text)
+        tp = data.pop("tp")
+        data["stages"], data["vocoders"] = tuple(data["stages"]), tuple(data["vocoders"])
+        return cls(**data, tp=TPRank(**tp) if tp else None)
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when the thread that started it exits (the front's main thread):
+    a kill -9 of the replica leaves no stage process behind. Hand-written (ctypes, Linux only):
+    no maintained library wraps this one prctl."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() == 1:  # the front died before the prctl: nobody would kill us
+        os._exit(1)
+
+
+def build_stage_models(spec: StageLaunch):
+    """The models this process's stages use, cast and on its device; the others dropped
+    before anything moves (a vocoder process never holds the talker)."""
+    import torch
+
+    from omni_dp.engine.config import resolve_model
+    from omni_dp.engine.kv_cache import KVCache, plan_kv_cache
+    from omni_dp.engine.plan import DTYPES
+    from omni_dp.engine.runner import ModelRunner
+    from omni_dp.engine.stage_set import StageModels
+    from omni_dp.engine.weights import load_models, seeded_models
+
+    cfg, model_dir = resolve_model(spec.model)
+    models = (seeded_models(cfg, spec.weight_seed) if model_dir is None
+              else load_models(cfg, Path(model_dir)))
+    device, dtype = torch.device(spec.device), DTYPES[spec.dtype]
+    held = StageModels(cfg, device)
+    if "vocoder" in spec.stages:
+        held.vocoder = models.vocoder.to(device=device)
+    if "talker" in spec.stages:
+        talker = models.talker
+        kv_spec = plan_kv_cache(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                                head_dim=cfg.head_dim, dtype=dtype, page_size=spec.page_size,
+                                max_total_tokens=spec.num_pages * spec.page_size)
+        if spec.tp is None:
+            talker.to(device=device, dtype=dtype)
+            held.kv_cache = KVCache(kv_spec, device)
+            held.talker_runner = ModelRunner(talker, held.kv_cache, device)
+        else:
+            from omni_dp.engine import tensor_parallel as tp
+
+            group = tp.join_group(spec.tp.rank, spec.tp.size, spec.tp.store_port,
+                                  spec.tp.backend)
+            shard = tp.shard_talker(talker, spec.tp.rank, spec.tp.size, group=group)
+            shard.to(device=device, dtype=dtype)
+            held.kv_cache = KVCache(tp.rank_kv_spec(kv_spec, spec.tp.size), device)
+            held.talker_runner = tp.TPModelRunner(shard, held.kv_cache, device, group)
+            held.tp_group = group
+    return held
+
+
+def run(spec: StageLaunch) -> int:
+    import torch
+    import zmq
+
+    from omni_dp.engine import messages
+    from omni_dp.engine.links import Inbox, Outbox
+    from omni_dp.engine.preprocess import PreprocessError, PreprocessLimits
+    from omni_dp.engine.stage_set import StageSet, VocoderRoute
+
+    torch.set_num_threads(spec.threads)
+    sys.setswitchinterval(0.00005)  # as the front's (engine/server.py SWITCH_INTERVAL_S)
+    outbox = Outbox()
+    failed = threading.Event()
+
+    def fatal(reason: str) -> None:  # from a worker thread: say why, then go (exit 3)
+        if failed.is_set():
+            return
+        failed.set()
+        log.error("%s", reason)
+        try:
+            outbox.send(spec.front, messages.StageFailed(spec.process, reason))
+            # Sent by zmq's I/O thread: give it a second to go before the process does (the
+            # front also sees the exit itself, so a message lost here costs only the reason).
+            zmq.Context.instance().destroy(linger=1000)
+        finally:
+            logging.shutdown()
+            os._exit(3)
+
+    try:
+        held = build_stage_models(spec)
+    except Exception as exc:  # weights or pool that cannot be had: the front reports it
+        fatal(f"stage process {spec.process}: start-up failed: {exc}")
+        return 3
+    if spec.tp is not None and spec.tp.rank > 0:
+        return follow_rank(spec, held, outbox)
+
+    inbox = Inbox(spec.inbox)
+    to_vocoder = None
+    if "talker" in spec.stages and "vocoder" not in spec.stages:
+        to_vocoder = VocoderRoute([
+            (lambda step, endpoint=endpoint: outbox.send(endpoint, step))
+            for endpoint in spec.vocoders])
+
+    def deliver(request_id: str, chunk: bytes | None, done: bool) -> None:
+        outbox.send(spec.front, messages.Audio(request_id, chunk or b"", done))
+
+    stages = StageSet(
+        spec.stages, held,
+        limits=PreprocessLimits(spec.max_input_chars, spec.num_pages * spec.page_size),
+        max_running_requests=spec.max_running_requests, to_vocoder=to_vocoder,
+        deliver=deliver, on_fatal=fatal,
+        on_stats=lambda stats: outbox.send(spec.front, messages.Stats(stats)),
+    )
+    stages.start()
+    outbox.send(spec.front, messages.Ready(spec.process, os.getpid()))
+    log.info("stage process %s (pid %d): %s on %s", spec.process, os.getpid(),
+             ", ".join(spec.stages), spec.device)
+    while not isinstance(message := inbox.recv(None), messages.Stop):
+        if isinstance(message, messages.Prepare) and stages.preprocess is not None:
+            try:
+                speech = stages.preprocess.prepare(message.ask)
+                answer = messages.Prepared(message.request_id, speech)
+            except PreprocessError as exc:
+                answer = messages.Prepared(message.request_id, None, exc.field, str(exc))
+            outbox.send(spec.front, answer)
+        elif not stages.handle(message):
+            log.warning("stage process %s: no stage here takes %s", spec.process,
+                        type(message).__name__)
+    stages.stop()
+    inbox.close()
+    outbox.close_all()
+    return 0
+
+
+def follow_rank(spec: StageLaunch, held, outbox) -> int:
+    """A TP rank ≥ 1: execute every step rank 0 broadcasts, until it broadcasts the end."""
+    from omni_dp.engine import messages
+    from omni_dp.engine import tensor_parallel as tp
+
+    outbox.send(spec.front, messages.Ready(spec.process, os.getpid()))
+    log.info("stage process %s (pid %d): talker rank %d of %d on %s", spec.process,
+             os.getpid(), spec.tp.rank, spec.tp.size, spec.device)
+    tp.follow(held.talker_runner.talker, held.kv_cache, held.device, held.tp_group)
+    outbox.close_all()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    spec = StageLaunch.from_json(argv[1])
+    die_with_parent()
+    from omni_dp.logs import setup_logging
+
+    setup_logging(spec.log_level, spec.log_format)
+    return run(spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
