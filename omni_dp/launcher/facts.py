@@ -139,7 +139,6 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
     root = state_dir()
     run_id = options.run_id or new_run_id()
     gpu, gpu_problems = _look_up_gpu(options)
-    mps_binaries, mps_problems = _mps_preflight(options, gpu, run_dir(root, run_id))
     python = resolve_python(options.engine_python)
     model = None
     engine = ENGINES.get(options.engine)
@@ -149,6 +148,8 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
     else:
         sizing = None
         model, engine_problems = _external_engine(options, python, option_problems)
+    # After the dry run: its placement says how many CUDA processes each replica starts.
+    mps_binaries, mps_problems = _mps_preflight(options, gpu, run_dir(root, run_id), sizing)
     return LaunchFacts(
         state_root=root,
         new_run_id=run_id,
@@ -183,25 +184,28 @@ def _look_up_gpu(options: LaunchOptions) -> tuple[GpuFacts | None, list[str]]:
     return gpu, [_gpu_problem(p, options, wanted) for p in problems]
 
 
-def _mps_preflight(options: LaunchOptions, gpu: GpuFacts | None,
-                   directory: Path) -> tuple[MpsBinaries | None, list[str]]:
+def _mps_preflight(options: LaunchOptions, gpu: GpuFacts | None, directory: Path,
+                   sizing: EngineSizing | None = None) -> tuple[MpsBinaries | None, list[str]]:
     """With --mps: the binaries found (the one search; a refused pair comes with a problem)
     and the preflight's problems, checked on the GPU facts already read."""
     if not options.mps:
         return None, []
     report = check_preflight(control_binary=options.mps_control, gpu=gpu,
                              pipe_dir=str(mps_pipe_dir(directory)),
-                             num_client_processes=_cuda_processes(options))
+                             num_client_processes=_cuda_processes(options, sizing))
     problems = [f"--mps: {p.message}" for p in report.problems
                 if p.check not in ("gpu", "nvml")  # the plan says those in its own words
                 and not (options.no_gpu_check and p.check in GPU_CHECKS)]
     return report.binaries, problems
 
 
-def _cuda_processes(options: LaunchOptions) -> int:
-    """What MPS's client limit must admit: each replica's CUDA processes, by its engine."""
+def _cuda_processes(options: LaunchOptions, sizing: EngineSizing | None = None) -> int:
+    """What MPS's client limit must admit: each replica's CUDA processes, as its dry run's
+    placement counts them (the built-in engine), else by its engine's estimate."""
     engine = ENGINES.get(options.engine)
     per_replica = engine.cuda_processes_per_replica if engine else 1
+    if sizing is not None and sizing.cuda_processes is not None:
+        per_replica = sizing.cuda_processes
     return max(options.replicas, 1) * per_replica
 
 

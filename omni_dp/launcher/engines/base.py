@@ -42,6 +42,15 @@ class EngineSizing:
     # Of weights_bytes, what --share-weights keeps once on the device (the builtin engine's
     # dry run says; 0 for engines that cannot share): a follower holds only the rest.
     shared_weights_bytes: int = 0
+    # The replica's OS processes by its placement (the builtin engine's dry run): each CUDA
+    # one is an MPS client; None where the engine does not say (its estimate is used).
+    processes: tuple[tuple[str, str], ...] = ()  # (process name, device)
+
+    @property
+    def cuda_processes(self) -> int | None:
+        if not self.processes:
+            return None
+        return sum(device.startswith("cuda") for _, device in self.processes)
 
     @property
     def total_bytes(self) -> int:

@@ -109,6 +109,8 @@ class BuiltinEngine:
                 device=str(plan["device"]),
                 # what sharing would keep once; an engine that predates it shares nothing
                 shared_weights_bytes=int(plan.get("shared_weights_bytes", 0)),
+                processes=tuple((str(p["name"]), str(p["device"]))
+                                for p in plan.get("placement", {}).get("processes", ())),
             )
             role = plan.get("share_weights")
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
