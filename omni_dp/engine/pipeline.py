@@ -14,6 +14,7 @@ its process. The talker's Add and Abort go from here on one channel, so they sta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -205,8 +206,11 @@ class Pipeline:
             self._loop.call_soon_threadsafe(self._prepared, message)
         elif isinstance(message, messages.Stats):
             self._remote_stats = message.stats
-        elif isinstance(message, StepOutputs):  # not for the front: a miswired placement
-            self._fatal_threadsafe("the front received a talker step; the placement is miswired")
+        elif isinstance(message, StepOutputs) and self.local.handle(message):
+            pass  # a remote talker's step for this process's vocoder
+        else:
+            self._fatal_threadsafe(f"the front received a {type(message).__name__} it has no "
+                                   "stage for; the placement is miswired")
 
     def _prepared(self, message: messages.Prepared) -> None:
         answer = self._preparing.get(message.request_id)
@@ -226,9 +230,8 @@ class Pipeline:
             chunks.put_nowait(_END)
 
     def _fatal_threadsafe(self, reason: str) -> None:
-        if self._loop.is_closed():
-            return
-        self._loop.call_soon_threadsafe(self._fail, reason)
+        with contextlib.suppress(RuntimeError):  # the loop closed: the process is ending
+            self._loop.call_soon_threadsafe(self._fail, reason)
 
     def _fail(self, reason: str) -> None:
         if self.failure is None:

@@ -110,13 +110,17 @@ def build_stage_models(spec: StageLaunch):
         else:
             from omni_dp.engine import tensor_parallel as tp
 
-            group = tp.join_group(spec.tp.rank, spec.tp.size, spec.tp.store_port,
-                                  spec.tp.backend)
-            shard = tp.shard_talker(talker, spec.tp.rank, spec.tp.size, group=group)
+            rank, size = spec.tp.rank, spec.tp.size
+            group = tp.join_group(rank, size, spec.tp.store_port, spec.tp.backend,
+                                  device=device if device.type == "cuda" else None)
+            shard = tp.shard_talker(talker, rank, size, group=group.device_group)
             shard.to(device=device, dtype=dtype)
-            held.kv_cache = KVCache(tp.rank_kv_spec(kv_spec, spec.tp.size), device)
-            held.talker_runner = tp.TPModelRunner(shard, held.kv_cache, device, group)
+            held.kv_cache = KVCache(tp.rank_kv_spec(kv_spec, size), device)
             held.tp_group = group
+            if rank == 0:  # the talker stage: its scheduler decides, its runner broadcasts
+                held.talker_runner = tp.TPModelRunner(shard, held.kv_cache, device, group)
+            else:
+                held.tp_shard = shard
     return held
 
 
@@ -202,7 +206,9 @@ def follow_rank(spec: StageLaunch, held, outbox) -> int:
     outbox.send(spec.front, messages.Ready(spec.process, os.getpid()))
     log.info("stage process %s (pid %d): talker rank %d of %d on %s", spec.process,
              os.getpid(), spec.tp.rank, spec.tp.size, spec.device)
-    tp.follow(held.talker_runner.talker, held.kv_cache, held.device, held.tp_group)
+    steps = tp.follow(held.tp_shard, held.kv_cache, held.device, held.tp_group)
+    log.info("stage process %s: rank 0 stopped the group after %d steps", spec.process, steps)
+    tp.leave_group()
     outbox.close_all()
     return 0
 

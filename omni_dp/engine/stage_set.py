@@ -87,7 +87,8 @@ class StageModels:
     talker_runner: object | None = None  # ModelRunner or TPModelRunner (rank 0)
     kv_cache: KVCache | None = None
     vocoder: Vocoder | None = None
-    tp_group: object | None = None  # a TP rank's process group (torch.distributed)
+    tp_group: object | None = None  # a TP rank's group (tensor_parallel.TPGroup)
+    tp_shard: object | None = None  # a TP rank ≥ 1's talker shard (it only follows)
 
 
 class PreprocessStage:

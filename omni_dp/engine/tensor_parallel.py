@@ -27,7 +27,11 @@ collectives fail after the group's timeout ("Timed out waiting ...ms"). Either w
 unusable afterwards: rank 0's `execute` raises (the talker stage's fatal path) and a follower's
 `follow` raises (its process should exit non-zero). Followers wait for the next step with no
 practical timeout (an idle replica may wait for hours); rank 0 dying still wakes them at once.
-With NCCL, the group's timeout is enforced by its watchdog, which by default ends the process.
+Leaving is not dying: `leave_group` (destroy_process_group) does not close gloo's sockets, which
+stay open until the process exits, so a rank 0 that leaves without `stop()` leaves its followers
+waiting. A replica that fails should `stop()` if it can, and end its rank processes either way.
+With NCCL (not tested here), the group's timeout is enforced by its watchdog, which by default
+ends the process.
 """
 
 from __future__ import annotations
@@ -44,7 +48,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.torch_version import TorchVersion
 
 from omni_dp.engine.config import ModelConfig, resolve_model
@@ -190,11 +193,11 @@ def shard_talker(
     # Replicated, copied: the shard must not share modules that a later `.to()` of either
     # model would move under the other.
     for name in ("embed", "norm", "lm_head"):
-        setattr(shard, name, _copy(getattr(talker, name)))
+        setattr(shard, name, copy.deepcopy(getattr(talker, name)))
     for index, full in enumerate(talker.layers):
         layer: DecoderLayer = shard.layers[index]
-        layer.input_norm = _copy(full.input_norm)
-        layer.post_attn_norm = _copy(full.post_attn_norm)
+        layer.input_norm = copy.deepcopy(full.input_norm)
+        layer.post_attn_norm = copy.deepcopy(full.post_attn_norm)
         with torch.device("meta"):
             layer.attn = ShardedAttention(local, world, group)
             layer.mlp = ShardedMLP(local, world, group)
@@ -208,10 +211,6 @@ def shard_talker(
             "down_proj.weight": _columns(full.mlp.down_proj.weight, rank, world),
         }, assign=True)
     return shard.train(talker.training)
-
-
-def _copy(module: nn.Module) -> nn.Module:
-    return copy.deepcopy(module)
 
 
 # --- the group -----------------------------------------------------------------------------
@@ -290,7 +289,8 @@ def join_group(
 
 
 def leave_group() -> None:
-    """Tear down this process's group (after `stop`, or after a failure)."""
+    """Tear down this process's group (after `stop`, or after a failure). The other ranks are
+    not told: gloo closes its sockets only when this process exits."""
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -361,6 +361,8 @@ class TPModelRunner(ModelRunner):
     """Rank 0's runner: `ModelRunner.execute` over a shard, with each step shared first.
 
     The other ranks must be in `follow` with their shards; call `stop` to let them return.
+    `execute` and `stop` must come from one thread at a time (the talker stage's, or after it
+    has ended): two broadcasts at once on one group would interleave.
     """
 
     def __init__(
@@ -427,10 +429,11 @@ def follow(talker: Talker, kv_cache: KVCache, device: torch.device, group: TPGro
 
 @dataclass(frozen=True)
 class RankSpec:
-    """All a rank ≥ 1 process needs to rebuild its shard and join: JSON on its command line.
+    """All a rank process needs to rebuild its shard and join: JSON on a follower's command line.
 
-    It builds exactly the full talker rank 0 built (same preset and seed, or same directory),
-    in the same dtype, and keeps its share.
+    Every rank builds exactly the same full talker (same preset and seed, or same directory),
+    in the same dtype, and keeps its share; so rank 0's spec differs from the others' only in
+    `rank`.
     """
 
     rank: int
@@ -455,6 +458,7 @@ class RankSpec:
 
 
 def build_shard(spec: RankSpec, group: dist.ProcessGroup | None) -> Talker:
+    """Build the full talker on the CPU, keep this rank's shard, move it to its device."""
     cfg, directory = resolve_model(spec.model)
     models = load_models(cfg, directory) if directory else seeded_models(cfg, spec.seed)
     full = models.talker.to(getattr(torch, spec.dtype))
@@ -462,6 +466,7 @@ def build_shard(spec: RankSpec, group: dist.ProcessGroup | None) -> Talker:
 
 
 def rank_kv_cache(cfg: ModelConfig, spec: RankSpec) -> KVCache:
+    """This rank's KV pool: `spec.num_pages` pages of its kv heads."""
     full = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, getattr(torch, spec.dtype),
                        spec.page_size, spec.num_pages)
     return KVCache(rank_kv_spec(full, spec.world), torch.device(spec.device))
@@ -469,6 +474,8 @@ def rank_kv_cache(cfg: ModelConfig, spec: RankSpec) -> KVCache:
 
 def run_follower(spec: RankSpec) -> int:
     """Join, build the shard and its cache, follow rank 0 until it stops; returns the steps."""
+    if spec.rank == 0:
+        raise ValueError("rank 0 drives the group with TPModelRunner, not run_follower")
     device = torch.device(spec.device)
     group = join_group(spec.rank, spec.world, spec.store_port, spec.backend, spec.timeout_s,
                        device if device.type == "cuda" else None)

@@ -36,6 +36,12 @@ FORMS = {
     "fused": ("--talker.process", "engine", "--vocoder.process", "voc",
               "--placement.fused_stages", "talker,vocoder"),
     "vocoders2": ("--vocoder.process", "voc", "--vocoder.replicas", "2"),
+    # Form ④, float64 on the CPU: byte-identical too. The all-reduce sums each layer's partial
+    # outputs in another order than one matmul does, which moves the logits by ~1e-15
+    # (test_tensor_parallel measures it); sampling compares a uniform with the CDF, so a code
+    # could only differ if a uniform fell within that of a boundary — and the vocoder is not
+    # split, so equal codes are equal bytes. A mismatch here would fail, never pass wrongly.
+    "tp2": ("--talker.tp_size", "2"),
 }
 # role → stages of each form's processes, as /get_server_info lists them
 TABLES = {
@@ -45,6 +51,8 @@ TABLES = {
     "fused": {"main": ["preprocess"], "engine": ["talker", "vocoder"]},
     "vocoders2": {"main": ["preprocess", "talker"], "voc-r0": ["vocoder"],
                   "voc-r1": ["vocoder"]},
+    "tp2": {"main": ["preprocess", "vocoder"], "talker-tp0": ["talker"],
+            "talker-tp1": ["talker"]},
 }
 
 
