@@ -109,6 +109,7 @@ class TalkerWorker(StageWorker):
         self._stats_sent = 0.0
 
     def serve(self) -> None:
+        self._publish_stats()  # the empty pool's gauges, before any request
         while self._drain_inbox(block=not self.scheduler.has_requests()):
             self.step()
             self._publish_stats()

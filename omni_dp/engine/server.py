@@ -43,6 +43,7 @@ from omni_dp.engine.audio import (
     sse_audio_done,
     sse_error,
 )
+from omni_dp.engine.budget import check_before_pool
 from omni_dp.engine.kv_cache import KVCache
 from omni_dp.engine.metrics import ReplicaMetrics
 from omni_dp.engine.pipeline import EngineFailed, Pipeline, RequestCutOff
@@ -256,6 +257,8 @@ class ReplicaServer:
             failed = "start-up failed"
             held = StageModels(plan.cfg, plan.device)
             if "talker" in main.stages:
+                check_before_pool(main.name, main.budget_bytes, plan.kv.cache_bytes,
+                                  plan.device)
                 held.kv_cache = await asyncio.to_thread(KVCache, plan.kv, plan.device)
                 held.talker_runner = ModelRunner(self.models.talker, held.kv_cache, plan.device)
             if "vocoder" in main.stages:

@@ -95,7 +95,7 @@ class StageGroup:
             **self._base, process=process.name, stages=process.stages, device=process.device,
             inbox=self.endpoints[process.name], front=self.endpoints[MAIN_PROCESS],
             vocoders=tuple(self.endpoint_of("vocoder")), log_level=self._log[0],
-            log_format=self._log[1], tp=tp)
+            log_format=self._log[1], budget_bytes=process.budget_bytes, tp=tp)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until every stage process said Ready; StageStartFailed when one failed or

@@ -55,6 +55,7 @@ class StageLaunch:
     vocoders: tuple[str, ...]  # the endpoints of the vocoder processes (a talker's downstream)
     log_level: str
     log_format: str
+    budget_bytes: int | None = None  # this process's memory budget (placement), if declared
     tp: TPRank | None = None
 
     def to_json(self) -> str:
@@ -84,6 +85,7 @@ def build_stage_models(spec: StageLaunch):
     before anything moves (a vocoder process never holds the talker)."""
     import torch
 
+    from omni_dp.engine.budget import check_before_pool
     from omni_dp.engine.config import resolve_model
     from omni_dp.engine.kv_cache import KVCache, plan_kv_cache
     from omni_dp.engine.plan import DTYPES
@@ -105,6 +107,7 @@ def build_stage_models(spec: StageLaunch):
                                 max_total_tokens=spec.num_pages * spec.page_size)
         if spec.tp is None:
             talker.to(device=device, dtype=dtype)
+            check_before_pool(spec.process, spec.budget_bytes, kv_spec.cache_bytes, device)
             held.kv_cache = KVCache(kv_spec, device)
             held.talker_runner = ModelRunner(talker, held.kv_cache, device)
         else:
@@ -115,7 +118,9 @@ def build_stage_models(spec: StageLaunch):
                                   device=device if device.type == "cuda" else None)
             shard = tp.shard_talker(talker, rank, size, group=group.device_group)
             shard.to(device=device, dtype=dtype)
-            held.kv_cache = KVCache(tp.rank_kv_spec(kv_spec, size), device)
+            rank_spec = tp.rank_kv_spec(kv_spec, size)
+            check_before_pool(spec.process, spec.budget_bytes, rank_spec.cache_bytes, device)
+            held.kv_cache = KVCache(rank_spec, device)
             held.tp_group = group
             if rank == 0:  # the talker stage: its scheduler decides, its runner broadcasts
                 held.talker_runner = tp.TPModelRunner(shard, held.kv_cache, device, group)
