@@ -219,6 +219,11 @@ def follow_rank(spec: StageLaunch, held, outbox) -> int:
 
 
 def main(argv: list[str]) -> int:
+    # Signals are the front's to take: a terminal's Ctrl-C and the launcher's SIGTERM reach the
+    # whole process group, and a stage process that died of them would fail the replica
+    # instead of letting it drain. It stops on the front's Stop, or dies with the front.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     spec = StageLaunch.from_json(argv[1])
     die_with_parent()
     from omni_dp.logs import setup_logging

@@ -131,6 +131,27 @@ def test_a_killed_stage_process_fails_the_replica_at_once(start_replica):
 
 
 @pytest.mark.slow
+def test_sigterm_to_every_process_drains_the_replica(start_replica):
+    """As the launcher's stop (and a terminal's Ctrl-C) do: the signal reaches the whole
+    process group. The stage processes leave it to the front, which drains: the request in
+    flight finishes whole, exit 0."""
+    replica = start_replica(*CPU, *FORMS["split"])
+    pids = [r["pid"] for r in replica.info()["processes"]]
+    body = {"input": "Cut me off.", "seed": 82, "max_new_tokens": 150, "stream": False,
+            "response_format": "pcm"}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(post_json, replica.url + SPEECH, body)
+        wait_for("the request running", lambda: replica.metric(
+            "omni_dp_requests_running", 0) == 1, 30, 0.01)
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        status, _, pcm = answer.result(60)
+    assert status == 200 and len(pcm) == 150 * 960 * 2  # every token spoken: drained
+    assert replica.proc.wait(30) == 0
+    wait_for("every stage process gone", lambda: not any(map(psutil.pid_exists, pids)), 10)
+
+
+@pytest.mark.slow
 def test_a_replica_killed_with_minus_9_takes_its_stage_processes_along(start_replica):
     replica = start_replica(*CPU, *FORMS["vocoders2"])
     pids = [r["pid"] for r in replica.info()["processes"]]
