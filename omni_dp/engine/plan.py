@@ -21,6 +21,7 @@ from omni_dp.engine.options import DTYPE_NAMES, ServeOptions
 from omni_dp.engine.placement_plan import (
     budget_check,
     kv_bytes_from_budget,
+    main_of,
     plan_placement,
     stage_weight_bytes,
     talker_process,
@@ -195,7 +196,10 @@ def plan_serve(options: ServeOptions) -> ServePlan:
         if kv is not None and placement is not None:
             problems += budget_check(placement, stage_bytes, kv.cache_bytes, _overhead_of)
     if kv is not None and device is not None:
-        _check_memory(kv, device, problems)
+        # This process makes a CUDA context only where it runs a GPU stage itself: otherwise
+        # it is not an MPS client, and planning must not make it one.
+        gpu_here = placement is None or main_of(placement).device != "cpu"
+        _check_memory(kv, device, problems, gpu_here)
     if problems:
         raise ServePlanError(problems)
     assert cfg is not None and kv is not None and device is not None and dtype is not None
@@ -280,9 +284,23 @@ def _resolve_dtype(
     return DTYPES[name]
 
 
-def _check_memory(kv: KVCacheSpec, device: torch.device, problems: list[str]) -> None:
+def _free_without_context(device: torch.device) -> int | None:
+    """Free memory on a GPU as NVML sees it (no CUDA context made); None if NVML cannot say."""
+    from omni_dp.engine.share.cuda_ipc import device_name
+    from omni_dp.gpus import query_gpu
+
+    gpu, _, _ = query_gpu(device_name(device))
+    if gpu is None or gpu.memory_total_bytes is None or gpu.memory_used_bytes is None:
+        return None
+    return gpu.memory_total_bytes - gpu.memory_used_bytes
+
+
+def _check_memory(kv: KVCacheSpec, device: torch.device, problems: list[str],
+                  gpu_here: bool = True) -> None:
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
+        free = None if gpu_here else _free_without_context(device)
+        if free is None:
+            free, _total = torch.cuda.mem_get_info(device)
         where = f"free memory on {device}"
     else:
         free = psutil.virtual_memory().available
