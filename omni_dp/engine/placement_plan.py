@@ -24,17 +24,35 @@ from omni_dp.placement.config import load_placement
 from omni_dp.placement.model import MAIN_PROCESS, Placement, PlacementError, ProcessPlan
 from omni_dp.placement.validate import budget_problems, resolve
 
+# The talker's projections tensor_parallel.shard_talker splits evenly across the ranks; every
+# other talker parameter (embeddings, norms, lm_head) a rank holds whole.
+_SPLIT = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+REPLICATED = "talker (replicated under TP)"  # its key in stage_weight_bytes
+
 
 def stage_weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
-    """Bytes of each stage's weights as a replica holds them (shapes only: the meta device)."""
+    """Bytes of each stage's weights as a replica holds them (shapes only: the meta device),
+    and of the talker's that a TP rank holds whole."""
     from omni_dp.engine.weights import meta_models
 
     models = meta_models(cfg, dtype)
+    talker = dict(models.talker.named_parameters())
     return {
         "preprocess": 0,
-        "talker": sum(p.numel() * p.element_size() for p in models.talker.parameters()),
+        "talker": sum(p.numel() * p.element_size() for p in talker.values()),
         "vocoder": sum(p.numel() * p.element_size() for p in models.vocoder.parameters()),
+        REPLICATED: sum(p.numel() * p.element_size() for name, p in talker.items()
+                        if not set(name.split(".")) & set(_SPLIT)),
     }
+
+
+def held_weights(weights: dict[str, int], stage: str, tp_size: int) -> int:
+    """A stage's weights in one of its processes: a TP rank holds the replicated part whole
+    and its share of the rest."""
+    if tp_size == 1 or stage != "talker":
+        return weights[stage]
+    replicated = weights[REPLICATED]
+    return replicated + (weights["talker"] - replicated) // tp_size
 
 
 def plan_placement(options: ServeOptions, device: torch.device,
@@ -71,8 +89,9 @@ def process_needs(placement: Placement, weights: dict[str, int], kv_bytes: int,
     for process in placement.processes:
         held = 0
         for stage in process.stages:
-            share = weights[stage] + (kv_bytes if stage == "talker" else 0)
-            held += share // process.tp_size
+            held += held_weights(weights, stage, process.tp_size)
+            if stage == "talker":
+                held += kv_bytes // process.tp_size  # a rank holds its KV heads only
         needs[process.name] = held + overhead(process.device)
     return needs
 
@@ -84,7 +103,7 @@ def kv_bytes_from_budget(placement: Placement, weights: dict[str, int],
     if process.budget_bytes is None:
         return None
     others = sum(weights[s] for s in process.stages if s != "talker")
-    talker_share = weights["talker"] // process.tp_size
+    talker_share = held_weights(weights, "talker", process.tp_size)
     left = process.budget_bytes - overhead(process.device) - others - talker_share
     return left * process.tp_size  # the pool over all ranks; each holds 1/tp_size of it
 

@@ -177,20 +177,24 @@ def plan_serve(options: ServeOptions) -> ServePlan:
     if cfg is not None and dtype is not None:
         stage_bytes = stage_weight_bytes(cfg, dtype)
         kv_cache_bytes = options.kv_cache_bytes
+        no_room = False
         if placement is not None and kv_cache_bytes is None and options.max_total_tokens is None:
             kv_cache_bytes = kv_bytes_from_budget(placement, stage_bytes, _overhead_of)
-            if kv_cache_bytes is not None and kv_cache_bytes <= 0:
+            page = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+                    * options.page_size)
+            if kv_cache_bytes is not None and kv_cache_bytes < page:
                 problems.append(
                     f"the talker's budget ({format_size(talker_process(placement).budget_bytes)})"
-                    " leaves no room for a KV pool after its weights and overhead; raise "
+                    " leaves no room for one KV page after its weights and overhead; raise "
                     "--talker.gpu_memory_fraction")
-                kv_cache_bytes = None
+                no_room = True
         try:
-            kv = plan_kv_cache(
-                num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                dtype=dtype, page_size=options.page_size,
-                kv_cache_bytes=kv_cache_bytes, max_total_tokens=options.max_total_tokens,
-            )
+            if not no_room:
+                kv = plan_kv_cache(
+                    num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                    head_dim=cfg.head_dim, dtype=dtype, page_size=options.page_size,
+                    kv_cache_bytes=kv_cache_bytes, max_total_tokens=options.max_total_tokens,
+                )
         except KVSizingError as exc:
             problems.append(str(exc))
         if kv is not None and placement is not None:
