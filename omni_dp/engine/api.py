@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 
 from omni_dp.engine.audio import RESPONSE_FORMATS
@@ -22,6 +23,7 @@ OPENAI_MODEL_ALIASES = (
 )
 # Accepted for OpenAI compatibility and not used.
 _IGNORED_FIELDS = ("instructions",)
+_LONE_SURROGATES = re.compile("[\ud800-\udfff]")
 _FIELDS = (
     "input", "voice", "response_format", "stream", "stream_format", "speed", "seed",
     "max_new_tokens", "model", *_IGNORED_FIELDS,
@@ -90,6 +92,10 @@ def parse_speech_body(raw: bytes, *, max_new_tokens_limit: int) -> SpeechParams:
     text = body.get("input")
     if not isinstance(text, str):
         raise ApiError(400, "input is required and must be a string", "input")
+    # JSON may carry lone surrogates ("\ud800"), which are not text: normalisation would drop
+    # them anyway; dropped here, before the preprocess stage, whichever process it runs in
+    # (UTF-8, the wire between processes, cannot carry them).
+    text = _LONE_SURROGATES.sub("", text)
     voice = _choice(body, "voice", None, DEFAULT_VOICE)
     if body.get("response_format") in UNSUPPORTED_FORMATS:
         raise ApiError(
@@ -115,6 +121,8 @@ def _choice(body: dict, name: str, allowed: tuple[str, ...] | None, default: str
     value = body.get(name, default)
     if not isinstance(value, str):
         raise ApiError(400, f"{name} must be a string", name)
+    if _LONE_SURROGATES.search(value):
+        raise ApiError(400, f"{name} holds a lone surrogate, which is not text", name)
     if allowed is not None and value not in allowed:
         raise ApiError(400, f"{name} {value!r} is not supported; use one of {', '.join(allowed)}",
                        name)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from omni_dp.engine import messages
 from omni_dp.engine.core import Abort, Add, StepOutputs
+from omni_dp.engine.placement_plan import process_threads
 from omni_dp.engine.preprocess import (
     PreparedSpeech,
     PreprocessError,
@@ -31,6 +32,7 @@ from omni_dp.engine.preprocess import (
 )
 from omni_dp.engine.scheduler import SchedulerStats, TalkerRequest
 from omni_dp.engine.stage_set import LeastLoaded, StageModels, StageSet, VocoderRoute
+from omni_dp.engine.wire import WireError
 from omni_dp.placement.model import MAIN_PROCESS, Placement
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ class Pipeline:
         limits: PreprocessLimits,
         max_running_requests: int,
         on_fatal: Callable[[str], None],
+        threads: int = 1,
         launch_base: dict | None = None,
         log_setup: tuple[str, str] = ("info", "text"),
     ) -> None:
@@ -79,6 +82,7 @@ class Pipeline:
         self._on_fatal = on_fatal
         self._remote_stats: SchedulerStats | None = None
         main = next(p for p in placement.processes if p.name == MAIN_PROCESS)
+        self.threads = process_threads(placement, threads)
         self.group = None
         if not placement.is_single_process:
             from omni_dp.engine.stage_group import StageGroup
@@ -111,14 +115,28 @@ class Pipeline:
         if self.group is not None:
             self.group.spawn()
 
-    async def wait_ready(self) -> None:
-        if self.group is not None:
-            await asyncio.to_thread(self.group.wait_ready, STAGE_START_TIMEOUT_S)
+    async def wait_ready(self, stopped: asyncio.Event) -> bool:
+        """Until every stage process is ready (True), or `stopped` is set first (False: a
+        signal during start-up stops at once rather than after the stages are up)."""
+        if self.group is None:
+            return True
+        ready = asyncio.ensure_future(
+            asyncio.to_thread(self.group.wait_ready, STAGE_START_TIMEOUT_S))
+        stop = asyncio.ensure_future(stopped.wait())
+        await asyncio.wait({ready, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if ready.done():
+            ready.result()  # StageStartFailed propagates
+            return True
+        self.group.abandon_start()  # its waiting thread returns; stop() does the rest
+        return False
 
     def stop(self) -> None:
+        # This process's stages first: its talker thread sends on sockets of the group's
+        # outbox, which the group's stop closes.
+        self.local.stop()
         if self.group is not None:
             self.group.stop()
-        self.local.stop()
 
     @property
     def num_in_flight(self) -> int:
@@ -135,7 +153,7 @@ class Pipeline:
         for process in self.placement.processes:
             pid = os.getpid() if process.name == MAIN_PROCESS else self.group.pid_of(process.name)
             rows.append({"pid": pid, "role": process.name, "device": process.device,
-                         "stages": list(process.stages)})
+                         "stages": list(process.stages), "threads": self.threads[process.name]})
         return rows
 
     # --- requests ----------------------------------------------------------------------
@@ -151,7 +169,11 @@ class Pipeline:
         self._preparing[request_id] = answer
         index = self._preprocess_policy.bind()
         try:
-            self.group.send(self._preprocessors[index], messages.Prepare(request_id, ask))
+            try:
+                self.group.send(self._preprocessors[index], messages.Prepare(request_id, ask))
+            except WireError as exc:  # text no process boundary carries (a lone surrogate)
+                raise PreprocessError("input", f"the request cannot be sent to the "
+                                               f"preprocess stage: {exc}") from None
             prepared: messages.Prepared = await answer
         finally:
             self._preprocess_policy.release(index)

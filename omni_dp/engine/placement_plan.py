@@ -123,3 +123,13 @@ def default_placement(device: torch.device) -> Placement:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return resolve(BUILTIN_PIPELINE, request, default_device=str(device), gpu_count=count,
                    gpu_total_bytes={}, host_total_bytes=psutil.virtual_memory().total)
+
+
+def process_threads(placement: Placement, threads: int) -> dict[str, int]:
+    """Torch threads per process: the replica's `threads` (its CPU block) split evenly among
+    the processes that run a model (a talker or a vocoder), at least one each; the others
+    (the front, a preprocess process) get one. Each process running every thread of the block
+    would oversubscribe it as many times over as there are processes. Form ①: all of them."""
+    computing = [p.name for p in placement.processes if {"talker", "vocoder"} & set(p.stages)]
+    share = max(1, threads // len(computing)) if computing else 1
+    return {p.name: share if p.name in computing else 1 for p in placement.processes}

@@ -47,7 +47,7 @@ from omni_dp.engine.budget import check_before_pool
 from omni_dp.engine.kv_cache import KVCache
 from omni_dp.engine.metrics import ReplicaMetrics
 from omni_dp.engine.pipeline import EngineFailed, Pipeline, RequestCutOff
-from omni_dp.engine.placement_plan import default_placement, main_of
+from omni_dp.engine.placement_plan import default_placement, main_of, process_threads
 from omni_dp.engine.plan import ServePlan, dtype_name
 from omni_dp.engine.preprocess import PreparedSpeech, PreprocessError, PreprocessLimits, SpeechAsk
 from omni_dp.engine.runner import ModelRunner
@@ -235,6 +235,8 @@ class ReplicaServer:
         plan = self.plan
         main = main_of(self.placement)
         role, share_dir = self.options.share_weights, Path(self.options.share_dir or ".")
+        # The replica's threads are split among its processes; main keeps its share.
+        torch.set_num_threads(process_threads(self.placement, plan.threads)[main.name])
         failed = "start-up failed"
         try:
             if role == "follower":
@@ -264,14 +266,15 @@ class ReplicaServer:
             if "vocoder" in main.stages:
                 held.vocoder = self.models.vocoder
             self.pipeline = Pipeline(
-                self.placement, held,
+                self.placement, held, threads=plan.threads,
                 limits=PreprocessLimits(self.options.max_input_chars, plan.kv.max_total_tokens),
                 max_running_requests=self.options.max_running_requests,
                 on_fatal=self._on_fatal, launch_base=stage_launch_base(plan),
                 log_setup=current_log_setup(),
             )
             self.pipeline.start()  # here, on the main thread: stage processes die with it
-            await self.pipeline.wait_ready()
+            if not await self.pipeline.wait_ready(self._stop):
+                return  # a signal during start-up: run() stops the pipeline
         except Exception as exc:  # weights, share, pool or a stage process: report, exit 3
             log.error("%s: %s", failed, exc)
             self.state = State.FAILED

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -38,8 +39,13 @@ class StageGroup:
     def __init__(self, placement: Placement, base: dict, *,
                  on_message: Callable[[object], None], on_fatal: Callable[[str], None],
                  log_level: str, log_format: str) -> None:
-        """`base`: the StageLaunch fields every process shares (model, dtype, KV pages...)."""
+        """`base`: the StageLaunch fields every process shares (model, dtype, KV pages...);
+        `threads`, the replica's, is split among its processes (process_threads)."""
+        from omni_dp.engine.placement_plan import process_threads
+
         self.placement = placement
+        base = dict(base)
+        self.threads = process_threads(placement, base.pop("threads"))
         self._base = base
         self._on_message = on_message
         self._on_fatal = on_fatal
@@ -68,7 +74,8 @@ class StageGroup:
     # --- start ---------------------------------------------------------------------------
     def spawn(self) -> None:
         """Start every stage process. Call from the main thread (see the module's docstring)."""
-        assert threading.current_thread() is threading.main_thread()
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("stage processes are started from the main thread only")
         self._receiver.start()
         tp_port = None
         if any(p.tp_rank is not None for p in self.remote):
@@ -78,7 +85,8 @@ class StageGroup:
         for process in self.remote:
             spec = self._launch(process, tp_port)
             child = subprocess.Popen([sys.executable, "-m", "omni_dp.engine.stage_process",
-                                      spec.to_json()], stdin=subprocess.DEVNULL)
+                                      spec.to_json(), str(os.getpid())],
+                                     stdin=subprocess.DEVNULL)
             self.children[process.name] = child
             threading.Thread(target=self._watch, args=(process.name, child),
                              name=f"watch-{process.name}", daemon=True).start()
@@ -92,7 +100,8 @@ class StageGroup:
             tp = TPRank(process.tp_rank, process.tp_size, tp_port,
                         "gloo" if process.device == "cpu" else "nccl")
         return StageLaunch(
-            **self._base, process=process.name, stages=process.stages, device=process.device,
+            **self._base, threads=self.threads[process.name], process=process.name,
+            stages=process.stages, device=process.device,
             inbox=self.endpoints[process.name], front=self.endpoints[MAIN_PROCESS],
             vocoders=tuple(self.endpoint_of("vocoder")), log_level=self._log[0],
             log_format=self._log[1], budget_bytes=process.budget_bytes, tp=tp)
@@ -111,6 +120,15 @@ class StageGroup:
                     raise StageStartFailed(f"stage process(es) {', '.join(waiting)} not ready "
                                            f"within {timeout_s:.0f} s")
                 self._changed.wait(left)
+
+    def abandon_start(self) -> None:
+        """The front is stopping before every stage said Ready: wait_ready returns now."""
+        self._fail_quietly("the replica was stopped while its stage processes started")
+
+    def _fail_quietly(self, reason: str) -> None:
+        with self._changed:
+            self._failure = self._failure or reason
+            self._changed.notify_all()
 
     # --- while serving -------------------------------------------------------------------
     def send(self, endpoint_: str, message: object) -> None:
@@ -156,8 +174,9 @@ class StageGroup:
     # --- stop ----------------------------------------------------------------------------
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Stop every stage process: Stop first (a TP rank 0 releases its followers), then
-        SIGKILL what is left after `timeout_s`. Our children only: each Popen still holds its
-        pid (not reaped until wait() returns), so no other process can carry it."""
+        SIGKILL what is left after `timeout_s`. Our children only: a child's pid cannot be
+        taken by another process before it is reaped, and Popen.kill does nothing once its
+        wait() has reaped it."""
         self._stopping.set()
         for process in self.remote:
             child = self.children.get(process.name)

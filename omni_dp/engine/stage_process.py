@@ -1,7 +1,7 @@
-"""A stage process of one replica: `python -m omni_dp.engine.stage_process SPEC_JSON`.
+"""A stage process of one replica: `python -m omni_dp.engine.stage_process SPEC_JSON PID`.
 
-Started by the replica's front (engine/stage_group.py) when the placement puts stages outside
-`main`; never by a person. It builds only what its stages need, binds its inbox, says Ready,
+Started by the replica's front (PID; engine/stage_group.py) when the placement puts stages
+outside `main`; never by a person. It builds only what its stages need, binds its inbox, says Ready,
 and serves until Stop. It dies with the front (PR_SET_PDEATHSIG) and says StageFailed before
 exiting 3 when a stage fails; the front turns either into an unhealthy replica at once.
 
@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,14 +70,14 @@ class StageLaunch:
         return cls(**data, tp=TPRank(**tp) if tp else None)
 
 
-def die_with_parent() -> None:
+def die_with_parent(front_pid: int) -> None:
     """SIGKILL this process when the thread that started it exits (the front's main thread):
     a kill -9 of the replica leaves no stage process behind. Hand-written (ctypes, Linux only):
     no maintained library wraps this one prctl."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() == 1:  # the front died before the prctl: nobody would kill us
+    if os.getppid() != front_pid:  # the front died before the prctl: nobody would kill us
         os._exit(1)
 
 
@@ -129,9 +130,27 @@ def build_stage_models(spec: StageLaunch):
     return held
 
 
+def tell_front(front: str, message: object) -> None:
+    """Send one last message on a context of its own, and wait (≤ 1 s) until it has left:
+    zmq sends from its I/O thread, and the process exits right after. The shared context is
+    not touched: other threads' sockets live in it (terminating it under them is undefined).
+    The front also sees the exit itself, so a message lost here costs only the reason."""
+    import zmq
+
+    from omni_dp.engine.wire import encode
+
+    context = zmq.Context()
+    try:
+        sock = context.socket(zmq.PUSH)
+        sock.connect(front)
+        sock.send_multipart(encode(message))
+        sock.close(linger=1000)
+    finally:
+        context.term()
+
+
 def run(spec: StageLaunch) -> int:
     import torch
-    import zmq
 
     from omni_dp.engine import messages
     from omni_dp.engine.links import Inbox, Outbox
@@ -149,10 +168,7 @@ def run(spec: StageLaunch) -> int:
         failed.set()
         log.error("%s", reason)
         try:
-            outbox.send(spec.front, messages.StageFailed(spec.process, reason))
-            # Sent by zmq's I/O thread: give it a second to go before the process does (the
-            # front also sees the exit itself, so a message lost here costs only the reason).
-            zmq.Context.instance().destroy(linger=1000)
+            tell_front(spec.front, messages.StageFailed(spec.process, reason))
         finally:
             logging.shutdown()
             os._exit(3)
@@ -186,17 +202,20 @@ def run(spec: StageLaunch) -> int:
     outbox.send(spec.front, messages.Ready(spec.process, os.getpid()))
     log.info("stage process %s (pid %d): %s on %s", spec.process, os.getpid(),
              ", ".join(spec.stages), spec.device)
-    while not isinstance(message := inbox.recv(None), messages.Stop):
-        if isinstance(message, messages.Prepare) and stages.preprocess is not None:
-            try:
-                speech = stages.preprocess.prepare(message.ask)
-                answer = messages.Prepared(message.request_id, speech)
-            except PreprocessError as exc:
-                answer = messages.Prepared(message.request_id, None, exc.field, str(exc))
-            outbox.send(spec.front, answer)
-        elif not stages.handle(message):
-            log.warning("stage process %s: no stage here takes %s", spec.process,
-                        type(message).__name__)
+    try:
+        while not isinstance(message := inbox.recv(None), messages.Stop):
+            if isinstance(message, messages.Prepare) and stages.preprocess is not None:
+                try:
+                    speech = stages.preprocess.prepare(message.ask)
+                    answer = messages.Prepared(message.request_id, speech)
+                except PreprocessError as exc:
+                    answer = messages.Prepared(message.request_id, None, exc.field, str(exc))
+                outbox.send(spec.front, answer)
+            elif not stages.handle(message):
+                log.warning("stage process %s: no stage here takes %s", spec.process,
+                            type(message).__name__)
+    except Exception:  # a message it cannot read or answer: the replica cannot be trusted
+        fatal(f"stage process {spec.process}: serving failed:\n{traceback.format_exc()}")
     stages.stop()
     inbox.close()
     outbox.close_all()
@@ -225,7 +244,7 @@ def main(argv: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     spec = StageLaunch.from_json(argv[1])
-    die_with_parent()
+    die_with_parent(int(argv[2]))
     from omni_dp.logs import setup_logging
 
     setup_logging(spec.log_level, spec.log_format)

@@ -44,6 +44,19 @@ def test_minimal_body_gets_defaults():
     assert params.model is None
 
 
+def test_lone_surrogates_are_no_text_in_any_process():
+    """JSON can spell them ("\\ud800"); UTF-8 — and so the wire to a preprocess process —
+    cannot. Dropped from the input (normalisation drops them too: the same audio in every
+    placement); another field holding one is refused, naming it."""
+    raw = json.dumps({"input": "a\ud800b\udfff"}).encode()
+    assert parse_speech_body(raw, max_new_tokens_limit=100).input == "ab"
+    raw = json.dumps({"input": "a", "voice": "\udc00"}).encode()
+    with pytest.raises(ApiError) as info:
+        parse_speech_body(raw, max_new_tokens_limit=100)
+    assert (info.value.status, info.value.field) == (400, "voice")
+    assert "lone surrogate" in info.value.message
+
+
 def test_full_body_is_read():
     params = parse({
         "input": "Hi", "voice": "echo", "response_format": "pcm", "stream": True,

@@ -38,7 +38,8 @@ OWN_TALKER = (("talker.process", "talker"),)
 
 
 def options(*overrides: tuple[str, str], **fields) -> ServeOptions:
-    return ServeOptions(device="cpu", threads=1, placement_overrides=tuple(overrides), **fields)
+    fields = {"threads": 1, **fields}
+    return ServeOptions(device="cpu", placement_overrides=tuple(overrides), **fields)
 
 
 def plan(*overrides: tuple[str, str], **fields) -> ServePlan:
@@ -247,3 +248,15 @@ def test_a_stage_launch_survives_its_json_round_trip(launch):
     assert isinstance(back.stages, tuple) and isinstance(back.vocoders, tuple)
     assert back.tp is None or isinstance(back.tp, TPRank)
     assert back.to_json() == text
+
+
+def test_threads_are_split_among_the_processes_that_run_a_model():
+    from omni_dp.engine.placement_plan import process_threads
+
+    split = plan(("preprocess.process", "pre"), ("talker.process", "talker"),
+                 ("vocoder.process", "vocoder"), threads=4)
+    assert process_threads(split.placement, 4) == {"main": 1, "pre": 1, "talker": 2,
+                                                   "vocoder": 2}
+    assert process_threads(split.placement, 1) == {"main": 1, "pre": 1, "talker": 1,
+                                                   "vocoder": 1}
+    assert process_threads(plan(threads=4).placement, 4) == {"main": 4}  # form ①: unchanged

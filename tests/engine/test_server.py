@@ -157,7 +157,7 @@ def test_server_info_lists_every_process(replica):
     info = replica.info()
     assert info["processes"] == [
         {"pid": replica.pid, "role": "main", "device": "cpu",
-         "stages": ["preprocess", "talker", "vocoder"]}
+         "stages": ["preprocess", "talker", "vocoder"], "threads": 1}
     ]
     assert info["device"] == "cpu"
     assert info["max_running_requests"] == 32

@@ -1,0 +1,68 @@
+"""One stage process on its own, with this test as its front: it says Ready, serves, and on a
+message it cannot read says StageFailed and exits 3 (the front turns that into an unhealthy
+replica); on Stop it exits 0. Real process, real sockets."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import zmq
+
+from omni_dp.engine import messages
+from omni_dp.engine.links import Inbox, Outbox, endpoint, socket_dir
+from omni_dp.engine.stage_process import StageLaunch
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def stage():
+    directory = socket_dir()
+    front = Inbox(endpoint(directory, "main"))
+    spec = StageLaunch(
+        process="vocoder", stages=("vocoder",), device="cpu", dtype="float64", threads=1,
+        model="tiny", weight_seed=0, page_size=16, num_pages=8, max_running_requests=4,
+        max_input_chars=100, inbox=endpoint(directory, "vocoder"),
+        front=endpoint(directory, "main"), vocoders=(), log_level="info", log_format="text")
+    child = subprocess.Popen([sys.executable, "-m", "omni_dp.engine.stage_process",
+                              spec.to_json(), str(os.getpid())],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        ready = front.recv(60)
+        assert ready == messages.Ready("vocoder", child.pid), child.poll()
+        yield spec, front, child
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.communicate(10)
+        front.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_message_it_cannot_read_is_stage_failed_and_exit_3(stage):
+    spec, front, child = stage
+    context = zmq.Context.instance()
+    sock = context.socket(zmq.PUSH)
+    sock.connect(spec.inbox)
+    sock.send_multipart([b"\xc1 not msgpack"])  # what no other process of ours sends
+    try:
+        failed = front.recv(30)
+        assert isinstance(failed, messages.StageFailed) and failed.process == "vocoder"
+        assert "serving failed" in failed.reason
+        assert child.wait(30) == 3
+    finally:
+        sock.close(linger=0)
+
+
+def test_stop_ends_it_with_exit_0(stage):
+    spec, _, child = stage
+    outbox = Outbox()
+    try:
+        outbox.send(spec.inbox, messages.Stop())
+        assert child.wait(30) == 0
+    finally:
+        outbox.close_all()
