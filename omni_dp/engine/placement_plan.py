@@ -58,6 +58,10 @@ def held_weights(weights: dict[str, int], stage: str, tp_size: int) -> int:
 def plan_placement(options: ServeOptions, device: torch.device,
                    problems: list[str]) -> Placement | None:
     """Defaults, then --placement-config, then the dotted overrides; resolved and validated."""
+    if options.placement_config == "":
+        problems.append("--placement-config needs a file (a YAML placement); leave it out for "
+                        "the pipeline's default placement")
+        return None
     file = Path(options.placement_config) if options.placement_config else None
     try:
         request = load_placement(BUILTIN_PIPELINE, file, options.placement_overrides)
@@ -98,8 +102,12 @@ def process_needs(placement: Placement, weights: dict[str, int], kv_bytes: int,
 
 def kv_bytes_from_budget(placement: Placement, weights: dict[str, int],
                          overhead: Callable[[str], int]) -> int | None:
-    """The talker's budget less everything else its process holds; None without a budget."""
+    """The talker's budget less everything else its process holds; None unless the talker
+    declares a fraction (another stage's fraction in its process is that stage's room, not an
+    order to size the pool)."""
     process = talker_process(placement)
+    if placement.request.stages["talker"].gpu_memory_fraction is None:
+        return None
     if process.budget_bytes is None:
         return None
     others = sum(weights[s] for s in process.stages if s != "talker")
@@ -133,3 +141,18 @@ def process_threads(placement: Placement, threads: int) -> dict[str, int]:
     computing = [p.name for p in placement.processes if {"talker", "vocoder"} & set(p.stages)]
     share = max(1, threads // len(computing)) if computing else 1
     return {p.name: share if p.name in computing else 1 for p in placement.processes}
+
+
+def tp_problems(placement: Placement, cfg: ModelConfig) -> list[str]:
+    """A TP talker must split the model's heads evenly: refused here, not once its ranks
+    have started."""
+    size = talker_process(placement).tp_size
+    if size == 1:
+        return []
+    from omni_dp.engine.tensor_parallel import check_shardable
+
+    try:
+        check_shardable(cfg, size)
+    except ValueError as exc:
+        return [f"--talker.tp_size {size}: {exc}"]
+    return []

@@ -23,8 +23,10 @@ from omni_dp.engine.placement_plan import (
     kv_bytes_from_budget,
     main_of,
     plan_placement,
+    process_needs,
     stage_weight_bytes,
     talker_process,
+    tp_problems,
 )
 from omni_dp.files import private_dir_problem
 from omni_dp.placement.model import Placement
@@ -111,8 +113,11 @@ def plan_summary(plan: ServePlan) -> dict:
     sizes = plan.weights or weight_sizes(plan.cfg, plan.dtype)
     weights_bytes, shared_bytes = sizes.weights_bytes, sizes.shared_bytes
     processes = plan.placement.processes if plan.placement else ()
-    # One overhead per OS process (a CUDA context each on a GPU): what a split costs.
-    overhead = (sum(_overhead_of(p.device) for p in processes) if processes
+    # One overhead per OS process on the replica's device (a CUDA context each on a GPU):
+    # what a split costs there. A CPU process of a GPU replica holds host memory, not the
+    # GPU's that the launcher fits this figure into.
+    on_device = [p for p in processes if (p.device == "cpu") == (plan.device.type == "cpu")]
+    overhead = (sum(_overhead_of(p.device) for p in on_device) if processes
                 else overhead_bytes(plan.device))
     summary = {
         "model": plan.cfg.name,
@@ -172,6 +177,8 @@ def plan_serve(options: ServeOptions) -> ServePlan:
         problems.append(f"--port must be 0-65535, got {options.port}")
     weights = _check_share(options, cfg, device, dtype, problems)
     placement = plan_placement(options, device, problems) if device is not None else None
+    if placement is not None and cfg is not None:
+        problems += tp_problems(placement, cfg)
 
     kv = None
     if cfg is not None and dtype is not None:
@@ -200,10 +207,13 @@ def plan_serve(options: ServeOptions) -> ServePlan:
         if kv is not None and placement is not None:
             problems += budget_check(placement, stage_bytes, kv.cache_bytes, _overhead_of)
     if kv is not None and device is not None:
-        # This process makes a CUDA context only where it runs a GPU stage itself: otherwise
-        # it is not an MPS client, and planning must not make it one.
-        gpu_here = placement is None or main_of(placement).device != "cpu"
-        _check_memory(kv, device, problems, gpu_here)
+        if placement is None or placement.is_single_process:
+            _check_memory(kv, device, problems)
+        else:
+            assert cfg is not None and dtype is not None
+            needs = process_needs(placement, stage_weight_bytes(cfg, dtype), kv.cache_bytes,
+                                  _overhead_of)
+            problems += _split_memory_problems(placement, needs)
     if problems:
         raise ServePlanError(problems)
     assert cfg is not None and kv is not None and device is not None and dtype is not None
@@ -299,12 +309,36 @@ def _free_without_context(device: torch.device) -> int | None:
     return gpu.memory_total_bytes - gpu.memory_used_bytes
 
 
-def _check_memory(kv: KVCacheSpec, device: torch.device, problems: list[str],
-                  gpu_here: bool = True) -> None:
+def _split_memory_problems(placement: Placement, needs: dict[str, int]) -> list[str]:
+    """A split replica: what its processes on each device need together, against what is
+    free there now. A GPU is asked through NVML, so that a front that runs no stage on it does
+    not become a CUDA (and MPS) client the placement does not declare; through torch only where
+    NVML cannot say and this process runs a stage on that GPU anyway."""
+    problems = []
+    main = main_of(placement)
+    for device in sorted({p.device for p in placement.processes}):
+        on_it = [p for p in placement.processes if p.device == device]
+        need = sum(needs[p.name] for p in on_it)
+        if device == "cpu":
+            free, where = psutil.virtual_memory().available, "available host memory"
+        else:
+            free = _free_without_context(torch.device(device))
+            if free is None and main.device == device:
+                free = torch.cuda.mem_get_info(torch.device(device))[0]
+            if free is None:
+                continue  # the stage processes' own start-up checks will say (engine/budget.py)
+            where = f"free memory on {device}"
+        if need > free:
+            names = ", ".join(f"{p.name} ({', '.join(p.stages) or 'front'})" for p in on_it)
+            problems.append(f"the processes on {device} — {names} — need {format_size(need)} "
+                            f"together but {where} is {format_size(free)}; lower "
+                            "--kv-cache-bytes or --max-total-tokens, or move a stage")
+    return problems
+
+
+def _check_memory(kv: KVCacheSpec, device: torch.device, problems: list[str]) -> None:
     if device.type == "cuda":
-        free = None if gpu_here else _free_without_context(device)
-        if free is None:
-            free, _total = torch.cuda.mem_get_info(device)
+        free, _total = torch.cuda.mem_get_info(device)
         where = f"free memory on {device}"
     else:
         free = psutil.virtual_memory().available

@@ -115,6 +115,7 @@ class LaunchPlan:
             f"{format_size(s.kv_cache_bytes)} ({self._kv_words()}) + overhead "
             f"{format_size(s.overhead_bytes)} on {s.device}",
             *(f"  kv pin       {note}" for note in self.kv_notes),
+            *([f"  processes    {self._processes_words()}"] if len(s.processes) > 1 else []),
             f"  memory       {memory_formula(s, len(self.replicas), o.share_weights)[1]}",
             *([f"  share        replica {LEADER} leads (loads the weights, publishes them in "
                f"{share_dir(self.run_dir)}); "
@@ -130,6 +131,15 @@ class LaunchPlan:
             lines.append(f"  replica {r.index}    {r.url}  cpus {cpus}")
         lines += [f"  warning: {w}" for w in self.warnings]
         return lines
+
+    def _processes_words(self) -> str:
+        """Each replica's processes by its placement, and the CUDA ones of the run."""
+        s = self.sizing
+        words = ", ".join(f"{name} ({device})" for name, device in s.processes) + " per replica"
+        cuda = (s.cuda_processes or 0) * len(self.replicas)
+        if cuda:
+            words += f"; {cuda} CUDA process(es) in all, each an MPS client under --mps"
+        return words
 
     def _kv_words(self) -> str:
         """What the KV line may claim: pinned (to what), or sized by the engine itself."""

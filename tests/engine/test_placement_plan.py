@@ -260,3 +260,44 @@ def test_threads_are_split_among_the_processes_that_run_a_model():
     assert process_threads(split.placement, 1) == {"main": 1, "pre": 1, "talker": 1,
                                                    "vocoder": 1}
     assert process_threads(plan(threads=4).placement, 4) == {"main": 4}  # form ①: unchanged
+
+
+def test_a_tp_size_that_does_not_split_the_heads_is_refused_before_anything_starts():
+    assert problems(("talker.tp_size", "3")) == [
+        "--talker.tp_size 3: model 'tiny' cannot be split across 3 tensor-parallel ranks: "
+        "num_heads = 4 is not divisible by 3; num_kv_heads = 2 is not divisible by 3"]
+
+
+def test_only_the_talkers_own_fraction_sizes_its_pool():
+    # The vocoder's fraction in main is the vocoder's room: the pool keeps its default.
+    assert plan(("vocoder.gpu_memory_fraction", "0.5")).kv.max_total_tokens == 16384
+
+
+def test_an_empty_placement_config_is_a_problem_not_the_default():
+    assert problems(placement_config="") == [
+        "--placement-config needs a file (a YAML placement); leave it out for the pipeline's "
+        "default placement"]
+
+
+def test_each_gpu_of_a_split_replica_is_checked_against_its_own_free_memory(monkeypatch):
+    """Form ④ over two GPUs: each rank's half of the pool on its own GPU, never the whole
+    pool against cuda:0's free memory."""
+    from omni_dp.engine import plan as plan_module
+    from omni_dp.placement.builtin import BUILTIN_PIPELINE
+    from omni_dp.placement.config import load_placement
+    from omni_dp.placement.validate import resolve
+
+    request = load_placement(BUILTIN_PIPELINE, None, (
+        ("talker.tp_size", "2"), ("talker.devices", "0,1"), ("vocoder.process", "vocoder"),
+        ("vocoder.device", "1"), ("talker.gpu_memory_fraction", "0.5"),
+        ("vocoder.gpu_memory_fraction", "0.1")))
+    placement = resolve(BUILTIN_PIPELINE, request, default_device="cuda:0", gpu_count=2,
+                        gpu_total_bytes={0: 80 * GiB, 1: 80 * GiB}, host_total_bytes=64 * GiB)
+    needs = {"main": 1 * GiB, "talker-tp0": 30 * GiB, "talker-tp1": 30 * GiB,
+             "vocoder": 2 * GiB}
+    free = {"cuda:0": 31 * GiB, "cuda:1": 31 * GiB}
+    monkeypatch.setattr(plan_module, "_free_without_context", lambda d: free[str(d)])
+    assert plan_module._split_memory_problems(placement, needs) == [
+        "the processes on cuda:1 — talker-tp1 (talker), vocoder (vocoder) — need 32.00 GiB "
+        "together but free memory on cuda:1 is 31.00 GiB; lower --kv-cache-bytes or "
+        "--max-total-tokens, or move a stage"]

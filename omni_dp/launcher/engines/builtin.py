@@ -8,6 +8,7 @@ replica will hold; it reports its processes and capacity on /get_server_info
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -62,7 +63,7 @@ class BuiltinEngine:
                 argv += ["--max-total-tokens", str(launch.max_total_tokens)]
         if launch.share_role is not None:
             argv += ["--share-weights", launch.share_role, "--share-dir", str(launch.share_dir)]
-        return [*argv, "--log-format", launch.log_format, *engine_args]
+        return [*argv, "--log-format", launch.log_format, *absolute_paths(engine_args)]
 
     def environment(self, launch: ReplicaLaunch) -> dict[str, str]:
         return {}
@@ -132,6 +133,29 @@ class BuiltinEngine:
         except (KeyError, TypeError, ValueError) as exc:  # a malformed list is no list
             raise EngineUnreadable(f"GET {url}/get_server_info: its processes list is "
                                      f"malformed ({exc!r}); see docs/contracts.md") from None
+
+
+PATH_FLAGS = ("--placement-config", "--model")  # serve's flags whose value may be a path
+
+
+def absolute_paths(engine_args: tuple[str, ...]) -> list[str]:
+    """The engine arguments with the value of each path flag made absolute: a replica (and a
+    restart by the detached supervisor) must read the file the preflight read, whatever its
+    working directory. A `--model` preset name (no such path here) is left alone."""
+    args, out = list(engine_args), []
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if eq and flag in PATH_FLAGS:
+            out.append(f"{flag}={_absolute(value)}")
+        elif i > 0 and args[i - 1] in PATH_FLAGS:
+            out.append(_absolute(arg))
+        else:
+            out.append(arg)
+    return out
+
+
+def _absolute(value: str) -> str:
+    return os.path.abspath(value) if value and os.path.exists(value) else value
 
 
 def share_problems(sizing: EngineSizing, asked: str | None, said: object) -> list[str]:
