@@ -20,7 +20,6 @@ from omni_dp.engine.model import Attention, GatedMLP
 from omni_dp.engine.runner import ModelRunner, assemble_batch
 from omni_dp.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, TalkerRequest
 from omni_dp.engine.tensor_parallel import (
-    RankSpec,
     TPModelRunner,
     decode_layout,
     encode_layout,
@@ -33,6 +32,7 @@ from omni_dp.engine.tensor_parallel import (
 from omni_dp.engine.weights import seeded_models
 
 from support.talker import CFG as SMALL_CFG
+from support.tp_rank import TESTS_DIR, RankSpec
 
 TINY = PRESETS["tiny"]
 SEED = 7
@@ -305,11 +305,13 @@ def test_a_dead_rank_fails_rank_0s_next_step_without_waiting_for_the_timeout(tin
 RANK_0_THEN_DIE = """
 import os, signal, sys, torch
 from omni_dp.engine.scheduler import ScheduledRequest, SchedulerOutput, TalkerRequest
+sys.path.insert(0, sys.argv[2])  # the tests directory: support.tp_rank
 from omni_dp.engine import tensor_parallel as tp
-spec = tp.RankSpec(**__import__("json").loads(sys.argv[1]))
+from support.tp_rank import RankSpec, build_shard, rank_kv_cache
+spec = RankSpec(**__import__("json").loads(sys.argv[1]))
 group = tp.join_group(0, spec.world, spec.store_port, spec.backend, spec.timeout_s)
-shard = tp.build_shard(spec, group.device_group)
-runner = tp.TPModelRunner(shard, tp.rank_kv_cache(shard.cfg, spec), torch.device("cpu"), group)
+shard = build_shard(spec, group.device_group)
+runner = tp.TPModelRunner(shard, rank_kv_cache(shard.cfg, spec), torch.device("cpu"), group)
 request = TalkerRequest("r", [shard.cfg.bos_text_id] * 5, 4, 0, shard.cfg.first_code_id)
 request.pages = [0, 1]
 runner.execute(SchedulerOutput([ScheduledRequest(request, 5)], []))
@@ -323,7 +325,7 @@ def test_rank_1_fails_at_once_when_rank_0_dies_while_it_waits(rank_1):
     _, port, process = rank_1
     spec = RankSpec(rank=0, world=2, store_port=port, model="tiny", seed=SEED, dtype="float64",
                     device="cpu", page_size=PAGE, num_pages=NUM_PAGES, timeout_s=GROUP_TIMEOUT_S)
-    rank_0 = subprocess.Popen([sys.executable, "-c", RANK_0_THEN_DIE, spec.to_json()])
+    rank_0 = subprocess.Popen([sys.executable, "-c", RANK_0_THEN_DIE, spec.to_json(), TESTS_DIR])
     try:
         assert rank_0.wait(timeout=GROUP_TIMEOUT_S) == -signal.SIGKILL
     finally:

@@ -16,4 +16,5 @@ helpers, and no test imports a conftest or another test module.
     mps_hybrid   the hybrid front end (real daemon, faked attachment), run as a program by path
     nvml         a fake pynvml
     talker       the small talker the model tests share
+    tp_rank      a tensor-parallel rank as a process of its own (the TP tests' rank 1)
 """
