@@ -110,7 +110,8 @@ def test_fused_stages_share_the_first_stages_process_and_off_restores_the_names(
     split = "--talker.process a --vocoder.process b"
     fused = place(split, "--placement.fused_stages talker,vocoder")
     assert table(fused) == [("main", ("preprocess",), "cpu"), ("a", ("talker", "vocoder"), "cpu")]
-    assert fused.processes[1].provenance == Provenance(Source.DERIVED, "fused_stages")
+    assert fused.processes[1].provenance == Provenance(Source.DERIVED,
+                                                       "fused_stages [talker, vocoder]")
     assert table(place(split)) == [("main", ("preprocess",), "cpu"), ("a", ("talker",), "cpu"),
                                    ("b", ("vocoder",), "cpu")]
 
@@ -238,9 +239,10 @@ def test_an_empty_fused_group_is_refused(tmp_path):
     ("--talker.process t --talker.replicas 2",
      "talker.replicas is 2, but talker keeps state across requests (its KV cache); scale it "
      "with DP replicas: omni-dp launch --replicas"),
-    ("--vocoder.replicas 2",
-     "vocoder.replicas is 2, so vocoder needs a process of its own (set vocoder.process); main "
-     "is the replica's HTTP front"),
+    ("--vocoder.process main --vocoder.replicas 2",
+     "vocoder.replicas is 2, so vocoder needs processes of its own, but vocoder.process is "
+     "main, the replica's HTTP front; name another process, or leave vocoder.process unset "
+     "(vocoder-r0, vocoder-r1, ...)"),
     ("--vocoder.replicas 2 --vocoder.process v --talker.process v",
      "vocoder.replicas is 2, so vocoder needs a process of its own; its process 'v' also holds "
      "talker"),
@@ -307,7 +309,8 @@ def test_placement_json_is_serialisable_with_every_source():
     assert data["pipeline"] == "omni-dp-tts"
     assert data["processes"][1] == {"name": "talker-tp0", "stages": ["talker"], "device": "cpu",
                                     "gpu_memory_fraction": None, "budget_bytes": None,
-                                    "tp_rank": 0, "tp_size": 2, "replica": None}
+                                    "tp_rank": 0, "tp_size": 2, "replica": None,
+                                    "source": "derived (talker.tp_size 2)"}
     assert data["stages"]["talker"]["devices"] == {"value": ["cpu", "cpu"],
                                                    "source": "cli (--talker.devices)"}
     assert data["placement"]["fused_stages"] == {"value": [], "source": "default"}
@@ -332,3 +335,97 @@ def test_render_table_shows_budgets_and_where_values_came_from():
 def test_the_default_device_must_be_resolved_by_the_caller():
     with pytest.raises(ValueError, match="default_device must be 'cpu' or 'cuda:N', got 'cuda'"):
         place(device="cuda")
+
+
+# --- replicas named after their stage; fusion refuses them -----------------------------------
+def test_a_replicated_stage_is_named_after_itself_by_default():
+    placement = place("--vocoder.replicas 2")
+    assert table(placement) == [("main", ("preprocess", "talker"), "cpu"),
+                                ("vocoder-r0", ("vocoder",), "cpu"),
+                                ("vocoder-r1", ("vocoder",), "cpu")]
+    assert {p.provenance for p in placement.process_of("vocoder")} == {
+        Provenance(Source.DERIVED, "vocoder.replicas 2")}
+
+
+def test_a_replicated_stage_is_not_fused_and_the_problem_names_the_group():
+    expected = (f"{FUSED_TALKER_VOCODER}: vocoder has replicas 2; a replicated stage runs in "
+                "processes of its own and cannot be fused")
+    assert problems("--vocoder.replicas 2 --placement.fused_stages talker,vocoder") == [expected]
+    assert problems("--talker.process t --vocoder.process v --vocoder.replicas 2",
+                    "--placement.fused_stages talker,vocoder") == [expected]
+
+
+def test_an_unknown_fused_stage_is_quoted_briefly():
+    long = "x" * 100_000
+    [problem] = problems(f"--placement.fused_stages talker,{long}")
+    assert problem == (f"unknown stage '{'x' * 17}...{'x' * 18}' in placement.fused_stages "
+                       f"group 1 (talker+{'x' * 50}...); the stages are preprocess, talker, "
+                       "vocoder")
+
+
+# --- bounds, for a request built by hand too -------------------------------------------------
+def resolve_request(request: PlacementRequest) -> Placement:
+    return resolve(BUILTIN_PIPELINE, request, default_device="cpu", gpu_count=0,
+                   gpu_total_bytes={}, host_total_bytes=HOST)
+
+
+@pytest.mark.parametrize(("stages", "placement", "expected"), [
+    ({"talker": StageConfig(tp_size=10**23)}, PlacementConfig(),
+     "talker.tp_size must be 1-64, got 100000000000000000000000"),
+    ({"vocoder": StageConfig(process="v", replicas=10**23)}, PlacementConfig(),
+     "vocoder.replicas must be 1-64, got 100000000000000000000000"),
+    ({"vocoder": StageConfig(replicas=0)}, PlacementConfig(), "vocoder.replicas must be 1-64, "
+                                                              "got 0"),
+    ({}, PlacementConfig(cpu_device_memory_bytes=0),
+     "placement.cpu_device_memory_bytes must be 1 byte to 1 EiB (2**60 bytes), or None for the "
+     "host's memory; got 0"),
+    ({}, PlacementConfig(cpu_device_memory_bytes=10**400),
+     "placement.cpu_device_memory_bytes must be 1 byte to 1 EiB (2**60 bytes), or None for the "
+     "host's memory; got <an integer of 1329 bits>"),
+])
+def test_a_hand_built_request_out_of_bounds_is_a_problem_not_an_overflow(stages, placement,
+                                                                          expected):
+    with pytest.raises(PlacementError) as caught:
+        resolve_request(PlacementRequest(stages, placement))
+    assert caught.value.problems == [expected]
+
+
+def test_the_host_memory_is_the_cpu_total_only_where_none_is_declared():
+    declared = resolve_request(PlacementRequest({}, PlacementConfig(cpu_device_memory_bytes=1)))
+    assert declared.device_total_bytes == {"cpu": 1}
+    assert resolve_request(PlacementRequest({}, PlacementConfig())).device_total_bytes == {
+        "cpu": HOST}
+
+
+# --- derived processes say so ----------------------------------------------------------------
+def test_a_fused_groups_process_says_fusion_put_the_stages_there():
+    placement = place("--talker.process t --vocoder.process v",
+                      "--placement.fused_stages talker,vocoder")
+    data = json.loads(json.dumps(placement_json(placement)))
+    assert [(p["name"], p["stages"], p["source"]) for p in data["processes"]] == [
+        ("main", ["preprocess"], "default"),
+        ("t", ["talker", "vocoder"], "derived (fused_stages [talker, vocoder])")]
+    assert data["stages"]["vocoder"]["process"] == {"value": "v",
+                                                    "source": "cli (--vocoder.process)"}
+    text = render_table(placement).splitlines()
+    assert text[text.index("derived:") + 1] == "  t ← fused_stages [talker, vocoder]"
+
+
+def test_fusion_into_main_marks_main_and_a_no_op_fusion_marks_nothing():
+    into_main = place("--vocoder.process v --placement.fused_stages talker,vocoder")
+    assert [(p.name, p.provenance) for p in into_main.processes] == [
+        ("main", Provenance(Source.DERIVED, "fused_stages [talker, vocoder]"))]
+    no_op = place("--talker.process a --vocoder.process a --placement.fused_stages talker,vocoder")
+    assert no_op.processes[1].provenance == Provenance(Source.CLI, "--talker.process")
+    assert "derived:" not in render_table(no_op)
+
+
+def test_the_table_lists_derived_processes_once_per_derivation():
+    placement = place("--talker.tp_size 2 --vocoder.replicas 2")
+    lines = render_table(placement).splitlines()
+    assert lines[lines.index("derived:") + 1:lines.index("set:")] == [
+        "  talker-tp0, talker-tp1 ← talker.tp_size 2",
+        "  vocoder-r0, vocoder-r1 ← vocoder.replicas 2"]
+    assert [p["source"] for p in placement_json(placement)["processes"]] == [
+        "default", "derived (talker.tp_size 2)", "derived (talker.tp_size 2)",
+        "derived (vocoder.replicas 2)", "derived (vocoder.replicas 2)"]

@@ -11,13 +11,13 @@ import math
 from dataclasses import dataclass, field
 
 import yaml
-import yaml.composer
 import yaml.constructor
 import yaml.reader
 
 from omni_dp.contract import API_KEY_ENV
 from omni_dp.mps.binaries import CONTROL_HELP
 from omni_dp.sizes import parse_size
+from omni_dp.yamlconfig import StrictLoader
 
 START_MODES = ("sequential", "parallel")
 # The engine adapters' names (omni_dp/launcher/engines holds them; a test keeps the two equal):
@@ -151,35 +151,7 @@ DEPRECATED_KEYS = {old.lstrip("-").replace("-", "_"): name for name, f in FIELDS
                    for old in f.metadata.get("deprecated", ())}
 _SIZE_FIELDS = {f.name for f in FIELDS.values() if f.metadata.get("size")}
 MAX_CONFIG_BYTES = 1024**2  # a settings file is a few lines; /dev/zero must not fill memory
-# The deepest a setting nests is 2 (the top mapping, then the engine_args list); PyYAML's
-# composer recurses per level, so an unbounded document would end in a RecursionError.
-MAX_YAML_DEPTH = 8
 _INT_LIMIT = 2**63  # larger integers are no setting's value (and overflow C on the way)
-
-
-class _ConfigLoader(yaml.SafeLoader):
-    """safe_load, refusing what it would accept silently or without bound: aliases (`*name`: a
-    billion-laughs document expands exponentially) and nesting no setting has. Duplicate keys
-    are found by load_config_file, which reads the top mapping key by key."""
-
-    def __init__(self, stream: str) -> None:
-        super().__init__(stream)
-        self._depth = 0
-
-    def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            raise yaml.composer.ComposerError(
-                None, None, "aliases (*name) are not supported in a --config file; write the "
-                "value out", self.peek_event().start_mark)
-        self._depth += 1
-        try:
-            if self._depth > MAX_YAML_DEPTH:
-                raise yaml.composer.ComposerError(
-                    None, None, f"nested deeper than {MAX_YAML_DEPTH} levels; a setting is a "
-                    "plain value or a list of them", self.peek_event().start_mark)
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
 
 
 def _dashed(name: str) -> str:
@@ -288,7 +260,11 @@ def load_config_file(path: str, problems: list[str],
         return {}
     loader = None
     try:
-        loader = _ConfigLoader(text)  # its reader refuses control characters at once
+        # Its reader refuses control characters at once; aliases and nesting deeper than a
+        # setting's 2 levels (the top mapping, the engine_args list) are refused as it composes;
+        # a top-level key given twice is found by _settings, which reads the mapping key by key.
+        loader = StrictLoader(text, what="a --config file",
+                              shape="a setting is a plain value or a list of them")
         root = loader.get_single_node()
         if root is None:
             return {}
@@ -305,7 +281,7 @@ def load_config_file(path: str, problems: list[str],
             loader.dispose()
 
 
-def _settings(loader: _ConfigLoader, root: yaml.MappingNode, source: str,
+def _settings(loader: StrictLoader, root: yaml.MappingNode, source: str,
               problems: list[str], deprecations: list[str]) -> dict:
     """The top mapping key by key, so that a problem names its setting and line, and a key
     given twice is a problem (safe_load keeps the last one silently)."""

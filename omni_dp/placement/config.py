@@ -10,15 +10,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from omni_dp.placement.model import (
+    MAX_CPU_DEVICE_MEMORY_BYTES,
+    MAX_REPLICAS,
+    MAX_TP_SIZE,
     PipelineSpec,
     PlacementConfig,
     PlacementError,
@@ -28,11 +30,17 @@ from omni_dp.placement.model import (
     StageConfig,
 )
 from omni_dp.sizes import parse_size
+from omni_dp.yamlconfig import StrictYAMLError, brief, clip, load_strict
 
 PLACEMENT = "placement"  # the top-level key (and CLI prefix) of the placement-wide fields
 MAX_FILE_BYTES = 1024**2  # a placement file is a few lines; /dev/zero must not fill memory
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-]+$")  # no dots: a dot separates the keys of a flag
-_GPU_RE = re.compile(r"^(?:cuda:)?(\d+)$")
+# Matched whole (fullmatch: `$` would let "t\n" through). [0-9], never \d or str.isdigit(): those
+# take '²' and '٣', which int() and float() then read (or refuse with a traceback).
+_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")  # no dots: a dot separates the keys of a flag
+_GPU_RE = re.compile(r"(?:cuda:)?([0-9]{1,6})")
+_INT_RE = re.compile(r"\s*([+-]?)0*([0-9]+)\s*")
+_NUMBER_RE = re.compile(r"\s*[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\s*")
+_GPU_INDEX_LIMIT = 10**6  # a GPU index has at most 6 digits (no machine has a million GPUs)
 
 
 @dataclass(frozen=True)
@@ -53,27 +61,31 @@ class _Setting:
 
 # --- the value parsers: each raises ValueError("what it must be") ---------------------------
 def _process(value: Any) -> str:
-    if not isinstance(value, str) or not _NAME_RE.match(value):
-        raise ValueError("a non-empty process name of letters, digits, '_' and '-'")
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
+        raise ValueError("a process name of 1-64 letters, digits, '_' and '-'")
     return value
 
 
-def _place(value: Any, *, auto: bool) -> str:
+def _parse_device(value: Any, *, auto: bool) -> str:
     """cpu | a GPU index (cuda:N accepted, normalised to N) | auto where allowed."""
     forms = "auto, cpu or a GPU index (0, cuda:0)" if auto else "cpu or a GPU index (0, cuda:0)"
-    if isinstance(value, bool) or not isinstance(value, (str, int)):  # YAML `device: 0`: int
+    if isinstance(value, int) and not isinstance(value, bool):  # YAML `device: 0`
+        if not 0 <= value < _GPU_INDEX_LIMIT:  # str() of a 5,000-digit int would raise
+            raise ValueError(forms)
+        return str(value)
+    if not isinstance(value, str):
         raise ValueError(forms)
-    text = str(value).strip()
+    text = value.strip()
     if text == "cpu" or (auto and text == "auto"):
         return text
-    match = _GPU_RE.match(text)
+    match = _GPU_RE.fullmatch(text)
     if match is None:
         raise ValueError(forms)
     return str(int(match.group(1)))
 
 
 def _device(value: Any) -> str:
-    return _place(value, auto=True)
+    return _parse_device(value, auto=True)
 
 
 def _devices(value: Any) -> tuple[str, ...]:
@@ -82,15 +94,17 @@ def _devices(value: Any) -> tuple[str, ...]:
     if not isinstance(items, list):
         raise ValueError(expected)
     try:
-        return tuple(_place(item, auto=False) for item in items)
+        return tuple(_parse_device(item, auto=False) for item in items)
     except ValueError:
         raise ValueError(expected) from None
 
 
 def _fraction(value: Any) -> float:
     number = float("nan")
-    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-        with contextlib.suppress(ValueError, OverflowError):  # not a number, or 10**400
+    if isinstance(value, str) and not _NUMBER_RE.fullmatch(value):
+        pass  # float() reads '٠.٥', '1_0' and 'nan' too: none of them is written here
+    elif isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        with contextlib.suppress(OverflowError):  # 10**400
             number = float(value)
     if not 0 < number <= 1:  # nan fails too
         raise ValueError("a number in (0, 1]")
@@ -101,11 +115,20 @@ def _optional_fraction(value: Any) -> float | None:
     return None if value is None else _fraction(value)  # YAML null: undeclared
 
 
-def _count(value: Any) -> int:
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError("an integer ≥ 1")
+def _count(value: Any, *, most: int) -> int:
+    """An integer 1..most: from the CLI, ASCII digits (an optional sign); from YAML, an int."""
+    if isinstance(value, str):
+        match = _INT_RE.fullmatch(value)
+        if match is None:
+            raise ValueError(f"an integer 1-{most}")
+        sign, digits = match.groups()
+        if len(digits) > len(str(most)):  # int() refuses 4,301 digits (zeros too), by traceback
+            raise ValueError(f"1-{most}")
+        value = int(sign + digits)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"an integer 1-{most}")
+    if not 1 <= value <= most:
+        raise ValueError(f"1-{most}")
     return value
 
 
@@ -124,14 +147,19 @@ def _fused(value: Any) -> tuple[tuple[str, ...], ...]:
 
 
 def _size(value: Any) -> int | None:
+    """A size from 1 byte to 1 EiB (None: undeclared); 0 is no size, not "the host's"."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
+    if (isinstance(value, bool) or not isinstance(value, (str, int))
+            or (isinstance(value, str) and not value.isascii())):  # parse_size reads '٣' too
         raise ValueError("a size, e.g. 8GiB")
     try:
-        return parse_size(value)
+        size = parse_size(value)
     except ValueError:
         raise ValueError("a size, e.g. 8GiB") from None
+    if not 1 <= size <= MAX_CPU_DEVICE_MEMORY_BYTES:
+        raise ValueError("a size of 1 byte to 1 EiB (2**60 bytes), e.g. 8GiB")
+    return size
 
 
 Parser = Callable[[Any], Any]
@@ -139,9 +167,9 @@ STAGE_FIELDS: dict[str, Parser] = {
     "process": _process,
     "device": _device,
     "gpu_memory_fraction": _optional_fraction,
-    "tp_size": _count,
+    "tp_size": functools.partial(_count, most=MAX_TP_SIZE),
     "devices": _devices,
-    "replicas": _count,
+    "replicas": functools.partial(_count, most=MAX_REPLICAS),
 }
 PLACEMENT_FIELDS: dict[str, Parser] = {
     "max_total_gpu_memory_fraction_per_gpu": _fraction,
@@ -165,7 +193,8 @@ def _owners(pipeline: PipelineSpec) -> list[str]:
 def _owner_problem(pipeline: PipelineSpec, owner: str, place: str) -> str | None:
     if owner in _owners(pipeline):
         return None
-    return f"unknown stage {owner!r} in {place}" + suggestion(owner, _owners(pipeline), "stages")
+    return (f"unknown stage {brief(owner)} in {place}"
+            + suggestion(owner, _owners(pipeline), "stages"))
 
 
 def _fields_of(owner: str) -> dict[str, Parser]:
@@ -177,7 +206,7 @@ def _field_problem(setting: _Setting) -> str | None:
     if setting.field in fields:
         return None
     whose = PLACEMENT if setting.owner == PLACEMENT else f"stage {setting.owner}"
-    return (f"unknown field {setting.name!r} of {whose} in {setting.place}"
+    return (f"unknown field {brief(setting.name)} of {whose} in {setting.place}"
             + suggestion(setting.field, list(fields), "fields"))
 
 
@@ -210,29 +239,29 @@ def split_overrides(args: Sequence[str]) -> tuple[list[tuple[str, str]], list[st
 def _cli_setting(key: str, raw: str) -> _Setting:
     owner, _, name = key.partition(".")
     flag = f"--{key}"
-    return _Setting(owner, name, raw, Provenance(Source.CLI, flag), flag, flag)
+    shown = clip(flag)  # an unknown key's flag may be long; a known one is short
+    return _Setting(owner, name, raw, Provenance(Source.CLI, flag), shown, shown)
 
 
 def _read_yaml(path: Path, problems: list[str]) -> Any:
-    """The file's document, or None with the problem appended."""
+    """The file's document, or None with the problem appended (nothing raised)."""
     try:
         with path.open("rb") as f:
             data = f.read(MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        problems.append(f"{path}: cannot read it ({exc.strerror or exc})")
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        problems.append(f"{path}: cannot read it ({getattr(exc, 'strerror', None) or exc})")
         return None
     if len(data) > MAX_FILE_BYTES:
         problems.append(f"{path}: larger than 1 MiB; a placement file is a few lines of YAML")
         return None
     try:
-        return yaml.safe_load(data.decode("utf-8-sig"))
+        return load_strict(data.decode("utf-8-sig"), str(path), what="a placement file",
+                           shape="a placement file maps stages to fields of plain values or "
+                                 "lists")
     except UnicodeDecodeError:
         problems.append(f"{path}: not UTF-8 text; a placement file is YAML")
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f", line {mark.line + 1}" if mark is not None else ""
-        what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        problems.append(f"{path}{where}: not valid YAML ({what})")
+    except StrictYAMLError as exc:  # names the path and the line
+        problems.append(str(exc))
     return None
 
 
@@ -247,17 +276,38 @@ def _file_settings(pipeline: PipelineSpec, path: Path, problems: list[str]) -> l
     provenance = Provenance(Source.FILE, str(path))
     settings = []
     for owner, fields in document.items():
-        owner = str(owner)
+        owner = _key(owner)
         problem = _owner_problem(pipeline, owner, str(path))
         if problem:
             problems.append(problem)
         elif not isinstance(fields, dict):
             problems.append(f"{path}: {owner} must be a mapping of field: value, got "
-                            f"{type(fields).__name__} {fields!r}")
+                            f"{type(fields).__name__} {brief(fields)}")
         else:
-            settings += [_Setting(owner, str(name), raw, provenance, f"{path}: {owner}.{name}",
-                                  str(path)) for name, raw in fields.items()]
-    return settings
+            settings += [_Setting(owner, _key(name), raw, provenance,
+                                  f"{path}: {owner}.{clip(_key(name))}", str(path))
+                         for name, raw in fields.items()]
+    return _once_each(settings, problems)
+
+
+def _key(key: Any) -> str:
+    """A YAML key as a name: a string as written, anything else (1, null, 10**5000) briefly."""
+    return key if isinstance(key, str) else brief(key)
+
+
+def _once_each(settings: list[_Setting], problems: list[str]) -> list[_Setting]:
+    """The file's settings, a field written twice (tp_size and tp-size) refused: YAML finds an
+    exact key given twice, not two spellings of one field."""
+    first: dict[tuple[str, str], str] = {}
+    kept = []
+    for setting in settings:
+        written = first.setdefault((setting.owner, setting.field), setting.name)
+        if written == setting.name:
+            kept.append(setting)
+        else:
+            problems.append(f"{setting.place}: {setting.owner}.{clip(setting.field)} is set "
+                            f"twice (as {brief(written)} and {brief(setting.name)}); keep one")
+    return kept
 
 
 _BAD = object()  # a setting whose key or value was refused (its problem is appended)
@@ -271,7 +321,7 @@ def _value(pipeline: PipelineSpec, setting: _Setting, problems: list[str]) -> An
         try:
             return _fields_of(setting.owner)[setting.field](setting.raw)
         except ValueError as exc:
-            problem = f"{setting.label} must be {exc}, got {setting.raw!r}"
+            problem = f"{setting.label} must be {exc}, got {brief(setting.raw)}"
     problems.append(problem)
     return _BAD
 

@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 MAIN_PROCESS = "main"  # the replica's own process: HTTP front, coordinator, form ①'s stages
+# The bounds of the counts and sizes a placement takes: each becomes that many processes (or a
+# budget), so a typo of 10**23 is refused by name before anything is sized by it.
+MAX_TP_SIZE = 64
+MAX_REPLICAS = 64
+MAX_CPU_DEVICE_MEMORY_BYTES = 2**60  # 1 EiB
 
 
 # --- what a pipeline declares (not configurable) --------------------------------------------
@@ -57,9 +62,10 @@ class StageConfig:
     process: str = MAIN_PROCESS
     device: str = "auto"  # auto (the replica's --device; cpu for a CPU stage) | cpu | GPU index
     gpu_memory_fraction: float | None = None  # of the device's TOTAL memory
-    tp_size: int = 1
+    tp_size: int = 1  # 1 to MAX_TP_SIZE
     devices: tuple[str, ...] = ()  # tp_size > 1: one device per rank (cpu | GPU index)
-    replicas: int = 1  # processes serving this stage; requests bound to the least-loaded
+    replicas: int = 1  # processes serving this stage, ≤ MAX_REPLICAS; a request goes to the
+    # least-loaded
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,8 @@ class PlacementConfig:
     # Groups of adjacent stages to run in one process: topology only, never scheduling.
     fused_stages: tuple[tuple[str, ...], ...] = ()
     # The size budgets are fractions of, on the CPU (there is no device to ask): declared so
-    # that the budget rules are exercised without a GPU. None: the host's total memory.
+    # that the budget rules are exercised without a GPU. None: the host's total memory; else
+    # 1 to MAX_CPU_DEVICE_MEMORY_BYTES.
     cpu_device_memory_bytes: int | None = None
 
 
@@ -78,7 +85,7 @@ class Source(str, Enum):
     DEFAULT = "default"  # the pipeline's default placement
     FILE = "file"  # --placement-config FILE
     CLI = "cli"  # a dotted --<stage>.<field> / --placement.<field> override
-    DERIVED = "derived"  # computed (a TP rank's process name, a fused group's process)
+    DERIVED = "derived"  # computed (a TP rank's or replica's process, a fused group's process)
 
 
 @dataclass(frozen=True)
@@ -117,7 +124,9 @@ class ProcessPlan:
     tp_rank: int | None = None  # a TP rank process: its rank (0 talks to the pipeline)
     tp_size: int = 1
     replica: int | None = None  # a replicated stage's process: which replica (0..n-1)
-    provenance: Provenance = Provenance(Source.DEFAULT)  # of its name
+    # of its name and stages: the stage's `process` as set (default, file, cli), or derived
+    # (detail: "talker.tp_size 2", "vocoder.replicas 2", "fused_stages [talker, vocoder]")
+    provenance: Provenance = Provenance(Source.DEFAULT)
 
 
 @dataclass(frozen=True)

@@ -26,14 +26,17 @@ def _fields(owner: str, config: Any, placement: Placement) -> dict[str, dict[str
 
 
 def placement_json(placement: Placement) -> dict:
-    """Every process, and every configured value with where it came from."""
+    """Every process with where its name and stages came from ("derived (fused_stages [talker,
+    vocoder])": why a stage runs where its own `process` does not say), and every configured
+    value with where it came from."""
     request = placement.request
     return {
         "pipeline": placement.pipeline.name,
         "processes": [{"name": p.name, "stages": list(p.stages), "device": p.device,
                        "gpu_memory_fraction": p.gpu_memory_fraction,
                        "budget_bytes": p.budget_bytes, "tp_rank": p.tp_rank,
-                       "tp_size": p.tp_size, "replica": p.replica}
+                       "tp_size": p.tp_size, "replica": p.replica,
+                       "source": str(p.provenance)}
                       for p in placement.processes],
         "stages": {s.name: _fields(s.name, request.stages.get(s.name, StageConfig()), placement)
                    for s in placement.pipeline.stages},
@@ -68,8 +71,19 @@ def _origin(provenance: Provenance) -> str:
     return provenance.source.value + (f": {provenance.detail}" if provenance.detail else "")
 
 
+def _derived(placement: Placement) -> list[str]:
+    """A line per derivation: the processes it named (a TP stage's ranks on one line), ← why."""
+    by_origin: dict[Provenance, list[str]] = {}
+    for plan in placement.processes:
+        if plan.provenance.source == Source.DERIVED:
+            by_origin.setdefault(plan.provenance, []).append(plan.name)
+    return [f"  {', '.join(names)} ← {provenance.detail or provenance.source.value}"
+            for provenance, names in by_origin.items()]
+
+
 def render_table(placement: Placement) -> str:
-    """process → stages → device → memory budget, then each value that is not a default."""
+    """process → stages → device → memory budget, then the processes that were derived (TP
+    ranks, replicas, fused groups) and why, then each value that is not a default."""
     rows = [("process", "stages", "device", "memory budget")]
     rows += [(p.name, _stages_cell(p), p.device, _budget(p, placement))
              for p in placement.processes]
@@ -77,6 +91,8 @@ def render_table(placement: Placement) -> str:
     lines = [f"placement of {placement.pipeline.name}: {len(placement.processes)} process(es)"]
     lines += ["  " + "".join(cell.ljust(w + 2) for cell, w in zip(row[:3], widths, strict=True))
               + row[3] for row in rows]
+    derived = _derived(placement)
+    lines += ["derived:", *derived] if derived else []
     request = placement.request
     order = [s.name for s in placement.pipeline.stages] + [PLACEMENT]
     chosen = sorted(((key, p) for key, p in request.provenance.items()

@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 from omni_dp.placement.config import suggestion
 from omni_dp.placement.model import (
     MAIN_PROCESS,
+    MAX_CPU_DEVICE_MEMORY_BYTES,
+    MAX_REPLICAS,
+    MAX_TP_SIZE,
     PipelineSpec,
     Placement,
     PlacementError,
@@ -28,9 +31,9 @@ from omni_dp.placement.model import (
     StageSpec,
 )
 from omni_dp.sizes import format_size
+from omni_dp.yamlconfig import brief, clip
 
 CPU = "cpu"
-FUSED = Provenance(Source.DERIVED, "fused_stages")
 _TOLERANCE = 1e-9  # 0.85 + 0.05 must fit under 0.9 despite binary floats
 
 
@@ -42,7 +45,7 @@ class _Stage:
     config: StageConfig
     device: str  # cpu | cuda:N
     rank_devices: tuple[str, ...]  # a TP stage: one per rank; else (device,)
-    process: str  # after fusion; a TP stage: the base of its rank names
+    process: str  # after fusion; a TP or replicated stage: the base of its process names
     origin: Provenance  # of `process`
 
     @property
@@ -160,9 +163,10 @@ def _replica_problems(stage: _Stage, stages: list[_Stage]) -> list[str]:
         state = f" ({stage.spec.state})" if stage.spec.state else ""
         return [f"{name}.replicas is {count}, but {name} keeps state across requests{state}; "
                 "scale it with DP replicas: omni-dp launch --replicas"]
-    if stage.process == MAIN_PROCESS:
-        return [f"{name}.replicas is {count}, so {name} needs a process of its own (set "
-                f"{name}.process); {MAIN_PROCESS} is the replica's HTTP front"]
+    if stage.process == MAIN_PROCESS:  # only where set so: by default they are named after it
+        return [f"{name}.replicas is {count}, so {name} needs processes of its own, but "
+                f"{name}.process is {MAIN_PROCESS}, the replica's HTTP front; name another "
+                f"process, or leave {name}.process unset ({name}-r0, {name}-r1, ...)"]
     others = [s.name for s in stages if s.process == stage.process and s is not stage]
     if others:
         return [f"{name}.replicas is {count}, so {name} needs a process of its own; its "
@@ -195,7 +199,7 @@ def _group_problems(group: tuple[str, ...], label: str, pipeline: PipelineSpec,
         return [f"{label} is empty"]
     unknown = [s for s in group if s not in stages]
     if unknown:
-        return [f"unknown stage {s!r} in {label}" + suggestion(s, list(stages), "stages")
+        return [f"unknown stage {brief(s)} in {label}" + suggestion(s, list(stages), "stages")
                 for s in unknown]
     problems = []
     order = [s.name for s in pipeline.stages]
@@ -205,6 +209,9 @@ def _group_problems(group: tuple[str, ...], label: str, pipeline: PipelineSpec,
                         f"({' → '.join(order)})")
     problems += [f"{label}: {s} has tp_size {stages[s].config.tp_size}; a TP stage runs in "
                  "rank processes of its own and cannot be fused" for s in group if stages[s].is_tp]
+    problems += [f"{label}: {s} has replicas {stages[s].config.replicas}; a replicated stage "
+                 "runs in processes of its own and cannot be fused"
+                 for s in group if stages[s].is_replicated]
     gpus = {stages[s].device for s in group} - {CPU}
     if len(gpus) > 1:
         placed = _names(f"{s} on {stages[s].device}" for s in group)
@@ -215,20 +222,24 @@ def _group_problems(group: tuple[str, ...], label: str, pipeline: PipelineSpec,
 
 def _fuse(pipeline: PipelineSpec, groups: tuple[tuple[str, ...], ...],
           stages: dict[str, _Stage]) -> list[str]:
-    """Give each valid group's stages its first stage's process (in place); the problems."""
+    """Give each valid group's stages its first stage's process (in place), derived from the
+    group where that moves a stage; the problems."""
     problems: list[str] = []
     group_of: dict[str, int] = {}
     for number, group in enumerate(groups, 1):
-        label = f"placement.fused_stages group {number} ({'+'.join(group) or 'empty'})"
+        label = f"placement.fused_stages group {number} ({clip('+'.join(group)) or 'empty'})"
         found = _group_problems(group, label, pipeline, stages)
         found += [f"{s} is in placement.fused_stages groups {group_of[s]} and {number}; a stage "
                   "fuses into one group" for s in group if s in group_of]
         group_of.update({s: number for s in group if s not in group_of})
         problems += found
-        if not found:
-            process = stages[group[0]].process
+        if found:
+            continue
+        process = stages[group[0]].process
+        if any(stages[s].process != process for s in group):  # else fusion changes nothing
+            origin = Provenance(Source.DERIVED, f"fused_stages [{_names(group)}]")
             for s in group:
-                stages[s] = _replace_process(stages[s], process, FUSED)
+                stages[s] = _replace_process(stages[s], process, origin)
     return problems
 
 
@@ -249,18 +260,20 @@ def _drafts(stages: list[_Stage]) -> list[_Draft]:
             for rank, device in enumerate(stage.rank_devices):
                 drafts[("tp", stage.name, str(rank))] = _Draft(
                     f"{stage.process}-tp{rank}", [stage],
-                    Provenance(Source.DERIVED, f"{stage.name}.tp_size"),
+                    Provenance(Source.DERIVED, f"{stage.name}.tp_size {stage.config.tp_size}"),
                     f"{stage.name}'s TP rank {rank}", device, rank, stage.config.tp_size,
                     fractions=declared)
         elif stage.is_replicated:
             for i in range(stage.config.replicas):
                 drafts[("replica", stage.name, str(i))] = _Draft(
                     f"{stage.process}-r{i}", [stage],
-                    Provenance(Source.DERIVED, f"{stage.name}.replicas"),
+                    Provenance(Source.DERIVED, f"{stage.name}.replicas {stage.config.replicas}"),
                     f"{stage.name}'s replica {i}", stage.device, replica=i, fractions=declared)
         elif stage.process:
             draft = drafts.setdefault(("group", stage.process),
                                       _Draft(stage.process, [], stage.origin, ""))
+            if stage.origin.source == Source.DERIVED:  # fusion put it here: main included
+                draft.origin = stage.origin
             draft.stages.append(stage)
             draft.fractions += declared
     for draft in drafts.values():
@@ -300,7 +313,8 @@ def _device_total(device: str, request: PlacementRequest, gpu_total_bytes: Mappi
                   host_total_bytes: int) -> int | None:
     index = _gpu_index(device)
     if index is None:
-        return request.placement.cpu_device_memory_bytes or host_total_bytes
+        declared = request.placement.cpu_device_memory_bytes
+        return host_total_bytes if declared is None else declared
     return gpu_total_bytes.get(index)
 
 
@@ -346,6 +360,22 @@ def _edge_problems(placement: Placement) -> list[str]:
 
 
 # --- the entry points ------------------------------------------------------------------------
+def _bound_problems(request: PlacementRequest) -> list[str]:
+    """The bounds config's parsers enforce, again for a request built by hand."""
+    problems = []
+    for name, config in request.stages.items():
+        for what, value, most in (("tp_size", config.tp_size, MAX_TP_SIZE),
+                                  ("replicas", config.replicas, MAX_REPLICAS)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+                problems.append(f"{name}.{what} must be 1-{most}, got {brief(value)}")
+    size = request.placement.cpu_device_memory_bytes
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int)
+                             or not 1 <= size <= MAX_CPU_DEVICE_MEMORY_BYTES):
+        problems.append(f"placement.cpu_device_memory_bytes must be 1 byte to 1 EiB (2**60 "
+                        f"bytes), or None for the host's memory; got {brief(size)}")
+    return problems
+
+
 def _stages(pipeline: PipelineSpec, request: PlacementRequest,
             default_device: str) -> dict[str, _Stage]:
     """Each stage with its device(s) resolved and its process as configured (before fusion)."""
@@ -354,8 +384,9 @@ def _stages(pipeline: PipelineSpec, request: PlacementRequest,
         config = request.stages.get(spec.name, StageConfig())
         device = _resolved_device(config.device, spec, default_device)
         process, origin = config.process, request.source_of(spec.name, "process")
-        if config.tp_size > 1 and (origin.source == Source.DEFAULT or not process):
-            process = spec.name  # TP ranks are named after the stage unless the user named them
+        if ((config.tp_size > 1 or config.replicas > 1)
+                and (origin.source == Source.DEFAULT or not process)):
+            process = spec.name  # TP ranks, replicas: named after the stage unless set
         stages[spec.name] = _Stage(spec, config, device,
                                    _rank_devices(spec, config, device, default_device),
                                    process, origin)
@@ -370,9 +401,12 @@ def resolve(pipeline: PipelineSpec, request: PlacementRequest, *, default_device
     `default_device` is the replica's resolved --device ("cpu" or "cuda:N"); the totals are
     what memory fractions are fractions of (on the CPU: placement.cpu_device_memory_bytes, else
     `host_total_bytes`)."""
-    if not re.fullmatch(r"cpu|cuda:\d+", default_device):  # a caller's bug, not a user's
+    if not re.fullmatch(r"cpu|cuda:[0-9]+", default_device):  # a caller's bug, not a user's
         raise ValueError(f"default_device must be 'cpu' or 'cuda:N', got {default_device!r}")
-    problems = [f"unknown stage {name!r} in the placement request"
+    bounds = _bound_problems(request)
+    if bounds:  # a count of 10**23 would be expanded into that many processes below
+        raise PlacementError(bounds)
+    problems = [f"unknown stage {brief(name)} in the placement request"
                 + suggestion(name, [s.name for s in pipeline.stages], "stages")
                 for name in request.stages if name not in {s.name for s in pipeline.stages}]
     stages = _stages(pipeline, request, default_device)
