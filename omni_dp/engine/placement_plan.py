@@ -21,7 +21,13 @@ from omni_dp.engine.config import ModelConfig
 from omni_dp.engine.options import ServeOptions
 from omni_dp.placement.builtin import BUILTIN_PIPELINE
 from omni_dp.placement.config import load_placement
-from omni_dp.placement.model import MAIN_PROCESS, Placement, PlacementError, ProcessPlan
+from omni_dp.placement.model import (
+    MAIN_PROCESS,
+    Placement,
+    PlacementError,
+    PlacementRequest,
+    ProcessPlan,
+)
 from omni_dp.placement.validate import budget_problems, resolve
 
 # The talker's projections tensor_parallel.shard_talker splits evenly across the ranks; every
@@ -65,11 +71,11 @@ def plan_placement(options: ServeOptions, device: torch.device,
     file = Path(options.placement_config) if options.placement_config else None
     try:
         request = load_placement(BUILTIN_PIPELINE, file, options.placement_overrides)
-        cuda = torch.cuda.is_available()
-        count = torch.cuda.device_count() if cuda else 0
-        totals = {i: torch.cuda.get_device_properties(i).total_memory for i in range(count)}
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.type == "cuda":  # the replica's own device: found by the plan already
+            count = max(count, (device.index or 0) + 1)
         placement = resolve(BUILTIN_PIPELINE, request, default_device=str(device),
-                            gpu_count=count, gpu_total_bytes=totals,
+                            gpu_count=count, gpu_total_bytes=gpu_totals(request, count),
                             host_total_bytes=psutil.virtual_memory().total)
     except PlacementError as exc:
         problems.extend(exc.problems)
@@ -78,6 +84,14 @@ def plan_placement(options: ServeOptions, device: torch.device,
         problems.append("--share-weights shares the weights of single-process replicas; this "
                         "placement starts stage processes (drop one or the other)")
     return placement
+
+
+def gpu_totals(request: PlacementRequest, count: int) -> dict[int, int]:
+    """Each visible GPU's total memory, which budgets are fractions of; asked only when a
+    stage declares a fraction (torch's device query sets up CUDA in this process)."""
+    if all(stage.gpu_memory_fraction is None for stage in request.stages.values()):
+        return {}
+    return {i: torch.cuda.get_device_properties(i).total_memory for i in range(count)}
 
 
 def talker_process(placement: Placement) -> ProcessPlan:
