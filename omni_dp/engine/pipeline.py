@@ -31,6 +31,7 @@ from omni_dp.engine.preprocess import (
     SpeechAsk,
 )
 from omni_dp.engine.scheduler import SchedulerStats, TalkerRequest
+from omni_dp.engine.stage_group import StageGroup, StageStartFailed
 from omni_dp.engine.stage_set import LeastLoaded, StageModels, StageSet, VocoderRoute
 from omni_dp.engine.wire import WireError
 from omni_dp.placement.model import MAIN_PROCESS, Placement
@@ -85,12 +86,11 @@ class Pipeline:
         self.threads = process_threads(placement, threads)
         self.group = None
         if not placement.is_single_process:
-            from omni_dp.engine.stage_group import StageGroup
-
             assert launch_base is not None
             self.group = StageGroup(placement, launch_base, on_message=self._from_stages,
                                     on_fatal=self._fatal_threadsafe, log_level=log_setup[0],
                                     log_format=log_setup[1])
+            self.threads = self.group.threads  # one split, the one the children run
         to_vocoder = None
         if "talker" in main.stages and "vocoder" not in main.stages:
             assert self.group is not None
@@ -128,7 +128,9 @@ class Pipeline:
         if ready.done():
             ready.result()  # StageStartFailed propagates
             return True
-        self.group.abandon_start()  # its waiting thread returns; stop() does the rest
+        self.group.abandon_start()  # its waiting thread returns now; stop() does the rest
+        with contextlib.suppress(StageStartFailed):
+            await ready
         return False
 
     def stop(self) -> None:
@@ -171,7 +173,7 @@ class Pipeline:
         try:
             try:
                 self.group.send(self._preprocessors[index], messages.Prepare(request_id, ask))
-            except WireError as exc:  # text no process boundary carries (a lone surrogate)
+            except WireError as exc:  # a value no process boundary carries
                 raise PreprocessError("input", f"the request cannot be sent to the "
                                                f"preprocess stage: {exc}") from None
             prepared: messages.Prepared = await answer

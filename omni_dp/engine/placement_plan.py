@@ -148,13 +148,20 @@ def default_placement(device: torch.device) -> Placement:
 
 
 def process_threads(placement: Placement, threads: int) -> dict[str, int]:
-    """Torch threads per process: the replica's `threads` (its CPU block) split evenly among
-    the processes that run a model (a talker or a vocoder), at least one each; the others
-    (the front, a preprocess process) get one. Each process running every thread of the block
-    would oversubscribe it as many times over as there are processes. Form ①: all of them."""
-    computing = [p.name for p in placement.processes if {"talker", "vocoder"} & set(p.stages)]
-    share = max(1, threads // len(computing)) if computing else 1
-    return {p.name: share if p.name in computing else 1 for p in placement.processes}
+    """Torch threads per process. The replica's `threads` (its CPU block) are split evenly
+    among the processes that run a model on the CPU, at least one each: each running every
+    thread of the block would oversubscribe it as many times over as there are processes. A
+    process that runs its model on a GPU needs the CPU little: one thread where CPU model
+    processes need the block, else the block (form ① on a GPU: unchanged). The others (the
+    front without a model, a preprocess process) get one."""
+    def runs_a_model(p: ProcessPlan) -> bool:
+        return bool({"talker", "vocoder"} & set(p.stages))
+
+    on_cpu = [p.name for p in placement.processes if runs_a_model(p) and p.device == "cpu"]
+    share = max(1, threads // len(on_cpu)) if on_cpu else threads
+    gpu_share = 1 if on_cpu else threads
+    return {p.name: (share if p.name in on_cpu else gpu_share if runs_a_model(p) else 1)
+            for p in placement.processes}
 
 
 def tp_problems(placement: Placement, cfg: ModelConfig) -> list[str]:
@@ -168,5 +175,5 @@ def tp_problems(placement: Placement, cfg: ModelConfig) -> list[str]:
     try:
         check_shardable(cfg, size)
     except ValueError as exc:
-        return [f"--talker.tp_size {size}: {exc}"]
+        return [f"talker.tp_size {size}: {exc}"]
     return []

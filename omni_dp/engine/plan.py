@@ -326,7 +326,10 @@ def _split_memory_problems(placement: Placement, needs: dict[str, int]) -> list[
             if free is None and main.device == device:
                 free = torch.cuda.mem_get_info(torch.device(device))[0]
             if free is None:
-                continue  # the stage processes' own start-up checks will say (engine/budget.py)
+                # Unchecked here (NVML cannot say, and asking torch would make this process
+                # a CUDA client): an allocation that does not fit fails its stage process's
+                # start, and so the replica's (exit 3, the reason in its log).
+                continue
             where = f"free memory on {device}"
         if need > free:
             names = ", ".join(f"{p.name} ({', '.join(p.stages) or 'front'})" for p in on_it)

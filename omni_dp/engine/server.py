@@ -272,6 +272,8 @@ class ReplicaServer:
                 on_fatal=self._on_fatal, launch_base=stage_launch_base(plan),
                 log_setup=current_log_setup(),
             )
+            if self._stop.is_set():
+                return  # a signal while the models were built: start nothing more
             self.pipeline.start()  # here, on the main thread: stage processes die with it
             if not await self.pipeline.wait_ready(self._stop):
                 return  # a signal during start-up: run() stops the pipeline

@@ -58,6 +58,7 @@ class StageGroup:
         self.ready: dict[str, int] = {}
         self._changed = threading.Condition()
         self._failure: str | None = None
+        self._abandoned = False  # abandon_start: the front stops before every stage is ready
         self._stopping = threading.Event()
         self._store = None  # the TP rendezvous, open while the group runs
         self._receiver = threading.Thread(target=self._receive, name="stage-inbox", daemon=True)
@@ -114,6 +115,9 @@ class StageGroup:
             while len(self.ready) < len(self.children):
                 if self._failure is not None:
                     raise StageStartFailed(self._failure)
+                if self._abandoned:
+                    raise StageStartFailed("the replica was stopped while its stage processes "
+                                           "started")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     waiting = sorted(set(self.children) - set(self.ready))
@@ -122,12 +126,10 @@ class StageGroup:
                 self._changed.wait(left)
 
     def abandon_start(self) -> None:
-        """The front is stopping before every stage said Ready: wait_ready returns now."""
-        self._fail_quietly("the replica was stopped while its stage processes started")
-
-    def _fail_quietly(self, reason: str) -> None:
+        """The front is stopping before every stage said Ready: wait_ready returns now (a
+        failure after this is still a failure: it reaches on_fatal)."""
         with self._changed:
-            self._failure = self._failure or reason
+            self._abandoned = True
             self._changed.notify_all()
 
     # --- while serving -------------------------------------------------------------------
@@ -180,7 +182,11 @@ class StageGroup:
         self._stopping.set()
         for process in self.remote:
             child = self.children.get(process.name)
-            if child is not None and child.poll() is None and not process.tp_rank:
+            if child is None or child.poll() is not None:
+                continue
+            if process.name not in self.ready:
+                child.kill()  # still starting: it holds no request, and would stop only once built
+            elif not process.tp_rank:
                 with contextlib.suppress(Exception):
                     self.outbox.send(self.endpoints[process.name], messages.Stop())
         deadline = time.monotonic() + timeout_s

@@ -130,6 +130,12 @@ def build_stage_models(spec: StageLaunch):
     return held
 
 
+def sendable(text: str) -> str:
+    """`text` as the wire can carry it: a reason quoting undecodable bytes (a path read from
+    disk, say) holds lone surrogates, which UTF-8 cannot encode; they become escapes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def tell_front(front: str, message: object) -> None:
     """Send one last message on a context of its own, and wait (≤ 1 s) until it has left:
     zmq sends from its I/O thread, and the process exits right after. The shared context is
@@ -139,14 +145,14 @@ def tell_front(front: str, message: object) -> None:
 
     from omni_dp.engine.wire import encode
 
+    frames = encode(message)  # before any socket: an encoding error leaves nothing open
     context = zmq.Context()
     try:
         sock = context.socket(zmq.PUSH)
         sock.connect(front)
-        sock.send_multipart(encode(message))
-        sock.close(linger=1000)
+        sock.send_multipart(frames)
     finally:
-        context.term()
+        context.destroy(linger=1000)  # closes the socket once sent, or after a second
 
 
 def run(spec: StageLaunch) -> int:
@@ -166,6 +172,7 @@ def run(spec: StageLaunch) -> int:
         if failed.is_set():
             return
         failed.set()
+        reason = sendable(reason)
         log.error("%s", reason)
         try:
             tell_front(spec.front, messages.StageFailed(spec.process, reason))

@@ -260,9 +260,9 @@ def load_config_file(path: str, problems: list[str],
         return {}
     loader = None
     try:
-        # Its reader refuses control characters at once; aliases and nesting deeper than a
-        # setting's 2 levels (the top mapping, the engine_args list) are refused as it composes;
-        # a top-level key given twice is found by _settings, which reads the mapping key by key.
+        # Its reader refuses control characters at once; aliases, nesting deeper than
+        # yamlconfig.MAX_DEPTH and a key given twice in one mapping are refused as it composes;
+        # a value of the wrong shape (deeper than a setting's list) by _settings.
         loader = StrictLoader(text, what="a --config file",
                               shape="a setting is a plain value or a list of them")
         root = loader.get_single_node()

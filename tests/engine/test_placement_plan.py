@@ -262,9 +262,26 @@ def test_threads_are_split_among_the_processes_that_run_a_model():
     assert process_threads(plan(threads=4).placement, 4) == {"main": 4}  # form ①: unchanged
 
 
+def test_a_gpu_process_leaves_the_cores_to_the_cpu_model_processes():
+    from omni_dp.engine.placement_plan import process_threads
+    from omni_dp.placement.builtin import BUILTIN_PIPELINE
+    from omni_dp.placement.config import load_placement
+    from omni_dp.placement.validate import resolve
+
+    def threads_of(*overrides):
+        request = load_placement(BUILTIN_PIPELINE, None, overrides)
+        placement = resolve(BUILTIN_PIPELINE, request, default_device="cuda:0", gpu_count=1,
+                            gpu_total_bytes={0: 80 * GiB}, host_total_bytes=64 * GiB)
+        return process_threads(placement, 4)
+
+    assert threads_of() == {"main": 4}  # form ① on a GPU: the whole block, as before
+    assert threads_of(("vocoder.process", "vocoder"), ("vocoder.device", "cpu")) == {
+        "main": 1, "vocoder": 4}
+
+
 def test_a_tp_size_that_does_not_split_the_heads_is_refused_before_anything_starts():
     assert problems(("talker.tp_size", "3")) == [
-        "--talker.tp_size 3: model 'tiny' cannot be split across 3 tensor-parallel ranks: "
+        "talker.tp_size 3: model 'tiny' cannot be split across 3 tensor-parallel ranks: "
         "num_heads = 4 is not divisible by 3; num_kv_heads = 2 is not divisible by 3"]
 
 

@@ -152,6 +152,23 @@ def test_sigterm_to_every_process_drains_the_replica(start_replica):
 
 
 @pytest.mark.slow
+def test_a_signal_while_the_stages_start_stops_at_once(start_replica):
+    """SIGTERM before the stage processes are up: the front kills them while they build (they
+    hold no request) instead of waiting for them to come up first, and exits 0."""
+    replica = start_replica(*CPU, *FORMS["split"], ready=False)
+    wait_for("the stage processes started", lambda: replica.log_text().count(
+        "starting") >= 3 and "stage process vocoder (pid" in replica.log_text(), 60, 0.01)
+    pids = [p.pid for p in psutil.Process(replica.pid).children()]
+    replica.proc.send_signal(signal.SIGTERM)
+    assert replica.proc.wait(30) == 0
+    log = replica.log_text()
+    # Killed while they built: none of them ever said it serves (it takes them ~1.5 s here).
+    assert ": talker on cpu" not in log and ": vocoder on cpu" not in log, log
+    assert "never retrieved" not in log and "Traceback" not in log, log
+    wait_for("every stage process gone", lambda: not any(map(psutil.pid_exists, pids)), 10)
+
+
+@pytest.mark.slow
 def test_a_replica_killed_with_minus_9_takes_its_stage_processes_along(start_replica):
     replica = start_replica(*CPU, *FORMS["vocoders2"])
     pids = [r["pid"] for r in replica.info()["processes"]]

@@ -66,3 +66,23 @@ def test_stop_ends_it_with_exit_0(stage):
         assert child.wait(30) == 0
     finally:
         outbox.close_all()
+
+
+def test_a_failure_reason_with_undecodable_bytes_still_reaches_the_front(tmp_path):
+    """A reason quoting a path read from disk may hold lone surrogates: escaped, it is sent
+    (unescaped, encoding it raised before any socket existed, and the process never exited)."""
+    from omni_dp.engine.stage_process import sendable, tell_front
+    from omni_dp.engine.wire import WireError
+
+    reason = "cannot read /models/caf\udce9/config.json"
+    directory = socket_dir()
+    front = Inbox(endpoint(directory, "main"))
+    try:
+        with pytest.raises(WireError):
+            tell_front(front.endpoint, messages.StageFailed("v", reason))
+        tell_front(front.endpoint, messages.StageFailed("v", sendable(reason)))
+        assert front.recv(10) == messages.StageFailed("v", "cannot read /models/caf\\udce9/"
+                                                           "config.json")
+    finally:
+        front.close()
+        shutil.rmtree(directory, ignore_errors=True)

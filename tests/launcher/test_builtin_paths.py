@@ -18,3 +18,11 @@ def test_path_flags_are_made_absolute_and_nothing_else(tmp_path, monkeypatch):
         "--placement-config", os.path.join(tmp_path, "placement.yaml"),
         f"--model={os.path.join(tmp_path, 'weights')}", "--vocoder.process", "placement.yaml",
         "--model", "tiny"]  # a preset name, not a path here
+
+
+def test_a_preset_name_stays_a_name_even_beside_a_directory_of_that_name(tmp_path,
+                                                                        monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").mkdir()  # serve reads presets first: `--model tiny` is the preset
+    assert absolute_paths(("--model", "tiny", "--model=tiny")) == ["--model", "tiny",
+                                                                  "--model=tiny"]

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from types import MappingProxyType
 
+from omni_dp.engine.config import PRESETS
 from omni_dp.launcher.engines.base import (
     EngineSizing,
     EngineUnreadable,
@@ -141,20 +142,23 @@ PATH_FLAGS = ("--placement-config", "--model")  # serve's flags whose value may 
 def absolute_paths(engine_args: tuple[str, ...]) -> list[str]:
     """The engine arguments with the value of each path flag made absolute: a replica (and a
     restart by the detached supervisor) must read the file the preflight read, whatever its
-    working directory. A `--model` preset name (no such path here) is left alone."""
+    working directory. A `--model` preset name stays a name, as serve reads it (presets come
+    before directories), even where a directory of that name exists here."""
     args, out = list(engine_args), []
     for i, arg in enumerate(args):
         flag, eq, value = arg.partition("=")
         if eq and flag in PATH_FLAGS:
-            out.append(f"{flag}={_absolute(value)}")
+            out.append(f"{flag}={_absolute(flag, value)}")
         elif i > 0 and args[i - 1] in PATH_FLAGS:
-            out.append(_absolute(arg))
+            out.append(_absolute(args[i - 1], arg))
         else:
             out.append(arg)
     return out
 
 
-def _absolute(value: str) -> str:
+def _absolute(flag: str, value: str) -> str:
+    if flag == "--model" and value in PRESETS:
+        return value
     return os.path.abspath(value) if value and os.path.exists(value) else value
 
 
