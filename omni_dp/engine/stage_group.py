@@ -10,29 +10,70 @@ receiver thread reads main's inbox and hands every message to the front.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
+
 from omni_dp.engine import messages
 from omni_dp.engine.links import Inbox, Outbox, endpoint, socket_dir
 from omni_dp.engine.stage_process import StageLaunch, TPRank
 from omni_dp.placement.model import MAIN_PROCESS, Placement, ProcessPlan
+from omni_dp.procs import ProcessIdentity, identify
 
 log = logging.getLogger("omni_dp.serve")
 
+SOCKET_DIR_PREFIX = "omni-dp-stages-"
 RECV_POLL_S = 0.2  # how often the receiver looks up from the inbox to see whether to stop
 STOP_TIMEOUT_S = 10.0
 
 
+OWNER_FILE = "owner.json"  # in a socket directory: the front that made it
+
+
 class StageStartFailed(RuntimeError):
     pass
+
+
+def make_socket_dir() -> Path:
+    """This front's private socket directory, with its owner recorded; the directories that
+    killed fronts left behind are swept first."""
+    sweep_stale_socket_dirs(Path(tempfile.gettempdir()))
+    directory = socket_dir(SOCKET_DIR_PREFIX)
+    me = identify(os.getpid())
+    assert me is not None  # this very process
+    (directory / OWNER_FILE).write_text(json.dumps(me.to_json()))
+    return directory
+
+
+def sweep_stale_socket_dirs(root: Path) -> list[Path]:
+    """Remove the socket directories of fronts that are gone: a front killed with -9 runs no
+    cleanup, so the next one of this user does it. Only directories with our prefix, owned by
+    this user, whose owner record names a pid that no longer exists; anything else is left
+    (a recycled pid keeps its directory: never delete a live replica's sockets on a guess)."""
+    removed = []
+    for path in root.glob(SOCKET_DIR_PREFIX + "*"):
+        try:
+            info = path.lstat()
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                continue
+            owner = ProcessIdentity.from_json(json.loads((path / OWNER_FILE).read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not psutil.pid_exists(owner.pid):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 class StageGroup:
@@ -50,7 +91,7 @@ class StageGroup:
         self._on_message = on_message
         self._on_fatal = on_fatal
         self._log = (log_level, log_format)
-        self.directory = socket_dir()
+        self.directory = make_socket_dir()
         self.endpoints = {p.name: endpoint(self.directory, p.name) for p in placement.processes}
         self.inbox = Inbox(self.endpoints[MAIN_PROCESS])
         self.outbox = Outbox()

@@ -4,6 +4,7 @@ replica); on Stop it exits 0. Real process, real sockets."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -86,3 +87,19 @@ def test_a_failure_reason_with_undecodable_bytes_still_reaches_the_front(tmp_pat
     finally:
         front.close()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_the_socket_directories_of_dead_fronts_are_swept_and_no_other(tmp_path):
+    from omni_dp.engine.stage_group import OWNER_FILE, SOCKET_DIR_PREFIX, sweep_stale_socket_dirs
+    from omni_dp.procs import identify
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: its pid names no process now
+    dead, live, unowned, other = (tmp_path / f"{SOCKET_DIR_PREFIX}{n}" for n in "abcd")
+    for path in (dead, live, unowned):
+        path.mkdir(mode=0o700)
+    (dead / OWNER_FILE).write_text(json.dumps({"pid": gone.pid, "create_time": 1.0}))
+    (live / OWNER_FILE).write_text(json.dumps(identify(os.getpid()).to_json()))
+    other.write_text("a file, not a directory of ours")
+    assert sweep_stale_socket_dirs(tmp_path) == [dead]
+    assert not dead.exists() and live.exists() and unowned.exists() and other.exists()
