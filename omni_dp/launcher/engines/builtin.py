@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 from types import MappingProxyType
 
-from omni_dp.engine.config import PRESETS
 from omni_dp.launcher.engines.base import (
     EngineSizing,
     EngineUnreadable,
@@ -136,29 +135,27 @@ class BuiltinEngine:
                                      f"malformed ({exc!r}); see docs/contracts.md") from None
 
 
-PATH_FLAGS = ("--placement-config", "--model")  # serve's flags whose value may be a path
+PATH_FLAGS = ("--placement-config",)  # serve's flags whose value is a file path
 
 
 def absolute_paths(engine_args: tuple[str, ...]) -> list[str]:
     """The engine arguments with the value of each path flag made absolute: a replica (and a
     restart by the detached supervisor) must read the file the preflight read, whatever its
-    working directory. A `--model` preset name stays a name, as serve reads it (presets come
-    before directories), even where a directory of that name exists here."""
+    working directory. (`--model` is left as given: its value is a preset name before it is
+    a directory, and which names are presets is the engine's to say.)"""
     args, out = list(engine_args), []
     for i, arg in enumerate(args):
         flag, eq, value = arg.partition("=")
         if eq and flag in PATH_FLAGS:
-            out.append(f"{flag}={_absolute(flag, value)}")
+            out.append(f"{flag}={_absolute(value)}")
         elif i > 0 and args[i - 1] in PATH_FLAGS:
-            out.append(_absolute(args[i - 1], arg))
+            out.append(_absolute(arg))
         else:
             out.append(arg)
     return out
 
 
-def _absolute(flag: str, value: str) -> str:
-    if flag == "--model" and value in PRESETS:
-        return value
+def _absolute(value: str) -> str:
     return os.path.abspath(value) if value and os.path.exists(value) else value
 
 
