@@ -87,6 +87,10 @@ def test_plans_that_vllm_would_get_wrong_exit_2_before_anything_starts(tmp_path,
 
 
 @pytest.mark.slow
+# Its own waits are bounded (bring-up ≤ LAUNCH_TIMEOUT_S, restart ≤ RESTART_TIMEOUT_S, down
+# ≤ 180 s) and say what they waited for; pytest's default 300 s would cut a slow but bounded
+# restart short with nothing but a stack. ~60 s on an idle 2-core machine.
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + RESTART_TIMEOUT_S + 180)
 def test_two_vllm_replicas_pinned_verified_restarted_and_torn_down(tmp_path, vllm):
     python, model = vllm
     timings: dict[str, float] = {}
