@@ -255,7 +255,16 @@ def main(argv: list[str]) -> int:
     from omni_dp.logs import setup_logging
 
     setup_logging(spec.log_level, spec.log_format)
-    return run(spec)
+    code = run(spec)
+    if spec.tp is not None:
+        # gloo's C++ threads outlive destroy_process_group; the interpreter's teardown can
+        # then abort the process ("terminate called without an active exception", -6).
+        # Everything is sent and stopped by now: leave without that teardown.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

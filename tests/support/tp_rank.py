@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,7 +101,9 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(spec.cpu_threads)
     steps = run_follower(spec)
     print(f"tensor-parallel rank {spec.rank}/{spec.world}: {steps} steps", flush=True)
-    return 0
+    # As the product's rank processes do (engine/stage_process.py): gloo's threads can abort
+    # the interpreter's teardown, so leave without it.
+    os._exit(0)
 
 
 if __name__ == "__main__":
