@@ -127,45 +127,37 @@ def _columns(weight: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return weight.chunk(world, dim=1)[rank].clone(memory_format=torch.contiguous_format)
 
 
-class ShardedAttention(Attention):
+class _RowParallelOutput:
+    """What both sharded layers add to their unsharded forward: the rank's group, and the sum
+    of every rank's partial output (the row-parallel projection at their end)."""
+
+    def __init__(self, shard_cfg: ModelConfig, world: int,
+                 group: dist.ProcessGroup | None) -> None:
+        super().__init__(shard_cfg)  # the unsharded layer, built with the shard's sizes
+        self.world = world
+        self.group = group
+
+    def summed(self, partial: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(partial, self.group) if self.world > 1 else partial
+
+
+class ShardedAttention(_RowParallelOutput, Attention):
     """This rank's query and kv heads; o_proj is row-parallel, its partial outputs summed.
 
     The forward is the unsharded one: with heads//world and kv_heads//world, query head j still
     reads kv head j // (heads // kv_heads), and the rank's cache holds exactly its kv heads.
     """
 
-    def __init__(
-        self, shard_cfg: ModelConfig, world: int, group: dist.ProcessGroup | None
-    ) -> None:
-        super().__init__(shard_cfg)
-        self.world = world
-        self.group = group
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        batch: FlatBatch,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        partial = super().forward(x, batch, rope, k_cache, v_cache)
-        return all_reduce_sum(partial, self.group) if self.world > 1 else partial
+    def forward(self, x: torch.Tensor, batch: FlatBatch, rope: tuple[torch.Tensor, torch.Tensor],
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        return self.summed(super().forward(x, batch, rope, k_cache, v_cache))
 
 
-class ShardedMLP(GatedMLP):
+class ShardedMLP(_RowParallelOutput, GatedMLP):
     """This rank's columns of gate and of up; down_proj is row-parallel, summed across ranks."""
 
-    def __init__(
-        self, shard_cfg: ModelConfig, world: int, group: dist.ProcessGroup | None
-    ) -> None:
-        super().__init__(shard_cfg)
-        self.world = world
-        self.group = group
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = super().forward(x)
-        return all_reduce_sum(partial, self.group) if self.world > 1 else partial
+        return self.summed(super().forward(x))
 
 
 def shard_talker(
