@@ -298,20 +298,35 @@ async def _metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+def _ready(router: Router) -> tuple[bool, int]:
+    """(what /health answers, the routable replicas): ready while one is routable and the
+    router is not stopping."""
+    routable = len(router.replicas.routable())
+    return routable > 0 and not router.stopping, routable
+
+
 async def _readiness(request: web.Request) -> web.Response:
     router = request.app[ROUTER_KEY]
-    routable = len(router.replicas.routable())
-    ready = routable > 0 and not router.stopping
+    ready, routable = _ready(router)
     body = {"status": "ready" if ready else "not_ready", "routable_replicas": routable,
             "total_replicas": len(router.replicas)}
     return web.json_response(body, status=200 if ready else 503)
 
 
 async def _list_workers(request: web.Request) -> web.Response:
+    """The replica set and this process's view of it: what a router in front of this one,
+    or a service-discovery system, reads (`ready` is what /health answers; the bounds are
+    this process's share with --workers K)."""
     router = request.app[ROUTER_KEY]
+    ready, routable = _ready(router)
     return web.json_response({
         "policy": router.policy.name,
         "in_flight": router.num_admitted,
+        "ready": ready,
+        "stopping": router.stopping,
+        "routable_replicas": routable,
+        "max_inflight": router.config.inflight_bound(len(router.replicas)),
+        "max_inflight_per_replica": router.config.max_inflight_per_replica,
         "workers": [r.describe() for r in router.replicas],
     })
 
@@ -417,6 +432,9 @@ async def serve_router(
     routable = len(router.replicas.routable())
     log.info("router listening on http://%s:%d (policy %s, %d/%d replicas routable)",
              host, port, router.policy.name, routable, len(router.replicas))
+    if not router.config.admin_allow_remote and not is_loopback_address(str(host)):
+        log.info("the admin routes (%s) answer loopback clients only (--admin-allow-remote "
+                 "opens them to others)", ADMIN_PREFIX)
     try:
         await stop.wait()
         log.info("stopping: draining %d request(s)", router.num_admitted)

@@ -161,12 +161,6 @@ def plan_router(
         problems.append("--health-failures and --health-successes must be at least 1")
     if not 0 <= h.jitter < 1:
         problems.append("--health-jitter must be in [0, 1)")
-    if not config.admin_allow_remote and not _is_loopback_host(config.host):
-        problems.append(
-            f"--host {config.host} is not loopback, so the admin routes (/workers) would be "
-            "refused to everyone but local clients: pass --admin-allow-remote to accept that, "
-            "or listen on 127.0.0.1"
-        )
     if problems:
         raise RouterConfigError(problems)
     return config

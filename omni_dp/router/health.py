@@ -4,6 +4,8 @@ unknown --1 success--> healthy --failure_threshold failures--> unhealthy (ejecte
 unhealthy --success_threshold successful probes--> healthy
 Failures are consecutive failed probes, or connection errors / 502 / 504 while proxying; any
 other answer from a replica (4xx, 429, 503, ordinary 500) is a working replica, not a failure.
+Every such answer but 503 also clears the failures counted so far; a 503 leaves them as they
+are, so checks that fail keep counting however much traffic a replica answers with 503.
 """
 
 from __future__ import annotations

@@ -253,7 +253,11 @@ class Forwarder:
         router.metrics.requests.labels(replica.id, str(status)).inc()
         if status in _UPSTREAM_FAILURE_STATUSES:
             record_failure(replica, router.config.health, f"answered {status}")
-        else:
+        elif status != 503:
+            # A 503 is neither: no failure (a full replica is not a broken one), and no proof
+            # of health either, or steady traffic to a replica that answers 503 to requests
+            # and to /health alike (a router with no replica left, a draining server) would
+            # clear every failed check and keep it in the rotation for good.
             record_success(replica, router.config.health, probe=False)
 
         headers = end_to_end(upstream.headers)

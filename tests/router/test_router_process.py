@@ -40,7 +40,6 @@ def omni_dp_router(*args: str) -> subprocess.CompletedProcess:
     (["--replica", "a=http://127.0.0.1:1", "--replica", "a=http://127.0.0.1:2"], "repeated: a"),
     (["--policy", "fastest"], "Invalid value for '--policy'"),
     (["--workers", "2", "--port", "0"], "needs a fixed --port"),
-    (["--host", "0.0.0.0"], "--admin-allow-remote"),
     (["--health-jitter", "1.5"], "--health-jitter"),
     (["--api-key", " "], "--api-key must not be empty"),
     (["--max-body-bytes", "lots"], "is not a size"),
