@@ -10,21 +10,22 @@
 # (bench/mps_smoke.py), one replica's device path (bench/gpu_check.py, ≤ 90 s), weight sharing
 # (bench/weight_share.py, ≤ 120 s: SHARE_REPLICAS replicas with their own weights, then sharing
 # one copy by CUDA IPC under MPS — device memory, identical audio, leader kill -9 and the group's
-# recovery), then the DP table (bench/launch_scaling.py, a row written as each configuration
-# ends). No `set -e`: a failed or
+# recovery), where the machine has two GPUs one run over both (`launch --gpus 0,1 --mps`: a
+# daemon per GPU, verify-mps per GPU, a request, `down`; ≤ 120 s), then the DP table
+# (bench/launch_scaling.py, a row written as each configuration ends). No `set -e`: a failed or
 # timed-out step is a line of summary.md and the next step runs. The EXIT trap stops every run and
 # MPS daemon the steps started (by their records: `omni-dp down`, the smoke test's own cleanup),
 # reports anything still running, and packs the runs' artifacts (run.json, events, mps_attach.*,
-# MPS and replica logs). $OUT then holds exactly these 9 files, whatever happened:
-#   summary.md probe.txt mps_smoke.txt gpu_check.txt share.txt scaling.txt scaling.md
+# MPS and replica logs). $OUT then holds exactly these 10 files, whatever happened:
+#   summary.md probe.txt mps_smoke.txt gpu_check.txt share.txt gpus2.txt scaling.txt scaling.md
 #   scaling.jsonl artifacts.tar.gz
 # Exit status: 0 every step ok, 1 some step failed, timed out or was skipped (summary.md says
 # which), 3 a process of this call is still running (named in scaling.txt; work dir kept).
 # Needs python3 with torch (CUDA build on a GPU), aiohttp, click, numpy, psutil, nvidia-ml-py,
 # pyyaml, prometheus-client, safetensors: what the lent machine's image has; no venv, no network.
 # Knobs (environment): OUT BUDGET GPU MODEL CONFIGS CONCURRENCY REQUESTS CONFIG_TIMEOUT
-# LIMIT_PROBE LIMIT_SMOKE LIMIT_CHECK LIMIT_SHARE SHARE_REPLICAS SHARE_RUNS TEARDOWN_RESERVE
-# PYTHON.
+# LIMIT_PROBE LIMIT_SMOKE LIMIT_CHECK LIMIT_SHARE LIMIT_GPUS2 SHARE_REPLICAS SHARE_RUNS
+# TEARDOWN_RESERVE PYTHON.
 
 cd "$(dirname "$0")/.." || exit 3
 ROOT=$PWD
@@ -40,13 +41,14 @@ LIMIT_PROBE=${LIMIT_PROBE:-30}
 LIMIT_SMOKE=${LIMIT_SMOKE:-60}
 LIMIT_CHECK=${LIMIT_CHECK:-90}
 LIMIT_SHARE=${LIMIT_SHARE:-120}
+LIMIT_GPUS2=${LIMIT_GPUS2:-120}
 SHARE_REPLICAS=${SHARE_REPLICAS:-3}
 SHARE_RUNS=${SHARE_RUNS:-separate,shared}  # bench/weight_share.py --runs; none: skip the step
 TEARDOWN_RESERVE=${TEARDOWN_RESERVE:-45}  # kept for the exit trap's downs and packing
 export PY=${PYTHON:-python3}
 START=$SECONDS
-FILES=(summary.md probe.txt mps_smoke.txt gpu_check.txt share.txt scaling.txt scaling.md
-       scaling.jsonl)
+FILES=(summary.md probe.txt mps_smoke.txt gpu_check.txt share.txt gpus2.txt scaling.txt
+       scaling.md scaling.jsonl)
 
 mkdir -p "$OUT" || exit 3
 for f in "${FILES[@]}"; do : >"$OUT/$f"; done
@@ -118,6 +120,26 @@ print(torch.__version__, 'cuda', torch.version.cuda, 'available', c,
 }
 export -f probe
 
+# One run over GPUs 0 and 1: a private daemon each, its replicas' attachment proven per GPU,
+# status grouped by GPU, one request through the router, `down`. Its state is $STATE: the exit
+# trap's cleanup downs it whatever happened here.
+two_gpus() {
+    local odp=("$PY" -m omni_dp) rc=0
+    export OMNI_DP_STATE_DIR=$STATE
+    "${odp[@]}" launch --gpus 0,1 --replicas-per-gpu 2 --mps --max-total-tokens 4096 \
+        --run-id gpus2 --base-port 18600 --router-port 18700 --detach --start-timeout 90 \
+        --on-mps-fault fail -- --model "$MODEL" || return 1
+    "${odp[@]}" verify-mps gpus2 || rc=1
+    "${odp[@]}" status gpus2 --json || rc=1
+    "$PY" -c "import json, urllib.request as u
+r = u.Request('http://127.0.0.1:18700/v1/audio/speech', json.dumps({'input': 'Two GPUs.'}).encode(),
+              {'Content-Type': 'application/json'})
+print('speech through the router:', u.urlopen(r, timeout=60).status)" || rc=1
+    "${odp[@]}" down gpus2 || rc=1
+    return $rc
+}
+export -f two_gpus
+
 cleanup() {
     trap - EXIT INT TERM
     local t0=$SECONDS
@@ -144,6 +166,7 @@ cleanup() {
         echo; echo "## DP table"; cat "$OUT/scaling.md"
         echo; echo "## gpu_check"; grep -E '^(ok|FAIL|RESULT|\{)' "$OUT/gpu_check.txt"
         echo; echo "## weight share"; grep -E '^(\||## )' "$OUT/share.txt"
+        echo; echo "## two GPUs"; grep -E '^(RESULT|speech|skipped|omni-dp: MPS)' "$OUT/gpus2.txt"
         echo; echo "## MPS smoke (facts)"
         grep -E '^(binaries|gpu|daemon|client_pid|after_|start_server|quit|stopped)' \
             "$OUT/mps_smoke.txt" | cut -c1-700
@@ -172,6 +195,13 @@ else step "weight share" "$LIMIT_SHARE" share.txt bash -c "cd bench && exec \"\$
     --replicas '$SHARE_REPLICAS' --runs '$SHARE_RUNS' --serve-args '--model $MODEL' --gpu '$GPU' \
     $SHARE_MPS --state-dir '$STATE' --out '$WORK/share' --artifacts '$WORK/artifacts' \
     --run-timeout 60 --recovery-timeout 40 --launch-args '--start-timeout 50 --on-mps-fault fail'"
+fi
+GPUS_HERE=0
+[ "$GPU" = none ] || GPUS_HERE=$("$PY" -c 'import pynvml as n; n.nvmlInit(); print(n.nvmlDeviceGetCount())' 2>/dev/null || echo 0)
+if [ "${GPUS_HERE:-0}" -lt 2 ]; then
+    echo "skipped: ${GPUS_HERE:-0} GPU(s) here; one run over two GPUs needs two" >>"$OUT/gpus2.txt"
+    summary "| two GPUs | skipped (${GPUS_HERE:-0} GPU(s) here) | 0 | gpus2.txt |"
+else step "two GPUs" "$LIMIT_GPUS2" gpus2.txt bash -c two_gpus
 fi
 room=$(($(left) - TEARDOWN_RESERVE))
 step "DP table" "$room" scaling.txt bash -c "cd bench && exec \"\$PY\" launch_scaling.py \

@@ -3,6 +3,8 @@ omni_dp/runfile.py reads them (for the launcher, `status` and `verify-mps` alike
 
     $OMNI_DP_STATE_DIR (default ${XDG_RUNTIME_DIR:-/tmp}/omni-dp-<uid>)/runs/<run-id>/
         run.json  run_token  events.jsonl  logs/  mps/pipe  mps/log  share/
+    A run over several GPUs has one daemon per GPU: mps/gpu<INDEX>/pipe, mps/gpu<INDEX>/log,
+    and its attachment proof in mps_attach.gpu<INDEX>.{txt,json}.
 """
 
 from __future__ import annotations
@@ -32,8 +34,19 @@ def run_dir(root: Path, run_id: str) -> Path:
     return runs_dir(root) / run_id
 
 
-def mps_pipe_dir(run: Path) -> Path:
-    return run / "mps" / "pipe"
+def mps_dir(run: Path, gpu_index: int | None = None) -> Path:
+    """A daemon's directory: mps/ for a one-GPU run (as before runs spanned GPUs), mps/gpu<i>/
+    for GPU i of a run over several."""
+    return run / "mps" if gpu_index is None else run / "mps" / f"gpu{gpu_index}"
+
+
+def mps_pipe_dir(run: Path, gpu_index: int | None = None) -> Path:
+    return mps_dir(run, gpu_index) / "pipe"
+
+
+def attach_stem(gpu_index: int | None = None) -> str:
+    """The attachment proof's file name without .txt/.json: one per daemon."""
+    return "mps_attach" if gpu_index is None else f"mps_attach.gpu{gpu_index}"
 
 
 def engine_work_dir(run: Path, index: int) -> Path:
@@ -46,8 +59,8 @@ def share_dir(run: Path) -> Path:
     return run / "share"
 
 
-def mps_log_dir(run: Path) -> Path:
-    return run / "mps" / "log"
+def mps_log_dir(run: Path, gpu_index: int | None = None) -> Path:
+    return mps_dir(run, gpu_index) / "log"
 
 
 def logs_dir(run: Path) -> Path:

@@ -1,7 +1,8 @@
 """The run-state format, typed, and its one reader (launcher, `status`, `verify-mps` alike).
 
     <state dir>/runs/<run-id>/      mode 0700 (omni_dp/rundir.py names the paths)
-      run.json      schema 1: a `RunRecord` (below); written atomically by one process at a time
+      run.json      schema 2: a `RunRecord` (below); written atomically by one process at a time
+                    (schema 1, before a run could span GPUs, is still read: one GPU, one daemon)
       run_token     the run's secret, mode 0600; also in every child's environment
 
 A run.json is parsed field by field into frozen records before anything in it is used; a file
@@ -24,7 +25,8 @@ from omni_dp.mps.daemon import DaemonRecord
 from omni_dp.procs import ProcessIdentity, is_alive
 from omni_dp.rundir import RUN_FILE, RUN_ID, TOKEN_FILE, run_dir, runs_dir, state_dir
 
-SCHEMA = 1
+SCHEMA = 2
+READABLE_SCHEMAS = (1, 2)  # 1: one GPU, `"mps": {"daemon": …}`; 2: `gpus` and one daemon per GPU
 
 
 class RunFileError(Exception):
@@ -107,7 +109,23 @@ def _fields(data: Mapping | JsonFields, where: str) -> JsonFields:
 def _daemon(f: JsonFields) -> DaemonRecord:
     return DaemonRecord(f.identity(), f.str("binary"), f.str("pipe_dir"), f.str("log_dir"),
                         f.str("gpu_uuid", None, optional=True),
-                        f.str("server_binary", None, optional=True))
+                        f.str("server_binary", None, optional=True), f.int("gpu", 0))
+
+
+def _daemons(mps: JsonFields | None) -> tuple[DaemonRecord, ...]:
+    """Schema 2's `{"daemons": [...]}`, or schema 1's single `{"daemon": {...}}` (GPU slot 0)."""
+    if mps is None:
+        return ()
+    if "daemons" in mps.data:
+        return tuple(_daemon(d) for d in mps.items("daemons"))
+    return (_daemon(mps.object("daemon")),)
+
+
+def gpu_key(gpu_count: int, index: int | None, slot: int) -> int | None:
+    """The one rule naming a GPU's MPS files (the plan uses it before a record exists)."""
+    if gpu_count <= 1:
+        return None
+    return index if index is not None else slot
 
 
 # --- the records --------------------------------------------------------------------------
@@ -159,6 +177,35 @@ class RouterPlan:
 
 
 @dataclass(frozen=True)
+class GpuRecord:
+    """One GPU of the run (a slot: replicas and a daemon name it by `slot`, its position in
+    RunRecord.gpus), or the CPU ("cpu") for a run without one."""
+
+    slot: int
+    label: str  # what CUDA_VISIBLE_DEVICES names it by: "GPU-<uuid>", an index; or "cpu"
+    index: int | None = None  # as NVML numbers it; None on the CPU
+    numa_node: int | None = None
+    name: str | None = None  # e.g. "NVIDIA H200"
+
+    @property
+    def title(self) -> str:
+        """How messages and tables name it: `GPU 1 (NVIDIA H200)`, or `cpu`."""
+        if self.index is None:
+            return self.label
+        return f"GPU {self.index}" + (f" ({self.name})" if self.name else "")
+
+    def to_json(self) -> dict:
+        return {"slot": self.slot, "label": self.label, "index": self.index,
+                "numa_node": self.numa_node, "name": self.name}
+
+    @classmethod
+    def from_json(cls, d: Mapping | JsonFields) -> GpuRecord:
+        f = _fields(d, "gpus[]")
+        return cls(f.int("slot"), f.str("label"), f.int("index", None, optional=True),
+                   f.int("numa_node", None, optional=True), f.str("name", None, optional=True))
+
+
+@dataclass(frozen=True)
 class PlanRecord:
     """What run.json keeps of the launch plan: what the run was asked to be."""
 
@@ -182,6 +229,10 @@ class PlanRecord:
     command: str  # how the user runs omni-dp, for the commands the supervisor prints
     api_key_set: bool  # the key itself never goes to disk
     share_weights: bool = False  # --share-weights: replica 0 leads, the others follow
+    register: str | None = None  # --register: the fleet gateway's URL
+    register_as: str = "replicas"  # replicas | router
+    register_url: str | None = None  # with register_as router: the URL the gateway uses
+    replicas_per_gpu: int | None = None  # --replicas-per-gpu (replicas is the run's total)
 
     def to_json(self) -> dict:
         return {
@@ -194,6 +245,8 @@ class PlanRecord:
             "supervision": self.supervision.to_json(), "log_format": self.log_format,
             "warnings": list(self.warnings), "command": self.command,
             "api_key_set": self.api_key_set, "share_weights": self.share_weights,
+            "register": self.register, "register_as": self.register_as,
+            "register_url": self.register_url, "replicas_per_gpu": self.replicas_per_gpu,
         }
 
     @classmethod
@@ -210,7 +263,9 @@ class PlanRecord:
             SupervisionSettings.from_json(f.object("supervision")),
             f.str("log_format", "text"), f.strings("warnings", ()),
             f.str("command", None, optional=True) or "omni-dp", f.bool("api_key_set", False),
-            f.bool("share_weights", False),
+            f.bool("share_weights", False), f.str("register", None, optional=True),
+            f.str("register_as", "replicas"), f.str("register_url", None, optional=True),
+            f.int("replicas_per_gpu", None, optional=True),
         )
 
 
@@ -273,6 +328,7 @@ class ReplicaRecord:
     # Its measured private memory once healthy (CPU: USS of its processes; CUDA: NVML's used
     # GPU memory of its processes); None until measured or where it cannot be measured
     memory_bytes: int | None = None
+    gpu: int = 0  # the slot of the GPU it runs on (RunRecord.gpus); fixed by the plan
 
     @property
     def pid(self) -> int | None:
@@ -291,7 +347,7 @@ class ReplicaRecord:
             "processes": [_process_json(p) for p in self.processes],
             "state": self.state.value, "kv_tokens": self.kv_tokens,
             "mps_attached": self.mps_attached, "memory_bytes": self.memory_bytes,
-            "restarts": list(self.restarts), "last_error": self.last_error,
+            "restarts": list(self.restarts), "last_error": self.last_error, "gpu": self.gpu,
         }
 
     @classmethod
@@ -311,7 +367,7 @@ class ReplicaRecord:
             ReplicaState(state), f.int("kv_tokens", None, optional=True),
             f.bool("mps_attached", None, optional=True), f.numbers("restarts", ()),
             f.str("last_error", None, optional=True),
-            memory_bytes=f.int("memory_bytes", None, optional=True),
+            memory_bytes=f.int("memory_bytes", None, optional=True), gpu=f.int("gpu", 0),
         )
 
 
@@ -367,28 +423,92 @@ class ShareRecord:
 
 
 @dataclass(frozen=True)
+class GatewayEntry:
+    """One worker this run registered with the fleet gateway, as the gateway named it."""
+
+    target: str  # the URL the gateway was given (a replica's, or the router's)
+    replica: int | None  # None: the router
+    worker_id: str
+
+    def to_json(self) -> dict:
+        return {"target": self.target, "replica": self.replica, "worker_id": self.worker_id}
+
+
+@dataclass(frozen=True)
+class GatewayRecord:
+    """--register: the gateway, and what of this run it lists (each entry proven listed and
+    healthy there when it was added; removed here once the gateway no longer lists it)."""
+
+    url: str
+    entries: tuple[GatewayEntry, ...] = ()
+
+    def with_entry(self, entry: GatewayEntry) -> GatewayRecord:
+        kept = tuple(e for e in self.entries if e.target != entry.target)
+        return replace(self, entries=(*kept, entry))
+
+    def without(self, target: str) -> GatewayRecord:
+        return replace(self, entries=tuple(e for e in self.entries if e.target != target))
+
+    def to_json(self) -> dict:
+        return {"url": self.url, "entries": [e.to_json() for e in self.entries]}
+
+    @classmethod
+    def from_json(cls, d: Mapping | JsonFields) -> GatewayRecord:
+        f = _fields(d, "gateway")
+        return cls(f.str("url"), tuple(
+            GatewayEntry(e.str("target"), e.int("replica", None, optional=True),
+                         e.str("worker_id")) for e in f.items("entries", ())))
+
+
+@dataclass(frozen=True)
 class RunRecord:
     run_id: str
     created_at: float
     state: RunPhase
-    gpu: str  # "GPU-<uuid>", an index, or "cpu"
+    gpu: str  # the GPUs' labels ("GPU-<uuid>" or an index), comma-separated; or "cpu"
     device: str  # "cpu" or "cuda"
     plan: PlanRecord
     launcher: ProcessIdentity | None  # the `omni-dp launch` process
     replicas: tuple[ReplicaRecord, ...]
     supervisor: SupervisorRecord | None = None
     router: RouterRecord | None = None
-    mps: DaemonRecord | None = None  # run.json: {"mps": {"daemon": {...}}}
+    # One MPS daemon per GPU slot, started so far; run.json: {"mps": {"daemons": [...]}}
+    daemons: tuple[DaemonRecord, ...] = ()
     schema: int = field(default=SCHEMA)
     share: ShareRecord | None = None  # --share-weights: what is shared, once published
+    gpus: tuple[GpuRecord, ...] = ()  # the run's GPUs by slot (one "cpu" slot without one)
+    gateway: GatewayRecord | None = None  # --register: what the fleet gateway lists of us
 
     def identities(self) -> Iterator[ProcessIdentity]:
         """Every process this run recorded as its own."""
         for ident in (self.launcher, self.supervisor and self.supervisor.identity,
-                      self.router and self.router.identity, self.mps and self.mps.identity,
+                      self.router and self.router.identity,
+                      *(d.identity for d in self.daemons),
                       *(r.identity for r in self.replicas)):
             if ident is not None:
                 yield ident
+
+    def daemon(self, slot: int) -> DaemonRecord | None:
+        """The MPS daemon serving GPU slot `slot`; None without --mps or before it started."""
+        return next((d for d in self.daemons if d.gpu == slot), None)
+
+    def replicas_on(self, slot: int) -> tuple[ReplicaRecord, ...]:
+        """The replicas placed on GPU slot `slot` (its daemon's clients under --mps)."""
+        return tuple(r for r in self.replicas if r.gpu == slot)
+
+    def gpu_record(self, slot: int) -> GpuRecord:
+        return next((g for g in self.gpus if g.slot == slot),
+                    GpuRecord(slot, self.gpu if len(self.gpus) <= 1 else "?"))
+
+    def gpu_key(self, slot: int) -> int | None:
+        """How the slot's daemon directory and attachment proof are named (rundir.mps_dir,
+        attach_stem): None in a one-GPU run (the names of before), else the GPU's index."""
+        return gpu_key(len(self.gpus), self.gpu_record(slot).index, slot)
+
+    def with_daemon(self, record: DaemonRecord) -> RunRecord:
+        """This record with the daemon of record.gpu's slot replaced (or added)."""
+        others = tuple(d for d in self.daemons if d.gpu != record.gpu)
+        return replace(self, daemons=tuple(sorted((*others, record), key=lambda d: d.gpu)))
 
     def to_json(self) -> dict:
         return {
@@ -398,8 +518,10 @@ class RunRecord:
             "launcher": self.launcher.to_json() if self.launcher else None,
             "supervisor": self.supervisor.to_json() if self.supervisor else None,
             "router": self.router.to_json() if self.router else None,
-            "mps": {"daemon": self.mps.to_json()} if self.mps else None,
+            "mps": {"daemons": [d.to_json() for d in self.daemons]} if self.daemons else None,
             "share": self.share.to_json() if self.share else None,
+            "gpus": [g.to_json() for g in self.gpus],
+            "gateway": self.gateway.to_json() if self.gateway else None,
             "replicas": [r.to_json() for r in self.replicas],
         }
 
@@ -416,16 +538,23 @@ class RunRecord:
         router = f.object("router", optional=True)
         mps = f.object("mps", optional=True)
         share = f.object("share", optional=True)
+        gateway = f.object("gateway", optional=True)
+        plan = PlanRecord.from_json(f.object("plan"))
+        gpu = f.str("gpu")
+        # Schema 1 had one GPU (or the CPU) and no `gpus`: it is slot 0.
+        gpus = tuple(GpuRecord.from_json(g) for g in f.items("gpus", ())) or (
+            GpuRecord(0, gpu, None, plan.gpu_numa_node),)
         return cls(
-            f.str("run_id"), f.number("created_at"), RunPhase(state), f.str("gpu"),
-            f.str("device"), PlanRecord.from_json(f.object("plan")),
+            f.str("run_id"), f.number("created_at"), RunPhase(state), gpu,
+            f.str("device"), plan,
             launcher.maybe_identity() if launcher else None,
             tuple(ReplicaRecord.from_json(r) for r in f.items("replicas")),
             SupervisorRecord.from_json(supervisor) if supervisor else None,
             RouterRecord.from_json(router) if router else None,
-            _daemon(mps.object("daemon")) if mps else None,
-            f.int("schema"),
-            ShareRecord.from_json(share) if share else None,
+            # written back in this schema's form, whichever it was read from
+            _daemons(mps), SCHEMA,
+            ShareRecord.from_json(share) if share else None, gpus,
+            GatewayRecord.from_json(gateway) if gateway else None,
         )
 
     def with_replica(self, index: int, **fields: Any) -> RunRecord:
@@ -453,8 +582,8 @@ class RunRecord:
         return replace(self, state=phase)
 
     def with_records(self, **fields: Any) -> RunRecord:
-        """This record with top-level records replaced (launcher, supervisor, router, mps);
-        the phase changes through with_phase."""
+        """This record with top-level records replaced (launcher, supervisor, router, daemons);
+        the phase changes through with_phase; one daemon through with_daemon."""
         if "state" in fields:
             raise TypeError("the run's phase changes through with_phase()")
         check_types("run", fields, RUN_FIELD_TYPES)
@@ -466,8 +595,8 @@ _NONE = type(None)
 # run.json that cannot be written (or read back) later.
 RUN_FIELD_TYPES: Mapping[str, tuple[type, ...]] = {
     "launcher": (ProcessIdentity, _NONE), "supervisor": (SupervisorRecord, _NONE),
-    "router": (RouterRecord, _NONE), "mps": (DaemonRecord, _NONE),
-    "share": (ShareRecord, _NONE),
+    "router": (RouterRecord, _NONE), "daemons": (tuple,),
+    "share": (ShareRecord, _NONE), "gateway": (GatewayRecord, _NONE),
 }
 REPLICA_FIELD_TYPES: Mapping[str, tuple[type, ...]] = {
     "port": (int,), "url": (str,), "cpus": (str, _NONE), "argv": (tuple,), "env": (Mapping,),
@@ -489,6 +618,9 @@ def check_types(what: str, fields: Mapping[str, Any],
     for item in fields.get("processes", ()):
         if not isinstance(item, DeclaredProcess):
             raise TypeError(f"{what} record: processes must be DeclaredProcess, got {item!r}")
+    for item in fields.get("daemons", ()):
+        if not isinstance(item, DaemonRecord):
+            raise TypeError(f"{what} record: daemons must be DaemonRecord, got {item!r}")
 
 
 # --- reading: one reader, one definition of "live" ----------------------------------------
@@ -538,10 +670,10 @@ def read_run(directory: Path) -> tuple[RunRecord, str]:
     except ValueError as exc:
         raise RunFileError(f"cannot read the state of {directory}: {directory / RUN_FILE} is "
                            f"not JSON ({exc})") from None
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+    if not isinstance(data, dict) or data.get("schema") not in READABLE_SCHEMAS:
         found = data.get("schema") if isinstance(data, dict) else None
         raise RunFileError(f"{directory / RUN_FILE} has schema {found!r}; this omni-dp reads "
-                           f"schema {SCHEMA}")
+                           f"schemas {', '.join(map(str, READABLE_SCHEMAS))}")
     try:
         return RunRecord.from_json(data), token
     except Malformed as exc:

@@ -34,7 +34,7 @@ from omni_dp.runfile import (
     stored_runs,
 )
 
-from support.plans import two_replica_plan
+from support.plans import gpu_run_record, gpus_json, run_record, two_replica_plan
 
 _P, _R = RunPhase, ReplicaState
 
@@ -70,10 +70,10 @@ def sleeper():
 
 def _filled(state: RunState, alive: ProcessIdentity, dead: ProcessIdentity) -> None:
     """Every record of the run set, the way bring-up and the supervisor set them."""
-    state.update(mps=DaemonRecord(dead, "/bin/nvidia-cuda-mps-control",
+    state.set_daemon(DaemonRecord(dead, "/bin/nvidia-cuda-mps-control",
                                   str(state.directory / "mps" / "pipe"),
                                   str(state.directory / "mps" / "log"), "GPU-test",
-                                  "/bin/nvidia-cuda-mps-server"))
+                                  "/bin/nvidia-cuda-mps-server", gpu=0))
     state.update_replica(0, identity=alive, pgid=alive.pid, state=_R.STARTING)
     state.update_replica(0, state=_R.HEALTHY, kv_tokens=1024, mps_attached=True,
                          processes=(DeclaredProcess(alive.pid, "main", "cuda:0"),
@@ -97,11 +97,13 @@ def test_a_new_run_json_keeps_its_layout_and_round_trips_byte_for_byte(tmp_path)
     assert _round_trip(text) == text
     data = json.loads(text)
     assert list(data) == ["schema", "run_id", "created_at", "state", "gpu", "device", "plan",
-                          "launcher", "supervisor", "router", "mps", "share", "replicas"]
+                          "launcher", "supervisor", "router", "mps", "share", "gpus", "gateway",
+                          "replicas"]
+    assert data["schema"] == 2
     assert list(data["replicas"][0]) == [
         "index", "port", "url", "cpus", "argv", "env", "log", "pid", "create_time", "pgid",
         "processes", "state", "kv_tokens", "mps_attached", "memory_bytes", "restarts",
-        "last_error"]
+        "last_error", "gpu"]
     # The plan is what LaunchPlan.to_json() says, to the byte.
     assert json.dumps(data["plan"], indent=1) == json.dumps(plan.to_json(), indent=1)
     assert data["state"] == "starting" and data["replicas"][0]["state"] == "planned"
@@ -117,9 +119,9 @@ def test_a_run_json_with_every_record_set_round_trips_byte_for_byte(tmp_path, de
     data = json.loads(text)
     assert list(data["router"]) == ["pid", "create_time", "pgid", "url", "argv", "log"]
     assert list(data["supervisor"]) == ["pid", "create_time", "detached", "supervising_since"]
-    assert list(data["mps"]) == ["daemon"]
-    assert list(data["mps"]["daemon"]) == ["pid", "create_time", "binary", "pipe_dir",
-                                           "log_dir", "gpu_uuid", "server_binary"]
+    assert list(data["mps"]) == ["daemons"]
+    assert list(data["mps"]["daemons"][0]) == ["pid", "create_time", "binary", "pipe_dir",
+                                               "log_dir", "gpu_uuid", "server_binary", "gpu"]
     assert data["replicas"][0]["processes"][1] == {"pid": os.getpid() + 1, "role": "vocoder",
                                                    "device": "cpu"}
     again = RunState.load(state.directory)
@@ -151,6 +153,49 @@ def test_a_sharing_run_json_round_trips_and_one_written_before_sharing_still_rea
     old = RunRecord.from_json(data)
     assert old.share is None and old.plan.share_weights is False
     assert [r.memory_bytes for r in old.replicas] == [None, None]
+
+
+# --- runs over several GPUs: schema 2, and schema 1 still read -------------------------------
+
+
+def _daemon_json(gpu: int | None, pid: int = 4242) -> dict:
+    """A daemon as run.json holds it; schema 1's has no "gpu"."""
+    return {"pid": pid + (gpu or 0), "create_time": 1700000000.5, "binary": "/bin/mps-control",
+            "pipe_dir": f"/run/x/mps/gpu{gpu}/pipe", "log_dir": f"/run/x/mps/gpu{gpu}/log",
+            "gpu_uuid": f"GPU-{gpu}", "server_binary": None,
+            **({} if gpu is None else {"gpu": gpu})}
+
+
+def test_a_schema_1_run_json_reads_as_one_gpu_with_its_daemon_and_is_written_as_schema_2():
+    old = run_record("run-old", [{"index": 0}, {"index": 1}], _daemon_json(None), "GPU-test")
+    assert old["schema"] == 1 and "gpus" not in old and "gpu" not in old["replicas"][0]
+    record = RunRecord.from_json(old)
+    assert [(g.slot, g.label) for g in record.gpus] == [(0, "GPU-test")]
+    [daemon] = record.daemons
+    assert daemon.gpu == 0 and daemon.identity.pid == 4242 and record.daemon(0) == daemon
+    assert [r.gpu for r in record.replicas] == [0, 0]
+    assert record.replicas_on(0) == record.replicas and record.gpu_key(0) is None
+    written = record.to_json()
+    assert written["schema"] == 2 and written["mps"] == {"daemons": [daemon.to_json()]}
+    assert written["gpus"] == [record.gpus[0].to_json()]
+    assert [r["gpu"] for r in written["replicas"]] == [0, 0]
+    assert RunRecord.from_json(written) == record
+
+
+def test_a_schema_2_run_json_over_two_gpus_round_trips(tmp_path):
+    data = gpu_run_record("run-gpus", [{"index": i, "gpu": i // 2} for i in range(4)],
+                          gpus_json(2), [_daemon_json(k) for k in (0, 1)])
+    record = RunRecord.from_json(data)
+    assert [(d.gpu, d.identity.pid) for d in record.daemons] == [(0, 4242), (1, 4243)]
+    assert [r.index for r in record.replicas_on(1)] == [2, 3]
+    assert record.gpu_record(1).title == "GPU 1 (NVIDIA H200)" and record.gpu_key(1) == 1
+    text = json.dumps(record.to_json(), indent=1) + "\n"
+    assert _round_trip(text) == text
+    assert RunRecord.from_json(json.loads(text)) == record
+    # through a run directory as well: read_run reads it back as it was written
+    (tmp_path / "run.json").write_text(text)
+    (tmp_path / "run_token").write_text("t\n")
+    assert read_run(tmp_path)[0] == record
 
 
 # --- the lifecycles: every transition of both maps -------------------------------------------
@@ -279,6 +324,7 @@ def _set(value, *path):
     (_set([{"pid": 1, "role": "main"}], "replicas", 0, "processes"),
      "replicas[0].processes[0] has no 'device'"),
     (_set({"daemon": {"pid": 1}}, "mps"), "mps.daemon has no 'create_time'"),
+    (_set({"daemons": [{"pid": 1}]}, "mps"), "mps.daemons[0] has no 'create_time'"),
     (_set([], "router"), "router is a list, not an object"),
     (_set("5", "plan", "supervision", "health_failures"),
      "plan.supervision.health_failures is a string, not an integer"),
@@ -303,8 +349,8 @@ def test_a_malformed_run_json_is_a_run_file_error_naming_the_file_and_field(tmp_
 
 
 @pytest.mark.parametrize(("content", "why"), [
-    (json.dumps({"schema": 99}), "has schema 99; this omni-dp reads schema 1"),
-    (json.dumps({"run_id": "x"}), "has schema None; this omni-dp reads schema 1"),
+    (json.dumps({"schema": 99}), "has schema 99; this omni-dp reads schemas 1, 2"),
+    (json.dumps({"run_id": "x"}), "has schema None; this omni-dp reads schemas 1, 2"),
     (json.dumps([1, 2]), "has schema None"),
     ("{not json", "is not JSON"),
     ("", "is not JSON"),
@@ -355,8 +401,8 @@ def test_a_run_whose_recorded_processes_are_dead_or_recycled_is_not_live(tmp_pat
     state.update(launcher=recycled,
                  router=RouterRecord(dead_identity, dead_identity.pid, state.plan.router.url,
                                      state.plan.router.argv, "router.log"),
-                 supervisor=SupervisorRecord(recycled, detached=True),
-                 mps=DaemonRecord(dead_identity, "b", "p", "l", None))
+                 supervisor=SupervisorRecord(recycled, detached=True))
+    state.set_daemon(DaemonRecord(dead_identity, "b", "p", "l", None))
     state.update_replica(0, identity=recycled, state=_R.STARTING)
     state.update_replica(1, identity=dead_identity, state=_R.STARTING)
     assert not run_is_live(state.record)

@@ -35,7 +35,8 @@ CLI_COMMANDS: dict[str, LazyCommand] = {
         "Route HTTP traffic over replicas: one endpoint that keeps every replica driven."),
     "launch": LazyCommand(
         f"{_COMMANDS}.launch:launch",
-        "Run N replicas on one GPU behind one router, verified, and supervise them."),
+        "Run N replicas on one GPU (or on each of --gpus) behind one router, verified, and "
+        "supervise them."),
     "status": LazyCommand(
         f"{_COMMANDS}.runs:status",
         "A run's replicas (pid, CPU block, port, health, KV, MPS, restarts), router, daemon."),

@@ -1,8 +1,10 @@
 """Bring a planned run up, step by step, recording every step in run.json and events.jsonl.
 
-state dir → (--mps) private daemon → replicas pinned to their blocks (--share-weights: the
-leader first, its manifest checked, then its followers, their attachment checked) → health →
-equal KV → (--mps) attachment of every CUDA process → router → ready. Raises BringUpFailed on
+state dir → (--mps) one private daemon per GPU → replicas pinned to their blocks
+(--share-weights: the leader first, its manifest checked, then its followers, their attachment
+checked) → health → equal KV → (--mps) attachment of every CUDA process, GPU by GPU, to its
+GPU's daemon → router → (--register) every replica, or the router, listed healthy by the fleet
+gateway → ready. Raises BringUpFailed on
 the first failure; the caller tears down what was started and keeps the state for diagnosis.
 """
 
@@ -12,7 +14,9 @@ import time
 from collections.abc import Callable
 
 from omni_dp.contract import API_KEY_ENV, RUN_ID_ENV
+from omni_dp.gateway import GatewayError
 from omni_dp.launcher.gates import GateFailed, describe_exit, http_json, log_tail
+from omni_dp.launcher.gateway_link import GatewayLink
 from omni_dp.launcher.plan import LaunchPlan
 from omni_dp.launcher.processes import Started, child_env, spawn, stop_processes
 from omni_dp.launcher.replicas import ReplicaSet
@@ -22,7 +26,7 @@ from omni_dp.mps.attach import format_text
 from omni_dp.mps.control import MpsControl, MpsControlError
 from omni_dp.mps.daemon import MpsDaemon, MpsDaemonError
 from omni_dp.procs import is_alive
-from omni_dp.rundir import mps_log_dir, mps_pipe_dir
+from omni_dp.rundir import attach_stem, mps_log_dir, mps_pipe_dir
 from omni_dp.runfile import ReplicaState, RouterRecord, RunPhase
 from omni_dp.sizes import format_size
 
@@ -33,17 +37,23 @@ class BringUpFailed(Exception):
     """A step failed after something was created; the message says which and why."""
 
 
-def start_daemon(state: RunState, binary: str, gpu_uuid: str | None,
+def start_daemon(state: RunState, slot: int, binary: str,
                  server_binary: str | None = None) -> None:
-    control = MpsControl(binary, str(mps_pipe_dir(state.directory)),
-                         str(mps_log_dir(state.directory)), server_binary=server_binary)
+    """The private daemon of GPU slot `slot`: its own pipe and log directories, the GPU's
+    UUID in its CUDA_VISIBLE_DEVICES (none on the CPU, --no-gpu-check)."""
+    record = state.record
+    gpu, key = record.gpu_record(slot), record.gpu_key(slot)
+    control = MpsControl(binary, str(mps_pipe_dir(state.directory, key)),
+                         str(mps_log_dir(state.directory, key)), server_binary=server_binary)
+    uuid = gpu.label if record.device == "cuda" else None
     try:
-        record = MpsDaemon(control).start(gpu_uuid=gpu_uuid)
+        daemon = MpsDaemon(control).start(gpu_uuid=uuid, gpu=slot)
     except (MpsDaemonError, MpsControlError) as exc:
-        raise BringUpFailed(f"the MPS daemon did not start: {exc}") from None
-    state.update(mps=record)
-    state.event("mps_daemon_started", pid=record.identity.pid, pipe_dir=record.pipe_dir,
-                binary=record.binary, server_binary=record.server_binary)
+        raise BringUpFailed(f"the MPS daemon for {gpu.title} did not start: {exc}") from None
+    state.set_daemon(daemon)
+    state.event("mps_daemon_started", gpu=slot, pid=daemon.identity.pid,
+                pipe_dir=daemon.pipe_dir, binary=daemon.binary,
+                server_binary=daemon.server_binary)
 
 
 def start_router(state: RunState) -> Started:
@@ -125,12 +135,20 @@ def _start_wave(state: RunState, replicas: ReplicaSet, wave: list[int], *, seque
         state.update_replica(i, state=ReplicaState.HEALTHY)
 
 
-def verify_attachment(state: RunState, replicas: ReplicaSet) -> str:
-    report = replicas.verify_attachment()
-    text = format_text(report)
-    if not report.passed:
-        raise BringUpFailed(f"MPS attachment verification FAILED (mps_attach.txt):\n{text}")
-    return text
+def verify_attachment(state: RunState, replicas: ReplicaSet,
+                      say: Callable[[str], None] = lambda line: None) -> None:
+    """Every GPU's replicas against that GPU's daemon; the first GPU that fails stops it."""
+    record = state.record
+    for daemon in record.daemons:
+        report = replicas.verify_attachment(daemon.gpu)
+        stem = attach_stem(record.gpu_key(daemon.gpu))
+        title = record.gpu_record(daemon.gpu).title
+        if not report.passed:
+            raise BringUpFailed(f"MPS attachment verification FAILED on {title} ({stem}.txt):"
+                                f"\n{format_text(report)}")
+        if len(record.daemons) > 1:
+            say(f"MPS on {title}: every CUDA process of its {len(report.replicas)} replica(s) "
+                f"is a client of its one server ({stem}.txt)")
 
 
 def bring_up(plan: LaunchPlan, state: RunState, replicas: ReplicaSet,
@@ -139,11 +157,11 @@ def bring_up(plan: LaunchPlan, state: RunState, replicas: ReplicaSet,
     o = plan.options
     if o.mps:
         found = plan.mps_binaries
-        say("starting the private MPS control daemon"
-            + (f": {found.describe()}" if found else ""))
-        start_daemon(state, plan.mps_binary or "nvidia-cuda-mps-control",
-                     plan.gpu_label if plan.device == "cuda" else None,
-                     found.server if found else None)
+        for gpu in plan.gpus:
+            say(f"starting the private MPS control daemon for {gpu.title}"
+                + (f": {found.describe()}" if found else ""))
+            start_daemon(state, gpu.slot, plan.mps_binary or "nvidia-cuda-mps-control",
+                         found.server if found else None)
     say(f"starting {len(plan.replicas)} replica(s), {plan.start}"
         + (f" (--share-weights: replica {LEADER} leads, the others follow once it published)"
            if o.share_weights else ""))
@@ -153,10 +171,18 @@ def bring_up(plan: LaunchPlan, state: RunState, replicas: ReplicaSet,
     say(f"KV capacity equal: {tokens} tokens on every replica (read back from each"
         + (")" if plan.expected_kv_tokens is not None else "; the engine derives the count)"))
     if o.mps:
-        verify_attachment(state, replicas)
-        say("MPS: every CUDA process of every replica is a client of the run's one server")
+        verify_attachment(state, replicas, say)
+        say("MPS: every CUDA process of every replica is a client of the run's one server"
+            if len(plan.gpus) == 1 else
+            f"MPS: on each of the {len(plan.gpus)} GPUs, every CUDA process of its replicas "
+            "is a client of that GPU's one server")
     say(f"starting the router on {plan.router_url}")
     router = start_router(state)
+    if o.register:
+        try:
+            GatewayLink(state).register_run(say)
+        except GatewayError as exc:
+            raise BringUpFailed(f"--register: {exc}") from None
     state.set_phase(RunPhase.RUNNING)
     state.event("run_ready")
     return router

@@ -16,12 +16,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
 
-from omni_dp.gpus import NO_DRIVER, GpuFacts, Problem, query_gpu
+from omni_dp.gateway import GatewayError, SglangGateway
+from omni_dp.gpus import NO_DRIVER, GpuFacts, Problem, pick_gpu, query_gpu, query_gpus
 from omni_dp.launcher.engines import (
     ENGINES,
     EngineSizing,
@@ -30,14 +31,15 @@ from omni_dp.launcher.engines import (
     split_model,
 )
 from omni_dp.launcher.engines.model_dir import read_model
-from omni_dp.launcher.options import LaunchOptions, replica_ports
+from omni_dp.launcher.gpu_plan import parse_gpu_list, spread, with_gpu_replicas
+from omni_dp.launcher.options import GATEWAY_KEY_ENV, LaunchOptions, replica_ports
 from omni_dp.launcher.share_group import LEADER_ROLE
 from omni_dp.launcher.topology import CpuTopology, gpu_numa_node, read_topology
 from omni_dp.mps.binaries import MpsBinaries
 from omni_dp.mps.preflight import GPU_CHECKS, check_preflight, in_mps_words
 from omni_dp.net import bind_error, port_taken
 from omni_dp.rundir import mps_pipe_dir, run_dir, share_dir, state_dir
-from omni_dp.runfile import stored_runs
+from omni_dp.runfile import gpu_key, stored_runs
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,12 @@ class LaunchFacts:
     # Free bytes of the state root's filesystem (of its nearest existing ancestor while it
     # does not exist): a CPU weight-share segment is written there; None when unreadable
     state_root_free: int | None = None
+    # --gpus: every GPU of the run as NVML read it (`gpu` is the first: the dry run's), and
+    # their NUMA nodes; or, with --mps --no-gpu-check where NVML sees none, the indices given
+    gpus: tuple[GpuFacts, ...] = ()
+    gpu_nodes: tuple[int | None, ...] = ()
+    unchecked_gpus: tuple[int, ...] = ()
+    gateway_problem: str | None = None  # --register: why the gateway cannot be used
 
 
 def visible_id(gpu: GpuFacts | None) -> str:
@@ -138,7 +146,15 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
     (its complaints would only repeat them)."""
     root = state_dir()
     run_id = options.run_id or new_run_id()
-    gpu, gpu_problems = _look_up_gpu(options)
+    gpus: tuple[GpuFacts, ...] = ()
+    unchecked: tuple[int, ...] = ()
+    if options.gpus is None:
+        gpu, gpu_problems = _look_up_gpu(options)
+    else:
+        gpus, unchecked, gpu_problems = _look_up_gpus(options)
+        gpu = gpus[0] if gpus else None
+        # --replicas as the run's total: what the ports and the MPS client limits count
+        options, _ = with_gpu_replicas(options, len(gpus) or len(unchecked))
     python = resolve_python(options.engine_python)
     model = None
     engine = ENGINES.get(options.engine)
@@ -149,7 +165,11 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
         sizing = None
         model, engine_problems = _external_engine(options, python, option_problems)
     # After the dry run: its placement says how many CUDA processes each replica starts.
-    mps_binaries, mps_problems = _mps_preflight(options, gpu, run_dir(root, run_id), sizing)
+    if options.gpus is None:
+        mps_binaries, mps_problems = _mps_preflight(options, gpu, run_dir(root, run_id), sizing)
+    else:
+        mps_binaries, mps_problems = _mps_preflight_per_gpu(
+            options, [*gpus] or [None] * len(unchecked), run_dir(root, run_id), sizing)
     return LaunchFacts(
         state_root=root,
         new_run_id=run_id,
@@ -171,7 +191,24 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
         model=model,
         engine_python=python,
         state_root_free=free_bytes(root),
+        gpus=gpus,
+        gpu_nodes=tuple(gpu_numa_node(g.pci_bus_id) if g.pci_bus_id else None for g in gpus),
+        unchecked_gpus=unchecked,
+        gateway_problem=_gateway_problem(options, option_problems),
     )
+
+
+def _gateway_problem(options: LaunchOptions, option_problems: list[str]) -> str | None:
+    """--register: the gateway answers its worker API (with its key), before anything starts."""
+    if options.register is None or option_problems:
+        return None
+    try:
+        gateway = SglangGateway(options.register, timeout_s=5.0,
+                                api_key=os.environ.get(GATEWAY_KEY_ENV))
+        gateway.workers()
+    except GatewayError as exc:
+        return f"--register {options.register}: {exc}"
+    return None
 
 
 def _look_up_gpu(options: LaunchOptions) -> tuple[GpuFacts | None, list[str]]:
@@ -184,19 +221,84 @@ def _look_up_gpu(options: LaunchOptions) -> tuple[GpuFacts | None, list[str]]:
     return gpu, [_gpu_problem(p, options, wanted) for p in problems]
 
 
+def _look_up_gpus(options: LaunchOptions
+                  ) -> tuple[tuple[GpuFacts, ...], tuple[int, ...], list[str]]:
+    """--gpus: every GPU it names (all: every one NVML sees), read in one NVML session; or,
+    with --mps --no-gpu-check where NVML sees no GPU, the indices as given (unchecked: the
+    daemons run, the replicas on the CPU); and why a GPU cannot be used."""
+    entries, problems = parse_gpu_list(options.gpus or "")
+    if problems:  # check_options says what is wrong with the list
+        return (), (), []
+    inventory = query_gpus()
+    if inventory.nvml_problem is not None or (inventory.count_error is None
+                                              and not inventory.gpus):
+        unchecked = options.mps and options.no_gpu_check
+        if unchecked and entries != ["all"] and all(e.isdigit() for e in entries):
+            return (), tuple(int(e) for e in entries), []
+        why = (inventory.nvml_problem.message if inventory.nvml_problem is not None
+               else "NVML sees no GPUs")
+        hint = ("; with --no-gpu-check, --gpus takes GPU indices (not UUIDs or all) unchecked"
+                if unchecked else "; run without --gpus to use the CPU")
+        return (), (), [f"--gpus {options.gpus}: {why}{hint}"]
+    wanted = [str(g.index) for g in inventory.gpus] if entries == ["all"] else entries
+    found: list[GpuFacts] = []
+    for entry in wanted:
+        gpu, lookup = pick_gpu(inventory, entry)
+        problems += [p.message.replace("--gpu ", "--gpus entry ", 1) for p in lookup]
+        if gpu is None:
+            continue
+        if any(g.index == gpu.index for g in found):
+            problems.append(f"--gpus {options.gpus} names {gpu.label} twice ({entry} is GPU "
+                            f"{gpu.index}, listed before)")
+            continue
+        found.append(gpu)
+    return tuple(found), (), problems
+
+
+def _mps_preflight_per_gpu(options: LaunchOptions, gpus: list[GpuFacts | None],
+                           directory: Path, sizing: EngineSizing | None
+                           ) -> tuple[MpsBinaries | None, list[str]]:
+    """_mps_preflight for each GPU of a --gpus run: its own pipe directory and the clients
+    its share of the replicas brings; each problem names its GPU, and one with the binaries
+    (the same for every GPU) is said once."""
+    if not options.mps or not gpus:
+        return None, []
+    binaries, problems = None, []
+    per_replica = _cuda_processes(replace(options, replicas=1), sizing)
+    for slot, (gpu, replicas) in enumerate(zip(gpus, spread(options.replicas, len(gpus)),
+                                               strict=True)):
+        index = gpu.index if gpu is not None else int((options.gpus or "").split(",")[slot])
+        found, said = _preflight(options, gpu, mps_pipe_dir(directory,
+                                                            gpu_key(len(gpus), index, slot)),
+                                 per_replica * len(replicas))
+        binaries = binaries or found
+        label = gpu.label if gpu is not None else f"GPU {index} (unchecked)"
+        for problem in said:
+            named = (problem.message if problem.check == "control_binary"
+                     or label in problem.message else f"{label}: {problem.message}")
+            if f"--mps: {named}" not in problems:
+                problems.append(f"--mps: {named}")
+    return binaries, problems
+
+
 def _mps_preflight(options: LaunchOptions, gpu: GpuFacts | None, directory: Path,
                    sizing: EngineSizing | None = None) -> tuple[MpsBinaries | None, list[str]]:
     """With --mps: the binaries found (the one search; a refused pair comes with a problem)
     and the preflight's problems, checked on the GPU facts already read."""
     if not options.mps:
         return None, []
+    binaries, problems = _preflight(options, gpu, mps_pipe_dir(directory),
+                                    _cuda_processes(options, sizing))
+    return binaries, [f"--mps: {p.message}" for p in problems]
+
+
+def _preflight(options: LaunchOptions, gpu: GpuFacts | None, pipe_dir: Path,
+               clients: int) -> tuple[MpsBinaries | None, list[Problem]]:
     report = check_preflight(control_binary=options.mps_control, gpu=gpu,
-                             pipe_dir=str(mps_pipe_dir(directory)),
-                             num_client_processes=_cuda_processes(options, sizing))
-    problems = [f"--mps: {p.message}" for p in report.problems
-                if p.check not in ("gpu", "nvml")  # the plan says those in its own words
-                and not (options.no_gpu_check and p.check in GPU_CHECKS)]
-    return report.binaries, problems
+                             pipe_dir=str(pipe_dir), num_client_processes=clients)
+    return report.binaries, [p for p in report.problems
+                             if p.check not in ("gpu", "nvml")  # the plan words those
+                             and not (options.no_gpu_check and p.check in GPU_CHECKS)]
 
 
 def _cuda_processes(options: LaunchOptions, sizing: EngineSizing | None = None) -> int:

@@ -8,6 +8,7 @@ Exit codes: 0 stopped cleanly (foreground) or up and handed to a detached superv
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import signal
 import sys
@@ -19,6 +20,7 @@ from omni_dp.contract import API_KEY_ENV, RUN_ID_ENV, ExitCode
 from omni_dp.launcher.bringup import BringUpFailed, bring_up
 from omni_dp.launcher.engines import ENGINES, flag_value, split_model
 from omni_dp.launcher.gates import GateFailed, describe_exit, log_tail
+from omni_dp.launcher.options import GATEWAY_KEY_ENV
 from omni_dp.launcher.plan import LaunchPlan
 from omni_dp.launcher.processes import child_env, spawn
 from omni_dp.launcher.replicas import ReplicaSet
@@ -108,8 +110,10 @@ def summary(plan: LaunchPlan, state: RunState) -> str:
         lines.insert(-2, f"auth       the router wants the API key: export {API_KEY_ENV}=KEY "
                          "for the command above")
     if plan.options.mps:
+        proof = ("mps_attach.txt" if len(plan.gpus) <= 1 else
+                 "mps_attach.gpu*.txt: one per GPU")
         lines.insert(-2, f"mps        {plan.command} verify-mps {plan.run_id}   "
-                         f"({state.directory / 'mps_attach.txt'})")
+                         f"({state.directory / proof})")
     share = state.record.share
     if share is not None:
         lines.insert(2, f"share      replica {share.leader}'s {format_size(share.shared_bytes)} "
@@ -151,6 +155,8 @@ def _hand_off(state: RunState, reap: list, stop: threading.Event,
     extra = {RUN_ID_ENV: state.run_id}
     if state.api_key is not None:  # by environment, as to the router: never argv, never disk
         extra[API_KEY_ENV] = state.api_key
+    if os.environ.get(GATEWAY_KEY_ENV):  # the gateway's: the supervisor's, never a replica's
+        extra[GATEWAY_KEY_ENV] = os.environ[GATEWAY_KEY_ENV]
     started = spawn([sys.executable, "-m", "omni_dp.launcher.supervisor", str(state.directory)],
                     child_env(extra, state.token), log)
     deadline = time.monotonic() + SUPERVISOR_HANDOFF_S

@@ -25,6 +25,8 @@ START_MODES = ("sequential", "parallel")
 ENGINE_NAMES = ("builtin", "vllm", "sglang", "sglang-omni")
 DEFAULT_ENGINE_STAGE = "tts_engine"  # sglang-omni's KV stage in Higgs TTS's pipeline
 MPS_FAULT_ACTIONS = ("restart", "fail")
+REGISTER_AS = ("replicas", "router")
+GATEWAY_KEY_ENV = "OMNI_DP_GATEWAY_API_KEY"  # the gateway's key: by environment, never on disk
 
 
 # The flags of `omni-dp launch` are generated from these fields, in this order (omni_dp/cli
@@ -33,13 +35,23 @@ MPS_FAULT_ACTIONS = ("restart", "fail")
 @dataclass(frozen=True)
 class LaunchOptions:
     replicas: int = field(default=1, metadata={
-        "short": "-n", "help": "How many complete replicas of the pipeline to run."})
+        "short": "-n", "help": "How many complete replicas of the pipeline to run (with "
+                               "--gpus: in all, spread over the GPUs)."})
     mps: bool = field(default=False, metadata={
-        "help": "Run the replicas under a private CUDA MPS daemon and prove every GPU process "
-                "attached."})
+        "help": "Run the replicas under a private CUDA MPS daemon (one per GPU) and prove "
+                "every GPU process attached."})
     gpu: str = field(default="auto", metadata={  # auto | none | INDEX | GPU-UUID
         "metavar": "auto|none|INDEX|UUID",
-        "help": "The one GPU (auto: GPU 0 when there is one; none: run on CPU)."})
+        "help": "The one GPU (auto: GPU 0 when there is one; none: run on CPU); --gpus for "
+                "several."})
+    gpus: str | None = field(default=None, metadata={  # all | 0,1,… | GPU-UUID,…
+        "metavar": "all|0,1,…|UUID,…",
+        "help": "Several GPUs in one run: one private MPS daemon, CPU cores and memory fit per "
+                "GPU, one router over every replica (exclusive with --gpu)."})
+    replicas_per_gpu: int | None = field(default=None, metadata={
+        "metavar": "N",
+        "help": "With --gpus: N replicas on each GPU.  [default: --replicas spread evenly; "
+                "one per GPU when --replicas is not given]"})
     cpu_blocks: str = field(default="auto", metadata={  # auto | none | "0-3 4-7 …"
         "metavar": 'auto|none|"0-3 4-7"',
         "help": "CPU cores per replica: auto (disjoint whole cores, GPU's NUMA node first), "
@@ -129,6 +141,20 @@ class LaunchOptions:
         "help": "The router requires `Authorization: Bearer KEY` (but on /health, /ready, "
                 "/live, /metrics); the supervisor's admin calls send it. Passed by "
                 f"environment, never written to the run's state. Also read from {API_KEY_ENV}."})
+    register: str | None = field(default=None, metadata={
+        "metavar": "URL",
+        "help": "Register with this fleet gateway (the SGLang model gateway's worker API) "
+                "each replica once it passed its gates (or this host's router: "
+                "--register-as router); out while it restarts, removed on teardown. "
+                f"Its API key, if any, from {GATEWAY_KEY_ENV}."})
+    register_as: str = field(default="replicas", metadata={
+        "choices": REGISTER_AS,
+        "help": "What --register hands the gateway: every replica (the gateway balances "
+                "them; it must reach 127.0.0.1, so run it on this host) or this host's router."})
+    register_url: str | None = field(default=None, metadata={
+        "metavar": "URL",
+        "help": "With --register-as router: the URL the gateway reaches this host's router "
+                "at.  [default: the router's own URL]"})
     # text | json, for the launcher, supervisor, replicas and router; help: the CLI's
     log_format: str = field(default="text", metadata={"help": None})
 

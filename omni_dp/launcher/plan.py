@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import re
 import sys
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import TypeVar
 
 from omni_dp.contract import REPLICA_ENV, RUN_ID_ENV, Problems
 from omni_dp.files import private_dir_problem
+from omni_dp.gateway import normalize_url
 from omni_dp.gpus import GpuFacts
 from omni_dp.launcher.engines import (
     ENGINES,
@@ -33,17 +35,25 @@ from omni_dp.launcher.engines import (
     split_model,
 )
 from omni_dp.launcher.facts import LaunchFacts, visible_id
+from omni_dp.launcher.gpu_plan import (
+    GpuGroup,
+    gpu_groups,
+    gpu_option_problems,
+    with_gpu_replicas,
+)
 from omni_dp.launcher.options import (
     MPS_FAULT_ACTIONS,
+    REGISTER_AS,
     START_MODES,
     LaunchOptions,
     replica_ports,
 )
 from omni_dp.launcher.share_group import LEADER, followers, share_role
-from omni_dp.launcher.topology import format_cpu_list, plan_auto, plan_explicit
+from omni_dp.launcher.topology import format_cpu_list, plan_auto, plan_auto_gpus, plan_explicit
 from omni_dp.logs import LOG_FORMATS
 from omni_dp.mps.binaries import MpsBinaries
 from omni_dp.rundir import RUN_ID, engine_work_dir, mps_log_dir, mps_pipe_dir, run_dir, share_dir
+from omni_dp.runfile import GpuRecord, gpu_key
 from omni_dp.sizes import format_size
 
 POLICIES = ("least_request", "round_robin", "power_of_two", "random")
@@ -67,6 +77,7 @@ class ReplicaPlan:
     cpus: tuple[int, ...] | None  # None: unpinned (--cpu-blocks none)
     argv: tuple[str, ...]  # the pinning wrapper, then the engine
     env: dict[str, str]  # what the launcher sets (the run token is added at spawn, not kept)
+    gpu: int = 0  # the slot of its GPU in LaunchPlan.gpus
 
     @property
     def url(self) -> str:
@@ -83,8 +94,8 @@ class LaunchPlan:
     run_id: str
     run_dir: Path
     device: str  # "cpu" or "cuda"
-    gpu_label: str  # "GPU-<uuid>" or "cpu": what run.json's "gpu" holds
-    gpu_numa_node: int | None
+    gpu_label: str  # "GPU-<uuid>" or "cpu" (comma-separated over GPUs): run.json's "gpu"
+    gpu_numa_node: int | None  # the first GPU's
     start: str
     replicas: tuple[ReplicaPlan, ...]
     router_argv: tuple[str, ...]
@@ -97,6 +108,7 @@ class LaunchPlan:
     command: str = "omni-dp"  # how the user runs omni-dp, for the commands we print
     start_timeout: float = 300.0  # --start-timeout, or the engine's default
     kv_notes: tuple[str, ...] = ()  # how the engine adapter wrote the KV pin
+    gpus: tuple[GpuRecord, ...] = ()  # the run's GPUs by slot (one "cpu" slot without one)
 
     def describe(self) -> list[str]:
         """The resolved plan, as printed before anything starts."""
@@ -107,16 +119,20 @@ class LaunchPlan:
         if o.share_weights:
             weights += (f" ({format_size(s.shared_weights_bytes)} shared, "
                         f"{format_size(s.private_weights_bytes)} private)")
+        several = len(self.gpus) > 1
+        where = (f"{len(self.gpus)} GPUs" if several else self.gpu_label)
+        daemon = (" under a private MPS daemon per GPU" if several
+                  else " under a private MPS daemon")
         lines = [
             f"run {self.run_id}: {len(self.replicas)} replica(s) of engine {o.engine} on "
-            f"{self.gpu_label}{' under a private MPS daemon' if o.mps else ''}",
+            f"{where}{daemon if o.mps else ''}",
             f"  state        {self.run_dir}",
             f"  per replica  weights {weights} + KV "
             f"{format_size(s.kv_cache_bytes)} ({self._kv_words()}) + overhead "
             f"{format_size(s.overhead_bytes)} on {s.device}",
             *(f"  kv pin       {note}" for note in self.kv_notes),
             *([f"  processes    {self._processes_words()}"] if len(s.processes) > 1 else []),
-            f"  memory       {memory_formula(s, len(self.replicas), o.share_weights)[1]}",
+            *self._memory_lines(),
             *([f"  share        replica {LEADER} leads (loads the weights, publishes them in "
                f"{share_dir(self.run_dir)}); "
                + (f"replica(s) {', '.join(map(str, sharing))} follow "
@@ -128,8 +144,22 @@ class LaunchPlan:
         ]
         for r in self.replicas:
             cpus = format_cpu_list(r.cpus) if r.cpus else "unpinned"
-            lines.append(f"  replica {r.index}    {r.url}  cpus {cpus}")
+            on = f"  {self.gpus[r.gpu].title}" if several else ""
+            lines.append(f"  replica {r.index}    {r.url}  cpus {cpus}{on}")
         lines += [f"  warning: {w}" for w in self.warnings]
+        return lines
+
+    def _memory_lines(self) -> list[str]:
+        """The fit formula: the run's, or each GPU's with its share of the replicas."""
+        o, s = self.options, self.sizing
+        if len(self.gpus) <= 1:
+            return [f"  memory       {memory_formula(s, len(self.replicas), o.share_weights)[1]}"]
+        lines = []
+        for gpu in self.gpus:
+            mine = [r.index for r in self.replicas if r.gpu == gpu.slot]
+            node = f", NUMA node {gpu.numa_node}" if gpu.numa_node is not None else ""
+            lines.append(f"  {gpu.title:<12} replicas {format_cpu_list(mine)}{node}: "
+                         f"{memory_formula(s, len(mine), o.share_weights)[1]}")
         return lines
 
     def _processes_words(self) -> str:
@@ -176,7 +206,15 @@ class LaunchPlan:
             "command": self.command,  # for the commands the detached supervisor prints
             "api_key_set": o.api_key is not None,  # the key itself never goes to disk
             "share_weights": o.share_weights,
+            "register": o.register, "register_as": o.register_as,
+            "register_url": o.register_url,
+            "replicas_per_gpu": o.replicas_per_gpu,
         }
+
+    def gpus_json(self) -> list[dict]:
+        """Each GPU slot with its replicas (run.json keeps them as the record's `gpus`)."""
+        return [{**g.to_json(), "replicas": [r.index for r in self.replicas if r.gpu == g.slot]}
+                for g in self.gpus]
 
 
 # --- the options alone ----------------------------------------------------------------------
@@ -195,7 +233,9 @@ def _kv_pin(o: LaunchOptions) -> list[str]:
     unpinned = o.kv_cache_bytes is None and o.max_total_tokens is None
     if (o.replicas > 1 and unpinned
             and not getattr(ENGINES.get(o.engine), "fixed_default_kv", False)):
-        return [f"--replicas {o.replicas} needs a pinned KV size: give --max-total-tokens N or "
+        what = (f"--gpus {o.gpus} ({o.replicas} replicas)" if o.gpus is not None
+                else f"--replicas {o.replicas}")
+        return [f"{what} needs a pinned KV size: give --max-total-tokens N or "
                 "--kv-cache-bytes SIZE. Without one, each replica sizes its KV from the memory "
                 "free when it starts, so later replicas get less"]
     return []
@@ -216,6 +256,7 @@ _CHOICES = (
     ("--on-mps-fault", "on_mps_fault", MPS_FAULT_ACTIONS, False, False),
     ("--policy", "policy", POLICIES, False, True),
     ("--log-format", "log_format", LOG_FORMATS, False, True),
+    ("--register-as", "register_as", REGISTER_AS, False, True),
 )
 
 
@@ -310,6 +351,33 @@ def _share_weights(o: LaunchOptions) -> list[str]:
             f"{able} can: run without --share-weights"]
 
 
+def _register(o: LaunchOptions) -> list[str]:
+    """--register's URLs must be http(s) URLs the gateway can be given as they are."""
+    problems = []
+    for flag, url in (("--register", o.register), ("--register-url", o.register_url)):
+        if url is None:
+            continue
+        try:
+            normalize_url(url)
+        except ValueError as exc:
+            problems.append(f"{flag}: {exc}; give http://HOST:PORT")
+    if o.register_url is not None and (o.register is None or o.register_as != "router"):
+        problems.append("--register-url is the router's URL for --register-as router; "
+                        "replicas are registered by their own URLs")
+    if (o.register is not None and o.register_as == "router" and o.register_url is None
+            and not problems and not _loopback_url(o.register)):
+        problems.append(f"--register-as router with the gateway {o.register} on another host: "
+                        "give --register-url http://THIS_HOST:PORT, the router's address as "
+                        "that gateway reaches it (and --host 0.0.0.0 so the router listens "
+                        "there)")
+    return problems
+
+
+def _loopback_url(url: str) -> bool:
+    host = urllib.parse.urlsplit(normalize_url(url)).hostname or ""
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 def _no_gpu_check(o: LaunchOptions) -> list[str]:
     return ["--no-gpu-check only applies to --mps"] if o.no_gpu_check and not o.mps else []
 
@@ -339,7 +407,7 @@ def _router_port(o: LaunchOptions) -> list[str]:
 OPTION_CHECKS: tuple[Callable[[LaunchOptions], list[str]], ...] = (
     _replica_count, _kv_pin, _kv_sizes, _choices, _router_workers, _engine, _run_id, _seconds,
     _restart_counts, _memory_headroom, _api_key, _no_gpu_check, _replica_ports, _router_port,
-    _share_weights,
+    _share_weights, gpu_option_problems, _register,
 )
 
 
@@ -353,10 +421,14 @@ def check_options(o: LaunchOptions) -> list[str]:
 
 @dataclass(frozen=True)
 class GpuPart:
-    gpu: GpuFacts | None  # None: the replicas run on the CPU
+    gpu: GpuFacts | None  # the first GPU (the only one without --gpus); None: on the CPU
     device: str  # "cpu" or "cuda"
-    label: str  # "GPU-<uuid>" (or the index), or "cpu"
+    label: str  # "GPU-<uuid>" (or the index), or "cpu"; comma-separated over GPUs
     warnings: tuple[str, ...] = ()
+    groups: tuple[GpuGroup, ...] = ()  # one per GPU slot, with its replicas
+
+    def group_of(self, index: int) -> GpuGroup:
+        return next(g for g in self.groups if index in g.replicas)
 
 
 @dataclass(frozen=True)
@@ -386,10 +458,15 @@ class CpuPart:
 @dataclass(frozen=True)
 class KvPart:
     pin: KvPlan  # the engine adapter's: its arguments, what every replica holds and reports
+    per_gpu: tuple[KvPlan, ...] = ()  # each GPU slot's pin (its own size); () with one GPU
 
     @property
     def sizing(self) -> EngineSizing:
         return self.pin.sizing
+
+    def of(self, slot: int) -> KvPlan:
+        """GPU slot's pin: the same tokens everywhere, the engine's knobs per GPU."""
+        return self.per_gpu[slot] if self.per_gpu else self.pin
 
 
 def plan_gpu(o: LaunchOptions, facts: LaunchFacts) -> tuple[GpuPart | None, list[str]]:
@@ -411,8 +488,53 @@ def plan_gpu(o: LaunchOptions, facts: LaunchFacts) -> tuple[GpuPart | None, list
     if o.mps and gpu is None:  # --no-gpu-check
         warnings = ("--no-gpu-check: no GPU, the replicas run on CPU; the MPS daemon runs but "
                     "no process can attach to it, so attach verification will fail",)
+    # the replicas' indices only once their count is valid (10**30 of them must not be made)
+    count = 0 if _replica_count(o) or _replica_ports(o) else o.replicas
+    groups = (GpuGroup(0, gpu, gpu.index if gpu is not None else None, facts.gpu_numa_node,
+                       tuple(range(count))),)
     return GpuPart(gpu, "cuda" if gpu is not None else "cpu", visible_id(gpu) or "cpu",
-                   warnings), []
+                   warnings, groups), []
+
+
+def plan_gpus(o: LaunchOptions, facts: LaunchFacts) -> tuple[GpuPart | None, list[str]]:
+    """--gpus: one slot per GPU, the replicas spread over them (o.replicas is the total)."""
+    problems = list(facts.gpu_problems)
+    if gpu_option_problems(o) or _replica_count(o) or _replica_ports(o):
+        return None, problems
+    listed = [(g, g.index, node) for g, node in zip(facts.gpus, facts.gpu_nodes, strict=True)]
+    listed += [(None, index, None) for index in facts.unchecked_gpus]
+    if not listed and not problems:
+        problems.append(f"--gpus {o.gpus}: no GPU to use")
+    if o.mps:
+        problems += [_no_uuid(g) for g, _, _ in listed if g is not None and not g.uuid]
+    engine = ENGINES.get(o.engine)
+    if engine is not None and engine.needs_gpu and facts.unchecked_gpus:
+        problems.append(f"engine {o.engine} needs CUDA GPUs; --no-gpu-check runs the replicas "
+                        "on the CPU")
+    if o.share_weights and len(listed) > 1:
+        problems.append("--share-weights shares one copy of the weights on one GPU; with "
+                        "--gpus over several GPUs each GPU would need its own leader, which "
+                        "omni-dp does not do yet: run one launch per GPU, or without "
+                        "--share-weights")
+    if listed and o.replicas < len(listed):  # with_gpu_replicas said why
+        return None, problems
+    if problems:
+        return None, problems
+    groups = gpu_groups(listed, o.replicas)
+    warnings: tuple[str, ...] = ()
+    if facts.unchecked_gpus:
+        warnings = (f"--no-gpu-check: GPUs {o.gpus} taken unchecked (NVML sees none): one MPS "
+                    "daemon per GPU runs, the replicas run on the CPU and nothing can attach, "
+                    "so attach verification will fail",)
+    first = facts.gpus[0] if facts.gpus else None
+    return GpuPart(first, "cuda" if first is not None else "cpu",
+                   ",".join(g.label for g in groups), warnings, groups), []
+
+
+def _no_uuid(gpu: GpuFacts) -> str:
+    return (f"--mps: NVML could not read the UUID of GPU {gpu.index}; its MPS daemon and "
+            "clients must name the GPU by UUID; check `nvidia-smi -L` and the driver, or run "
+            "without --mps")
 
 
 def _mps_gpu_problems(o: LaunchOptions, facts: LaunchFacts) -> list[str]:
@@ -494,16 +616,26 @@ def plan_router(o: LaunchOptions, facts: LaunchFacts) -> tuple[RouterPart | None
     return RouterPart(f"http://{_url_host(o.host)}:{o.router_port}", argv), []
 
 
-def plan_cpus(o: LaunchOptions, facts: LaunchFacts) -> tuple[CpuPart | None, list[str]]:
-    """Each replica's CPU block: whole cores, disjoint, the GPU's NUMA node first."""
+def plan_cpus(o: LaunchOptions, facts: LaunchFacts,
+              gpu: GpuPart | None = None) -> tuple[CpuPart | None, list[str]]:
+    """Each replica's CPU block: whole cores, disjoint, its GPU's NUMA node first (over
+    several GPUs: each GPU's replicas on that GPU's node first, no core shared)."""
     if _replica_count(o):
         return None, []
     if o.cpu_blocks == "none":
         return CpuPart((None,) * o.replicas), []
-    if o.cpu_blocks == "auto":
+    groups = gpu.groups if gpu is not None and len(gpu.groups) > 1 else ()
+    if o.gpus is not None and not groups and gpu is None:
+        return None, []  # plan_gpus said why: no GPUs to place the blocks by
+    nodes = [g.numa_node for g in groups for _ in g.replicas] or None
+    if o.cpu_blocks == "auto" and groups:
+        cpu_plan = plan_auto_gpus(facts.topology, [(len(g.replicas), g.numa_node)
+                                                   for g in groups])
+    elif o.cpu_blocks == "auto":
         cpu_plan = plan_auto(facts.topology, o.replicas, facts.gpu_numa_node)
     else:
-        cpu_plan = plan_explicit(facts.topology, o.replicas, o.cpu_blocks, facts.gpu_numa_node)
+        cpu_plan = plan_explicit(facts.topology, o.replicas, o.cpu_blocks, facts.gpu_numa_node,
+                                 nodes)
     if cpu_plan.problems:
         return None, cpu_plan.problems
     return CpuPart(tuple(cpu_plan.blocks), tuple(cpu_plan.warnings)), []
@@ -519,16 +651,40 @@ def plan_kv(o: LaunchOptions, facts: LaunchFacts,
     if engine.needs_gpu and gpu is None:  # plan_gpu said why; a pin needs the GPU's size
         return None, list(facts.engine_problems)
     device = gpu.device if gpu is not None else ("cuda" if facts.gpu is not None else "cpu")
-    request = KvRequest(
-        kv_cache_bytes=o.kv_cache_bytes, max_total_tokens=o.max_total_tokens,
-        replicas=o.replicas, device=device, gpu=gpu.gpu if gpu is not None else facts.gpu,
-        sizing=facts.sizing, model=facts.model, overhead_bytes=o.engine_overhead,
-        engine_stage=o.engine_stage, engine_args=o.engine_args)
-    pin, problems = engine.plan_kv(request)
-    problems = [*facts.engine_problems, *problems]
-    if pin is None or problems:
+    groups = gpu.groups if gpu is not None and len(gpu.groups) > 1 else ()
+    if not groups:
+        request = _kv_request(o, facts, device, gpu.gpu if gpu is not None else facts.gpu,
+                              o.replicas)
+        pin, problems = engine.plan_kv(request)
+        problems = [*facts.engine_problems, *problems]
+        if pin is None or problems:
+            return None, problems
+        return KvPart(pin), []
+    # One pin per GPU (its knobs may depend on the GPU's size), one token count for all.
+    pins, problems = [], list(facts.engine_problems)
+    for group in groups:
+        pin, found = engine.plan_kv(_kv_request(o, facts, device, group.gpu,
+                                                len(group.replicas)))
+        problems += [p if group.title in p else f"{group.title}: {p}" for p in found]
+        pins.append(pin)
+    if problems or any(pin is None for pin in pins):
         return None, problems
-    return KvPart(pin), []
+    tokens = {group.title: pin.expected_tokens for group, pin in zip(groups, pins, strict=True)}
+    if len(set(tokens.values())) > 1:
+        return None, ["the GPUs' KV pins differ: " + ", ".join(
+            f"{title} {count} tokens" for title, count in tokens.items())
+            + "; every replica must hold the same KV: pin it by --max-total-tokens, or list "
+            "GPUs of one model in --gpus"]
+    return KvPart(pins[0], tuple(pins)), []
+
+
+def _kv_request(o: LaunchOptions, facts: LaunchFacts, device: str, gpu: GpuFacts | None,
+                replicas: int) -> KvRequest:
+    return KvRequest(
+        kv_cache_bytes=o.kv_cache_bytes, max_total_tokens=o.max_total_tokens,
+        replicas=replicas, device=device, gpu=gpu, sizing=facts.sizing, model=facts.model,
+        overhead_bytes=o.engine_overhead, engine_stage=o.engine_stage,
+        engine_args=o.engine_args)
 
 
 def plan_memory(o: LaunchOptions, facts: LaunchFacts, gpu: GpuPart | None,
@@ -537,6 +693,15 @@ def plan_memory(o: LaunchOptions, facts: LaunchFacts, gpu: GpuPart | None,
     if gpu is None or kv is None or _replica_count(o) or _memory_headroom(o):
         return None, []
     need, each = memory_formula(kv.sizing, o.replicas, o.share_weights)
+    if len(gpu.groups) > 1:  # each GPU holds its own replicas
+        problems, total = [], 0
+        for group in gpu.groups:
+            mine, words = memory_formula(kv.of(group.slot).sizing, len(group.replicas),
+                                         o.share_weights)
+            total += mine
+            if group.gpu is not None:
+                problems += _gpu_memory_problems(o, group.gpu, mine, words, named=True)
+        return (None, problems) if problems else (total, [])
     if gpu.gpu is not None:
         problems = _gpu_memory_problems(o, gpu.gpu, need, each)
     elif need > facts.host_memory_available:
@@ -586,7 +751,8 @@ def memory_formula(sizing: EngineSizing, replicas: int, share: bool) -> tuple[in
                   f" = {format_size(need)} (without --share-weights: {plain_text})")
 
 
-def _gpu_memory_problems(o: LaunchOptions, gpu: GpuFacts, need: int, each: str) -> list[str]:
+def _gpu_memory_problems(o: LaunchOptions, gpu: GpuFacts, need: int, each: str,
+                         named: bool = False) -> list[str]:
     total = gpu.memory_total_bytes
     if not total:  # NVML could not tell: nothing to check against
         return []
@@ -594,7 +760,8 @@ def _gpu_memory_problems(o: LaunchOptions, gpu: GpuFacts, need: int, each: str) 
     usable = int(total * (1 - o.memory_headroom)) - used
     if need <= usable:
         return []
-    return [f"GPU memory: {each} does not fit: the GPU has {format_size(total)}, "
+    where = f" of {gpu.label}" if named else ""
+    return [f"GPU memory{where}: {each} does not fit: the GPU has {format_size(total)}, "
             f"{format_size(used)} already in use, {o.memory_headroom:.0%} kept as headroom → "
             f"{format_size(max(usable, 0))} usable; lower the KV size or the replica count"]
 
@@ -615,14 +782,17 @@ def plan_launch(o: LaunchOptions, facts: LaunchFacts, *,
                 earlier_problems: tuple[str, ...] | list[str] = ()) -> LaunchPlan:
     """earlier_problems: found before planning (the --config file's); reported with the
     plan's. The engine's dry run is skipped while any exist, so no plan can be made then."""
-    problems = [*earlier_problems, *check_options(o)]
-    gpu = _take(plan_gpu(o, facts), problems)
+    o, spread_problems = with_gpu_replicas(o, len(facts.gpus) or len(facts.unchecked_gpus))
+    problems = [*earlier_problems, *check_options(o), *spread_problems]
+    gpu = _take(plan_gpu(o, facts) if o.gpus is None else plan_gpus(o, facts), problems)
     mps = _take(plan_mps(o, facts), problems)
     run = _take(plan_run(o, facts), problems)
     _take(plan_state_root(facts), problems)
     ports = _take(plan_ports(o, facts), problems)
     router = _take(plan_router(o, facts), problems)
-    cpus = _take(plan_cpus(o, facts), problems)
+    if facts.gateway_problem:
+        problems.append(facts.gateway_problem)
+    cpus = _take(plan_cpus(o, facts, gpu), problems)
     kv = _take(plan_kv(o, facts, gpu), problems)
     _take(plan_memory(o, facts, gpu, kv), problems)
     _take(plan_share_room(o, facts, gpu, kv), problems)
@@ -649,10 +819,10 @@ def plan_launch(o: LaunchOptions, facts: LaunchFacts, *,
         expected_kv_tokens=kv.pin.expected_tokens, sizing=kv.sizing, mps_binary=mps.binary,
         mps_binaries=mps.binaries,
         warnings=(*gpu.warnings, *_neighbour_warnings(run, gpu, facts), *cpus.warnings,
-                  *_share_warnings(o)),
+                  *_share_warnings(o), *_register_warnings(o, router.url)),
         command=facts.command,
         start_timeout=o.start_timeout if o.start_timeout is not None else engine.start_timeout_s,
-        kv_notes=kv.pin.notes,
+        kv_notes=kv.pin.notes, gpus=tuple(g.record() for g in gpu.groups),
     )
 
 
@@ -666,29 +836,51 @@ def plan_replicas(o: LaunchOptions, facts: LaunchFacts, run: RunPart, gpu: GpuPa
         engine_args = (str(facts.model.path), *split_model(o.engine_args)[1])
     replicas = []
     for i, (port, block) in enumerate(zip(ports, cpus.blocks, strict=True)):
+        group = gpu.group_of(i)
         threads = len(block) if block else max(1, len(facts.topology.allowed) // o.replicas)
         launch = ReplicaLaunch(
             port, gpu.device, threads, o.kv_cache_bytes, o.max_total_tokens,
             log_format=o.log_format,
-            python=facts.engine_python if external else None, kv_args=kv.pin.args,
+            python=facts.engine_python if external else None, kv_args=kv.of(group.slot).args,
             cpus=block, work_dir=engine_work_dir(run.directory, i) if external else None,
             share_role=share_role(o.share_weights, i),
             share_dir=share_dir(run.directory) if o.share_weights else None)
         argv = engine.argv(launch, engine_args)
-        env = {**_replica_env(o, run, gpu, i, threads), **engine.environment(launch)}
-        replicas.append(ReplicaPlan(i, port, block, tuple(_pinned(argv, block, facts)), env))
+        env = {**_replica_env(o, run, gpu, group, i, threads), **engine.environment(launch)}
+        pinned = _pinned(argv, block, facts, group.numa_node)
+        replicas.append(ReplicaPlan(i, port, block, tuple(pinned), env, group.slot))
     return tuple(replicas)
 
 
-def _replica_env(o: LaunchOptions, run: RunPart, gpu: GpuPart, index: int,
+def _replica_env(o: LaunchOptions, run: RunPart, gpu: GpuPart, group: GpuGroup, index: int,
                  threads: int) -> dict[str, str]:
+    """Its GPU alone visible (by UUID; an unchecked GPU is none: the replica runs on the
+    CPU), and under --mps its GPU's daemon's pipe."""
     env = {RUN_ID_ENV: run.run_id, REPLICA_ENV: str(index),
-           "CUDA_VISIBLE_DEVICES": visible_id(gpu.gpu),
+           "CUDA_VISIBLE_DEVICES": visible_id(group.gpu),
            **{name: str(threads) for name in THREAD_VARIABLES}}
     if o.mps:
-        env["CUDA_MPS_PIPE_DIRECTORY"] = str(mps_pipe_dir(run.directory))
-        env["CUDA_MPS_LOG_DIRECTORY"] = str(mps_log_dir(run.directory))
+        key = gpu_key(len(gpu.groups), group.index, group.slot)
+        env["CUDA_MPS_PIPE_DIRECTORY"] = str(mps_pipe_dir(run.directory, key))
+        env["CUDA_MPS_LOG_DIRECTORY"] = str(mps_log_dir(run.directory, key))
     return env
+
+
+def _register_warnings(o: LaunchOptions, router_url: str) -> list[str]:
+    """What a gateway will not do with what --register hands it."""
+    if o.register is None:
+        return []
+    warnings = []
+    if ENGINES[o.engine].example != "completions":
+        warnings.append(f"--register: the SGLang model gateway does not proxy "
+                        f"/v1/audio/speech; engine {o.engine}'s speech goes through this host's "
+                        f"router ({router_url}) only, the gateway lists the replicas")
+    if o.register_as == "replicas" and not _loopback_url(o.register):
+        warnings.append(f"--register {o.register}: the replicas listen on 127.0.0.1, so that "
+                        "gateway must run on this host; from elsewhere register the router "
+                        "(--register-as router --register-url http://THIS_HOST:PORT, --host "
+                        "0.0.0.0)")
+    return warnings
 
 
 def _share_warnings(o: LaunchOptions) -> list[str]:
@@ -701,8 +893,9 @@ def _share_warnings(o: LaunchOptions) -> list[str]:
 def _neighbour_warnings(run: RunPart, gpu: GpuPart, facts: LaunchFacts) -> list[str]:
     """Other runs on the same GPU: stale state to remove, or a live run to share it with."""
     warnings = []
+    mine = set(gpu.label.split(","))
     for other in facts.runs:
-        if other.run_id == run.run_id or other.gpu != gpu.label:
+        if other.run_id == run.run_id or not mine & set((other.gpu or "").split(",")):
             continue
         if not other.live:
             warnings.append(f"stale state of run {other.run_id} (same GPU) is kept at "
@@ -714,13 +907,13 @@ def _neighbour_warnings(run: RunPart, gpu: GpuPart, facts: LaunchFacts) -> list[
     return warnings
 
 
-def _pinned(argv: list[str], cpus: tuple[int, ...] | None, facts: LaunchFacts) -> list[str]:
+def _pinned(argv: list[str], cpus: tuple[int, ...] | None, facts: LaunchFacts,
+            node: int | None) -> list[str]:
     """Pin before the engine executes anything: our exec wrapper sets the affinity, then (when
-    numactl is there and the block is on the GPU's node) numactl binds memory to that node."""
+    numactl is there and the block is on its GPU's node) numactl binds memory to that node."""
     if not cpus:
         return argv
     prefix = [sys.executable, "-m", "omni_dp.launcher.pin", format_cpu_list(cpus), "--"]
-    node = facts.gpu_numa_node
     nodes = {core.node for core in facts.topology.cores if set(core.cpus) & set(cpus)}
     if facts.numactl and node is not None and nodes == {node}:
         prefix += [facts.numactl, f"--membind={node}", "--"]

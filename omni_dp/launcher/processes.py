@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 
 from omni_dp.contract import API_KEY_ENV, RUN_IDENTITY_ENVS, TOKEN_ENV
+from omni_dp.launcher.options import GATEWAY_KEY_ENV
 from omni_dp.launcher.plan import THREAD_VARIABLES
 from omni_dp.launcher.state import append_private
 from omni_dp.mps.control import LIMIT_ENVS
@@ -29,7 +30,7 @@ from omni_dp.procs import ProcessIdentity, identify, is_alive, read_environ
 # silently cap its share of the GPU (an MPS client's limit variables only ever lower what the
 # daemon gives; one replica capped by a stray export breaks the "equal replicas" premise).
 # What the launch itself sets (the plan's env) is applied after and wins.
-_NOT_INHERITED = (*RUN_IDENTITY_ENVS, API_KEY_ENV, "CUDA_MPS_PIPE_DIRECTORY",
+_NOT_INHERITED = (*RUN_IDENTITY_ENVS, API_KEY_ENV, GATEWAY_KEY_ENV, "CUDA_MPS_PIPE_DIRECTORY",
                   "CUDA_MPS_LOG_DIRECTORY", "CUDA_VISIBLE_DEVICES", *LIMIT_ENVS,
                   *THREAD_VARIABLES)
 

@@ -306,51 +306,64 @@ def stop_groups(groups: list[ReplicaGroup], token: str | None, drain_s: float, *
 
 def stop_replicas(state: RunState, indices: list[int], drain_s: float, *, grace_s: float = 10.0,
                   reap: Iterable[subprocess.Popen] = ()) -> list[ProcessIdentity]:
-    """Stop these replicas' whole groups, MPS clients' GPU work dropped before any SIGKILL."""
+    """Stop these replicas' whole groups, MPS clients' GPU work dropped (through their own
+    GPUs' daemons) before any SIGKILL."""
     groups = [ReplicaGroup.of(state.replica(i)) for i in indices]
     return stop_groups(groups, state.token, drain_s, grace_s=grace_s, reap=reap,
-                       before_kill=mps_terminator(state))
+                       before_kill=mps_terminator(state, gpus=replica_gpus(state, indices)))
+
+
+def replica_gpus(state: RunState, indices: Iterable[int]) -> set[int]:
+    """The GPU slots these replicas run on: the daemons whose clients they are."""
+    return {state.replica(i).gpu for i in indices}
 
 
 # --- MPS: drop a client's GPU work before it is killed ------------------------------------------
 
 
-def mps_terminator(state: RunState, wait_s: float = MPS_EXIT_WAIT_S) -> BeforeKill:
+def mps_terminator(state: RunState, wait_s: float = MPS_EXIT_WAIT_S, *,
+                   gpus: Iterable[int] | None = None) -> BeforeKill:
     """For stop_groups' before_kill: a SIGKILLed MPS client with work in flight can wedge the
-    shared server for every replica, so the server terminates the client's work first. A
-    no-op without the run's daemon; control errors go into the event, never raised."""
-    record = state.record.mps
-    if record is None:
+    shared server for every replica of its GPU, so the server terminates the client's work
+    first. Each GPU has its own daemon: each survivor is terminated through the daemon whose
+    server lists it, its own GPU's; `gpus` (the GPU slots of the replicas being stopped; None:
+    every GPU) keeps the other GPUs' daemons out of it — one of them may be the faulty one. A
+    no-op without a daemon; control errors go into the event, never raised."""
+    wanted = None if gpus is None else set(gpus)
+    daemons = [d for d in state.record.daemons if wanted is None or d.gpu in wanted]
+    if not daemons:
         return lambda survivors: None
 
     def terminate(survivors: list[ProcessIdentity]) -> None:
-        alive = [s for s in survivors if is_alive(s)]
-        if alive and is_alive(record.identity):
-            _terminate_clients(state, record.control(), alive, wait_s)
+        for daemon in daemons:
+            alive = [s for s in survivors if is_alive(s)]
+            if alive and is_alive(daemon.identity):
+                _terminate_clients(state, daemon.gpu, daemon.control(), alive, wait_s)
 
     return terminate
 
 
-def _terminate_clients(state: RunState, control: MpsControl, survivors: list[ProcessIdentity],
-                       wait_s: float) -> None:
+def _terminate_clients(state: RunState, gpu: int, control: MpsControl,
+                       survivors: list[ProcessIdentity], wait_s: float) -> None:
     try:
         servers = control.server_list()
     except MpsControlError as exc:
-        state.event("mps_clients_terminated", server=None, pids=[], clients=[], error=str(exc))
+        state.event("mps_clients_terminated", gpu=gpu, server=None, pids=[], clients=[],
+                    error=str(exc))
         return
     for server in servers:
         try:
             clients = set(control.client_list(server))
         except MpsControlError as exc:
-            state.event("mps_clients_terminated", server=server, pids=[], clients=[],
+            state.event("mps_clients_terminated", gpu=gpu, server=server, pids=[], clients=[],
                         error=str(exc))
             continue
         targets = [s for s in survivors if s.pid in clients]
         if targets:
-            _terminate_on(state, control, server, targets, wait_s)
+            _terminate_on(state, gpu, control, server, targets, wait_s)
 
 
-def _terminate_on(state: RunState, control: MpsControl, server: int,
+def _terminate_on(state: RunState, gpu: int, control: MpsControl, server: int,
                   targets: list[ProcessIdentity], wait_s: float) -> None:
     errors: dict[int, str] = {}
     for target in targets:
@@ -363,6 +376,7 @@ def _terminate_on(state: RunState, control: MpsControl, server: int,
     deadline = time.monotonic() + wait_s
     while any(is_alive(t) for t in targets) and time.monotonic() < deadline:
         time.sleep(POLL_S)
-    state.event("mps_clients_terminated", server=server, pids=[t.pid for t in targets],
+    state.event("mps_clients_terminated", gpu=gpu, server=server,
+                pids=[t.pid for t in targets],
                 clients=[{"pid": t.pid, "went": not is_alive(t), "error": errors.get(t.pid)}
                          for t in targets], error=None)

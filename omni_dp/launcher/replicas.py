@@ -38,7 +38,7 @@ from omni_dp.launcher.state import RunState, append_private
 from omni_dp.mps.attach import AttachReport, DeclaredProcess
 from omni_dp.mps.runs import verify_and_record
 from omni_dp.procs import ProcessIdentity, is_alive
-from omni_dp.rundir import engine_work_dir, share_dir
+from omni_dp.rundir import attach_stem, engine_work_dir, share_dir
 from omni_dp.runfile import ReplicaState
 from omni_dp.sharefile import ShareFileError, read_manifest, segment_path
 
@@ -150,7 +150,7 @@ class ReplicaSet:
             reported = self.engine.reported_processes(record.url)
         except EngineUnreadable as exc:
             raise GateFailed(f"replica {index}: {exc}") from None
-        on_gpu = self._gpu_pids() if self.state.plan.device == "cuda" else set()
+        on_gpu = self._gpu_pids(record.gpu) if self.state.plan.device == "cuda" else set()
         declared = []
         for process in reported or ():
             session = found.pop(process.pid, None)
@@ -179,8 +179,9 @@ class ReplicaSet:
         return self.state.plan.device == "cuda" and (
             process.identity.pid in on_gpu or process.cuda_evidence is not None)
 
-    def _gpu_pids(self) -> set[int]:
-        pids, _ = nvml_gpu_pids(self.state.record.gpu)
+    def _gpu_pids(self, slot: int) -> set[int]:
+        """The PIDs NVML lists on the replica's own GPU."""
+        pids, _ = nvml_gpu_pids(self.state.record.gpu_record(slot).label)
         return pids or set()
 
     def check_kv(self, indices: list[int]) -> None:
@@ -263,30 +264,40 @@ class ReplicaSet:
 
     def measure_memory(self, indices: list[int]) -> None:
         """Record each replica's private memory as measured now (never guessed)."""
-        on_gpu = None
+        record = self.state.record
+        on_gpu: dict[int, dict[int, int] | None] = {}  # GPU slot -> NVML's pid -> bytes
         if self.state.plan.device == "cuda":
-            on_gpu, _ = nvml_gpu_memory(self.state.record.gpu)
+            for slot in sorted({record.replicas[i].gpu for i in indices}):
+                on_gpu[slot], _ = nvml_gpu_memory(record.gpu_record(slot).label)
         measured = {}
         for i in indices:
-            value = replica_memory(self.state.replica(i).processes, self.state.plan.device,
-                                   on_gpu)
+            replica = self.state.replica(i)
+            value = replica_memory(replica.processes, self.state.plan.device,
+                                   on_gpu.get(replica.gpu))
             self.state.update_replica(i, memory_bytes=value)
             measured[str(i)] = value
         self.state.event("memory_measured", device=self.state.plan.device, bytes=measured)
 
-    def verify_attachment(self) -> AttachReport:
-        """Every CUDA process of every started replica must be a client of the run's server."""
+    def verify_attachment(self, slot: int) -> AttachReport:
+        """Every CUDA process of every started replica on GPU slot `slot` must be a client of
+        that GPU's one server (its proof: attach_stem's files in the run directory)."""
         record = self.state.record
-        assert record.mps is not None, "a run without --mps has no attachment to verify"
-        started = [r for r in record.replicas if r.processes and r.state in RUNNING]
-        report = verify_and_record(record.mps, [r.declared() for r in started],
-                                   self.state.token, record.gpu, self.state.directory)
+        daemon = record.daemon(slot)
+        assert daemon is not None, f"GPU slot {slot} has no MPS daemon to verify against"
+        started = [r for r in record.replicas_on(slot) if r.processes and r.state in RUNNING]
+        # a process of another GPU's replica among this daemon's clients fails this GPU too
+        elsewhere = {r.index: record.gpu_record(r.gpu).title for r in record.replicas
+                     if r.gpu != slot}
+        report = verify_and_record(daemon, [r.declared() for r in started], self.state.token,
+                                   record.gpu_record(slot).label, self.state.directory,
+                                   stem=attach_stem(record.gpu_key(slot)), elsewhere=elsewhere)
         verdicts = {v.index: v for v in report.replicas}
         for r in started:
             verdict = verdicts.get(r.index)
             self.state.update_replica(r.index, mps_attached=bool(
                 report.passed and verdict is not None and verdict.passed))
-        self.state.event("mps_verified", result=report.result, problems=report.problems)
+        self.state.event("mps_verified", gpu=slot, result=report.result,
+                         problems=report.problems)
         return report
 
     def stop(self, indices: list[int], timeout_s: float) -> None:

@@ -1,30 +1,32 @@
 """A run's state directory: run.json (written atomically at every step), events.jsonl, logs/.
 
     <state dir>/runs/<run-id>/      mode 0700
-      run.json      schema 1: omni_dp/runfile.py types it (RunRecord) and reads it
+      run.json      schema 2: omni_dp/runfile.py types it (RunRecord) and reads it (and 1)
       run_token     the run's secret, mode 0600; also in every child's environment
       events.jsonl  one JSON object per line: {"ts", "event", ...}
       stop_request.json  {"drain_timeout", "by_pid", "ts"}: written by `omni-dp down` before it
                     signals the process in charge, which then tears down with that bound
       logs/         replica_<i>.log, router.log, supervisor.log
-      mps/pipe, mps/log, mps_attach.txt, mps_attach.json   (with --mps)
+      mps/pipe, mps/log, mps_attach.txt, mps_attach.json   (with --mps, one GPU)
+      mps/gpu<i>/pipe, mps/gpu<i>/log, mps_attach.gpu<i>.txt/.json  (with --mps, per GPU i)
       share/        weights.json (+ weights.bin on CPU)      (with --share-weights)
 
 run.json:
-    {"schema": 1, "run_id", "created_at", "state", "gpu", "device", "plan": {...},
+    {"schema": 2, "run_id", "created_at", "state", "gpu", "device", "plan": {...},
      "launcher": {"pid", "create_time"},  # the `omni-dp launch` process
      "supervisor": {"pid", "create_time", "detached",
                     "supervising_since"} | null,  # set once its loop has run a first sweep
      "router": {"pid", "create_time", "pgid", "url", "argv", "log"} | null,
-     "mps": {"daemon": {"pid", "create_time", "binary", "pipe_dir", "log_dir", "gpu_uuid",
-                        "server_binary"}} | null,
+     "mps": {"daemons": [{"pid", "create_time", "binary", "pipe_dir", "log_dir", "gpu_uuid",
+                          "server_binary", "gpu"}]} | null,  # one per GPU slot
+     "gpus": [{"slot", "label", "index", "numa_node", "name"}],  # "cpu" (one slot) without
      "share": {"leader", "followers", "directory", "policy", "shared_bytes",
                "private_bytes", "tensors", "leader_pid", "published_at"} | null,
      "replicas": [{"index", "port", "url", "cpus", "argv", "env", "log",
                    "pid", "create_time", "pgid",          # null until started
                    "processes": [{"pid", "role", "device"}],  # from /get_server_info
                    "state", "kv_tokens", "mps_attached", "memory_bytes", "restarts",
-                   "last_error"}]}
+                   "last_error", "gpu"}]}  # gpu: the slot in "gpus"
 
 Exactly one process writes run.json at a time: `omni-dp launch` until the supervisor is up, then
 the supervisor; `omni-dp down` only once the supervisor is gone.
@@ -39,15 +41,18 @@ import secrets
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from omni_dp.files import atomic_write, make_private_dir
 from omni_dp.launcher.plan import LaunchPlan
 from omni_dp.launcher.topology import format_cpu_list
+from omni_dp.mps.daemon import DaemonRecord
 from omni_dp.procs import identify
 from omni_dp.rundir import RUN_FILE, TOKEN_FILE, logs_dir
 from omni_dp.runfile import (
+    GatewayRecord,
     PlanRecord,
     ReplicaRecord,
     RunPhase,
@@ -96,8 +101,10 @@ class RunState:
             replicas=tuple(
                 ReplicaRecord(index=r.index, port=r.port, url=r.url,
                               cpus=format_cpu_list(r.cpus) if r.cpus else None,
-                              argv=tuple(r.argv), env=dict(r.env), log=r.log_name)
+                              argv=tuple(r.argv), env=dict(r.env), log=r.log_name,
+                              gpu=r.gpu)
                 for r in plan.replicas),
+            gpus=plan.gpus,
         )
         state = cls(plan.run_dir, record, token)
         state.save()
@@ -154,12 +161,24 @@ class RunState:
                          json.dumps(self._record.to_json(), indent=1) + "\n")
 
     def update(self, **fields: Any) -> None:
-        """Replace top-level records (router, mps, supervisor, launcher), typed: a
-        RouterRecord, a DaemonRecord, …; the run's phase goes through set_phase."""
+        """Replace top-level records (router, supervisor, launcher), typed: a RouterRecord, …;
+        the run's phase goes through set_phase, a daemon through set_daemon."""
         assert "state" not in fields, "set_phase() changes the run's phase"
         with self._lock:
             self._record = self._record.with_records(**fields)
             self.save()
+
+    def set_daemon(self, record: DaemonRecord) -> None:
+        """Record the MPS daemon now serving record.gpu's slot (it replaces the one before)."""
+        with self._lock:
+            self._record = self._record.with_daemon(record)
+            self.save()
+
+    def change_gateway(self, change: Callable[[GatewayRecord | None], GatewayRecord]) -> None:
+        """Replace the gateway record by change(current) under the lock: two restart threads
+        registering at once must not drop each other's entry."""
+        with self._lock:
+            self.update(gateway=change(self._record.gateway))
 
     def set_phase(self, phase: RunPhase) -> None:
         with self._lock:

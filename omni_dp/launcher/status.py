@@ -10,9 +10,11 @@ from omni_dp.launcher.facts import invoked_as
 from omni_dp.launcher.gates import http_json
 from omni_dp.launcher.share_group import LEADER, attachment_basis, followers, share_role
 from omni_dp.launcher.state import RunState
+from omni_dp.mps.daemon import DaemonRecord
 from omni_dp.procs import is_alive
 from omni_dp.rundir import runs_dir, state_dir
 from omni_dp.runfile import (
+    GpuRecord,
     ReplicaRecord,
     ReplicaState,
     RunFileError,
@@ -44,6 +46,18 @@ def pick(run_id: str | None, command: str) -> RunState:
     return RunState(chosen.directory, chosen.record, chosen.token)
 
 
+def scrape_runs(run_id: str | None) -> list[RunRecord]:
+    """The runs `status --prometheus-sd` lists: the named one (NoSuchRun if it is not there),
+    else every live run on this host, in name order (none: an empty list, whose file tells
+    Prometheus that nothing is left to scrape)."""
+    if run_id is not None:
+        try:
+            return [RunState.load(find_run_dir(run_id)).record]
+        except RunFileError as exc:
+            raise NoSuchRun(str(exc)) from None
+    return [run.record for run in stored_runs() if run.live and run.record is not None]
+
+
 def collect(state: RunState, *, probe: bool = True) -> dict:
     """`omni-dp status --json` of this run: its record, every recorded process re-checked."""
     record = state.record
@@ -63,13 +77,28 @@ def collect(state: RunState, *, probe: bool = True) -> dict:
                        "detached": supervisor.detached if supervisor else None},
         "router": {"pid": router.identity.pid if router else None,
                    "url": record.plan.router.url, "ready": router_ready},
-        "mps": {"daemon_pid": record.mps.identity.pid,
-                "daemon_alive": is_alive(record.mps.identity),
-                "attached": _attached(record)} if record.mps else None,
+        # As before runs spanned GPUs: the first GPU's daemon; `attached` stays run-wide.
+        "mps": _mps(record.daemons[0], record.replicas) if record.daemons else None,
+        "gpus": [_gpu_row(record, g) for g in record.gpus],
         "share": _share(record),
         "replicas": [_replica_row(r, probe, share_role(record.plan.share_weights, r.index))
                      for r in record.replicas],
     }
+
+
+def _mps(daemon: DaemonRecord, replicas: tuple[ReplicaRecord, ...]) -> dict:
+    """A daemon as recorded, re-checked, and whether these replicas are proven its clients."""
+    return {"daemon_pid": daemon.identity.pid, "daemon_alive": is_alive(daemon.identity),
+            "attached": _attached(replicas)}
+
+
+def _gpu_row(record: RunRecord, gpu: GpuRecord) -> dict:
+    """One GPU of the run: which replicas run on it, and its own daemon (null without one)."""
+    daemon = record.daemon(gpu.slot)
+    on_it = record.replicas_on(gpu.slot)
+    return {"slot": gpu.slot, "index": gpu.index, "label": gpu.label, "name": gpu.name,
+            "numa_node": gpu.numa_node, "replicas": [r.index for r in on_it],
+            "mps": _mps(daemon, on_it) if daemon else None}
 
 
 def _share(record: RunRecord) -> dict | None:
@@ -105,9 +134,9 @@ def _shown_state(record: RunRecord, supervisor_alive: bool) -> str:
     return record.state.value
 
 
-def _attached(record: RunRecord) -> bool | None:
-    """Every replica proven an MPS client; None until every one was checked."""
-    flags = [r.mps_attached for r in record.replicas]
+def _attached(replicas: tuple[ReplicaRecord, ...]) -> bool | None:
+    """Every one of these replicas proven an MPS client; None until every one was checked."""
+    flags = [r.mps_attached for r in replicas]
     return None if any(f is None for f in flags) else all(flags)
 
 
@@ -120,8 +149,8 @@ def _replica_row(r: ReplicaRecord, probe: bool, role: str | None) -> dict:
             status, _ = http_json("GET", r.url + "/health", timeout=2.0)
             health = "healthy" if status == 200 else f"unhealthy ({status or 'no answer'})"
     return {
-        "index": r.index, "pid": r.pid, "alive": alive, "port": r.port,
-        "cpus": r.cpus, "state": r.state.value, "health": health,
+        "index": r.index, "gpu": r.gpu, "url": r.url, "pid": r.pid, "alive": alive,
+        "port": r.port, "cpus": r.cpus, "state": r.state.value, "health": health,
         "kv_tokens": r.kv_tokens, "mps_attached": r.mps_attached,
         "share_role": role, "memory_bytes": r.memory_bytes,
         "restarts": len(r.restarts), "last_error": r.last_error,
@@ -134,14 +163,16 @@ def format_status(s: dict, command: str = "omni-dp") -> str:
              f"{'alive' if s['supervisor']['alive'] else 'NOT running'}",
              f"  router      {s['router']['url']}  pid {s['router']['pid']}  "
              f"ready={s['router']['ready']}"]
-    if s["mps"]:
-        lines.append(f"  mps daemon  pid {s['mps']['daemon_pid']} "
-                     f"{'alive' if s['mps']['daemon_alive'] else 'NOT running'}  "
-                     f"attached={s['mps']['attached']}")
+    gpus = s.get("gpus") or []
+    if s["mps"] and len(gpus) <= 1:
+        lines.append(f"  mps daemon  {_daemon_text(s['mps'])}")
     share = s.get("share")
     if share:
         lines.append("  share       " + share_line(share, s["replicas"], s["gpu"]))
-    lines.append(replica_table(s["replicas"]))
+    if len(gpus) <= 1:
+        lines.append(replica_table(s["replicas"]))
+    else:
+        lines += gpu_tables(gpus, s["replicas"])
     if s["state"] == "abandoned":
         lines.append(f"nothing owns this run: its `launch` is gone and no supervisor took it "
                      f"over (killed during bring-up?); `{command} down {s['run_id']}` stops "
@@ -150,6 +181,34 @@ def format_status(s: dict, command: str = "omni-dp") -> str:
         lines.append(f"its supervisor is gone: nothing restarts a replica that fails; "
                      f"`{command} down {s['run_id']}` stops the run")
     return "\n".join(lines)
+
+
+def _daemon_text(mps: dict) -> str:
+    return (f"pid {mps['daemon_pid']} {'alive' if mps['daemon_alive'] else 'NOT running'}  "
+            f"attached={mps['attached']}")
+
+
+def gpu_heading(gpu: dict) -> str:
+    """`GPU 1 (NVIDIA H200)  GPU-…  NUMA node 1  mps daemon pid 42 alive  attached=True`."""
+    record = GpuRecord(gpu["slot"], gpu["label"], gpu["index"], gpu.get("numa_node"),
+                       gpu.get("name"))
+    parts = [record.title] + ([gpu["label"]] if gpu["index"] is not None else [])
+    if gpu.get("numa_node") is not None:
+        parts.append(f"NUMA node {gpu['numa_node']}")
+    if gpu.get("mps"):
+        parts.append(f"mps daemon {_daemon_text(gpu['mps'])}")
+    return "  " + "  ".join(parts)
+
+
+def gpu_tables(gpus: list[dict], replicas: list[dict]) -> list[str]:
+    """A run over several GPUs: each GPU's heading line, then the table of its replicas."""
+    lines = []
+    for gpu in gpus:
+        rows = [r for r in replicas if r.get("gpu", 0) == gpu["slot"]]
+        lines.append(gpu_heading(gpu))
+        lines.append(replica_table(rows, indent="    ", aligned_with=replicas) if rows
+                     else "    (no replica on this GPU)")
+    return lines
 
 
 # What the leader is doing while its weights are not published, by its state
@@ -183,17 +242,25 @@ def share_line(share: dict, replicas: list[dict], gpu: str = "cpu") -> str:
             + (f"; replica(s) {', '.join(map(str, others))} not attached" if others else ""))
 
 
-def replica_table(replicas: list[dict]) -> str:
-    header = ("replica", "pid", "cpus", "port", "health", "kv_tokens", "mps", "share",
-              "memory", "restarts", "last_error")
-    rows = [header] + [
-        (str(r["index"]), str(r["pid"]), r["cpus"] or "-", str(r["port"]), r["health"],
-         str(r["kv_tokens"]), {None: "-", True: "attached", False: "NO"}[r["mps_attached"]],
-         r.get("share_role") or "-",
-         format_size(r["memory_bytes"]) if r.get("memory_bytes") is not None else "-",
-         str(r["restarts"]), r["last_error"] or "")
-        for r in replicas
-    ]
-    widths = [max(len(row[c]) for row in rows) for c in range(len(header) - 1)]
-    return "\n".join("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False))
+_TABLE_HEADER = ("replica", "pid", "cpus", "port", "health", "kv_tokens", "mps", "share",
+                 "memory", "restarts", "last_error")
+
+
+def _table_row(r: dict) -> tuple[str, ...]:
+    return (str(r["index"]), str(r["pid"]), r["cpus"] or "-", str(r["port"]), r["health"],
+            str(r["kv_tokens"]), {None: "-", True: "attached", False: "NO"}[r["mps_attached"]],
+            r.get("share_role") or "-",
+            format_size(r["memory_bytes"]) if r.get("memory_bytes") is not None else "-",
+            str(r["restarts"]), r["last_error"] or "")
+
+
+def replica_table(replicas: list[dict], *, indent: str = "  ",
+                  aligned_with: list[dict] | None = None) -> str:
+    """The replicas' rows under one header; `aligned_with` (every replica of the run) sizes the
+    columns, so that the tables of several GPUs line up."""
+    rows = [_TABLE_HEADER] + [_table_row(r) for r in replicas]
+    sizing = [_TABLE_HEADER] + [_table_row(r) for r in (aligned_with or replicas)]
+    widths = [max(len(row[c]) for row in sizing + rows) for c in range(len(_TABLE_HEADER) - 1)]
+    return "\n".join(indent + "  ".join(cell.ljust(w) for cell, w in zip(row, widths,
+                                                                          strict=False))
                      + "  " + row[-1] for row in rows)

@@ -1,10 +1,11 @@
 """The supervisor: one object owns the supervision loop and its signals (gunicorn's arbiter);
 what it decides and does is in small parts, omni_dp/launcher/supervision/.
 
-Every sweep it checks each slot — the MPS daemon (with --mps) before its clients, each replica
-(process alive by pid + create time, GET /health), the router — and hands a restart to a thread
-of its own, so the rest stays watched. A slot is left alone while a restart owns it or what it
-depends on (an MPS fault restarts every replica). SIGTERM/SIGINT: orderly teardown.
+Every sweep it checks each slot — each GPU's MPS daemon (with --mps) before its clients, each
+replica (process alive by pid + create time, GET /health), the router — and hands a restart to a
+thread of its own, so the rest stays watched. A slot is left alone while a restart owns it or
+what it depends on (an MPS fault on a GPU restarts every replica of that GPU, and no other).
+SIGTERM/SIGINT: orderly teardown.
 
 Run in the foreground by `omni-dp launch`, or detached as
 `python -m omni_dp.launcher.supervisor RUN_DIR` (what `launch --detach` leaves behind).
@@ -34,7 +35,6 @@ from omni_dp.launcher.supervision.replica_watch import ReplicaWatch, Seen
 from omni_dp.launcher.supervision.restart_policy import RestartPolicy
 from omni_dp.launcher.supervision.router_link import RouterLink
 from omni_dp.launcher.supervision.slots import (
-    MPS,
     ROUTER,
     Busy,
     Slot,
@@ -77,9 +77,13 @@ class Supervisor:
         self.busy = Busy(run_slots(state.record))  # the slots a restart thread owns
         self.watches = {r.index: ReplicaWatch(s.restart_after_failures) for r in state.replicas}
         self.router = RouterLink(self.crew)
-        self.mps = MpsWatch(self.crew.policy, s.on_mps_fault)
+        # one watch per GPU's daemon, by GPU slot: its own budget, its own clients' logs
+        self.mps = {slot.index: MpsWatch(self.crew.policy, s.on_mps_fault, slot.index)
+                    for slot in self.busy.deps.slots if slot.kind == "mps"}
         self.restart_replica = ReplicaRestart(self.crew, self.router, self._passed)
-        self.restart_group = GroupRestart(self.crew, self.router, self.mps.scanner, self._passed)
+        self.restart_group = GroupRestart(self.crew, self.router,
+                                          {gpu: w.scanner for gpu, w in self.mps.items()},
+                                          self._passed)
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -121,7 +125,7 @@ class Supervisor:
         record = self.state.record
         slots = {Slot.replica(r.index): r.identity for r in record.replicas if r.state in WATCHED}
         slots[ROUTER] = record.router.identity if record.router else None
-        slots[MPS] = record.mps.identity if record.mps else None
+        slots.update((Slot.mps(d.gpu), d.identity) for d in record.daemons)
         return [i for slot, i in slots.items()
                 if i is not None and not self.busy.skipped(slot) and self.crew.probe.alive(i)]
 
@@ -159,7 +163,8 @@ class Supervisor:
             self.stop_requested.set()
             return
         check = {"replica": lambda slot: self._check_replica(slot.index),
-                 "router": lambda _: self._check_router(), "mps": lambda _: self._check_mps()}
+                 "router": lambda _: self._check_router(),
+                 "mps": lambda slot: self._check_mps(slot.index)}
         for slot in self.busy.deps.order():
             if self.stop_requested.is_set():
                 return
@@ -229,14 +234,15 @@ class Supervisor:
         if delay is not None:
             self.busy.start(ROUTER, self.router.restart, delay, self.reap, name="router-restart")
 
-    def _check_mps(self) -> None:
-        record = self.state.record.mps
-        logs = [self.state.logs / r.log for r in self.state.replicas]
-        act = self.mps.check(self.crew, record, logs) if record else None
-        if act is not None:  # every replica depending on the daemon goes with it
-            group = [s.index for s in self.busy.deps.dependents(MPS) if s.kind == "replica"]
-            self.busy.start(MPS, self.restart_group, record, act.fault, group, act.delay,
-                            name="mps-restart")
+    def _check_mps(self, gpu: int) -> None:
+        """GPU slot `gpu`'s daemon: a fault restarts it with its clients, that GPU's replicas."""
+        record = self.state.record.daemon(gpu)
+        act = self.mps[gpu].check(self.crew, record) if record else None
+        if act is not None:  # every replica depending on this daemon goes with it, no other
+            slot = Slot.mps(gpu)
+            group = [s.index for s in self.busy.deps.dependents(slot) if s.kind == "replica"]
+            self.busy.start(slot, self.restart_group, record, act.fault, group, act.delay,
+                            name=f"mps-restart-{gpu}")
 
 
 def main(argv: list[str]) -> int:

@@ -1,13 +1,15 @@
 """Take a run down completely, touching nothing that is not the run's.
 
-Order: supervisor (so no restart races the teardown) → router (stops accepting, drains) →
+Order: supervisor (so no restart races the teardown) → (--register) the fleet gateway lets go of
+the run's workers → router (stops accepting, drains) →
 replica groups (each replica's leader, its session's processes and those recorded with it, also
 the orphans a dead leader left: SIGTERM drains, MPS clients' GPU work is terminated, SIGKILL
 after the bound; replica_groups.py; with --share-weights the followers' groups before the
 weight-share leader's) → any process still carrying the run token (a replacement a
-SIGKILLed supervisor never recorded) → MPS: wait until no client is left, then `quit` the daemon
-and wait for its exit → remove the state directory. Whatever could not be confirmed gone is
-named, with commands to inspect it, and the state directory is kept.
+SIGKILLed supervisor never recorded) → MPS, one daemon per GPU: each daemon, once no client is
+left on it, is `quit` and waited for (a daemon a foreign client still holds is left, named; the
+other GPUs' daemons are stopped all the same) → remove the state directory. Whatever could not
+be confirmed gone is named, with commands to inspect it, and the state directory is kept.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from omni_dp.launcher.gateway_link import GatewayLink
 from omni_dp.launcher.processes import signal_ours, stop_processes, token_carriers, wait_gone
 from omni_dp.launcher.replica_groups import (
     ReplicaGroup,
     live_processes,
     mps_terminator,
+    replica_gpus,
     stop_groups,
     unproven_orphans,
 )
@@ -35,6 +39,8 @@ from omni_dp.procs import ProcessIdentity, is_alive
 from omni_dp.rundir import share_dir
 from omni_dp.runfile import ReplicaState, RunPhase, RunRecord
 from omni_dp.sharefile import segment_path
+
+CLIENTS_GONE_WAIT_S = 30.0  # how long the daemons' clients may take to be let go of
 
 
 @dataclass
@@ -63,11 +69,12 @@ def teardown(state: RunState, *, drain_timeout: float, keep_state: bool = False,
             result.removed = True
             return result
         state = reloaded
+    _leave_gateway(state, result, say)
     _stop_router(state, drain_timeout, result, say, reap)
     _stop_replicas(state, drain_timeout, result, say, reap)
+    _leave_gateway(state, result, say)  # again: a restart may have registered meanwhile
     _stop_token_carriers(state, result, say)
-    if state.record.mps is not None:
-        _stop_daemon(state, state.record.mps, result, say)
+    _stop_daemons(state, result, say)
 
     if result.clean and not keep_state:
         state.remove()
@@ -95,7 +102,7 @@ def _stop_owner(state: RunState, role: str, drain_timeout: float, result: Teardo
                 say: Callable[[str], None]) -> RunState | None:
     """The process in charge — the supervisor, or `omni-dp launch` still bringing the run up —
     goes first: it tears the run down itself on SIGTERM (router and replicas drain one after
-    the other, then the daemon), with the drain bound of the stop request written just
+    the other, then the daemons), with the drain bound of the stop request written just
     before. Returns the state it left (None: it removed the run), to finish what it left."""
     owner = _owner(state.record, role)
     if owner is None or owner.pid == os.getpid() or not is_alive(owner):
@@ -118,6 +125,17 @@ def owner_bound(record: RunRecord, drain_timeout: float) -> float:
     then their leader), and a minute for the rest (grace periods, the daemon)."""
     waves = stop_waves(record, [r.index for r in record.replicas])
     return (1 + max(len(waves), 1)) * drain_timeout + 60
+
+
+def _leave_gateway(state: RunState, result: TeardownResult,
+                   say: Callable[[str], None]) -> None:
+    """--register: the fleet gateway stops sending here first; an entry it may still list is
+    a leftover (named, with what removes it), never a clean teardown."""
+    record = state.record.gateway
+    if record is None or not record.entries:
+        return
+    say(f"removing {len(record.entries)} worker(s) of the run from the gateway {record.url}")
+    result.leftovers += GatewayLink(state).deregister_all()
 
 
 def _stop_router(state: RunState, drain_timeout: float, result: TeardownResult,
@@ -157,7 +175,8 @@ def _stop_replicas(state: RunState, drain_timeout: float, result: TeardownResult
     survivors: list[ProcessIdentity] = []
     for wave in stop_waves(state.record, list(live)):  # weight-share followers before the leader
         survivors += stop_groups([live[i][0] for i in wave], state.token, drain_timeout,
-                                 grace_s=10.0, reap=reap, before_kill=mps_terminator(state))
+                                 grace_s=10.0, reap=reap, before_kill=mps_terminator(
+                                     state, gpus=replica_gpus(state, wave)))
     state.event("replicas_stopped", indices=list(live), survivors=[s.pid for s in survivors])
     _note(result, survivors, "replica")
     _note_unproven(state, groups, result)
@@ -181,10 +200,9 @@ def _note_unproven(state: RunState, groups: list[ReplicaGroup],
 def _stop_token_carriers(state: RunState, result: TeardownResult,
                          say: Callable[[str], None]) -> None:
     """A replacement a SIGKILLed supervisor never recorded still carries the run token. The
-    daemon is left out: it is stopped through `quit`, never by a signal."""
-    daemon = state.record.mps
-    strays = token_carriers(state.token,
-                            exclude={os.getpid()} | ({daemon.identity.pid} if daemon else set()))
+    daemons (every GPU's) are left out: each is stopped through `quit`, never by a signal."""
+    daemons = {d.identity.pid for d in state.record.daemons}
+    strays = token_carriers(state.token, exclude={os.getpid()} | daemons)
     if not strays:
         return
     say(f"stopping {len(strays)} unrecorded process(es) carrying the run token: "
@@ -206,32 +224,56 @@ def _note(result: TeardownResult, survivors: list[ProcessIdentity], what: str) -
             f"{s.pid})")
 
 
-def _stop_daemon(state: RunState, record: DaemonRecord, result: TeardownResult,
-                 say: Callable[[str], None]) -> None:
-    if not is_alive(record.identity):
-        return
-    daemon = MpsDaemon(record.control())
-    deadline = time.monotonic() + 30
-    clients: list[int] = []
-    while time.monotonic() < deadline:  # the server lets go of a client shortly after it exits
-        try:
-            clients = sorted(p for c in daemon.clients().values() for p in c)
-        except MpsControlError:
-            clients = []
-            break
-        if not clients:
+def _stop_daemons(state: RunState, result: TeardownResult,
+                  say: Callable[[str], None]) -> None:
+    """Every GPU's daemon, each as soon as no client is left on it (the server lets go of a
+    client shortly after it exits), all waited for together within one bound: a daemon a
+    foreign client still holds is left and named, and never holds the others up."""
+    pending = [d for d in state.record.daemons if is_alive(d.identity)]
+    deadline = time.monotonic() + CLIENTS_GONE_WAIT_S
+    held: dict[int, list[int]] = {}  # GPU slot -> the clients still on its daemon
+    while pending:
+        for record in list(pending):
+            clients = _clients(record)
+            if clients:
+                held[record.gpu] = clients
+                continue
+            pending.remove(record)
+            _quit_daemon(state, record, result, say)
+        if not pending or time.monotonic() >= deadline:
             break
         time.sleep(0.2)
-    if clients:
+    for record in pending:
+        clients = held[record.gpu]
         result.leftovers.append(
             f"MPS client(s) {', '.join(map(str, clients))} are still attached to the run's "
-            f"daemon (pid {record.identity.pid}); they are not the run's processes, so they "
-            f"were left alone (inspect: ps -o pid,args -p {','.join(map(str, clients))})")
-        return
-    say(f"stopping the MPS daemon (pid {record.identity.pid})")
+            f"daemon{_of_gpu(state.record, record.gpu)} (pid {record.identity.pid}); they are "
+            "not the run's processes, so they were left alone, and so was the daemon (inspect: "
+            f"ps -o pid,args -p {','.join(map(str, clients))})")
+
+
+def _clients(record: DaemonRecord) -> list[int]:
+    """The pids attached to the daemon's servers; none when it cannot be asked (its stop then
+    says why)."""
     try:
-        daemon.stop(record)
+        return sorted(p for c in MpsDaemon(record.control()).clients().values() for p in c)
+    except MpsControlError:
+        return []
+
+
+def _quit_daemon(state: RunState, record: DaemonRecord, result: TeardownResult,
+                 say: Callable[[str], None]) -> None:
+    of = _of_gpu(state.record, record.gpu)
+    say(f"stopping the MPS daemon{of} (pid {record.identity.pid})")
+    try:
+        MpsDaemon(record.control()).stop(record)
     except MpsDaemonError as exc:
-        result.leftovers.append(f"MPS daemon pid {record.identity.pid}: {exc}")
+        result.leftovers.append(f"MPS daemon{of} pid {record.identity.pid}: {exc}")
     else:
-        state.event("mps_daemon_stopped", pid=record.identity.pid)
+        state.event("mps_daemon_stopped", gpu=record.gpu, pid=record.identity.pid)
+
+
+def _of_gpu(record: RunRecord, gpu: int) -> str:
+    """How messages name a daemon's GPU: ' of GPU 1 (NVIDIA H200)' in a run over several
+    GPUs; '' in a one-GPU run, whose messages read as they always did."""
+    return f" of {record.gpu_record(gpu).title}" if len(record.gpus) > 1 else ""

@@ -133,9 +133,50 @@ def plan_auto(topology: CpuTopology, replicas: int, gpu_node: int | None) -> Cpu
     return plan
 
 
+def plan_auto_gpus(topology: CpuTopology, groups: list[tuple[int, int | None]]) -> CpuPlan:
+    """Blocks for replicas spread over GPUs: `groups` is (replicas, NUMA node) per GPU, in
+    replica order. Every block has the same number of whole cores; each GPU's replicas take
+    cores of that GPU's node first, then what is left elsewhere; no core serves two GPUs."""
+    plan = CpuPlan()
+    total = sum(count for count, _ in groups)
+    cores = sorted(topology.cores, key=lambda core: (core.node, core.cpus[0]))
+    per_block = len(cores) // total if total else 0
+    if per_block == 0:
+        plan.problems.append(
+            f"{total} replicas over {len(groups)} GPUs need {total} physical cores for "
+            f"disjoint CPU blocks, but this process may use {len(cores)} "
+            f"({format_cpu_list(topology.allowed)}); use fewer replicas per GPU, or "
+            "--cpu-blocks none to run them unpinned (expect lower throughput)")
+        return plan
+    free = list(cores)
+    taken: list[list[Core]] = []
+    for count, node in groups:  # first pass: each GPU from its own node
+        want = count * per_block
+        mine = [core for core in free if core.node == node][:want]
+        taken.append(mine)
+        free = [core for core in free if core not in mine]
+    for (count, _), mine in zip(groups, taken, strict=True):  # then what is left, in order
+        short = count * per_block - len(mine)
+        mine += free[:short]
+        free = free[short:]
+    index = 0
+    for (count, node), mine in zip(groups, taken, strict=True):
+        mine.sort(key=lambda core: (core.node != node, core.node, core.cpus[0]))
+        for k in range(count):
+            chunk = mine[k * per_block:(k + 1) * per_block]
+            plan.blocks.append(tuple(sorted(cpu for core in chunk for cpu in core.cpus)))
+            _warn_numa(plan, index, chunk, node)
+            index += 1
+    if free:
+        plan.warnings.append(f"{len(free)} core(s) left unused so that every block is the same "
+                             "size")
+    return plan
+
+
 def plan_explicit(topology: CpuTopology, replicas: int, text: str,
-                  gpu_node: int | None) -> CpuPlan:
-    """Check user-given blocks (`"0-3 4-7"`, one cpulist per replica) against the machine."""
+                  gpu_node: int | None, block_nodes: list[int | None] | None = None) -> CpuPlan:
+    """Check user-given blocks (`"0-3 4-7"`, one cpulist per replica) against the machine;
+    `block_nodes`: each block's GPU's NUMA node where the run spans GPUs (else gpu_node)."""
     plan = CpuPlan()
     specs = text.split()
     if len(specs) != replicas:
@@ -152,7 +193,7 @@ def plan_explicit(topology: CpuTopology, replicas: int, text: str,
     plan.problems += _split_cores(topology, owner)
     for i, block in enumerate(plan.blocks):
         chunk = [core for core in topology.cores if set(core.cpus) & set(block)]
-        _warn_numa(plan, i, chunk, gpu_node)
+        _warn_numa(plan, i, chunk, block_nodes[i] if block_nodes else gpu_node)
     if plan.problems:
         plan.blocks = []
     return plan

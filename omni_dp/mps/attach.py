@@ -226,8 +226,9 @@ def format_text(report: AttachReport) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_artifacts(report: AttachReport, directory: str | Path) -> None:
-    """mps_attach.txt and mps_attach.json, each replaced atomically."""
+def write_artifacts(report: AttachReport, directory: str | Path,
+                    stem: str = "mps_attach") -> None:
+    """STEM.txt and STEM.json (mps_attach: one daemon's proof), each replaced atomically."""
     directory = Path(directory)
-    atomic_write(directory / TEXT_ARTIFACT, format_text(report))
-    atomic_write(directory / JSON_ARTIFACT, json.dumps(report.to_json(), indent=2) + "\n")
+    atomic_write(directory / f"{stem}.txt", format_text(report))
+    atomic_write(directory / f"{stem}.json", json.dumps(report.to_json(), indent=2) + "\n")

@@ -1,4 +1,4 @@
-"""A private MPS control daemon for one run and one GPU: start, prove, watch, stop.
+"""A private MPS control daemon for one GPU of one run: start, prove, watch, stop.
 
 Private means: pipe and log directories of its own (0700, inside the run's state dir), never a
 daemon someone else started (one already answering on the pipe is refused, not adopted), and
@@ -45,16 +45,18 @@ class DaemonRecord:
     log_dir: str
     gpu_uuid: str | None
     server_binary: str | None = None  # records written before it was kept have none
+    gpu: int = 0  # the run's GPU slot it serves (RunRecord.gpus); one daemon per GPU
 
     def to_json(self) -> dict:
         return {**self.identity.to_json(), "binary": self.binary, "pipe_dir": self.pipe_dir,
                 "log_dir": self.log_dir, "gpu_uuid": self.gpu_uuid,
-                "server_binary": self.server_binary}
+                "server_binary": self.server_binary, "gpu": self.gpu}
 
     @classmethod
     def from_json(cls, data: dict) -> DaemonRecord:
         return cls(ProcessIdentity.from_json(data), data["binary"], data["pipe_dir"],
-                   data["log_dir"], data.get("gpu_uuid"), data.get("server_binary"))
+                   data["log_dir"], data.get("gpu_uuid"), data.get("server_binary"),
+                   int(data.get("gpu", 0)))
 
     def control(self) -> MpsControl:
         """The control client for this daemon: the same pair whoever stops, checks or
@@ -127,6 +129,7 @@ class MpsDaemon:
         self,
         *,
         gpu_uuid: str | None,
+        gpu: int = 0,
         thread_percentage: float | None = None,
         memory_limit_bytes: int | None = None,
         ready_timeout_s: float = 10.0,
@@ -165,7 +168,7 @@ class MpsDaemon:
                 f"control.log:\n{log_tail(control.log_dir)}"
             )
         record = DaemonRecord(identity, control.binary, control.pipe_dir, control.log_dir,
-                              gpu_uuid, control.server_binary)
+                              gpu_uuid, control.server_binary, gpu)
         try:
             if thread_percentage is not None:
                 control.set_default_thread_percentage(thread_percentage)

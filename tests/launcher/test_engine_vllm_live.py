@@ -6,7 +6,10 @@ scripts/test installs both and exports OMNI_DP_VLLM_PYTHON and OMNI_DP_TINY_LLAM
 stages of one run follow each other in one test, because each vLLM start costs about a minute:
 bring-up with the pin read back from /metrics, completions through the router, kill -9 of one
 API server (its EngineCore and Worker orphaned, found, stopped, the replica restarted through
-the gates), then `down` leaving no process, port, socket file or cache of the run.
+the gates), then `down` leaving no process, port, socket file or cache of the run. The run is
+registered with a REAL SGLang model gateway (`--register`, scripts/setup-gateway): completions
+routed by the gateway reach both replicas, the restarted one is taken out and registered again
+(one entry each), and `down` leaves the gateway listing none of them.
 """
 
 from __future__ import annotations
@@ -21,8 +24,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from omni_dp.gateway import SglangGateway
+
 from support.launcher import SUPERVISION, Run, alive, describe
 from support.ports import port_listening
+from support.sglang_gateway import SglangGatewayProcess, smg_path
 from support.wait import wait_for
 
 VLLM_PYTHON = os.environ.get("OMNI_DP_VLLM_PYTHON")
@@ -62,6 +68,16 @@ def completion(url: str, model: str, prompt: str, timeout: float = 60.0) -> dict
         return json.loads(response.read())
 
 
+def served(url: str) -> float:
+    """The completions a vLLM replica finished, from its /metrics."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics(url).splitlines()
+               if line.startswith("vllm:request_success_total"))
+
+
+def listed(gateway_url: str) -> dict[str, bool | None]:
+    return {w.url: w.healthy for w in SglangGateway(gateway_url).workers()}
+
+
 def metrics(url: str) -> str:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(url + "/metrics", timeout=10) as response:
@@ -94,10 +110,13 @@ def test_plans_that_vllm_would_get_wrong_exit_2_before_anything_starts(tmp_path,
 def test_two_vllm_replicas_pinned_verified_restarted_and_torn_down(tmp_path, vllm):
     python, model = vllm
     timings: dict[str, float] = {}
-    with Run(tmp_path, replicas=2) as run:
+    with Run(tmp_path, replicas=2) as run, \
+            SglangGatewayProcess(smg_path(), tmp_path / "gateway.log") as gateway:
+        gateway.wait_ready()
         # --- bring-up: both healthy, the pin read back from each replica's /metrics -------
         started = time.monotonic()
-        result = run.launch(*vllm_args(python, model, *SUPERVISION, "--start-timeout", "400"),
+        result = run.launch(*vllm_args(python, model, *SUPERVISION, "--start-timeout", "400",
+                                       "--register", gateway.url),
                             timeout=LAUNCH_TIMEOUT_S)
         timings["bring-up of two replicas (s)"] = time.monotonic() - started
         assert "KV capacity equal: 1024 tokens on every replica" in result.stdout
@@ -118,6 +137,15 @@ def test_two_vllm_replicas_pinned_verified_restarted_and_torn_down(tmp_path, vll
         for i in range(6):
             reply = completion(run.router_url, model, f"Hello number {i}")
             assert reply["choices"][0]["text"] is not None
+
+        # --- the gateway lists both, healthy, and routes completions to both ---------------
+        urls = [r["url"] for r in record["replicas"]]
+        assert listed(gateway.url) == {url: True for url in urls}, gateway.log_text()[-3000:]
+        before = [served(url) for url in urls]
+        for i in range(4):  # the test gateway balances round robin
+            completion(gateway.url, model, f"Through the gateway {i}")
+        after = [served(url) for url in urls]
+        assert all(b > a for a, b in zip(before, after, strict=True)), (before, after)
 
         # --- kill -9 of replica 0's API server: orphans found, stopped, restarted ----------
         victim = record["replicas"][0]
@@ -143,6 +171,11 @@ def test_two_vllm_replicas_pinned_verified_restarted_and_torn_down(tmp_path, vll
         assert completed["replica"] == 0 and completed["in_router"] is True
         assert run.run_json()["replicas"][0]["kv_tokens"] == 1024
         completion(run.router_url, model, "Hello again")
+        assert listed(gateway.url) == {url: True for url in urls}  # one entry each
+        gone = [e["event"] for e in run.events() if e.get("replica") == 0
+                and e["event"].startswith("gateway_")]
+        assert gone[-2:] == ["gateway_deregistered", "gateway_registered"], gone
+        completion(gateway.url, model, "Through the gateway again")
 
         # --- down: nothing of the run is left ---------------------------------------------
         pids_before = run.leftover_pids()
@@ -153,5 +186,6 @@ def test_two_vllm_replicas_pinned_verified_restarted_and_torn_down(tmp_path, vll
         assert not [p for p in pids_before if psutil.pid_exists(p) and alive(p)]
         assert not any(port_listening(p) for p in run.ports)
         assert not run.run_dir.exists()  # TMPDIR (IPC sockets), VLLM_CACHE_ROOT inside it
+        assert listed(gateway.url) == {}
     for what, seconds in timings.items():
         print(f"vllm live: {what}: {seconds:.1f}")

@@ -170,9 +170,15 @@ def test_attachment_failure_stops_everything_and_keeps_state(mps_run, scenario):
     assert not run.run_dir.exists()
 
 
+def _daemon_pid(record: dict) -> int:
+    """The pid of the run's one daemon (one GPU: run.json's only entry in mps.daemons)."""
+    [daemon] = record["mps"]["daemons"]
+    return daemon["pid"]
+
+
 def _kill_daemon(run: MpsRun) -> tuple[dict, int]:
     record = run.record()
-    old = record["mps"]["daemon"]["pid"]
+    old = _daemon_pid(record)
     assert run.daemons() == [old]
     os.kill(old, signal.SIGKILL)
     return record, old
@@ -199,7 +205,7 @@ def test_daemon_fault_restarts_daemon_and_every_replica_through_the_gates(mps_ru
     assert events.count("mps_daemon_started") == 2
 
     record = run.record()
-    new_daemon = record["mps"]["daemon"]["pid"]
+    new_daemon = _daemon_pid(record)
     assert new_daemon != old_daemon and alive(new_daemon)
     assert not alive(old_daemon)
     assert run.daemons() == [new_daemon]
@@ -245,7 +251,7 @@ def test_daemon_restarted_by_the_supervisor_is_quit_by_down(mps_run):
     _kill_daemon(run)
     _restart_after_killing_the_daemon(run)
     record = run.record()
-    carries_token = TOKEN_ENV in (environ(record["mps"]["daemon"]["pid"]) or {})
+    carries_token = TOKEN_ENV in (environ(_daemon_pid(record)) or {})
 
     down = run.cli("down", run.run_id)
     assert down.returncode == 0, down.stdout + down.stderr
@@ -307,7 +313,7 @@ def test_down_with_a_foreign_client_attached_keeps_the_daemon_and_says_so(mps_ru
         assert f"MPS client(s) {foreign.pid} are still attached" in down.stdout
         assert "state kept" in down.stdout
         assert foreign.poll() is None  # never signalled: not the run's
-        assert run.daemons() == [record["mps"]["daemon"]["pid"]]  # not quit under a client
+        assert run.daemons() == [_daemon_pid(record)]  # not quit under a client
         assert not any(alive(r["pid"], r["create_time"]) for r in record["replicas"])
         assert run.run_dir.exists()
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,7 +21,6 @@ from omni_dp.launcher.supervision.mps_watch import MpsWatch, describe_fault
 from omni_dp.launcher.supervision.replica_watch import ReplicaWatch, Seen, Verdict
 from omni_dp.launcher.supervision.restart_policy import GiveUp, Restart, RestartPolicy
 from omni_dp.launcher.supervision.slots import (
-    MPS,
     ROUTER,
     Busy,
     Dependencies,
@@ -34,6 +34,7 @@ from omni_dp.mps.daemon import DaemonHealth, DaemonRecord
 from omni_dp.mps.faults import FaultScanner
 from omni_dp.procs import ProcessIdentity
 from omni_dp.runfile import (
+    GpuRecord,
     PlanRecord,
     ReplicaRecord,
     ReplicaState,
@@ -47,14 +48,34 @@ from omni_dp.runfile import (
 
 H, U, R = ReplicaState.HEALTHY, ReplicaState.UNHEALTHY, ReplicaState.RESTARTING
 NOW = 1_000_000.0
+MPS = Slot.mps(0)  # the daemon of a one-GPU run
 
 
 # --- the fakes ---------------------------------------------------------------------------
 
 
+def daemon_of(tmp_path, gpu: int) -> DaemonRecord:
+    """GPU slot gpu's daemon as bring-up records it: pid 800 + gpu, its own pipe and log dirs
+    (a one-GPU run's: pipe, mpslog)."""
+    suffix = str(gpu) if gpu else ""
+    return DaemonRecord(ProcessIdentity(800 + gpu, 1.0), "mps-control",
+                        str(tmp_path / f"pipe{suffix}"), str(tmp_path / f"mpslog{suffix}"),
+                        None, gpu=gpu)
+
+
+def gpu_records(gpus: int) -> tuple[GpuRecord, ...]:
+    """A one-GPU run on the CPU ("cpu", slot 0), or `gpus` H200s by index."""
+    if gpus == 1:
+        return (GpuRecord(0, "cpu"),)
+    return tuple(GpuRecord(k, f"GPU-{k}", k, k, "NVIDIA H200") for k in range(gpus))
+
+
 def make_state(tmp_path, *, replicas: int = 2, mps: bool = False, budget: int = 3,
                window: float = 600.0, failures: int = 3, on_mps_fault: str = "restart",
-               restarts: tuple[float, ...] = (), share: bool = False) -> RunState:
+               restarts: tuple[float, ...] = (), share: bool = False,
+               gpus: int = 1) -> RunState:
+    """A running run; with gpus > 1 the replicas are spread over the GPUs in blocks (4 over
+    2: replicas 0, 1 on GPU slot 0, replicas 2, 3 on slot 1), one daemon per GPU under mps."""
     settings = SupervisionSettings(
         check_interval=0.5, restart_after_failures=failures, restart_budget=budget,
         restart_window=window, on_mps_fault=on_mps_fault, start_timeout=5.0,
@@ -73,28 +94,31 @@ def make_state(tmp_path, *, replicas: int = 2, mps: bool = False, budget: int = 
             index=i, port=41000 + i, url=f"http://replica-{i}.test", cpus=None,
             argv=("serve",), env={}, log=f"replica_{i}.log",
             identity=ProcessIdentity(1000 + i, 1.0), pgid=1000 + i, state=H,
-            restarts=restarts) for i in range(replicas)),
+            restarts=restarts, gpu=i * gpus // replicas) for i in range(replicas)),
         router=RouterRecord(ProcessIdentity(900, 1.0), 900, "http://router.test", (),
                             "router.log"),
-        mps=DaemonRecord(ProcessIdentity(800, 1.0), "mps-control", str(tmp_path / "pipe"),
-                         str(tmp_path / "mpslog"), None) if mps else None)
+        daemons=tuple(daemon_of(tmp_path, k) for k in range(gpus)) if mps else (),
+        gpus=gpu_records(gpus))
     directory = tmp_path / "run"
     (directory / "logs").mkdir(parents=True)
-    (tmp_path / "mpslog").mkdir()
+    for k in range(gpus):
+        Path(daemon_of(tmp_path, k).log_dir).mkdir()
     state = RunState(directory, record, "token")
     state.save()
     return state
 
 
 class FakeWorld(Probe):
-    """The process table (live pids), /health answers by url, taken ports, the daemon."""
+    """The process table (live pids), /health answers by url, taken ports, the daemons."""
 
     def __init__(self, live: set[int]) -> None:
         self.live = set(live)
         self.health_of: dict[str, int] = {}
         self.taken: set[int] = set()
-        self.daemon = DaemonHealth(alive=True, reachable=True)
+        self.daemon = DaemonHealth(alive=True, reachable=True)  # every daemon's, unless…
+        self.daemon_of: dict[int, DaemonHealth] = {}  # …one of its own, by GPU slot
         self.daemon_checks = 0
+        self.checked: list[int] = []  # the GPU slot of each daemon checked
 
     def alive(self, identity):
         return identity is not None and identity.pid in self.live
@@ -107,7 +131,9 @@ class FakeWorld(Probe):
 
     def daemon_health(self, record):
         self.daemon_checks += 1
-        return replace(self.daemon, faults=list(self.daemon.faults))
+        self.checked.append(record.gpu)
+        health = self.daemon_of.get(record.gpu, self.daemon)
+        return replace(health, faults=list(health.faults))
 
 
 class FakeReplicas:
@@ -160,7 +186,8 @@ class FakeReplicas:
     def measure_memory(self, indices):
         self.calls.append(("measure_memory", *indices))
 
-    def verify_attachment(self):
+    def verify_attachment(self, gpu):
+        self.calls.append(("verify_attachment", gpu))
         return SimpleNamespace(passed=self.attached, problems=[], replicas=[])
 
     def stop(self, indices, timeout_s):
@@ -214,7 +241,8 @@ class Clock:
 
 def supervisor(state: RunState, *, router: FakeRouter | None = None,
                healthy: bool = True) -> tuple[Supervisor, FakeWorld, list[str]]:
-    world = FakeWorld({r.pid for r in state.replicas} | {900, 800})
+    world = FakeWorld({r.pid for r in state.replicas} | {900}
+                      | {d.identity.pid for d in state.record.daemons})
     said: list[str] = []
     sup = Supervisor(state, FakeReplicas(state, world, healthy=healthy), detached=True,
                      say=said.append)
@@ -1045,7 +1073,7 @@ def fake_daemon_restart(monkeypatch) -> list[str]:
     monkeypatch.setattr(mps_restart, "MpsDaemon", lambda control: SimpleNamespace(
         stop=lambda record, force: daemons.append(f"stop {record.identity.pid}")))
     monkeypatch.setattr(mps_restart, "start_daemon",
-                        lambda state, binary, gpu, server: daemons.append(binary))
+                        lambda state, gpu, binary, server: daemons.append(f"{binary} {gpu}"))
 
     def start_replicas(state, replicas, indices, *, sequential, timeout_s, say):
         for i in indices:
@@ -1063,8 +1091,8 @@ def test_the_group_restart_brings_every_client_back_through_the_gates(tmp_path, 
     old_log = state.logs / "replica_0.log"
     old_log.write_text("cudaErrorMpsServerNotReady\n")
     sup.watches[1].failures = 1
-    sup.restart_group(state.record.mps, "the MPS daemon is gone", [0, 1])
-    assert daemons == ["stop 800", "mps-control"]
+    sup.restart_group(state.record.daemon(0), "the MPS daemon is gone", [0, 1])
+    assert daemons == ["stop 800", "mps-control 0"]
     assert ("stop", 0, 1) in sup.replicas.calls
     assert [r.state for r in state.replicas] == [H, H]
     assert [r.last_error for r in state.replicas] == [None, None]
@@ -1080,7 +1108,7 @@ def test_a_group_restart_whose_clients_do_not_attach_is_never_reported_verified(
     sup, _, said = supervisor(state)
     fake_daemon_restart(monkeypatch)
     sup.replicas.attached = False
-    sup.restart_group(state.record.mps, "the MPS daemon is gone", [0, 1])
+    sup.restart_group(state.record.daemon(0), "the MPS daemon is gone", [0, 1])
     assert sup.exit_code == 3 and sup.stop_requested.is_set()
     assert said == ["restarting after the MPS fault failed: MPS attachment FAILED after the "
                     "daemon restart; stopping the run"]
@@ -1095,7 +1123,7 @@ def test_a_group_restart_the_router_refuses_says_which_replicas_are_not_back(tmp
     router.answer[False] = (503, None)
     sup, _, said = supervisor(state, router=router)
     fake_daemon_restart(monkeypatch)
-    sup.restart_group(state.record.mps, "the MPS daemon is gone", [0, 1])
+    sup.restart_group(state.record.daemon(0), "the MPS daemon is gone", [0, 1])
     assert sup.router.not_in_router == {0, 1} and not sup.stop_requested.is_set()
     assert said[-1] == ("MPS daemon and every replica restarted and verified; replica(s) 0, 1 "
                         "NOT back in the router (above), retried at every sweep")
@@ -1114,7 +1142,7 @@ def test_a_failed_group_restart_stops_the_run(tmp_path, monkeypatch):
                         lambda control: SimpleNamespace(stop=lambda record, force: True))
     state = make_state(tmp_path, mps=True)
     sup, _, said = supervisor(state)
-    sup.restart_group(state.record.mps, "the MPS daemon is gone", [0, 1])
+    sup.restart_group(state.record.daemon(0), "the MPS daemon is gone", [0, 1])
     assert sup.exit_code == 3 and sup.stop_requested.is_set()
     assert said[-1] == ("restarting after the MPS fault failed: the MPS daemon did not start: "
                         "no GPU; stopping the run")
@@ -1137,3 +1165,151 @@ def test_replica_logs_are_scanned_for_new_fault_lines_only(tmp_path):
     assert not log.exists() and (tmp_path / "replica_0.log.7").read_text() == "FAULT x\n"
     log.write_text("FAULT y\nthe new log is longer than the old one\n")
     assert scanner.new_faults([log]) == ["replica_0.log: FAULT y"]  # not read from byte 8
+
+
+# --- a run over several GPUs: one daemon per GPU, each fault its own GPU's ---------------------
+
+GPU1 = "GPU 1 (NVIDIA H200)"
+
+
+def two_gpu_run(tmp_path, **changes) -> tuple[RunState, FakeRouter, Supervisor, FakeWorld,
+                                               list[str]]:
+    """Four replicas under MPS over two GPUs (0, 1 on GPU slot 0; 2, 3 on slot 1), one daemon
+    each (pids 800, 801), supervised with a fake world and a router whose calls are kept."""
+    state = make_state(tmp_path, replicas=4, mps=True, gpus=2, **changes)
+    router = FakeRouter()
+    sup, world, said = supervisor(state, router=router)
+    return state, router, sup, world, said
+
+
+def workers(router: FakeRouter) -> set[int]:
+    """The replicas the router was asked to take out or put back."""
+    return {int(url.rsplit("/", 1)[1]) for url, _, _ in router.calls}
+
+
+def test_over_two_gpus_each_replica_depends_on_its_own_gpus_daemon_only(tmp_path):
+    deps = run_slots(make_state(tmp_path, replicas=4, mps=True, gpus=2).record)
+    assert [s for s in deps.slots if s.kind == "mps"] == [Slot.mps(0), Slot.mps(1)]
+    assert deps.dependents(Slot.mps(0)) == [Slot.replica(0), Slot.replica(1)]
+    assert deps.dependents(Slot.mps(1)) == [Slot.replica(2), Slot.replica(3)]
+    assert deps.prerequisites(Slot.replica(2)) == {Slot.mps(1)}
+    assert deps.order() == [Slot.mps(0), Slot.replica(0), Slot.replica(1), Slot.mps(1),
+                            Slot.replica(2), Slot.replica(3), ROUTER]  # each daemon first
+    # a restart of GPU 1's daemon leaves GPU 0's daemon and replicas free to be watched
+    assert deps.related(Slot.mps(1)) == {Slot.mps(1), Slot.replica(2), Slot.replica(3)}
+    assert str(Slot.mps(1)) == "mps 1"
+    plain = run_slots(make_state(tmp_path / "plain", replicas=4, gpus=2).record)
+    assert not [s for s in plain.slots if s.kind == "mps"]
+
+
+def test_a_dead_daemon_on_one_gpu_hands_over_only_its_replicas_and_the_other_gpu_stays_watched(
+        tmp_path):
+    state, _, sup, world, said = two_gpu_run(tmp_path)
+    began, release, groups = threading.Event(), threading.Event(), []
+
+    def group_restart(record, fault, indices, delay):
+        groups.append((record.identity.pid, record.gpu, fault, indices))
+        began.set()
+        release.wait(10)
+
+    replica_restarts: list[int] = []
+    sup.restart_group = group_restart
+    sup.restart_replica = lambda index, reason, group: replica_restarts.append(index)
+    world.daemon_of[1] = DaemonHealth(alive=False, reachable=False)
+    world.live -= {801, 1002}  # GPU 1's daemon and one of its clients are gone
+    try:
+        sup.sweep()
+        assert began.wait(5)
+        gone = f"the MPS daemon of {GPU1} is gone"
+        assert groups == [(801, 1, gone, [2, 3])]
+        assert said == [f"{gone}: its replica(s) 2, 3 are suspect, the other GPUs' not"]
+        [fault] = [e for e in events(state) if e["event"] == "mps_fault"]
+        assert fault["gpu"] == 1 and fault["detail"] == gone
+        assert Slot.mps(1) in sup.busy.slots() and Slot.mps(0) not in sup.busy.slots()
+        # meanwhile GPU 0's daemon and replicas are watched, GPU 1's are left to the restart
+        assert set(sup._watched()) == {state.record.router.identity,
+                                       state.record.daemon(0).identity,
+                                       state.replica(0).identity, state.replica(1).identity}
+        world.live.discard(1000)
+        sup.sweep()
+        sup.busy.join(0.5)
+        assert replica_restarts == [0]  # GPU 0's replica restarts on its own, at once
+        assert world.checked == [0, 1, 0]  # GPU 1's daemon is not looked at meanwhile
+    finally:
+        release.set()
+        sup.busy.join(5)
+
+
+def test_a_fault_on_gpu_1_restarts_only_gpu_1s_daemon_and_replicas(tmp_path, monkeypatch):
+    state, router, sup, world, said = two_gpu_run(tmp_path)
+    daemons = fake_daemon_restart(monkeypatch)
+    before = [state.replica(i) for i in (0, 1)]
+    world.daemon_of[1] = DaemonHealth(alive=True, reachable=False, error="timed out")
+    sup.sweep()
+    sup.busy.join(5)
+    assert daemons == ["stop 801", "mps-control 1"]  # GPU 1's daemon, started on GPU 1
+    calls = sup.replicas.calls
+    assert ("stop", 2, 3) in calls and ("verify_attachment", 1) in calls
+    assert {c[1] for c in calls if c[0] == "start"} == {2, 3}
+    assert not [c for c in calls if c[0] == "stop" and {0, 1} & set(c[1:])]
+    assert ("verify_attachment", 0) not in calls
+    assert workers(router) == {2, 3}  # 0 and 1 never left the router
+    assert [state.replica(i) for i in (0, 1)] == before  # not restarted, not even marked
+    assert [r.state for r in state.replicas] == [H] * 4
+    assert said[-1] == (f"MPS daemon of {GPU1} and its replica(s) 2, 3 restarted and "
+                        "verified; all back in the router")
+    [done] = [e for e in events(state) if e["event"] == "mps_restarted"]
+    assert done["gpu"] == 1 and done["replicas"] == [2, 3]
+
+
+def test_each_gpus_daemon_has_its_own_restart_budget(tmp_path):
+    state, _, sup, world, said = two_gpu_run(tmp_path, budget=1)
+    sup.restart_group = lambda *args: None
+    world.daemon_of[0] = DaemonHealth(alive=True, reachable=False, error="timed out")
+    sup.sweep()
+    sup.busy.join(5)
+    assert len(sup.mps[0].restarts) == 1 and sup.mps[1].restarts == ()
+    del world.daemon_of[0]
+    sup.crew.clock.now += 5
+    world.daemon_of[1] = DaemonHealth(alive=False, reachable=False)
+    sup.sweep()  # GPU 0 spent its budget, GPU 1 has not: restarted, the run goes on
+    sup.busy.join(5)
+    assert not sup.stop_requested.is_set()
+    assert len(sup.mps[0].restarts) == 1 and len(sup.mps[1].restarts) == 1
+    sup.crew.clock.now += 5
+    sup.sweep()  # GPU 1 again: its own budget is spent now
+    assert sup.exit_code == 3 and sup.stop_requested.is_set()
+    assert said[-1] == (f"1 MPS restarts on {GPU1} within 600 s: the restart budget is spent; "
+                        "stopping the run")
+    faults = [(e["gpu"], e["action"]) for e in events(state) if e["event"] == "mps_fault"]
+    assert faults == [(0, "restart"), (1, "restart"), (1, "fail")]
+
+
+def test_a_gpus_fault_scan_reads_its_own_replicas_logs_only(tmp_path):
+    state, _, sup, _, said = two_gpu_run(tmp_path)
+    groups: list[tuple[int, list[int]]] = []
+    sup.restart_group = lambda record, fault, indices, delay: groups.append((record.gpu,
+                                                                             indices))
+    for i in range(4):
+        (state.logs / f"replica_{i}.log").write_text("ok\n")
+    (state.logs / "replica_2.log").write_text("cudaErrorMpsConnectionFailed\n")
+    sup.sweep()
+    sup.busy.join(5)
+    assert groups == [(1, [2, 3])]  # GPU 1's client logged it: GPU 1's fault, GPU 0 is fine
+    assert said == [f"MPS faults in the logs of {GPU1}: replica_2.log: "
+                    "cudaErrorMpsConnectionFailed: its replica(s) 2, 3 are suspect, the other "
+                    "GPUs' not"]
+    logs = [state.logs / f"replica_{i}.log" for i in range(4)]
+    assert set(sup.mps[0].scanner.offsets) == set(logs[:2])  # each scanner: its GPU's logs
+    assert set(sup.mps[1].scanner.offsets) == set(logs[2:])
+
+
+def test_a_restarted_replica_is_verified_against_its_own_gpus_daemon(tmp_path):
+    state, _, sup, world, said = two_gpu_run(tmp_path)
+    world.live.discard(1003)  # replica 3, on GPU 1
+    sup.sweep()
+    sup.busy.join(5)
+    verified = [c for c in sup.replicas.calls if c[0] == "verify_attachment"]
+    assert verified == [("verify_attachment", 1)]
+    assert said[-1] == (f"replica 3: restarted (pid {state.replica(3).pid}), passed its gates "
+                        "(health, processes, KV, MPS attachment), back in the router")

@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -38,7 +39,7 @@ from omni_dp.mps.attach import DeclaredProcess
 from omni_dp.procs import ProcessIdentity, identify, is_alive
 from omni_dp.runfile import ReplicaState
 
-from support.plans import two_replica_plan
+from support.plans import gpu_run_record, gpus_json, stored_state, two_replica_plan
 from support.wait import wait_for
 
 ENGINE = Path(__file__).resolve().parents[1] / "support" / "orphaning_engine.py"
@@ -379,3 +380,114 @@ def test_processes_seen_while_a_replica_starts_are_recorded_and_reached_after_it
     result = teardown(state, drain_timeout=2.0, keep_state=True)
     assert result.clean, result.leftovers
     assert not is_alive(core) and not is_alive(worker)
+
+
+# --- teardown of a run over two GPUs: one daemon each ------------------------------------------
+
+
+@pytest.fixture
+def daemon_standins(token):
+    """Processes standing in for GPU slot k's MPS daemon, k = 0, 1, … (each carrying the run
+    token, as a daemon the launcher started does): only a `quit` (fake_quit) ends one."""
+    started: list[subprocess.Popen] = []
+
+    def start() -> subprocess.Popen:
+        popen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                 env={**os.environ, TOKEN_ENV: token}, stdin=subprocess.DEVNULL)
+        started.append(popen)
+        wait_for("the stand-in daemon", lambda: identify(popen.pid) is not None, timeout=5)
+        return popen
+
+    try:
+        yield start
+    finally:
+        for popen in started:
+            popen.kill()
+            popen.wait(10)
+
+
+def two_gpu_state(tmp_path: Path, token: str, daemons: list[subprocess.Popen]) -> RunState:
+    """Four replicas over two GPUs (0, 1 on slot 0; 2, 3 on slot 1), none running any more,
+    and each GPU's daemon (the stand-ins, by GPU slot) still up."""
+    records = [{**identify(popen.pid).to_json(), "binary": "mps-control",
+                "pipe_dir": str(tmp_path / f"gpu{k}" / "pipe"),
+                "log_dir": str(tmp_path / f"gpu{k}" / "log"), "gpu_uuid": f"GPU-{k}",
+                "server_binary": None, "gpu": k} for k, popen in enumerate(daemons)]
+    data = gpu_run_record("run-gpus", [{"index": i, "gpu": i // 2} for i in range(4)],
+                          gpus_json(2), records)
+    return stored_state(tmp_path / "run", data, token)
+
+
+@dataclass
+class Quits:
+    """The GPU slots whose daemon was quit, in order, and when (time.monotonic) by slot."""
+
+    order: list[int] = field(default_factory=list)
+    at: dict[int, float] = field(default_factory=dict)
+
+
+def fake_quit(monkeypatch, daemons: list[subprocess.Popen],
+              foreign: dict[int, list[int]]) -> Quits:
+    """teardown's MpsDaemon, faked for each GPU's stand-in (known by its pipe dir): its
+    clients are `foreign`'s for its GPU slot (none by default); its `quit` ends the stand-in."""
+    from omni_dp.launcher import teardown as teardown_module
+
+    quits = Quits()
+
+    def daemon(control):
+        gpu = int(Path(control.pipe_dir).parent.name.removeprefix("gpu"))
+
+        def stop(record):
+            assert record.gpu == gpu and record.identity.pid == daemons[gpu].pid
+            quits.order.append(gpu)
+            quits.at[gpu] = time.monotonic()
+            daemons[gpu].terminate()
+            daemons[gpu].wait(10)
+            return True
+
+        return SimpleNamespace(clients=lambda: {100 + gpu: foreign.get(gpu, [])}, stop=stop)
+
+    monkeypatch.setattr(teardown_module, "MpsDaemon", daemon)
+    monkeypatch.setattr(teardown_module, "CLIENTS_GONE_WAIT_S", 1.0)
+    return quits
+
+
+def test_teardown_stops_every_gpus_daemon(tmp_path, token, daemon_standins,
+                                          monkeypatch) -> None:
+    from omni_dp.launcher.teardown import teardown
+
+    daemons = [daemon_standins(), daemon_standins()]
+    state = two_gpu_state(tmp_path, token, daemons)
+    quits = fake_quit(monkeypatch, daemons, {})
+    said: list[str] = []
+    result = teardown(state, drain_timeout=1.0, keep_state=True, say=said.append)
+    assert result.clean, result.leftovers
+    assert quits.order == [0, 1] and not any(running(d) for d in daemons)
+    assert [line for line in said if "MPS daemon" in line] == [
+        f"stopping the MPS daemon of GPU {k} (NVIDIA H200) (pid {d.pid})"
+        for k, d in enumerate(daemons)]
+    assert [(e["gpu"], e["pid"]) for e in state.events()
+            if e["event"] == "mps_daemon_stopped"] == [(k, d.pid) for k, d in enumerate(daemons)]
+
+
+def test_a_daemon_a_foreign_client_holds_is_left_and_named_and_the_other_gpus_is_stopped(
+        tmp_path, token, daemon_standins, monkeypatch) -> None:
+    """GPU 0's daemon keeps a client that is not the run's: it is left (never signalled,
+    though it carries the run token), and named; GPU 1's daemon is stopped without waiting for
+    GPU 0's to be let go of."""
+    from omni_dp.launcher.teardown import teardown
+
+    daemons = [daemon_standins(), daemon_standins()]
+    state = two_gpu_state(tmp_path, token, daemons)
+    quits = fake_quit(monkeypatch, daemons, {0: [4242]})
+    began = time.monotonic()
+    result = teardown(state, drain_timeout=1.0)
+    assert quits.order == [1] and not running(daemons[1])
+    assert quits.at[1] - began < 0.9  # at once: GPU 0's clients do not hold GPU 1's daemon up
+    assert time.monotonic() - began >= 1.0  # GPU 0's clients were waited for, bounded
+    assert running(daemons[0])  # not quit, and not stopped as a token carrier either
+    assert not result.clean and not result.removed
+    [left] = result.leftovers
+    assert left.startswith("MPS client(s) 4242 are still attached to the run's daemon of "
+                           f"GPU 0 (NVIDIA H200) (pid {daemons[0].pid})")
+    assert [e["gpu"] for e in state.events() if e["event"] == "mps_daemon_stopped"] == [1]

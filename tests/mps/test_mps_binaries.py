@@ -353,21 +353,6 @@ def test_the_record_keeps_the_server_and_old_records_still_load():
     assert old.server_binary is None and old.control().server_binary is None
 
 
-class _State:
-    """What start_daemon uses of a RunState."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.data: dict = {}
-        self.events: list[tuple[str, dict]] = []
-
-    def update(self, **fields) -> None:
-        self.data.update(fields)
-
-    def event(self, name: str, **fields) -> None:
-        self.events.append((name, fields))
-
-
 def test_the_real_daemon_runs_the_recorded_server(tmp_path):
     """End to end: bring-up's start_daemon records the server, and the REAL control daemon,
     asked to start a server, runs exactly that script (found through its PATH)."""
@@ -375,12 +360,13 @@ def test_the_real_daemon_runs_the_recorded_server(tmp_path):
     marker = tmp_path / "server-ran"
     server = fake(tmp_path / "srv" / SERVER_NAME,
                   body=f'echo "$0 $*" > "{marker}"\nexit 1')
-    state = _State(tmp_path / "run")
-    start_daemon(state, binary, None, str(server))
-    record = state.data["mps"]
+    state = plans.stored_state(tmp_path / "run", plans.run_record("run-srv", [{"index": 0}],
+                                                                  gpu="cpu"))
+    start_daemon(state, 0, binary, str(server))  # the one GPU slot (the CPU: no UUID)
+    record = state.record.daemon(0)
     try:
-        assert record.server_binary == str(server)
-        assert state.events[-1][1]["server_binary"] == str(server)
+        assert record.server_binary == str(server) and record.gpu_uuid is None
+        assert state.events()[-1]["server_binary"] == str(server)
         control = record.control()
         assert control.run(f"start_server -uid {os.getuid()}") == ""
         wait_for("the daemon to run the recorded server", marker.exists, 10, interval=0.05)

@@ -7,6 +7,7 @@ real control daemon proves it knows the command and its arity.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -25,7 +26,7 @@ from omni_dp.mps.daemon import DaemonRecord, MpsDaemon
 from omni_dp.procs import ProcessIdentity, identify, is_alive
 
 from support.mps import daemons_under, real_control_binary
-from support.plans import two_replica_plan
+from support.plans import gpu_run_record, gpus_json, stored_state, two_replica_plan
 
 
 def control_for(standin, tmp_path) -> MpsControl:
@@ -65,7 +66,7 @@ def with_daemon(state: RunState, binary: str, pipe_dir: str, log_dir: str,
     """Record an MPS daemon for the run; its identity must be alive (default: this process,
     standing in for a daemon the scripted front end has none of)."""
     identity = identity or identify(os.getpid())
-    state.update(mps=DaemonRecord(identity, binary, pipe_dir, log_dir, None))
+    state.set_daemon(DaemonRecord(identity, binary, pipe_dir, log_dir, None))
 
 
 def terminated_events(state: RunState) -> list[dict]:
@@ -129,6 +130,56 @@ def test_without_a_daemon_it_does_nothing(standin, tmp_path, run_state, spawn) -
     assert standin.commands() == [] and terminated_events(run_state) == []
 
 
+def gpu_front_end(standin, directory: Path, replies: dict) -> tuple[str, Path]:
+    """A front end of its own for one GPU's daemon: the stand-in, reading its own scenario;
+    (its binary, the log of the commands it received)."""
+    directory.mkdir()
+    scenario, log = directory / "scenario.json", directory / "commands.log"
+    scenario.write_text(json.dumps({"replies": replies, "log": str(log)}))
+    binary = directory / "nvidia-cuda-mps-control"
+    binary.write_text(f"#!/bin/sh\nMPS_STANDIN_SCENARIO='{scenario}' exec '{standin.binary}' "
+                      '"$@"\n')
+    binary.chmod(0o755)
+    return str(binary), log
+
+
+def commands(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_over_two_gpus_each_survivor_is_terminated_through_its_own_gpus_daemon(
+        standin, tmp_path, spawn) -> None:
+    """GPU 0's server (101) serves one survivor, GPU 1's (202) another: each daemon is told to
+    terminate only its own client; the third, nobody's client, is named to neither. Stopping
+    GPU 1's replicas alone leaves GPU 0's daemon unasked."""
+    on0, on1, nobodys = spawn(), spawn(), spawn()
+    front = [gpu_front_end(standin, tmp_path / f"gpu{k}", {
+        "get_server_list": str(server), f"get_client_list {server}": str(client),
+        f"terminate_client {server} {client}": ""}) for k, (server, client)
+        in enumerate([(101, on0), (202, on1)])]
+    me = identify(os.getpid())  # alive: stands in for each daemon's process
+    daemons = [{**me.to_json(), "binary": binary, "pipe_dir": str(tmp_path / f"gpu{k}" / "p"),
+                "log_dir": str(tmp_path / f"gpu{k}" / "l"), "gpu_uuid": None,
+                "server_binary": None, "gpu": k} for k, (binary, _) in enumerate(front)]
+    state = stored_state(tmp_path / "run", gpu_run_record(
+        "run-gpus", [{"index": i, "gpu": i // 2} for i in range(4)], gpus_json(2), daemons))
+    survivors = [identify(pid) for pid in (on0, on1, nobodys)]
+
+    mps_terminator(state, wait_s=0.2)(survivors)
+    (_, log0), (_, log1) = front
+    assert [c for c in commands(log0) if c.startswith("terminate")] == [
+        f"terminate_client 101 {on0}"]
+    assert [c for c in commands(log1) if c.startswith("terminate")] == [
+        f"terminate_client 202 {on1}"]
+    assert [(e["gpu"], e["server"], e["pids"]) for e in terminated_events(state)] == [
+        (0, 101, [on0]), (1, 202, [on1])]
+
+    log0.unlink()
+    mps_terminator(state, wait_s=0.2, gpus={1})(survivors)  # GPU 1's replicas stopping
+    assert commands(log0) == []
+    assert f"terminate_client 202 {on1}" in commands(log1)
+
+
 # --- the real control daemon ------------------------------------------------------------------
 
 
@@ -145,7 +196,7 @@ def test_the_real_daemon_knows_terminate_client(run_state, spawn) -> None:
         record = daemon.start(gpu_uuid=None)
         with pytest.raises(CommandRejected, match="Server 1 not found"):
             control.terminate_client(1, 2)
-        run_state.update(mps=record)
+        run_state.set_daemon(record)
         mps_terminator(run_state)([identify(spawn())])
         assert terminated_events(run_state) == []
         assert daemon.stop(record)

@@ -174,7 +174,7 @@ class Run:
 
     def _remember(self, data: dict) -> None:
         records = [data.get("supervisor"), data.get("router"),
-                   (data.get("mps") or {}).get("daemon"), *data.get("replicas", [])]
+                   *(data.get("mps") or {}).get("daemons", ()), *data.get("replicas", [])]
         for record in records:
             if record and record.get("pid") and record.get("create_time"):
                 self._recorded.setdefault(int(record["pid"]), float(record["create_time"]))

@@ -15,7 +15,9 @@ from omni_dp.launcher.engines import EngineSizing
 from omni_dp.launcher.facts import LaunchFacts
 from omni_dp.launcher.options import LaunchOptions
 from omni_dp.launcher.plan import LaunchPlanError, plan_launch
+from omni_dp.launcher.state import RunState
 from omni_dp.launcher.topology import Core, CpuTopology
+from omni_dp.runfile import RunRecord
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 GPU_UUID = "GPU-0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9"
@@ -128,6 +130,13 @@ def one_replica_plan(tmp_path: Path, **options):
 # --- a run's record ---------------------------------------------------------------------------
 
 
+def gpus_json(count: int) -> list[dict]:
+    """`count` H200s as run.json's "gpus" lists them (for gpu_run_record): slot k is GPU index
+    k, on NUMA node k."""
+    return [{"slot": k, "label": f"GPU-{k}", "index": k, "numa_node": k, "name": "NVIDIA H200"}
+            for k in range(count)]
+
+
 def run_record(run_id: str, replicas: list[dict], daemon: dict | None = None,
                gpu: str = "GPU-test") -> dict:
     """A whole run.json (schema 1) as the launcher writes it; `replicas` holds what differs
@@ -156,3 +165,29 @@ def run_record(run_id: str, replicas: list[dict], daemon: dict | None = None,
                       "state": "healthy", "kv_tokens": 1024, "mps_attached": None,
                       "restarts": [], "last_error": None, **r} for r in replicas],
     }
+
+
+def gpu_run_record(run_id: str, replicas: list[dict], gpus: list[dict],
+                   daemons: list[dict] | None = None) -> dict:
+    """A whole run.json (schema 2) of a run over several GPUs, built on run_record: `gpus` the
+    GPUs' records (slot, label, index; numa_node and name optional), `daemons` one daemon
+    record per GPU slot (its "gpu"), each replica its GPU slot as "gpu" (default 0)."""
+    data = run_record(run_id, replicas, daemons[0] if daemons else None,
+                      gpu=",".join(g["label"] for g in gpus))
+    data["schema"] = 2
+    data["gpus"] = [{"numa_node": None, "name": None, **g} for g in gpus]
+    data["mps"] = {"daemons": daemons} if daemons else None
+    for replica in data["replicas"]:
+        replica.setdefault("gpu", 0)
+    return data
+
+
+def stored_state(directory: Path, data: dict, token: str = "token") -> RunState:
+    """A run directory holding this run.json (run_record) and token, as the launcher leaves
+    it: its RunState, built without a plan."""
+    directory.mkdir(parents=True)
+    (directory / "logs").mkdir()
+    state = RunState(directory, RunRecord.from_json(data), token)
+    state.save()
+    (directory / "run_token").write_text(token + "\n")
+    return state

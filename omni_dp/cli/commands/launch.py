@@ -28,12 +28,14 @@ from omni_dp.launcher.options import LaunchOptions, load_config_file, merge_opti
 @click.argument("engine_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- ENGINE ARGS]")
 @click.pass_context
 def launch(ctx, dry_run, as_json, engine_args, **flags) -> None:
-    """Run N replicas on one GPU behind one router, verified, and supervise them.
+    """Run N replicas on one GPU (or on each of --gpus) behind one router, verified, and
+    supervise them.
 
     Preflight checks everything first and exits 2 with every problem before anything exists.
-    Then: state dir, (--mps) private MPS daemon, replicas pinned to CPU blocks, health, equal
-    KV, (--mps) attachment of every CUDA process, router. Arguments after `--` go to every
-    replica's engine: for the built-in one e.g. `-- --model small`; for an external engine
+    Then: state dir, (--mps) a private MPS daemon per GPU, replicas pinned to CPU blocks,
+    health, equal KV, (--mps) attachment of every CUDA process to its GPU's daemon, router,
+    (--register) the fleet gateway. Arguments after `--` go to every replica's engine: for
+    the built-in one e.g. `-- --model small`; for an external engine
     the model directory first, then the engine's own flags, e.g. `--engine vllm
     --max-total-tokens 1024 -- /models/my-llama --enforce-eager`.
 
@@ -51,9 +53,9 @@ def launch(ctx, dry_run, as_json, engine_args, **flags) -> None:
     # (by name: the adapters are not imported to make the flags, see LaunchOptions)
     plan = _plan(options, problems)
     if dry_run:
-        emit({"run_id": plan.run_id, **plan.to_json(),
+        emit({"run_id": plan.run_id, **plan.to_json(), "gpus": plan.gpus_json(),
               "replica_plans": [{"index": r.index, "port": r.port, "cpus": r.cpus,
-                                 "argv": list(r.argv)} for r in plan.replicas]},
+                                 "gpu": r.gpu, "argv": list(r.argv)} for r in plan.replicas]},
              "\n".join(plan.describe()), as_json)
         return
     if options.log_format == "json":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import NoReturn
 
 import click
 
@@ -15,32 +16,55 @@ from omni_dp.mps.binaries import CONTROL_HELP
 
 @click.command("verify-mps")
 @click.argument("run_id", required=False)
+@click.option("--gpu", default=None, metavar="INDEX|UUID",
+              help="Check only this GPU of the run (its NVML index or its UUID). "
+                   "[default: every GPU of the run]")
 @json_option("the report")
 @click.option("--no-nvml", is_flag=True, help="Skip the NVML cross-check of GPU processes.")
-def verify_mps(run_id: str | None, as_json: bool, no_nvml: bool) -> None:
+def verify_mps(run_id: str | None, gpu: str | None, as_json: bool, no_nvml: bool) -> None:
     """Re-prove that every GPU process of every replica of a live run is an MPS client.
 
-    Reads the run's state (OMNI_DP_STATE_DIR, default $XDG_RUNTIME_DIR or /tmp /omni-dp-UID),
-    queries the run's private MPS daemon, rewrites mps_attach.txt/.json in the run directory and
-    prints the map. With no RUN_ID it takes the only live run.
+    Reads the run's state (OMNI_DP_STATE_DIR, default $XDG_RUNTIME_DIR or /tmp /omni-dp-UID).
+    A run has one private MPS daemon per GPU: each GPU's replicas are checked against that
+    GPU's daemon, and each GPU's proof is rewritten in the run directory (mps_attach.txt/.json
+    for a one-GPU run, mps_attach.gpuINDEX.txt/.json per GPU). Prints the map, GPU by GPU.
+    With no RUN_ID it takes the only live run with an MPS daemon.
 
-    Exit codes: 0 PASS, 1 FAIL, 2 cannot check (the message says why).
+    Exit codes: 0 PASS on every GPU checked, 1 FAIL on some GPU, 2 cannot check (a GPU whose
+    daemon is not running, a GPU not in the run, no such run: the message says which).
     """
-    from omni_dp.mps.attach import format_text
-    from omni_dp.mps.runs import CannotCheck, pick_run, verify_run
+    from omni_dp.mps.runs import (
+        CANNOT_CHECK,
+        FAIL,
+        CannotCheck,
+        format_verdict,
+        pick_run,
+        verify_run,
+    )
 
     try:
         run = pick_run(run_id)
-        report = verify_run(run, use_nvml=not no_nvml)
+        verdict = verify_run(run, gpu=gpu, use_nvml=not no_nvml)
     except CannotCheck as exc:
-        if as_json:
-            click.echo(json.dumps({"result": "CANNOT_CHECK", "reason": str(exc)}, indent=2))
-        else:
-            click.echo(f"omni-dp verify-mps: cannot check: {exc}", err=True)
-        sys.exit(ExitCode.USAGE)
-    emit({"run_id": run.run_id, **report.to_json()},
-         f"run {run.run_id}\n{format_text(report)}", as_json)
-    sys.exit(ExitCode.OK if report.passed else ExitCode.CHECK_FAILED)
+        _cannot_check(str(exc), as_json)
+    checked = len(verdict.unchecked) < len(verdict.gpus)
+    if as_json or checked:
+        emit(verdict.to_json(), format_verdict(verdict), as_json)
+    if not as_json:
+        for unchecked in verdict.unchecked:
+            click.echo(f"omni-dp verify-mps: cannot check: {unchecked.reason}", err=True)
+    code = {FAIL: ExitCode.CHECK_FAILED, CANNOT_CHECK: ExitCode.USAGE}.get(verdict.result,
+                                                                          ExitCode.OK)
+    sys.exit(code)
+
+
+def _cannot_check(reason: str, as_json: bool) -> NoReturn:
+    """No verdict on the run at all (no such run, not an --mps run, no GPU of that name)."""
+    if as_json:
+        click.echo(json.dumps({"result": "CANNOT_CHECK", "reason": reason}, indent=2))
+    else:
+        click.echo(f"omni-dp verify-mps: cannot check: {reason}", err=True)
+    sys.exit(ExitCode.USAGE)
 
 
 @click.group()

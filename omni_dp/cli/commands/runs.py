@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
@@ -23,19 +24,62 @@ def _pick_run(run_id: str | None, command: str):
 @click.command()
 @click.argument("run_id", required=False)
 @json_option("the status")
-def status(run_id: str | None, as_json: bool) -> None:
+@click.option("--prometheus-sd", "sd_file", default=None, metavar="FILE",
+              help="Instead of the status, write a Prometheus file_sd target list (the router "
+                   "and every replica, labelled by run, role, replica and GPU) to FILE, "
+                   "atomically; '-' prints it. With no RUN_ID: every live run on this host.")
+def status(run_id: str | None, as_json: bool, sd_file: str | None) -> None:
     """A run's replicas (pid, CPU block, port, health, KV, MPS, restarts), router, daemon.
 
-    With no RUN_ID: the only live run. Exit codes: 0 every replica healthy, 1 not (or the run
-    is abandoned: nothing owns it), 2 no such run.
+    With no RUN_ID: the only live run. A run over several GPUs is shown GPU by GPU, each with
+    its MPS daemon. Exit codes: 0 every replica healthy, 1 not (or the run is abandoned:
+    nothing owns it), 2 no such run. With --prometheus-sd: 0 once the file is written, 2 when
+    it cannot be (the message says why).
     """
     from omni_dp.launcher.facts import invoked_as
     from omni_dp.launcher.status import collect, format_status
 
+    if sd_file is not None:
+        _write_prometheus_sd(run_id, sd_file, as_json)
+        return
     report = collect(_pick_run(run_id, "status"))
     emit(report, format_status(report, invoked_as()), as_json)
     healthy = report["replicas"] and all(r["health"] == "healthy" for r in report["replicas"])
     sys.exit(ExitCode.OK if healthy and report["state"] != "abandoned" else ExitCode.CHECK_FAILED)
+
+
+def _write_prometheus_sd(run_id: str | None, sd_file: str, as_json: bool) -> None:
+    """`status --prometheus-sd`: the target list of the run(s), to FILE or stdout ('-')."""
+    from omni_dp.launcher.scrape_targets import TargetError, render, run_groups, write_file_sd
+    from omni_dp.launcher.status import NoSuchRun, scrape_runs
+
+    try:
+        records = scrape_runs(run_id)
+        groups = [group for record in records for group in run_groups(record)]
+    except (NoSuchRun, TargetError) as exc:
+        fail("status", str(exc))
+    if sd_file == "-":
+        click.echo(render(groups), nl=False)
+        return
+    path = Path(sd_file)
+    try:
+        write_file_sd(path, groups)
+    except OSError as exc:
+        fail("status", f"cannot write the Prometheus target list to {path}: {_why(exc, path)}")
+    runs = [r.run_id for r in records]
+    targets = sum(len(g["targets"]) for g in groups)
+    emit({"file": str(path), "runs": runs, "targets": targets},
+         f"wrote {targets} target(s) of {len(runs)} run(s) ({', '.join(runs) or 'no live run'})"
+         f" to {path}", as_json)
+
+
+def _why(exc: OSError, path: Path) -> str:
+    """What to fix, for the errors a person can fix."""
+    if isinstance(exc, FileNotFoundError):
+        return f"its directory {path.parent} does not exist"
+    if isinstance(exc, PermissionError):
+        return f"{path.parent} is not writable by you"
+    return exc.strerror or str(exc)
 
 
 @click.command("list")

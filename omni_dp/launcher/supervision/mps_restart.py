@@ -1,19 +1,22 @@
-"""After an MPS fault every client is suspect: the replicas that depend on the daemon are taken
-out of the router and stopped, the daemon is replaced (its old logs set aside, so their faults
-do not condemn the new one), and the replicas come back through the gates of bring-up. A
-failure here stops the run: there is nothing left to fall back on.
+"""After an MPS fault on one GPU every client of that GPU's daemon is suspect, and only they:
+the replicas that depend on the daemon (that GPU's) are taken out of the router and stopped,
+the daemon is replaced (its old logs set aside, so their faults do not condemn the new one), and
+the replicas come back through the gates of bring-up, verified against the new daemon. The other
+GPUs' daemons and replicas are not touched. A failure here stops the run: there is nothing left
+to fall back on.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from omni_dp.launcher.bringup import BringUpFailed, start_daemon, start_replicas
 from omni_dp.launcher.gates import GateFailed
 from omni_dp.launcher.processes import stop_processes
 from omni_dp.launcher.supervision.crew import Crew
+from omni_dp.launcher.supervision.mps_watch import gpu_named
 from omni_dp.launcher.supervision.router_link import RouterLink
 from omni_dp.mps.daemon import CONTROL_LOG, DaemonRecord, MpsDaemon, MpsDaemonError
 from omni_dp.mps.faults import FaultScanner
@@ -21,26 +24,29 @@ from omni_dp.runfile import ReplicaState
 
 
 class GroupRestart:
-    def __init__(self, crew: Crew, router: RouterLink, scanner: FaultScanner,
+    def __init__(self, crew: Crew, router: RouterLink, scanners: Mapping[int, FaultScanner],
                  passed: Callable[[int], None] = lambda index: None) -> None:
         self.crew = crew
         self.router = router
-        self.scanner = scanner
+        self.scanners = scanners  # by GPU slot: each daemon's watch reads its own logs
         self.passed = passed  # told for each replica that passed every gate
 
     def __call__(self, record: DaemonRecord, fault: str, indices: list[int],
                  delay: float = 0.0) -> None:
-        """The restart thread's body: the daemon of record and these replicas, its clients."""
+        """The restart thread's body: the daemon of record (GPU slot record.gpu) and these
+        replicas, its clients."""
         try:
             for i in indices:
                 self.router.set_disabled(i, True)
                 self.crew.state.update_replica(i, state=ReplicaState.RESTARTING, last_error=fault)
             if self.crew.stop.wait(delay) or not self._replace_daemon(record, indices):
                 return
-            self._bring_back(indices)
+            self._bring_back(record.gpu, indices)
         except (BringUpFailed, GateFailed, MpsDaemonError, OSError) as exc:
-            self.crew.state.event("mps_restart_failed", error=str(exc))
-            self.crew.say(f"restarting after the MPS fault failed: {exc}; stopping the run")
+            gpu = gpu_named(self.crew.state.record, record.gpu)
+            self.crew.state.event("mps_restart_failed", gpu=record.gpu, error=str(exc))
+            self.crew.say("restarting after the MPS fault" + (f" on {gpu}" if gpu else "")
+                          + f" failed: {exc}; stopping the run")
             self.crew.fail()
 
     def _replace_daemon(self, record: DaemonRecord, indices: list[int]) -> bool:
@@ -52,26 +58,31 @@ class GroupRestart:
         except MpsDaemonError:
             stop_processes([record.identity], None, 5.0)
         logs = [crew.state.logs / crew.state.replica(i).log for i in indices]
-        self.scanner.set_aside([Path(record.log_dir, CONTROL_LOG), *logs], int(time.time()))
+        self.scanners[record.gpu].set_aside([Path(record.log_dir, CONTROL_LOG), *logs],
+                                            int(time.time()))
         with crew.gate.open() as may:
             if not may:
                 return False
-            start_daemon(crew.state, record.binary, record.gpu_uuid, record.server_binary)
+            start_daemon(crew.state, record.gpu, record.binary, record.server_binary)
         return True
 
-    def _bring_back(self, indices: list[int]) -> None:
+    def _bring_back(self, gpu: int, indices: list[int]) -> None:
         crew = self.crew
         start_replicas(crew.state, crew.replicas, indices,
                        sequential=crew.state.plan.start == "sequential",
                        timeout_s=crew.state.supervision.start_timeout, say=crew.say)
-        if not crew.replicas.verify_attachment().passed:
-            raise BringUpFailed("MPS attachment FAILED after the daemon restart")
+        named = gpu_named(crew.state.record, gpu)
+        if not crew.replicas.verify_attachment(gpu).passed:
+            raise BringUpFailed("MPS attachment FAILED after the daemon restart"
+                                + (f" on {named}" if named else ""))
         for i in indices:  # the fault is resolved for every replica
             self.passed(i)
             crew.state.update_replica(i, last_error=None)
         out = [i for i in indices if not self.router.set_disabled(i, False)]
         self.router.not_in_router.update(out)
-        crew.state.event("mps_restarted", not_in_router=out)
-        crew.say("MPS daemon and every replica restarted and verified"
-                 + (f"; replica(s) {', '.join(map(str, out))} NOT back in the router "
-                    "(above), retried at every sweep" if out else "; all back in the router"))
+        crew.state.event("mps_restarted", gpu=gpu, replicas=indices, not_in_router=out)
+        done = ("MPS daemon and every replica restarted and verified" if named is None else
+                f"MPS daemon of {named} and its replica(s) {', '.join(map(str, indices))} "
+                "restarted and verified")
+        crew.say(done + (f"; replica(s) {', '.join(map(str, out))} NOT back in the router "
+                         "(above), retried at every sweep" if out else "; all back in the router"))

@@ -1,6 +1,7 @@
-"""Is the run's MPS daemon fit to serve, and what a fault means: `--on-mps-fault restart` (a new
-daemon and every client, within the restart budget) or `fail` (stop the run, state kept). A
-fault taints every client, so it is decided once for all of them.
+"""Is one GPU's MPS daemon fit to serve, and what a fault means: `--on-mps-fault restart` (a
+new daemon and every client on that GPU, within that GPU's restart budget) or `fail` (stop the
+run, state kept). A fault taints every client of the daemon, so it is decided once for all of
+them; the other GPUs' daemons and replicas are not its clients, so it says nothing of them.
 """
 
 from __future__ import annotations
@@ -13,17 +14,25 @@ from omni_dp.launcher.supervision.crew import Crew, Probe
 from omni_dp.launcher.supervision.restart_policy import GiveUp, RestartPolicy
 from omni_dp.mps.daemon import DaemonHealth, DaemonRecord
 from omni_dp.mps.faults import FaultScanner
+from omni_dp.runfile import RunRecord
 
 
-def describe_fault(health: DaemonHealth) -> str | None:
-    """The fault in words; None when the daemon is fit."""
+def gpu_named(record: RunRecord, gpu: int) -> str | None:
+    """How messages name GPU slot `gpu`: its title in a run over several GPUs; None in a
+    one-GPU run, whose messages need no name (and read as they always did)."""
+    return record.gpu_record(gpu).title if len(record.gpus) > 1 else None
+
+
+def describe_fault(health: DaemonHealth, gpu: str | None = None) -> str | None:
+    """The fault in words (naming the GPU when given); None when the daemon is fit."""
     if health.ok:
         return None
+    of = f" of {gpu}" if gpu else ""
     if not health.alive:
-        return "the MPS daemon is gone"
+        return f"the MPS daemon{of} is gone"
     if not health.reachable:
-        return f"the MPS daemon does not answer ({health.error})"
-    return "MPS faults in the logs: " + "; ".join(health.faults[:3])
+        return f"the MPS daemon{of} does not answer ({health.error})"
+    return f"MPS faults in the logs{of}: " + "; ".join(health.faults[:3])
 
 
 @dataclass(frozen=True)
@@ -36,33 +45,48 @@ class FaultAction:
 
 
 class MpsWatch:
-    def __init__(self, policy: RestartPolicy, on_fault: str) -> None:
+    """The watch over GPU slot `gpu`'s daemon: its own restart history (a fault on another
+    GPU never spends this one's budget) and its own scanner of its clients' logs."""
+
+    def __init__(self, policy: RestartPolicy, on_fault: str, gpu: int = 0) -> None:
         self.policy = policy
         self.on_fault = on_fault  # restart | fail
-        self.restarts: tuple[float, ...] = ()  # when each daemon restart began
+        self.gpu = gpu
+        self.restarts: tuple[float, ...] = ()  # when each restart of this daemon began
         self.scanner = FaultScanner()
 
+    def logs(self, crew: Crew) -> list[Path]:
+        """The logs of this GPU's replicas: the daemon's clients, and only they."""
+        return [crew.state.logs / r.log for r in crew.state.record.replicas_on(self.gpu)]
+
     def health(self, probe: Probe, record: DaemonRecord, logs: Iterable[Path]) -> DaemonHealth:
-        """The daemon's own health, with the MPS errors the replicas logged since last time."""
+        """The daemon's own health (its control.log), with the MPS errors its clients logged
+        since last time."""
         health = probe.daemon_health(record)
         health.faults += self.scanner.new_faults(logs)
         return health
 
-    def check(self, crew: Crew, record: DaemonRecord, logs: Iterable[Path]) -> FaultAction | None:
+    def check(self, crew: Crew, record: DaemonRecord) -> FaultAction | None:
         """One sweep's look at the daemon: None when it is fit; else the fault is said and
         recorded, a `fail` stops the run, and a `restart` is returned for the caller to run."""
-        fault = describe_fault(self.health(crew.probe, record, logs))
+        run = crew.state.record
+        gpu = gpu_named(run, self.gpu)
+        fault = describe_fault(self.health(crew.probe, record, self.logs(crew)), gpu)
         if fault is None:
             return None
         act = self.decide(crew.clock(), fault)
-        crew.state.event("mps_fault", detail=fault, action=act.action,
+        crew.state.event("mps_fault", gpu=self.gpu, detail=fault, action=act.action,
                          restarts_in_window=act.restarts_in_window)
-        crew.say(f"{fault}: every replica is suspect")
+        clients = ", ".join(str(r.index) for r in run.replicas_on(self.gpu))
+        crew.say(f"{fault}: " + ("every replica is suspect" if gpu is None else
+                                 f"its replica(s) {clients} are suspect, the other GPUs' not"))
         if act.action == "restart":
             return act
         if act.over_budget:
-            crew.say(f"{act.restarts_in_window} MPS restarts within {self.policy.window:.0f} s: "
-                     "the restart budget is spent; stopping the run")
+            crew.say(f"{act.restarts_in_window} MPS restarts"
+                     + (f" on {gpu}" if gpu else "")
+                     + f" within {self.policy.window:.0f} s: the restart budget is spent; "
+                     "stopping the run")
         crew.fail()
         return None
 

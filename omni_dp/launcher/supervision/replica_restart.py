@@ -11,11 +11,12 @@ failed replica's own history only → stopped in
 share_group.stop_waves (followers before their leader) → their ports free → started again in
 share_group.start_waves (the leader, then its followers), each with the same block and
 environment, each through health → KV equal to the plan → the share checks → (--mps)
-attachment → back in the router as soon as its wave passed. A member that fails its gates is
-stopped and left down (the next sweep tries again); a later wave, which depends on it, is not
-started. Past the budget the whole group is marked failed and stays out of the router. An
-error no gate names leaves what passed up, stops what was started and not gated, and leaves
-the rest down. Once teardown began nothing more is written or said: teardown owns the run.
+attachment to its own GPU's daemon → back in the router as soon as its wave passed. A member
+that fails its gates is stopped and left down (the next sweep tries again); a later wave, which
+depends on it, is not started. Past the budget the whole group is marked failed and stays out
+of the router. An error no gate names leaves what passed up, stops what was started and not
+gated, and leaves the rest down. Once teardown began nothing more is written or said:
+teardown owns the run.
 """
 
 from __future__ import annotations
@@ -209,8 +210,9 @@ class ReplicaRestart:
         if crew.replicas.sharing:
             crew.replicas.share_gate(index)
             ran.append("share")
-        if crew.state.record.mps is not None:
-            report = crew.replicas.verify_attachment()
+        gpu = crew.state.replica(index).gpu
+        if crew.state.record.daemon(gpu) is not None:  # against its own GPU's daemon only
+            report = crew.replicas.verify_attachment(gpu)
             if not report.passed:
                 raise GateFailed("MPS attachment FAILED: " + "; ".join(
                     report.problems + [p for v in report.replicas for p in v.problems]))

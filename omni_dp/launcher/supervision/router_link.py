@@ -1,7 +1,9 @@
 """The supervisor's side of the router: taking a replica out and back in (PUT /workers/INDEX
 with the run's API key), the healthy replicas it did not take back (asked again every sweep),
-and restarting a router that died. A call counts as done only on a 2xx; every other outcome is
-said, recorded and never reported as done.
+and restarting a router that died. Under --register (per replica) the fleet gateway follows:
+out with the router, back only once it lists the replica healthy again. A call counts as done
+only on a 2xx (the gateway: listed healthy); every other outcome is said, recorded and never
+reported as done.
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ from collections.abc import Callable
 from omni_dp.contract import API_KEY_ENV
 from omni_dp.launcher.bringup import BringUpFailed, start_router
 from omni_dp.launcher.gates import http_json
+from omni_dp.launcher.gateway_link import REGISTER_WAIT_S, GatewayLink
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.restart_policy import GiveUp
 from omni_dp.runfile import ReplicaState
+
+RETRY_WAIT_S = 5.0  # a sweep's retry of the gateway waits this long at most
 
 
 def admin_error(index: int, disabled: bool, status: int, body: object) -> str:
@@ -32,24 +37,54 @@ class RouterLink:
         self.crew = crew
         self.http = http
         self.not_in_router: set[int] = set()  # healthy, but the router did not take it back
+        self.gateway: GatewayLink | None = None  # --register: made when first needed
         self.restarts: tuple[float, ...] = ()  # when each router restart began
 
     # --- admin calls ------------------------------------------------------------------------
 
-    def set_disabled(self, index: int, disabled: bool, *, warn: bool = True) -> bool:
-        """True only on a 2xx; any other answer is an event and, with warn, a warning and the
-        replica's last_error."""
+    def set_disabled(self, index: int, disabled: bool, *, warn: bool = True,
+                     gateway_wait_s: float = REGISTER_WAIT_S) -> bool:
+        """True only on a 2xx — and, under --register (per replica), once the fleet gateway
+        listed the replica healthy again; any other answer is an event and, with warn, a
+        warning and the replica's last_error. Taking a replica out also takes it out of the
+        gateway, whatever the router answered (a dead router must not keep the gateway
+        sending to a replica that restarts)."""
         state = self.crew.state
         status, body = self._put(index, disabled)
         action = "disabled" if disabled else "enabled"
-        if 200 <= status < 300:
+        done = 200 <= status < 300
+        if done:
             state.event("router_" + action, replica=index, status=status)
+        else:
+            error = admin_error(index, disabled, status, body)
+            state.event("router_admin_failed", replica=index, action=action, status=status,
+                        error=error)
+            if warn:
+                state.update_replica(index, last_error=error)
+                self.crew.say(f"warning: {error}")
+        if disabled:
+            self._gateway(index, True, warn, gateway_wait_s)
+            return done
+        return done and self._gateway(index, False, warn, gateway_wait_s)
+
+    def _gateway(self, index: int, disabled: bool, warn: bool, wait_s: float) -> bool:
+        """The gateway follows the router: out before a restart (a failure there is said, and
+        the restart goes on: its health checks will see the replica gone), back after — not
+        once teardown began (it removes the run's entries; a late one would outlive it)."""
+        if self.gateway is None:
+            self.gateway = GatewayLink(self.crew.state)
+        if not self.gateway.per_replica:
             return True
-        error = admin_error(index, disabled, status, body)
-        state.event("router_admin_failed", replica=index, action=action, status=status,
-                    error=error)
+        if not disabled and self.crew.gate.closed:
+            return False
+        error = (self.gateway.take_out(index) if disabled
+                 else self.gateway.bring_back(index, wait_s))
+        if error is None:
+            return True
+        self.crew.state.event("gateway_admin_failed", replica=index,
+                              action="deregister" if disabled else "register", error=error)
         if warn:
-            state.update_replica(index, last_error=error)
+            self.crew.state.update_replica(index, last_error=error)
             self.crew.say(f"warning: {error}")
         return False
 
@@ -78,10 +113,15 @@ class RouterLink:
         for index in sorted(self.not_in_router):
             if skip(index) or state.replica(index).state is not ReplicaState.HEALTHY:
                 continue
-            if self.set_disabled(index, False, warn=False):
-                self.not_in_router.discard(index)
-                state.update_replica(index, last_error=None)
-                self.crew.say(f"replica {index}: back in the router")
+            # a short wait for the gateway: the sweep must not stall on it; one failure ends
+            # this sweep's retries (the gateway is likely down for the others too)
+            if not self.set_disabled(index, False, warn=False, gateway_wait_s=RETRY_WAIT_S):
+                break
+            self.not_in_router.discard(index)
+            state.update_replica(index, last_error=None)
+            self.crew.say(f"replica {index}: back in the router"
+                          + (" and the gateway" if self.gateway and self.gateway.per_replica
+                             else ""))
 
     # --- a router that died -----------------------------------------------------------------
 
@@ -119,7 +159,8 @@ class RouterLink:
                 return
         reap.append(router.popen)
         self.crew.say(f"router restarted (pid {router.pid}), ready")
-        self.not_in_router.clear()
+        # not_in_router is kept: the new router takes every replica in, but one the gateway
+        # did not take back is still out of it (retry_enable asks both again)
         for record in self.crew.state.replicas:
             if record.state is not ReplicaState.HEALTHY:
                 self.set_disabled(record.index, True)

@@ -1,9 +1,10 @@
 """What the supervisor can restart, what a restart takes with it, and which restarts run now.
 
-A slot is one restartable part of a run: a replica, the router, the MPS daemon. A slot depends
-on another when restarting that other restarts it too: every replica is a client of the run's
-one MPS daemon; a weight-sharing follower maps its leader's weights. The dependencies are
-declared in one place, `run_slots`. A sweep leaves a slot alone while a restart thread owns it,
+A slot is one restartable part of a run: a replica, the router, the MPS daemon of one GPU. A
+slot depends on another when restarting that other restarts it too: every replica is a client
+of its own GPU's MPS daemon (one per GPU; a fault on one GPU takes only that GPU's replicas
+with it); a weight-sharing follower maps its leader's weights. The dependencies are declared in
+one place, `run_slots`. A sweep leaves a slot alone while a restart thread owns it,
 anything it depends on, or anything depending on it, so no two threads ever restart the same
 process; a sweep checks a slot after what it depends on (`order`), so a dead leader is seen,
 and its group restarted, before its followers' own deaths are.
@@ -22,18 +23,22 @@ from omni_dp.runfile import ReplicaState, RunRecord, can_transition
 @dataclass(frozen=True)
 class Slot:
     kind: str  # replica | router | mps
-    index: int | None = None  # a replica's
+    index: int | None = None  # a replica's index; an MPS daemon's GPU slot (RunRecord.gpus)
 
     @classmethod
     def replica(cls, index: int) -> Slot:
         return cls("replica", index)
+
+    @classmethod
+    def mps(cls, gpu: int) -> Slot:
+        """The MPS daemon of GPU slot `gpu`."""
+        return cls("mps", gpu)
 
     def __str__(self) -> str:
         return self.kind if self.index is None else f"{self.kind} {self.index}"
 
 
 ROUTER = Slot("router")
-MPS = Slot("mps")
 
 
 class Dependencies:
@@ -84,14 +89,17 @@ class Dependencies:
 
 
 def run_slots(record: RunRecord) -> Dependencies:
-    """The one place a run's dependencies are declared: under --mps every replica on the
-    daemon; under --share-weights every follower on the leader (a dead leader takes its
-    followers' weights with it, so its restart restarts them, leader first)."""
+    """The one place a run's dependencies are declared: under --mps every replica on its own
+    GPU's daemon (and no other: a GPU's fault restarts that GPU's replicas only); under
+    --share-weights every follower on the leader (a dead leader takes its followers' weights
+    with it, so its restart restarts them, leader first)."""
     replicas = [Slot.replica(r.index) for r in record.replicas]
-    deps = Dependencies([*replicas, ROUTER, *([MPS] if record.plan.mps else [])])
+    gpus = sorted({*(g.slot for g in record.gpus), *(r.gpu for r in record.replicas)})
+    daemons = [Slot.mps(gpu) for gpu in gpus] if record.plan.mps else []
+    deps = Dependencies([*replicas, ROUTER, *daemons])
     if record.plan.mps:
-        for slot in replicas:
-            deps.declare(slot, on=MPS)
+        for r in record.replicas:
+            deps.declare(Slot.replica(r.index), on=Slot.mps(r.gpu))
     for index in followers(record.plan.share_weights, (r.index for r in record.replicas)):
         deps.declare(Slot.replica(index), on=Slot.replica(LEADER))
     return deps
