@@ -701,6 +701,10 @@ def plan_memory(o: LaunchOptions, facts: LaunchFacts, gpu: GpuPart | None,
             total += mine
             if group.gpu is not None:
                 problems += _gpu_memory_problems(o, group.gpu, mine, words, named=True)
+        if gpu.device == "cpu" and total > facts.host_memory_available:  # GPUs unchecked
+            problems.append(f"host memory: {each} does not fit in the "
+                            f"{format_size(facts.host_memory_available)} available; lower the "
+                            "KV size or the replica count")
         return (None, problems) if problems else (total, [])
     if gpu.gpu is not None:
         problems = _gpu_memory_problems(o, gpu.gpu, need, each)

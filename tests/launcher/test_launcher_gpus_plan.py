@@ -193,6 +193,13 @@ def test_unchecked_gpus_plan_a_daemon_each_and_cpu_replicas(tmp_path):
     assert any("taken unchecked" in w for w in p.warnings)
 
 
+def test_unchecked_gpus_still_fit_the_replicas_in_host_memory(tmp_path):
+    facts = dataclasses.replace(healthy_facts(tmp_path), gpu=None, gpu_numa_node=None,
+                                unchecked_gpus=(0, 1), host_memory_available=1 * GiB)
+    [problem] = problems_of(opts(gpus="0,1", replicas=1, mps=True, no_gpu_check=True), facts)
+    assert problem.startswith("host memory: 2 × (weights") and "1.00 GiB available" in problem
+
+
 def test_mps_preflight_names_each_gpu_that_cannot_serve(tmp_path):
     mig = gpu(0, mig_enabled=True)
     exclusive = gpu(1, compute_mode="EXCLUSIVE_PROCESS")
