@@ -192,6 +192,11 @@ def _coerce(f: dataclasses.Field, value, problems: list[str], source: str, shown
     try:
         if f.name in _SIZE_FIELDS:
             return parse_size(str(value))
+        if f.name == "gpus" and isinstance(value, list):  # `gpus: [0, 1]` as well as "0,1"
+            if not value or not all(isinstance(v, (str, int)) and not isinstance(v, bool)
+                                    for v in value):
+                raise ValueError("all, or GPU indices or UUIDs (a list, or separated by commas)")
+            return ",".join(str(v) for v in value)
         if f.name == "engine_args":
             if isinstance(value, str):
                 value = value.split()

@@ -752,6 +752,16 @@ def test_config_engine_args_may_be_one_string(tmp_path):
     assert problems == [] and values == {"engine_args": ("--model", "small")}
 
 
+def test_config_gpus_may_be_a_list_or_one_string(tmp_path):
+    problems: list[str] = []
+    values = load_config_file(write(tmp_path, "gpus: [0, GPU-ab]\n"), problems)
+    assert problems == [] and values == {"gpus": "0,GPU-ab"}
+    assert load_config_file(write(tmp_path, "gpus: all\n"), problems) == {"gpus": "all"}
+    load_config_file(write(tmp_path, "gpus: [true]\n"), problems)
+    assert problems == [f"--config {tmp_path / 'launch.yaml'}: gpus must be all, or GPU indices "
+                        "or UUIDs (a list, or separated by commas)"]
+
+
 @pytest.mark.parametrize(("text", "expected"), [
     ("kv-cache-bytes: 2GiB", 2 * GiB),
     ("kv_cache_bytes: 512MiB", 512 * MiB),
