@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,6 +14,7 @@ from omni_dp.gateway import GatewayError, GatewayWorker
 from omni_dp.launcher.gateway_link import GatewayLink
 from omni_dp.launcher.plan import LaunchPlanError
 from omni_dp.launcher.state import RunState
+from omni_dp.launcher.supervision import router_link
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.restart_policy import RestartPolicy
 from omni_dp.launcher.supervision.router_link import RouterLink
@@ -176,3 +178,14 @@ def test_registering_speech_replicas_or_a_remote_gateway_is_warned_about(tmp_pat
     with pytest.raises(LaunchPlanError) as info:
         two_replica_plan(tmp_path, register_url="http://host-a:8000")
     assert "--register-url is the router's URL for --register-as router" in str(info.value)
+
+
+def test_a_router_restart_keeps_asking_for_a_replica_the_gateway_did_not_take_back(
+        run, monkeypatch):
+    state, gateway = run
+    monkeypatch.setattr(router_link, "start_router",
+                        lambda state: SimpleNamespace(pid=901, popen=None))
+    router = crew_link(state, gateway, router_status=200)
+    router.not_in_router.add(1)  # its registration failed before the router died
+    router.restart(0.0, [])
+    assert router.not_in_router == {1}  # the new router has it; the gateway still does not

@@ -159,8 +159,12 @@ class RouterLink:
                 return
         reap.append(router.popen)
         self.crew.say(f"router restarted (pid {router.pid}), ready")
-        # not_in_router is kept: the new router takes every replica in, but one the gateway
-        # did not take back is still out of it (retry_enable asks both again)
+        # The new router takes every replica in; under --register (per replica) one the
+        # gateway did not take back is still out of it: kept, retry_enable asks both again.
+        if self.gateway is None:
+            self.gateway = GatewayLink(self.crew.state)
+        if not self.gateway.per_replica:
+            self.not_in_router.clear()
         for record in self.crew.state.replicas:
             if record.state is not ReplicaState.HEALTHY:
                 self.set_disabled(record.index, True)
