@@ -11,21 +11,26 @@
 # (bench/weight_share.py, ≤ 120 s: SHARE_REPLICAS replicas with their own weights, then sharing
 # one copy by CUDA IPC under MPS — device memory, identical audio, leader kill -9 and the group's
 # recovery), where the machine has two GPUs one run over both (`launch --gpus 0,1 --mps`: a
-# daemon per GPU, verify-mps per GPU, a request, `down`; ≤ 120 s), then the DP table
+# daemon per GPU, verify-mps per GPU, a request, `down`; ≤ 120 s), the overlap of two replicas'
+# GPU steps (`verify-mps --overlap` on 2 built-in replicas with --mps, which must pass, then on 2
+# without, which must not: time slicing; ≤ 150 s; skipped with GPU=none), then the DP table
 # (bench/launch_scaling.py, a row written as each configuration ends). No `set -e`: a failed or
 # timed-out step is a line of summary.md and the next step runs. The EXIT trap stops every run and
 # MPS daemon the steps started (by their records: `omni-dp down`, the smoke test's own cleanup),
 # reports anything still running, and packs the runs' artifacts (run.json, events, mps_attach.*,
-# MPS and replica logs). $OUT then holds exactly these 10 files, whatever happened:
-#   summary.md probe.txt mps_smoke.txt gpu_check.txt share.txt gpus2.txt scaling.txt scaling.md
-#   scaling.jsonl artifacts.tar.gz
+# MPS and replica logs). $OUT then holds exactly these 12 files, whatever happened (and bench/
+# with bench.json and bench.png when BENCH_CONFIGS asks for `omni-dp bench`):
+#   summary.md probe.txt mps_smoke.txt gpu_check.txt share.txt gpus2.txt overlap.txt bench.txt
+#   scaling.txt
+#   scaling.md scaling.jsonl artifacts.tar.gz
 # Exit status: 0 every step ok, 1 some step failed, timed out or was skipped (summary.md says
 # which), 3 a process of this call is still running (named in scaling.txt; work dir kept).
 # Needs python3 with torch (CUDA build on a GPU), aiohttp, click, numpy, psutil, nvidia-ml-py,
 # pyyaml, prometheus-client, safetensors: what the lent machine's image has; no venv, no network.
 # Knobs (environment): OUT BUDGET GPU MODEL CONFIGS CONCURRENCY REQUESTS CONFIG_TIMEOUT
-# LIMIT_PROBE LIMIT_SMOKE LIMIT_CHECK LIMIT_SHARE LIMIT_GPUS2 SHARE_REPLICAS SHARE_RUNS
-# TEARDOWN_RESERVE PYTHON.
+# LIMIT_PROBE LIMIT_SMOKE LIMIT_CHECK LIMIT_SHARE LIMIT_GPUS2 LIMIT_OVERLAP OVERLAP_S
+# OVERLAP_CONCURRENCY SHARE_REPLICAS SHARE_RUNS TEARDOWN_RESERVE PYTHON BENCH_CONFIGS (the
+# opt-in `omni-dp bench` step also needs rich and matplotlib in the image).
 
 cd "$(dirname "$0")/.." || exit 3
 ROOT=$PWD
@@ -42,13 +47,16 @@ LIMIT_SMOKE=${LIMIT_SMOKE:-60}
 LIMIT_CHECK=${LIMIT_CHECK:-90}
 LIMIT_SHARE=${LIMIT_SHARE:-120}
 LIMIT_GPUS2=${LIMIT_GPUS2:-120}
+LIMIT_OVERLAP=${LIMIT_OVERLAP:-150}
+OVERLAP_S=${OVERLAP_S:-6}  # seconds of load per overlap check
+OVERLAP_CONCURRENCY=${OVERLAP_CONCURRENCY:-32}  # streams through the router: 16 per replica
 SHARE_REPLICAS=${SHARE_REPLICAS:-3}
 SHARE_RUNS=${SHARE_RUNS:-separate,shared}  # bench/weight_share.py --runs; none: skip the step
 TEARDOWN_RESERVE=${TEARDOWN_RESERVE:-45}  # kept for the exit trap's downs and packing
 export PY=${PYTHON:-python3}
 START=$SECONDS
-FILES=(summary.md probe.txt mps_smoke.txt gpu_check.txt share.txt gpus2.txt scaling.txt
-       scaling.md scaling.jsonl)
+FILES=(summary.md probe.txt mps_smoke.txt gpu_check.txt share.txt gpus2.txt overlap.txt bench.txt
+       scaling.txt scaling.md scaling.jsonl)
 
 mkdir -p "$OUT" || exit 3
 for f in "${FILES[@]}"; do : >"$OUT/$f"; done
@@ -121,11 +129,12 @@ print(torch.__version__, 'cuda', torch.version.cuda, 'available', c,
 export -f probe
 
 # One run over GPUs 0 and 1: a private daemon each, its replicas' attachment proven per GPU,
-# status grouped by GPU, one request through the router, `down`. Its state is $STATE: the exit
-# trap's cleanup downs it whatever happened here.
+# status grouped by GPU, one request through the router, `down`. Its state is STATE_DIR: the
+# exit trap's cleanup downs it whatever happened here. Arguments: STATE_DIR MODEL (this script's
+# own variables are not exported: `bash -c` sees only what it is given).
 two_gpus() {
-    local odp=("$PY" -m omni_dp) rc=0
-    export OMNI_DP_STATE_DIR=$STATE
+    local odp=("$PY" -m omni_dp) rc=0 MODEL=$2
+    export OMNI_DP_STATE_DIR=$1
     "${odp[@]}" launch --gpus 0,1 --replicas-per-gpu 2 --mps --max-total-tokens 4096 \
         --run-id gpus2 --base-port 18600 --router-port 18700 --detach --start-timeout 90 \
         --on-mps-fault fail -- --model "$MODEL" || return 1
@@ -139,6 +148,38 @@ print('speech through the router:', u.urlopen(r, timeout=60).status)" || rc=1
     return $rc
 }
 export -f two_gpus
+
+# Two built-in replicas on one GPU, with --mps and then without: `verify-mps --overlap` must
+# pass with it (their kernels run at once) and must not without (time slicing: they take
+# turns; 1 FAIL, or 2 when the load left them too idle to tell). Each run is downed here; the
+# exit trap's cleanup downs whatever is left in STATE_DIR. Arguments: STATE_DIR GPU MODEL
+# OVERLAP_S OVERLAP_CONCURRENCY.
+overlap_check() {
+    local odp=("$PY" -m omni_dp) rc=0 mode port code with=- without=-
+    local GPU=$2 MODEL=$3 OVERLAP_S=$4 OVERLAP_CONCURRENCY=$5
+    export OMNI_DP_STATE_DIR=$1
+    for mode in mps plain; do
+        local flags=()
+        if [ "$mode" = mps ]; then flags=(--mps --on-mps-fault fail); port=18800
+        else port=18820; fi
+        echo "## overlap, $mode: 2 replicas on GPU $GPU"
+        if "${odp[@]}" launch --gpu "$GPU" --replicas 2 "${flags[@]}" --max-total-tokens 4096 \
+            --run-id "overlap-$mode" --base-port "$port" --router-port $((port + 10)) \
+            --detach --start-timeout 90 -- --model "$MODEL"; then
+            "${odp[@]}" verify-mps "overlap-$mode" --overlap --duration "$OVERLAP_S" \
+                --concurrency "$OVERLAP_CONCURRENCY"
+            code=$?
+            "${odp[@]}" down "overlap-$mode" || rc=1
+        else code="launch failed"; rc=1; fi
+        if [ "$mode" = mps ]; then with=$code; else without=$code; fi
+    done
+    echo "overlap with --mps: verify-mps --overlap exit $with (0 PASS wanted)"
+    echo "overlap without --mps: verify-mps --overlap exit $without (1 or 2 wanted: not a PASS)"
+    [ "$with" = 0 ] || rc=1
+    case $without in 1 | 2) ;; *) rc=1 ;; esac
+    return $rc
+}
+export -f overlap_check
 
 cleanup() {
     trap - EXIT INT TERM
@@ -167,6 +208,8 @@ cleanup() {
         echo; echo "## gpu_check"; grep -E '^(ok|FAIL|RESULT|\{)' "$OUT/gpu_check.txt"
         echo; echo "## weight share"; grep -E '^(\||## )' "$OUT/share.txt"
         echo; echo "## two GPUs"; grep -E '^(RESULT|speech|skipped|omni-dp: MPS)' "$OUT/gpus2.txt"
+        echo; echo "## overlap"; grep -E '^(## overlap|RESULT|GPU|    |overlap|skipped|omni-dp)' \
+            "$OUT/overlap.txt"
         echo; echo "## MPS smoke (facts)"
         grep -E '^(binaries|gpu|daemon|client_pid|after_|start_server|quit|stopped)' \
             "$OUT/mps_smoke.txt" | cut -c1-700
@@ -201,7 +244,26 @@ GPUS_HERE=0
 if [ "${GPUS_HERE:-0}" -lt 2 ]; then
     echo "skipped: ${GPUS_HERE:-0} GPU(s) here; one run over two GPUs needs two" >>"$OUT/gpus2.txt"
     summary "| two GPUs | skipped (${GPUS_HERE:-0} GPU(s) here) | 0 | gpus2.txt |"
-else step "two GPUs" "$LIMIT_GPUS2" gpus2.txt bash -c two_gpus
+else step "two GPUs" "$LIMIT_GPUS2" gpus2.txt bash -c 'two_gpus "$@"' two_gpus "$STATE" "$MODEL"
+fi
+if [ "$GPU" = none ]; then
+    echo "skipped: GPU=none; the overlap of two replicas' GPU kernels needs a GPU" >>"$OUT/overlap.txt"
+    summary "| overlap | skipped (no GPU) | 0 | overlap.txt |"
+else step overlap "$LIMIT_OVERLAP" overlap.txt bash -c 'overlap_check "$@"' overlap_check \
+    "$STATE" "$GPU" "$MODEL" "$OVERLAP_S" "$OVERLAP_CONCURRENCY"
+fi
+# `omni-dp bench` itself (opt-in: BENCH_CONFIGS=1,2mps,3mps; its sweep needs more device time
+# than this call's budget leaves beside the DP table): the command a GPU session runs to record
+# DP1 vs DP2/DP3 under MPS for the `small` preset, its JSON and figure under $OUT/bench/.
+if [ -z "${BENCH_CONFIGS:-}" ] || [ "$GPU" = none ]; then
+    echo "skipped: BENCH_CONFIGS unset (or GPU=none); to record, e.g. BENCH_CONFIGS=1,2mps,3mps" \
+        >>"$OUT/bench.txt"
+    summary "| bench | skipped (BENCH_CONFIGS unset) | 0 | bench.txt |"
+else step bench "$(($(left) - TEARDOWN_RESERVE))" bench.txt env OMNI_DP_STATE_DIR="$STATE" \
+    "$PY" -m omni_dp bench \
+    --configs "$BENCH_CONFIGS" --trials 2 --duration 8 --warmup 2 --concurrency 32,96 \
+    --out "$OUT/bench" -- --gpu "$GPU" --max-total-tokens 16384 --start-timeout 90 \
+    -- --model "$MODEL"
 fi
 room=$(($(left) - TEARDOWN_RESERVE))
 step "DP table" "$room" scaling.txt bash -c "cd bench && exec \"\$PY\" launch_scaling.py \

@@ -13,17 +13,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "omni_dp"
-SUBPACKAGES = ("engine", "mps", "router", "launcher", "cli")
+SUBPACKAGES = ("engine", "mps", "router", "launcher", "bench", "cli")
 # The engine, the MPS supervision and the router stand alone: each may use the small shared
 # modules at omni_dp/ but none of the other subpackages (the launcher drives them by argv, HTTP
-# and files). Shared modules import no subpackage, except runfile (the run-state format holds
-# the MPS daemon's and attachment's records).
+# and files). The bench may use the launcher's machine facts and formulas (`plan`: what fits
+# is what launch accepts). Shared modules import no subpackage, except runfile (the run-state
+# format holds the MPS daemon's and attachment's records).
 MAY_IMPORT = {
     "engine": set(),
     "mps": set(),
     "router": set(),
     "launcher": {"mps"},
-    "cli": {"engine", "mps", "router", "launcher"},
+    "bench": {"launcher", "mps"},
+    "cli": {"engine", "mps", "router", "launcher", "bench"},
     "shared": set(),
     "runfile": {"mps"},
 }
@@ -125,7 +127,8 @@ def test_nothing_on_the_launchers_path_imports_torch():
     import without torch: `launch`, `status`, `down`, `verify-mps` start in well under a
     second, and the launcher never holds a CUDA context of its own."""
     modules = sorted(module_name(p) for p in sources()
-                     if area(module_name(p)) in ("launcher", "mps", "runfile", "cli", "shared")
+                     if area(module_name(p)) in ("launcher", "mps", "bench", "runfile", "cli",
+                                                 "shared")
                      and p.name != "__main__.py")
     code = ("import importlib, sys\n"
             f"for name in {modules!r}:\n"

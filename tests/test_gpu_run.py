@@ -28,7 +28,8 @@ from support.mps import real_control_binary
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 PROMISED = {"summary.md", "probe.txt", "mps_smoke.txt", "gpu_check.txt", "share.txt", "gpus2.txt",
-            "scaling.txt", "scaling.md", "scaling.jsonl", "artifacts.tar.gz"}
+            "overlap.txt", "bench.txt", "scaling.txt", "scaling.md", "scaling.jsonl",
+            "artifacts.tar.gz"}
 
 sys.path.insert(0, str(BENCH))  # the bench scripts import each other as top-level modules
 
@@ -72,6 +73,8 @@ def test_the_device_script_runs_on_cpu_and_brings_back_exactly_its_files(tmp_pat
         assert re.search(rf"^\| {step} \| ok \|", summary, re.M), summary
     assert "| cleanup | nothing left running |" in summary
     assert "| two GPUs | skipped (0 GPU(s) here) |" in summary  # GPU=none: not run, said
+    assert "| overlap | skipped (no GPU) |" in summary
+    assert "needs a GPU" in (tmp_path / "out" / "overlap.txt").read_text()
     assert [(r["config"], r["result"]) for r in rows(tmp_path / "out")] == [
         ("1", "ok"), ("2", "ok")]
     assert all(r["down_rc"] == 0 and r["left_behind"] == [] for r in rows(tmp_path / "out"))

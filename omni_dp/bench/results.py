@@ -62,6 +62,8 @@ class PointResult:
     cpu_util: dict[str, float] | None = None
     gpu_sm_util: float | None = None
     gpu_memory_bytes: int | None = None
+    sampling_note: str | None = None  # what was not sampled, and why (no run directory...)
+    empty: int = 0  # ok answers that held no audio (speech) or no token (completions)
 
 
 @dataclass(frozen=True)

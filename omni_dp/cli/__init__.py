@@ -54,6 +54,12 @@ CLI_COMMANDS: dict[str, LazyCommand] = {
     "mps": LazyCommand(
         f"{_COMMANDS}.mps:mps",
         "Manage a private MPS control daemon on its own (the launcher does this for a run)."),
+    "plan": LazyCommand(
+        f"{_COMMANDS}.plan:plan",
+        "How many replicas FIT this machine (not whether they are faster: `omni-dp bench`)."),
+    "bench": LazyCommand(
+        f"{_COMMANDS}.bench:bench",
+        "Find the right N: a sweep per configuration, ranges over trials, failures kept."),
 }
 
 

@@ -159,13 +159,21 @@ def _field_attrs(f: dataclasses.Field, hint) -> dict[str, Any]:
     return {**attrs, "show_default": True}
 
 
-def options_from(cls: type, *, prefix: str = "", **overrides: dict[str, Any]):
+def options_from(cls: type, *, prefix: str = "", only: Iterable[str] | None = None,
+                 **overrides: dict[str, Any]):
     """A decorator adding one click option per flag field of `cls`, in field order, as if
     written one above the other where it is placed. The option's dest is prefix + field name.
+    `only`: just these fields (a command that takes a few of another's settings).
     `overrides` adds click attributes per field name (a type, help), never a default."""
     hints = typing.get_type_hints(cls)
+    chosen = None if only is None else set(only)
+    if chosen is not None:
+        unknown = chosen - {f.name for f in cli_fields(cls)}
+        assert not unknown, f"no such flag field of {cls.__name__}: {sorted(unknown)}"
     options = []
     for f in cli_fields(cls):
+        if chosen is not None and f.name not in chosen:
+            continue
         extra = overrides.pop(f.name, {})
         assert "default" not in extra, f"{f.name}: the default is the dataclass's"
         attrs = {**_field_attrs(f, hints[f.name]), **extra}

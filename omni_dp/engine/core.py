@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from omni_dp.engine.gpu_busy import recorder_for
 from omni_dp.engine.runner import ModelRunner
 from omni_dp.engine.scheduler import (
     RequestOutput,
@@ -182,6 +183,7 @@ class VocoderWorker(StageWorker):
         self.streams: dict[str, VocoderStream] = {}
         self.cuda_stream: torch.cuda.Stream | None = None
         device = vocoder.embed.weight.device
+        self.busy = recorder_for(device)  # each batch's GPU busy time (GET /gpu_busy)
         if device.type == "cuda":
             self.cuda_stream = torch.cuda.Stream(device)
             # The weights were moved to the device on the current (default) stream: its
@@ -223,6 +225,7 @@ class VocoderWorker(StageWorker):
                     finished.add(out.request_id)
         # (request id, its next chunk, or None once it is finished), in delivery order
         deliveries: list[tuple[str, torch.Tensor | None]] = []
+        self.busy.begin()
         for request_id, codes in new_codes.items():
             stream = self.streams.get(request_id)
             if stream is None:
@@ -242,16 +245,21 @@ class VocoderWorker(StageWorker):
     def _to_bytes(self, chunks: list[torch.Tensor]) -> list[bytes]:
         """int16 chunks on the vocoder's device → PCM bytes, read back in one copy."""
         if not chunks:
+            self.busy.cancel()  # nothing was decoded: no device work to time
             return []
         flat = torch.cat(chunks)
         if self.cuda_stream is not None:
             # Into pinned memory, non_blocking, then one wait: this thread, this stream only.
             host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
             host.copy_(flat, non_blocking=True)
+            self.busy.end()  # the batch's last kernel and its copy are queued
             copied = torch.cuda.Event()
             copied.record(self.cuda_stream)
             copied.synchronize()
             flat = host
+        else:
+            self.busy.end()  # nothing is timed on the CPU unless a test hands in a recorder
+        self.busy.synced()
         data = pcm16_bytes(flat)
         pieces, offset = [], 0
         for chunk in chunks:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from omni_dp.engine import messages
 from omni_dp.engine.core import Abort, Add, StepOutputs
+from omni_dp.engine.gpu_busy import busy_answer
 from omni_dp.engine.placement_plan import process_threads
 from omni_dp.engine.preprocess import (
     PreparedSpeech,
@@ -148,6 +149,13 @@ class Pipeline:
         if self.local.scheduler is not None:
             return self.local.scheduler.stats()
         return self._remote_stats
+
+    def gpu_busy(self, since: float) -> dict:
+        """The body of GET /gpu_busy: the steps of this process's stages (engine/gpu_busy.py);
+        stage processes that run a model stage are named, not timed."""
+        elsewhere = [p.name for p in self.placement.processes if p.name != MAIN_PROCESS
+                     and {"talker", "vocoder"} & set(p.stages)]
+        return busy_answer(str(self.device), self.local.busy_recorders(), since, elsewhere)
 
     def processes(self) -> list[dict]:
         """The `processes` of /get_server_info: every OS process of this replica."""

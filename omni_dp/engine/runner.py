@@ -3,7 +3,8 @@
 It sees token ids, positions and page ids only; it never touches the queues or the allocator.
 
 A step sends its inputs to the device in two copies (the integers, the sampling uniforms) that do
-not make the host wait, and waits once: when it reads the sampled codes back.
+not make the host wait, and waits once: when it reads the sampled codes back. On CUDA each step
+is timed around that wait, without one of its own (engine/gpu_busy.py).
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from omni_dp.engine.gpu_busy import recorder_for
 from omni_dp.engine.kv_cache import KVCache
 from omni_dp.engine.model import DecodeGroup, FlatBatch, SequenceSlice, Talker
-from omni_dp.engine.sampling import sample, uniform_for
+from omni_dp.engine.sampling import pick, uniform_for
 from omni_dp.engine.scheduler import SchedulerOutput
 
 
@@ -120,6 +122,7 @@ class ModelRunner:
         self.device = device
         self.page_size = kv_cache.spec.page_size
         self.temperature = talker.cfg.temperature
+        self.busy = recorder_for(device)  # the steps' GPU busy time (GET /gpu_busy)
 
     def build_batch(self, output: SchedulerOutput) -> FlatBatch:
         staging, layout = self.stage_batch(output)
@@ -177,13 +180,19 @@ class ModelRunner:
 
     def execute(self, output: SchedulerOutput) -> list[int]:
         """Run the talker on every scheduled request and sample its next code."""
-        batch = self.build_batch(output)
+        staging, layout = self.stage_batch(output)
+        self.busy.begin()  # staged on the host: from here the step queues device work
+        batch = assemble_batch(staging.upload(self.device), layout, self.page_size)
         return self.sample_codes(output, self.talker(batch, self.kv_cache.k, self.kv_cache.v))
 
     def sample_codes(self, output: SchedulerOutput, logits: torch.Tensor) -> list[int]:
-        """Each scheduled request's next code from its row of `logits`."""
+        """Each scheduled request's next code from its row of `logits`; ends the step."""
         uniforms = [
             uniform_for(item.request.seed, len(item.request.output_codes))
             for item in output.scheduled
         ]
-        return sample(logits, self.temperature, upload(uniforms, torch.float64, self.device))
+        picks = pick(logits, self.temperature, upload(uniforms, torch.float64, self.device))
+        self.busy.end()  # the step's last kernel is queued
+        codes = picks.tolist()  # the step's one wait
+        self.busy.synced()
+        return codes

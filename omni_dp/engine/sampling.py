@@ -34,18 +34,25 @@ def derive_seed(fields: dict) -> int:
     return int.from_bytes(hashlib.sha256(canonical.encode()).digest()[:8], "little") >> 1
 
 
-def sample(
+def pick(
     logits: torch.Tensor, temperature: float, uniforms: torch.Tensor | list[float]
-) -> list[int]:
-    """Inverse-CDF sampling of one index per row of `logits` [rows, vocab].
+) -> torch.Tensor:
+    """Inverse-CDF sampling of one index per row of `logits` [rows, vocab], left on the
+    logits' device: the caller reads them back (its one wait) after whatever it queues behind.
 
     The arithmetic is done in float64 on the logits' device so the CDF is not rounded to the
     model's dtype. `uniforms` (one per row) should already be a float64 tensor there, as the
-    runner uploads them: reading the picks back is then the only wait for the device. A list is
-    accepted too, and copied.
+    runner uploads them. A list is accepted too, and copied.
     """
     probs = torch.softmax(logits.double() / temperature, dim=-1)
     cdf = probs.cumsum(dim=-1)
     u = torch.as_tensor(uniforms, dtype=torch.float64, device=logits.device).unsqueeze(1)
     picks = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
-    return picks.clamp_(max=logits.shape[-1] - 1).tolist()
+    return picks.clamp_(max=logits.shape[-1] - 1)
+
+
+def sample(
+    logits: torch.Tensor, temperature: float, uniforms: torch.Tensor | list[float]
+) -> list[int]:
+    """`pick`, read back: with uploaded uniforms, reading the picks is the only wait."""
+    return pick(logits, temperature, uniforms).tolist()

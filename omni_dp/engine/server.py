@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import errno
 import logging
+import math
 import os
 import signal
 import socket
@@ -198,6 +199,7 @@ class ReplicaServer:
             web.get("/get_server_info", self.server_info),
             web.get("/v1/models", self.list_models),
             web.get("/metrics", self.prometheus),
+            web.get("/gpu_busy", self.gpu_busy),
             web.post("/v1/audio/speech", self.speech),
         ])
 
@@ -401,6 +403,20 @@ class ReplicaServer:
             "started_at": self._started_at,
             "weight_share": self.share.to_json() if self.share else None,
         })
+
+    async def gpu_busy(self, request: web.Request) -> web.Response:
+        """Each timed stage's GPU busy intervals since `?since=` (Unix seconds; default 0)."""
+        raw = request.query.get("since", "0")
+        try:
+            since = float(raw)
+        except ValueError:
+            since = math.nan
+        if not math.isfinite(since):
+            error = ApiError(400, f"since must be a time in Unix seconds, not {raw!r}", "since")
+            return web.json_response(error.body(), status=400)
+        if self.pipeline is None:
+            return web.json_response({"status": self.state.value}, status=503)
+        return web.json_response(self.pipeline.gpu_busy(since))
 
     async def list_models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{

@@ -16,6 +16,7 @@ import torch
 
 from omni_dp.engine.config import ModelConfig
 from omni_dp.engine.core import Abort, Add, StepOutputs, TalkerWorker, VocoderWorker
+from omni_dp.engine.gpu_busy import Recorder
 from omni_dp.engine.kv_cache import KVCache
 from omni_dp.engine.preprocess import PreparedSpeech, PreprocessLimits, SpeechAsk, prepare
 from omni_dp.engine.scheduler import RequestStatus, Scheduler, SchedulerStats
@@ -139,6 +140,15 @@ class StageSet:
             assert emit is not None, "a talker needs a vocoder: here or through to_vocoder"
             self.talker = TalkerWorker(self.scheduler, held.talker_runner, emit=emit,
                                        on_fatal=on_fatal, on_stats=on_stats)
+
+    def busy_recorders(self) -> dict[str, Recorder]:
+        """The step timers of this process's model stages (engine/gpu_busy.py), by stage."""
+        found: dict[str, Recorder] = {}
+        if self.talker is not None:
+            found["talker"] = self.talker.runner.busy
+        if self.vocoder is not None:
+            found["vocoder"] = self.vocoder.busy
+        return found
 
     def start(self) -> None:
         # Downstream first: nothing the talker emits may find its vocoder not yet running.

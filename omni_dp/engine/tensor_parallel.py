@@ -373,6 +373,7 @@ class TPModelRunner(ModelRunner):
         message = torch.tensor(layout_ints + staging.values, dtype=torch.long,
                                pin_memory=self.device.type == "cuda")
         _broadcast(message, self.group.cpu_group)
+        self.busy.begin()  # after the host-side broadcasts: the GPU has nothing of ours before
         staged = _to_device(message[len(layout_ints):], self.device)
         batch = assemble_batch(staged, layout, self.page_size)
         return self.sample_codes(output, self.talker(batch, self.kv_cache.k, self.kv_cache.v))

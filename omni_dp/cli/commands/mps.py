@@ -1,17 +1,23 @@
-"""`omni-dp verify-mps` (a run's attachment proof) and `omni-dp mps start|stop|status` (a
+"""`omni-dp verify-mps` (a run's attachment proof; with --overlap, whether its replicas'
+kernels ran at once: omni_dp/mps/overlap_run.py) and `omni-dp mps start|stop|status` (a
 private daemon on its own: omni_dp/mps/standalone.py)."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import NoReturn
 
 import click
 
 from omni_dp.cli.common import SIZE, emit, fail, finite, json_option
-from omni_dp.contract import ExitCode
+from omni_dp.contract import API_KEY_ENV, ExitCode
 from omni_dp.mps.binaries import CONTROL_HELP
+from omni_dp.mps.overlap import DEFAULT_MIN_SHARE
+
+OVERLAP_DURATION_S = 5.0
+OVERLAP_CONCURRENCY = 16
 
 
 @click.command("verify-mps")
@@ -21,7 +27,21 @@ from omni_dp.mps.binaries import CONTROL_HELP
                    "[default: every GPU of the run]")
 @json_option("the report")
 @click.option("--no-nvml", is_flag=True, help="Skip the NVML cross-check of GPU processes.")
-def verify_mps(run_id: str | None, gpu: str | None, as_json: bool, no_nvml: bool) -> None:
+@click.option("--overlap", is_flag=True,
+              help="Instead of the attachment: put a short concurrent speech load on the run "
+                   "(built-in engine, on a GPU, with or without --mps) and check that its "
+                   "replicas' GPU steps ran at once, GPU by GPU.")
+@click.option("--duration", type=click.FloatRange(0.5, 600), default=None, callback=finite,
+              help=f"With --overlap: seconds of load. [default: {OVERLAP_DURATION_S:g}]")
+@click.option("--concurrency", type=click.IntRange(1, 1024), default=None,
+              help="With --overlap: concurrent streamed requests through the router. "
+                   f"[default: {OVERLAP_CONCURRENCY}]")
+@click.option("--min-share", type=click.FloatRange(0, 1), default=None, callback=finite,
+              help="With --overlap: the share of busy time with two or more replicas busy at "
+                   f"once that passes. [default: {DEFAULT_MIN_SHARE:g}]")
+def verify_mps(run_id: str | None, gpu: str | None, as_json: bool, no_nvml: bool,
+               overlap: bool, duration: float | None, concurrency: int | None,
+               min_share: float | None) -> None:
     """Re-prove that every GPU process of every replica of a live run is an MPS client.
 
     Reads the run's state (OMNI_DP_STATE_DIR, default $XDG_RUNTIME_DIR or /tmp /omni-dp-UID).
@@ -32,7 +52,21 @@ def verify_mps(run_id: str | None, gpu: str | None, as_json: bool, no_nvml: bool
 
     Exit codes: 0 PASS on every GPU checked, 1 FAIL on some GPU, 2 cannot check (a GPU whose
     daemon is not running, a GPU not in the run, no such run: the message says which).
+
+    --overlap: attachment does not prove concurrency. Drives CONCURRENCY streamed speech
+    requests through the run's router for DURATION seconds, reads each replica's GPU busy
+    intervals (GET /gpu_busy) and reports, per GPU, the share of busy time during which two or
+    more replicas were busy at once: PASS at MIN_SHARE or more, FAIL below (they take turns,
+    as without MPS), cannot check (exit 2) on the CPU, another engine, one replica per GPU or
+    too little load. With no RUN_ID it takes the only live run. A router with --api-key needs
+    the key in OMNI_DP_API_KEY.
     """
+    extra = [name for name, value in (("--duration", duration), ("--concurrency", concurrency),
+                                      ("--min-share", min_share)) if value is not None]
+    if overlap:
+        _verify_overlap(run_id, gpu, as_json, duration, concurrency, min_share)
+    if extra:
+        fail("verify-mps", f"{', '.join(extra)}: only with --overlap")
     from omni_dp.mps.runs import (
         CANNOT_CHECK,
         FAIL,
@@ -56,6 +90,31 @@ def verify_mps(run_id: str | None, gpu: str | None, as_json: bool, no_nvml: bool
     code = {FAIL: ExitCode.CHECK_FAILED, CANNOT_CHECK: ExitCode.USAGE}.get(verdict.result,
                                                                           ExitCode.OK)
     sys.exit(code)
+
+
+def _verify_overlap(run_id: str | None, gpu: str | None, as_json: bool,
+                    duration: float | None, concurrency: int | None,
+                    min_share: float | None) -> NoReturn:
+    from omni_dp.mps.overlap_run import (
+        FAIL,
+        PASS,
+        CannotCheck,
+        check_overlap,
+        format_overlap,
+        pick_live_run,
+    )
+
+    try:
+        result = check_overlap(
+            pick_live_run(run_id), gpu=gpu, min_share=min_share,
+            duration=OVERLAP_DURATION_S if duration is None else duration,
+            concurrency=concurrency or OVERLAP_CONCURRENCY,
+            api_key=os.environ.get(API_KEY_ENV))
+    except CannotCheck as exc:
+        _cannot_check(str(exc), as_json)
+    emit(result.to_json(), format_overlap(result), as_json)
+    sys.exit({PASS: ExitCode.OK, FAIL: ExitCode.CHECK_FAILED}.get(result.result,
+                                                                  ExitCode.USAGE))
 
 
 def _cannot_check(reason: str, as_json: bool) -> NoReturn:
