@@ -92,7 +92,10 @@ class _Window:
         self.last = max(self.last, when)
 
     def length(self, now: float) -> float:
-        return max(self.last, min(now, self.end)) - self.start
+        """The window's duration: requests are counted by when they started in it, so in a
+        closed loop its start rate over D is the throughput; stretching it to the last one's
+        end (a timeout: + 60 s) would understate every rate."""
+        return min(max(now, self.start), self.end) - self.start
 
 
 async def send(session: aiohttp.ClientSession, url: str, body: dict, workload: Workload,
@@ -124,6 +127,8 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict, workload: W
         outcome = "timeout"
     except (aiohttp.ClientError, OSError, AnswerError):  # reset, refused, cut stream
         outcome = "error"
+    except Exception:  # whatever else broke reading it: still one request, counted (a client
+        outcome = "error"  # that died would silently lower the concurrency)
     ended = time.perf_counter()
     first = seen["first"]
     return RequestResult(outcome, seen["status"], ended - started,

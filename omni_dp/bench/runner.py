@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -82,6 +83,7 @@ class BenchSettings:
             raise ValueError(f"trials must be at least 1, got {self.trials}")
         if self.duration_s <= 0 or self.warmup_s < 0 or self.timeout_s <= 0:
             raise ValueError("duration and timeout must be positive, the warm-up not negative")
+        self.sweep()  # its bounds (--max-p99, --min-gain, levels) refused before any launch
 
     def sweep(self) -> SaturationSweep:
         return SaturationSweep(self.concurrency, start=self.start_concurrency,
@@ -140,6 +142,7 @@ class BenchRunner:
         self.python = python
         self.interrupted: str | None = None
         self._defer_signals = False
+        self._models: dict[str, str | None] = {}  # endpoint -> the model it serves
 
     # --- an endpoint -------------------------------------------------------------------------
 
@@ -152,7 +155,12 @@ class BenchRunner:
             with contextlib.suppress(RunFileError):
                 record = read_run(run_dir)[0]
                 replicas, mps = len(record.replicas), record.plan.mps
-        return self._measure(name, replicas, mps, url, run_dir)
+        with self._signals():
+            try:
+                return self._measure(name, replicas, mps, url, run_dir)
+            except Interrupted as exc:
+                self.interrupted = str(exc)
+                return ConfigResult(name, replicas, mps, "failed", f"interrupted ({exc})")
 
     def _measure(self, name: str, replicas: int | None, mps: bool, url: str,
                  run_dir: Path | None) -> ConfigResult:
@@ -199,6 +207,8 @@ class BenchRunner:
                 sampler.stop()
 
         workload = replace(s.workload, seed=s.seed)
+        if workload.kind == "completions" and workload.model is None:
+            workload = replace(workload, model=self._served_model(url))
         results, window = asyncio.run(run_point(
             url, workload, concurrency, duration_s=s.duration_s, warmup_s=s.warmup_s,
             timeout_s=s.timeout_s, api_key=s.api_key,
@@ -208,6 +218,22 @@ class BenchRunner:
                 sampler.cores)
 
     # --- configurations it launches ------------------------------------------------------------
+
+    def _served_model(self, url: str) -> str | None:
+        """The model an OpenAI endpoint serves (its first /v1/models entry), asked with the
+        run's key: what a launched vLLM/sglang names the absolute model path it was given."""
+        if url in self._models:
+            return self._models[url]
+        headers = {"Authorization": f"Bearer {self.settings.api_key}"} \
+            if self.settings.api_key else {}
+        request = urllib.request.Request(url.rstrip("/") + "/v1/models", headers=headers)
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        model = None
+        with contextlib.suppress(OSError, ValueError, KeyError, IndexError, TypeError), \
+                opener.open(request, timeout=10) as answer:
+            model = json.loads(answer.read())["data"][0]["id"]
+        self._models[url] = model
+        return model
 
     def run_configs(self, specs: list[str], launch_args: list[str],
                     state_dir: Path | None = None) -> list[ConfigResult]:
@@ -234,7 +260,7 @@ class BenchRunner:
         result: ConfigResult | None = None
         try:
             result = self._launch_and_measure(spec, replicas, mps, launch_args, run, env)
-        except (KeyboardInterrupt, Interrupted) as exc:
+        except Interrupted as exc:
             self.interrupted = str(exc) or "SIGINT"
             result = ConfigResult(spec, replicas, mps, "failed",
                                   f"interrupted ({self.interrupted}); the run was torn down")
@@ -344,23 +370,25 @@ class BenchRunner:
 
     @contextlib.contextmanager
     def _signals(self) -> Iterator[None]:
-        """SIGTERM raises Interrupted in the main thread (SIGINT is KeyboardInterrupt), except
-        while a run goes down: then it is only remembered."""
+        """SIGTERM and SIGINT raise Interrupted in the main thread, except while a run goes
+        down: then they are only remembered (a second Ctrl-C must not cut `down` short)."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return
 
-        def on_term(signum: int, frame: object) -> None:
+        def on_signal(signum: int, frame: object) -> None:
+            name = signal.Signals(signum).name
             if self._defer_signals:
-                self.interrupted = self.interrupted or "SIGTERM"
+                self.interrupted = self.interrupted or name
                 return
-            raise Interrupted("SIGTERM")
+            raise Interrupted(name)
 
-        previous = signal.signal(signal.SIGTERM, on_term)
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             yield
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def leftovers(token: str | None, record: RunRecord | None,

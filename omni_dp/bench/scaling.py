@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from omni_dp.bench.results import ConfigResult, LevelSummary, Range
+from omni_dp.bench.stats import RAN_OUT
 
 BASELINE = "1"  # the single replica every other configuration is measured against
 
@@ -26,6 +27,10 @@ def compared_level(config: ConfigResult) -> LevelSummary | None:
     for level in config.levels:
         if level.concurrency == config.saturation:
             return level
+    # No saturation: the sweep ran out still rising (compare at its best level), or its first
+    # level already broke a bound (p99, failures): no level of it is one to compare.
+    if config.stop_reason is None or RAN_OUT not in config.stop_reason:
+        return None
     return max(config.levels, key=lambda level: level.requests_per_s.median)
 
 

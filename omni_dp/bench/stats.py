@@ -119,6 +119,11 @@ def summarize_level(points: Sequence[PointResult]) -> LevelSummary:
     )
 
 
+# How a sweep that ended without finding saturation says so (scaling.compared_level reads it:
+# such a configuration is compared at its highest level, one whose first level broke a bound
+# is not compared at all).
+RAN_OUT = "throughput still rising"
+
 class SaturationSweep:
     """Which concurrency to measure next, and when to stop: the given levels in order, or
     doubling from `start` up to `maximum`; stopped once the median throughput rose less than
@@ -213,9 +218,9 @@ class SaturationSweep:
     def _ran_out(self, level: LevelSummary) -> str:
         if self.levels is not None:
             return (f"the given levels ended at concurrency {level.concurrency} with "
-                    "throughput still rising: saturation may lie beyond")
-        return (f"reached the maximum concurrency {self.maximum} with throughput still "
-                "rising: saturation may lie beyond")
+                    f"{RAN_OUT}: saturation may lie beyond")
+        return (f"reached the maximum concurrency {self.maximum} with {RAN_OUT}: saturation "
+                "may lie beyond")
 
 
 def verdict(config: ConfigResult, cores: Mapping[str, int] | None = None) -> str:

@@ -182,8 +182,12 @@ def wav_seconds(body: bytes) -> float:
         name, size = body[pos:pos + 4], struct.unpack("<I", body[pos + 4:pos + 8])[0]
         start = pos + 8
         if name == b"fmt " and size >= 16:
+            if len(body) < start + 14:
+                raise AnswerError("the WAV answer's fmt chunk is cut short")
             rate, _, block_align = struct.unpack("<IIH", body[start + 4:start + 14])
             width = max(1, block_align)  # bytes per sample frame: 2 for 16-bit mono
+            if not rate:
+                raise AnswerError("the WAV answer says its sample rate is 0")
         elif name == b"data":
             if rate is None:
                 raise AnswerError("the WAV answer has no fmt chunk before its data")

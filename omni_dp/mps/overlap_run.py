@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
@@ -149,6 +149,9 @@ async def _check(record: RunRecord, targets, headers: dict, duration: float,
             if not answer.get("recording"):
                 raise CannotCheck(f"replica {replica.index} does not time its GPU steps: "
                                   f"{answer.get('why') or 'it says no reason'}")
+            if answer.get("not_timed"):  # a stage in a process of its own: not all is seen
+                raise CannotCheck(f"replica {replica.index} times only its front process's "
+                                  f"stages; not timed: {answer['not_timed']}")
         load = await drive_load(session, router, headers, concurrency, duration)
         if load.ok == 0:
             raise CannotCheck(f"no speech request through the router at {router} succeeded "
@@ -161,6 +164,10 @@ async def _check(record: RunRecord, targets, headers: dict, duration: float,
         options = {} if min_share is None else {"min_share": min_share}
         report = overlap_share(found, window=(load.started, load.ended), **options)
         truncated = tuple(r.index for r in on_gpu if answers[r.index].get("truncated"))
+        if truncated:  # their early busy time is gone: the share would read low, not judge
+            report = replace(report, result=CANNOT_CHECK, reason=(
+                f"replica(s) {', '.join(map(str, truncated))} kept fewer intervals than the "
+                "load made (the recorder is bounded): run a shorter --duration"))
         gpus.append(GpuOverlap(gpu, tuple(r.index for r in on_gpu), report, truncated))
     return RunOverlap(record.run_id, router, concurrency, duration, load, tuple(gpus))
 

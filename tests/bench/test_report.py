@@ -5,6 +5,7 @@ figure is a real PNG; with one configuration, and with every one failed."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from matplotlib.image import imread
@@ -38,6 +39,9 @@ def test_a_sweep_that_never_saturated_is_taken_at_its_highest_and_said_so():
     assert compared_level(climbing).concurrency == 64
     assert scaling([single(), climbing]) == {"2mps": pytest.approx(70 / 40)}
     assert "2mps at c=64 (32 per replica), not saturated" in premise_text([single(), climbing])
+    # a sweep stopped by a bound at its first level (failures, p99) is not compared at all
+    broke = replace(climbing, stop_reason="60% of the requests at concurrency 16 failed")
+    assert compared_level(broke) is None and "2mps" not in scaling([single(), broke])
 
 
 def test_the_json_parses_and_carries_the_numbers_of_the_table():

@@ -13,6 +13,7 @@ from omni_dp.bench.results import (
     Range,
 )
 from omni_dp.bench.scaling import premise_text, scaling
+from omni_dp.bench.stats import RAN_OUT
 
 MACHINE = {"host": "bench-host", "cpus": 16,
            "gpu": {"name": "NVIDIA H200", "memory_bytes": 141 * 1024**3}}
@@ -69,7 +70,9 @@ def config(name: str, sweep: dict[int, list[float]], *, replicas: int = 1, mps: 
         name=name, replicas=replicas, mps=mps, status=status, reason=reason,
         points=tuple(points), levels=levels, saturation=saturation,
         stop_reason=(f"median req/s rose < 5% from c={saturation} to the next level"
-                     if saturation is not None else "reached the highest level"),
+                     if saturation is not None else
+                     f"reached the maximum concurrency with {RAN_OUT}: saturation may lie "
+                     "beyond"),
         verdict=verdict)
 
 

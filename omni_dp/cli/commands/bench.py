@@ -32,7 +32,8 @@ def _levels(ctx: click.Context, param: click.Parameter, value: str | None
     return levels
 
 
-@click.command(context_settings={"ignore_unknown_options": True})
+# Unknown options are refused: a launch option before `--` is a mistake to say, not to pass on.
+@click.command(context_settings={"ignore_unknown_options": False})
 @click.option("--configs", default=None, metavar="1,2mps,3mps",
               help="Launch each configuration (N replicas, `mps`: under MPS), measure it, "
                    "`down` it, check nothing is left, then the next. Launch options after "
@@ -61,8 +62,8 @@ def _levels(ctx: click.Context, param: click.Parameter, value: str | None
 @click.option("--texts", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="The prompts, one per line (default: a built-in set of 16).")
 @click.option("--model", default=None,
-              help="Completions: the served model name (default: the endpoint's first "
-                   "/v1/models entry, or the model a configuration launches).")
+              help="Completions: the served model name (default: each endpoint's first "
+                   "/v1/models entry).")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Request i is the same in every configuration and run with one seed.")
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None,
@@ -96,7 +97,7 @@ def bench(configs, trials, duration, warmup, concurrency, max_concurrency, max_p
         for spec in specs:
             parse_spec(spec)
         check_launch_args(launch_args)
-        chosen = _workload(workload, texts, model, seed, url, launch_args)
+        chosen = _workload(workload, texts, model, seed, launch_args)
         settings = BenchSettings(
             trials=trials, duration_s=duration, warmup_s=warmup, timeout_s=timeout,
             concurrency=concurrency, max_p99_s=max_p99, min_gain=min_gain, seed=seed,
@@ -123,15 +124,14 @@ def _split(configs: str | None, args: tuple[str, ...]) -> tuple[str | None, list
     return args[0].rstrip("/"), []
 
 
-def _workload(kind: str, texts: str | None, model: str | None, seed: int, url: str | None,
+def _workload(kind: str, texts: str | None, model: str | None, seed: int,
               launch_args: list[str]):
     from omni_dp.bench.workload import BUILTIN_TEXTS, Workload, load_texts
 
     engine = _flag(launch_args, "--engine")
     if kind == "auto":
         kind = "completions" if engine in LLM_ENGINES else "speech-stream"
-    if kind == "completions" and model is None:
-        model = _served_model(url, launch_args)
+    # model None: the runner asks each endpoint's /v1/models (with the key) what it serves
     return Workload(kind=kind, texts=load_texts(Path(texts)) if texts else BUILTIN_TEXTS, seed=seed,
                     model=model)
 
@@ -145,26 +145,6 @@ def _flag(args: list[str], flag: str) -> str | None:
         if arg.startswith(flag + "="):
             return arg.split("=", 1)[1]
     return None
-
-
-def _served_model(url: str | None, launch_args: list[str]) -> str | None:
-    """The name an OpenAI server serves its model under: the endpoint's first /v1/models
-    entry, or what the configurations launch (--served-model-name, else the model path)."""
-    if url is not None:
-        import urllib.request
-
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        try:
-            with opener.open(url + "/v1/models", timeout=10) as answer:
-                data = json.loads(answer.read())
-            return data["data"][0]["id"]
-        except (OSError, ValueError, KeyError, IndexError, TypeError):
-            raise ValueError(f"{url}/v1/models did not name a model; give --model") from None
-    engine_args = launch_args[launch_args.index("--") + 1:] if "--" in launch_args else []
-    for i, arg in enumerate(engine_args):
-        if arg == "--served-model-name" and i + 1 < len(engine_args):
-            return engine_args[i + 1]
-    return engine_args[0] if engine_args and not engine_args[0].startswith("-") else None
 
 
 def _writable(out: str) -> None:
