@@ -20,6 +20,7 @@ import pytest
 
 from omni_dp.bench.runner import BenchRunner, BenchSettings, check_launch_args, parse_spec
 from omni_dp.bench.sampler import NO_RUN, Sampler, count_cpus
+from omni_dp.bench.stats import RAN_OUT
 
 from support.launcher import Run, kill_replica, matching_pids
 from support.plans import gpu_run_record, gpus_json, stored_state
@@ -156,7 +157,10 @@ def test_each_configuration_is_launched_swept_downed_and_leaves_nothing(state_di
             assert level.requests_per_s.low <= level.requests_per_s.median \
                 <= level.requests_per_s.high and level.requests_per_s.low > 0
             assert level.audio_s_per_s.low > 0 and level.failures == {}
-        assert len(result.points) == 4 and result.saturation in (1, 2)
+        # saturated at 1 (2 rose < 5 %), or the levels ran out still rising: no saturation
+        assert len(result.points) == 4
+        assert result.saturation == 1 or (result.saturation is None
+                                          and RAN_OUT in result.stop_reason)
         assert result.stop_reason and result.verdict
         assert all(p.cpu_util and "replica 0" in p.cpu_util and "router" in p.cpu_util
                    for p in result.points)

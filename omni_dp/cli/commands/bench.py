@@ -76,7 +76,7 @@ def _levels(ctx: click.Context, param: click.Parameter, value: str | None
                 metavar="[URL] [-- LAUNCH OPTIONS [-- ENGINE ARGS]]")
 def bench(configs, trials, duration, warmup, concurrency, max_concurrency, max_p99, min_gain,
           timeout, workload, texts, model, seed, run_dir, out, as_json, args) -> None:
-    """Find the right N: how many replicas pay, measured with ranges, failures kept.
+    """Find the right N: a sweep per configuration, ranges over trials, failures kept.
 
     Either against a running endpoint (`omni-dp bench http://127.0.0.1:8000`) or by
     launching configurations itself (`omni-dp bench --configs 1,2mps,3mps -- --gpu 0
