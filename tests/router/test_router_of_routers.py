@@ -11,12 +11,7 @@ and counts per host.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,51 +21,13 @@ from aiohttp import web
 from support.http_client import fetch
 from support.ports import LOOPBACK, free_ports
 from support.router import Backend, echo, hold_if_asked, run, sample, scrape
+from support.router_process import RouterProcess
 from support.wait import until
 
 # Fast checks, so a host leaves and rejoins the front's rotation within a second or so.
 HEALTH = ("--health-interval", "0.1", "--health-timeout", "0.5", "--health-failures", "2",
           "--health-successes", "1", "--health-jitter", "0")
 NOTICE_S = 3.0  # the bound on the front (or a host) noticing a change of health
-
-
-class RouterProcess:
-    """One `omni-dp router` process on a loopback port; its log in a file; killed by pid (and
-    reaped) on the way out."""
-
-    def __init__(self, log_path: Path, port: int, *args: str) -> None:
-        self.port = port
-        self.url = f"http://{LOOPBACK}:{self.port}"
-        self.log_path = log_path
-        self.args = ["--port", str(self.port), *HEALTH, *args]
-        self.proc: asyncio.subprocess.Process | None = None
-        self._log = None
-
-    async def start(self) -> RouterProcess:
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in kill()
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "omni_dp", "router", *self.args,
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )
-        return self
-
-    def log_text(self) -> str:
-        return self.log_path.read_text()
-
-    async def wait_listening(self, timeout: float = 15) -> None:
-        def listening() -> bool:
-            assert self.proc.returncode is None, self.log_text()
-            return "router listening on" in self.log_text()
-
-        await until(listening, timeout, f"{self.log_path.name}: listening", interval=0.02)
-
-    async def kill(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGKILL)
-            await asyncio.wait_for(self.proc.wait(), 10)
-        if self._log is not None:
-            self._log.close()
 
 
 class Fleet:
@@ -97,12 +54,12 @@ class Fleet:
                                       ("b", ports[1], self.host_b_args)):
                 replicas = [arg for i in (0, 1) for arg in
                             ("--replica", f"{host}{i}={self.backends[f'{host}{i}'].url}")]
-                self.hosts[host] = RouterProcess(self.tmp_path / f"host_{host}.log", port,
-                                                 *replicas, *extra)
+                self.hosts[host] = RouterProcess(self.tmp_path / f"host_{host}.log", *HEALTH,
+                                                 *replicas, *extra, port=port)
             # The command the README gives: the host routers are the front's replicas.
             self.front = RouterProcess(
-                self.tmp_path / "front.log", ports[2], "--replica", f"a={self.hosts['a'].url}",
-                "--replica", f"b={self.hosts['b'].url}", *self.front_args)
+                self.tmp_path / "front.log", *HEALTH, "--replica", f"a={self.hosts['a'].url}",
+                "--replica", f"b={self.hosts['b'].url}", *self.front_args, port=ports[2])
             routers = [*self.hosts.values(), self.front]
             for router in routers:  # all three start together: the front waits for none
                 await router.start()
@@ -120,7 +77,7 @@ class Fleet:
             backend.release.set()
         for router in [self.front, *self.hosts.values()]:
             if router is not None:
-                await router.kill()
+                await router.killed()
         for backend in self.backends.values():
             await backend.stop()
 

@@ -20,8 +20,9 @@ import pytest
 from aiohttp import web
 
 from support.http_client import fetch
-from support.ports import LOOPBACK, free_port
+from support.ports import LOOPBACK
 from support.router import Backend, backends, run
+from support.router_process import RouterProcess
 from support.wait import until
 
 _ROUTE = re.compile(r'omni_dp\.router\.access\[(\d+)\]: \{"event":"route"')
@@ -88,50 +89,6 @@ def test_router_help_documents_every_flag():
 
 
 # --- running routers -----------------------------------------------------------------------------
-
-
-class RouterProcess:
-    """One `omni-dp router` process; stderr to a file; stopped by pid."""
-
-    def __init__(self, log_path: Path, *args: str) -> None:
-        self.port = free_port()
-        self.url = f"http://{LOOPBACK}:{self.port}"
-        self.log_path = log_path
-        self.args = ["--port", str(self.port), *args]
-        self.proc: asyncio.subprocess.Process | None = None
-        self._log = None
-
-    async def start(self) -> RouterProcess:
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in kill()
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "omni_dp", "router", *self.args,
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )
-        return self
-
-    def log_text(self) -> str:
-        return self.log_path.read_text()
-
-    async def wait_listening(self, workers: int = 1, timeout: float = 15) -> None:
-        def listening() -> bool:
-            assert self.proc.returncode is None, self.log_text()
-            return self.log_text().count("router listening on") >= workers
-
-        await until(listening, timeout, f"{workers} listening lines")
-
-    async def stop(self, timeout: float = 15) -> int:
-        os.kill(self.proc.pid, signal.SIGTERM)
-        return await asyncio.wait_for(self.proc.wait(), timeout)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            with contextlib.suppress(psutil.Error):
-                for child in psutil.Process(self.proc.pid).children(recursive=True):
-                    child.kill()  # our router's own workers, by pid
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGKILL)
-        if self._log is not None:
-            self._log.close()
 
 
 @contextlib.asynccontextmanager
