@@ -386,24 +386,10 @@ def test_processes_seen_while_a_replica_starts_are_recorded_and_reached_after_it
 
 
 @pytest.fixture
-def daemon_standins(token):
+def daemon_standins(bystanders, token):
     """Processes standing in for GPU slot k's MPS daemon, k = 0, 1, … (each carrying the run
     token, as a daemon the launcher started does): only a `quit` (fake_quit) ends one."""
-    started: list[subprocess.Popen] = []
-
-    def start() -> subprocess.Popen:
-        popen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                                 env={**os.environ, TOKEN_ENV: token}, stdin=subprocess.DEVNULL)
-        started.append(popen)
-        wait_for("the stand-in daemon", lambda: identify(popen.pid) is not None, timeout=5)
-        return popen
-
-    try:
-        yield start
-    finally:
-        for popen in started:
-            popen.kill()
-            popen.wait(10)
+    return lambda: bystanders({TOKEN_ENV: token})
 
 
 def two_gpu_state(tmp_path: Path, token: str, daemons: list[subprocess.Popen]) -> RunState:
