@@ -42,8 +42,10 @@ from omni_dp.bench.stats import (
     verdict,
 )
 from omni_dp.bench.workload import Workload
-from omni_dp.contract import API_KEY_ENV, RUN_IDENTITY_ENVS, TOKEN_ENV
-from omni_dp.procs import ProcessIdentity, is_alive, read_environ
+from omni_dp.contract import API_KEY_ENV, RUN_IDENTITY_ENVS
+from omni_dp.launcher.processes import token_carriers
+from omni_dp.net import port_taken
+from omni_dp.procs import ProcessIdentity, is_alive
 from omni_dp.rundir import run_dir as run_dir_of
 from omni_dp.rundir import state_dir as default_state_dir
 from omni_dp.runfile import RunFileError, RunRecord, read_run
@@ -408,13 +410,9 @@ def _still_running(token: str | None, record: RunRecord | None) -> dict[int, str
     me = psutil.Process()
     exempt = {me.pid, *(p.pid for p in me.parents())}
     found: dict[int, str] = {}
-    if token:
-        for proc in psutil.process_iter(["pid", "name", "status"]):
-            if proc.pid in exempt or proc.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            env = read_environ(proc.pid)
-            if env is not None and env.get(TOKEN_ENV) == token:
-                found[proc.pid] = proc.info["name"]
+    if token:  # the launcher's own definition of "carries the run token"
+        for ident in token_carriers(token, exclude=exempt):
+            found[ident.pid] = _name(ident.pid)
     if record is not None:
         identities = list(record.identities())
         for replica in record.replicas:
@@ -469,19 +467,9 @@ def _free_block(n: int, attempts: int = 100) -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             base = s.getsockname()[1]
-        if base + n < 65536 and all(_bindable(base + i) for i in range(n)):
+        if base + n < 65536 and not any(port_taken("127.0.0.1", base + i) for i in range(n)):
             return base
     raise RuntimeError(f"no block of {n} free loopback ports found")
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def _last_lines(done: subprocess.CompletedProcess) -> str:
