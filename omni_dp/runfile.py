@@ -500,6 +500,11 @@ class RunRecord:
         return next((g for g in self.gpus if g.slot == slot),
                     GpuRecord(slot, self.gpu if len(self.gpus) <= 1 else "?"))
 
+    def gpu_title(self, slot: int) -> str | None:
+        """How messages name GPU slot `slot`: its title in a run over several GPUs; None in a
+        one-GPU run, whose messages need no name (and read as they always did)."""
+        return self.gpu_record(slot).title if len(self.gpus) > 1 else None
+
     def gpu_key(self, slot: int) -> int | None:
         """How the slot's daemon directory and attachment proof are named (rundir.mps_dir,
         attach_stem): None in a one-GPU run (the names of before), else the GPU's index."""

@@ -276,4 +276,5 @@ def _quit_daemon(state: RunState, record: DaemonRecord, result: TeardownResult,
 def _of_gpu(record: RunRecord, gpu: int) -> str:
     """How messages name a daemon's GPU: ' of GPU 1 (NVIDIA H200)' in a run over several
     GPUs; '' in a one-GPU run, whose messages read as they always did."""
-    return f" of {record.gpu_record(gpu).title}" if len(record.gpus) > 1 else ""
+    title = record.gpu_title(gpu)
+    return f" of {title}" if title else ""

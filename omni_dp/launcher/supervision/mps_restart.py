@@ -16,7 +16,6 @@ from omni_dp.launcher.bringup import BringUpFailed, start_daemon, start_replicas
 from omni_dp.launcher.gates import GateFailed
 from omni_dp.launcher.processes import stop_processes
 from omni_dp.launcher.supervision.crew import Crew
-from omni_dp.launcher.supervision.mps_watch import gpu_named
 from omni_dp.launcher.supervision.router_link import RouterLink
 from omni_dp.mps.daemon import CONTROL_LOG, DaemonRecord, MpsDaemon, MpsDaemonError
 from omni_dp.mps.faults import FaultScanner
@@ -43,7 +42,7 @@ class GroupRestart:
                 return
             self._bring_back(record.gpu, indices)
         except (BringUpFailed, GateFailed, MpsDaemonError, OSError) as exc:
-            gpu = gpu_named(self.crew.state.record, record.gpu)
+            gpu = self.crew.state.record.gpu_title(record.gpu)
             self.crew.state.event("mps_restart_failed", gpu=record.gpu, error=str(exc))
             self.crew.say("restarting after the MPS fault" + (f" on {gpu}" if gpu else "")
                           + f" failed: {exc}; stopping the run")
@@ -71,7 +70,7 @@ class GroupRestart:
         start_replicas(crew.state, crew.replicas, indices,
                        sequential=crew.state.plan.start == "sequential",
                        timeout_s=crew.state.supervision.start_timeout, say=crew.say)
-        named = gpu_named(crew.state.record, gpu)
+        named = crew.state.record.gpu_title(gpu)
         if not crew.replicas.verify_attachment(gpu).passed:
             raise BringUpFailed("MPS attachment FAILED after the daemon restart"
                                 + (f" on {named}" if named else ""))

@@ -14,13 +14,6 @@ from omni_dp.launcher.supervision.crew import Crew, Probe
 from omni_dp.launcher.supervision.restart_policy import GiveUp, RestartPolicy
 from omni_dp.mps.daemon import DaemonHealth, DaemonRecord
 from omni_dp.mps.faults import FaultScanner
-from omni_dp.runfile import RunRecord
-
-
-def gpu_named(record: RunRecord, gpu: int) -> str | None:
-    """How messages name GPU slot `gpu`: its title in a run over several GPUs; None in a
-    one-GPU run, whose messages need no name (and read as they always did)."""
-    return record.gpu_record(gpu).title if len(record.gpus) > 1 else None
 
 
 def describe_fault(health: DaemonHealth, gpu: str | None = None) -> str | None:
@@ -70,7 +63,7 @@ class MpsWatch:
         """One sweep's look at the daemon: None when it is fit; else the fault is said and
         recorded, a `fail` stops the run, and a `restart` is returned for the caller to run."""
         run = crew.state.record
-        gpu = gpu_named(run, self.gpu)
+        gpu = run.gpu_title(self.gpu)
         fault = describe_fault(self.health(crew.probe, record, self.logs(crew)), gpu)
         if fault is None:
             return None
