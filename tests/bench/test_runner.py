@@ -18,7 +18,13 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from omni_dp.bench.runner import BenchRunner, BenchSettings, check_launch_args, parse_spec
+from omni_dp.bench.runner import (
+    BenchRunner,
+    BenchSettings,
+    check_launch_args,
+    leftovers,
+    parse_spec,
+)
 from omni_dp.bench.sampler import NO_RUN, Sampler, count_cpus
 from omni_dp.bench.stats import RAN_OUT
 
@@ -206,3 +212,20 @@ def test_a_replica_killed_mid_run_is_counted_as_failed_requests(tmp_path):
     assert result.status == "degraded" and "requests failed" in result.reason
     assert result.replicas == 2 and point.ok > 0
     assert {"replica 0", "replica 1", "router", "client"} <= set(point.cpu_util)
+
+
+def test_a_process_left_carrying_the_run_token_is_named_and_nothing_is_once_it_is_gone():
+    # what makes a configuration "failed" after its down: a process of the run still running
+    token = "bench-leftover-" + os.urandom(4).hex()
+    left = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            env={**os.environ, "OMNI_DP_RUN_TOKEN": token},
+                            stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not (found := leftovers(token, None, wait_s=0.1)):
+            assert time.monotonic() < deadline, "the token carrier was never seen"
+        assert found == [f"pid {left.pid} ({psutil.Process(left.pid).name()})"]
+    finally:
+        left.kill()
+        left.wait(10)
+    assert leftovers(token, None, wait_s=5) == []
