@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -29,6 +30,21 @@ from omni_dp.procs import ProcessIdentity, identify, is_alive, read_environ
 
 PID_FILE = "nvidia-cuda-mps-control.pid"  # documented; Debian's 535 build writes none
 CONTROL_LOG = "control.log"
+# Open files an MPS server needs at least (NVIDIA's MPS guide: short of them it fails to
+# "create/open SHM segment"); many hosts and containers start processes with a soft limit of
+# 1024. The server is spawned by the daemon at the first client and inherits its limits.
+MIN_OPEN_FILES = 16384
+
+
+def raise_open_files(pid: int, wanted: int = MIN_OPEN_FILES) -> tuple[int, int]:
+    """Raise process `pid`'s soft RLIMIT_NOFILE to `wanted` (no further than its hard limit,
+    which an unprivileged process cannot raise); its (soft, hard) limits after."""
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    return soft, hard
 
 
 class MpsDaemonError(Exception):
@@ -167,6 +183,8 @@ class MpsDaemon:
                 "the daemon answers but no process of its binary holds this pipe directory; "
                 f"control.log:\n{log_tail(control.log_dir)}"
             )
+        with contextlib.suppress(OSError):  # gone meanwhile: the health checks say so
+            raise_open_files(identity.pid)  # before any client makes it spawn its server
         record = DaemonRecord(identity, control.binary, control.pipe_dir, control.log_dir,
                               gpu_uuid, control.server_binary, gpu)
         try:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -13,10 +15,12 @@ import pytest
 from omni_dp.files import PrivateDirError, make_private_dir, private_dir_problem
 from omni_dp.mps.control import DaemonUnreachable, MpsControl
 from omni_dp.mps.daemon import (
+    MIN_OPEN_FILES,
     DaemonRecord,
     MpsDaemon,
     MpsDaemonError,
     find_daemon_pid,
+    raise_open_files,
 )
 from omni_dp.procs import ProcessIdentity, identify, is_alive
 
@@ -196,3 +200,35 @@ def test_daemon_start_failure_is_reported(daemons, tmp_path):
     daemon.control = MpsControl(str(fake), control.pipe_dir, control.log_dir)
     with pytest.raises(MpsDaemonError, match="cannot do that"):
         daemon.start(gpu_uuid=None)
+
+
+def test_the_daemon_may_open_enough_files_for_its_server(daemons):
+    """Its server inherits the daemon's limits; a soft limit of 1024 (common) fails it. The
+    daemon is started from a process with that limit: it inherits it."""
+    _, daemon = daemons()
+    ours = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, ours[0]), ours[1]))
+    try:
+        record = daemon.start(gpu_uuid=None)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, ours)
+    soft, hard = resource.prlimit(record.identity.pid, resource.RLIMIT_NOFILE)
+    wanted = MIN_OPEN_FILES if hard == resource.RLIM_INFINITY else min(MIN_OPEN_FILES, hard)
+    assert soft == resource.RLIM_INFINITY or soft >= wanted
+    daemon.stop(record)
+
+
+def test_open_files_are_raised_to_the_floor_and_never_past_the_hard_limit():
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        _, hard = resource.prlimit(child.pid, resource.RLIMIT_NOFILE)
+        resource.prlimit(child.pid, resource.RLIMIT_NOFILE, (256, hard))
+        floor = 512 if hard == resource.RLIM_INFINITY else min(512, hard)
+        assert raise_open_files(child.pid, wanted=512) == (floor, hard)
+        assert resource.prlimit(child.pid, resource.RLIMIT_NOFILE) == (floor, hard)
+        assert raise_open_files(child.pid, wanted=300) == (floor, hard)  # never lowered
+        if hard != resource.RLIM_INFINITY:
+            assert raise_open_files(child.pid, wanted=hard + 1) == (hard, hard)
+    finally:
+        child.kill()
+        child.wait()
