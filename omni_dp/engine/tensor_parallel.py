@@ -273,7 +273,10 @@ def join_group(
         device_id=device if backend == "nccl" else None,
     )
     device_group = dist.group.WORLD
-    cpu_group = device_group if backend == "gloo" else dist.new_group(backend="gloo")
+    # The step broadcasts' group, with the same timeout: new_group's own default (gloo's 30
+    # minutes) would let a hung rank keep rank 0 waiting that long.
+    cpu_group = (device_group if backend == "gloo"
+                 else dist.new_group(backend="gloo", timeout=timeout))
     return TPGroup(rank, world, device_group, cpu_group)
 
 

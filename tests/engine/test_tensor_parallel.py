@@ -3,6 +3,7 @@ two-rank gloo group on the CPU (rank 0 here, rank 1 a subprocess) against one pr
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
+from omni_dp.engine import tensor_parallel
 from omni_dp.engine.config import PRESETS
 from omni_dp.engine.kv_cache import KVCache, plan_kv_cache
 from omni_dp.engine.model import Attention, GatedMLP
@@ -337,3 +339,27 @@ def test_rank_1_fails_at_once_when_rank_0_dies_while_it_waits(rank_1):
     # Neither IDLE_WAIT nor the group's timeout: the closed connection wakes it.
     assert time.monotonic() - start < GROUP_TIMEOUT_S / 2
     assert process.returncode != 0 and "RuntimeError" in out, out
+
+
+def test_an_nccl_rank_binds_its_gpu_and_its_step_group_keeps_the_timeout(monkeypatch):
+    """On GPUs (not runnable here: TEST STAND-INS for torch.distributed's group calls record
+    what they are given): the NCCL group is bound to the rank's device and bootstraps on
+    loopback, and the gloo group of the step broadcasts times out as the NCCL one does, not
+    after gloo's default half hour."""
+    made: list[tuple[str, dict]] = []
+    monkeypatch.setattr(tensor_parallel.dist, "init_process_group",
+                        lambda backend, **kwargs: made.append((backend, kwargs)))
+    monkeypatch.setattr(tensor_parallel.dist, "new_group",
+                        lambda **kwargs: made.append(("new_group", kwargs)) or "gloo group")
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)
+    store, port = open_store()
+    group = join_group(1, 2, port, "nccl", 7.0, device=torch.device("cuda", 1))
+    assert [what for what, _ in made] == ["nccl", "new_group"]
+    init, step_group = made[0][1], made[1][1]
+    assert init["device_id"] == torch.device("cuda", 1)
+    assert init["timeout"] == timedelta(seconds=7.0)
+    assert step_group == {"backend": "gloo", "timeout": timedelta(seconds=7.0)}
+    assert group.cpu_group == "gloo group" and (group.rank, group.world) == (1, 2)
+    assert os.environ["NCCL_SOCKET_IFNAME"] == os.environ["GLOO_SOCKET_IFNAME"] == "lo"
+    del store

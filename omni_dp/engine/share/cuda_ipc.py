@@ -26,6 +26,11 @@ from omni_dp.engine.share import ShareError
 from omni_dp.sharefile import CudaIpcHandle
 
 ALLOC_CONF_ENVS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+CUDA_IPC_HANDLE_BYTES = 64  # a cudaIpcMemHandle_t, as torch before 2.5 handed it out bare
+# torch ≥ 2.5 prefixes the handle with a version byte and its kind: b"c" a cudaMalloc block
+# (cudaIpcOpenMemHandle), b"e" an expandable segment (cuMem* and pidfd_getfd).
+_CUDA_MALLOC_KIND = b"c"
+_EXPANDABLE_SEGMENT_KIND = b"e"
 
 
 def device_name(device: torch.device) -> str:
@@ -67,19 +72,45 @@ def exportable_problem(environ: Mapping[str, str] = os.environ) -> str | None:
     return None
 
 
+def handle_problem(handle: bytes) -> str | None:
+    """Why followers could not open this handle, or None for a cudaMalloc block's.
+
+    The allocator can be switched to expandable segments in code as well as by the environment
+    exportable_problem reads (torch.cuda.memory._set_allocator_settings, a library, a future
+    default); its handles then need pidfd_getfd, which ptrace rules refuse to another process
+    ("pidfd_getfd: Operation not permitted"). Refused at the leader, with the reason, rather
+    than in every follower."""
+    if len(handle) == CUDA_IPC_HANDLE_BYTES:
+        return None
+    kind = handle[1:2]
+    if kind == _CUDA_MALLOC_KIND:
+        return None
+    if kind == _EXPANDABLE_SEGMENT_KIND:
+        return ("the caching allocator uses expandable segments (set in code or by the "
+                "environment), whose IPC handles need pidfd_getfd in each follower; a sharing "
+                "leader needs cudaMalloc'd buffers: set expandable_segments:False")
+    return f"torch handed out an IPC handle of an unknown kind ({kind!r})"
+
+
 def new_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     """A flat uint8 buffer from the caching allocator: one allocation, exported whole."""
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def export(buffer: torch.Tensor) -> CudaIpcHandle:
+    """The buffer's IPC handle as the manifest holds it; ShareError where followers could not
+    open it."""
     (device, handle, storage_size, storage_offset, ref_counter_handle, ref_counter_offset,
      event_handle, event_sync_required) = buffer.untyped_storage()._share_cuda_()
+    problem = handle_problem(bytes(handle))
+    if problem:
+        raise ShareError(f"cannot export the leader's CUDA buffer: {problem}")
     return CudaIpcHandle(
         device=int(device), handle=bytes(handle), storage_size=int(storage_size),
         storage_offset=int(storage_offset), ref_counter_handle=bytes(ref_counter_handle),
         ref_counter_offset=int(ref_counter_offset),
-        # None when the leader's stream needs no waiting on; then it is never read.
+        # 64 bytes, zeros when no wait is needed (None from some torch versions): never read
+        # unless event_sync_required.
         event_handle=bytes(event_handle or b""),
         event_sync_required=bool(event_sync_required),
     )
@@ -87,7 +118,12 @@ def export(buffer: torch.Tensor) -> CudaIpcHandle:
 
 def open_buffer(ipc: CudaIpcHandle, device: torch.device) -> torch.Tensor:
     """The leader's buffer as a flat uint8 tensor on `device` (this process's index of the
-    GPU the manifest names by UUID); waits for the leader's copies when the handle says so."""
+    GPU the manifest names by UUID: the leader's index is in its own numbering); waits for the
+    leader's copies when the handle says so."""
+    if ipc.event_sync_required and len(ipc.event_handle) != CUDA_IPC_HANDLE_BYTES:
+        # torch would fail without an exception set (SystemError), naming nothing
+        raise ShareError(f"the manifest's event handle is {len(ipc.event_handle)} bytes, not "
+                         f"{CUDA_IPC_HANDLE_BYTES}: not one the leader's torch handed out")
     args = dataclasses.replace(ipc, device=device.index or 0).args()
     torch.cuda._lazy_init()  # as rebuild_cuda_tensor does before opening a handle
     with torch.cuda.device(device):
@@ -95,6 +131,6 @@ def open_buffer(ipc: CudaIpcHandle, device: torch.device) -> torch.Tensor:
             storage = torch.UntypedStorage._new_shared_cuda(*args)
         except RuntimeError as exc:
             raise ShareError(f"cannot open the leader's CUDA buffer: {exc}") from None
-    flat = torch.empty(0, dtype=torch.uint8, device=device)
+    flat = torch.empty(0, dtype=torch.uint8, device=storage.device)
     flat.set_(storage)
     return flat
