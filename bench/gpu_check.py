@@ -114,7 +114,8 @@ def step_checks(checks: Checks, device: str, model: str) -> None:
             return f"syncs per step {syncs['per_step']}, expected exactly 1"
         planned, measured = result["planned_overhead_bytes"], result["measured_overhead_bytes"]
         if measured is not None and measured > planned:
-            return f"overhead {measured} bytes measured, the plan assumes {planned}"
+            return (f"overhead {measured} bytes measured ({result['overhead_source']}, this "
+                    f"process's CUDA context included), the plan assumes {planned}")
         return None
 
     checks.run("talker steps: rate, syncs per step, overhead", steps)

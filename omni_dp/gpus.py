@@ -131,6 +131,24 @@ def _by_uuid(inventory: GpuInventory, uuid: str) -> tuple[GpuFacts | None, list[
     return None, [Problem("gpu", f"no GPU with UUID {uuid}; {inventory.visible()}; {PICK_HINT}")]
 
 
+def nvml_id_of(torch_index: int, visible: str | None) -> str | None:
+    """The GPU a process numbers `torch_index`, as NVML names it ("GPU-…"/"MIG-…" or an NVML
+    index), read from that process's CUDA_VISIBLE_DEVICES (`visible`) without touching CUDA.
+
+    CUDA numbers only the devices the variable lists, in its order, so index 0 of a process
+    given `GPU-…` (as omni-dp gives every replica) or `2` is that GPU, not NVML's GPU 0; NVML
+    ignores the variable. Unset, CUDA numbers every GPU as NVML does on a one-GPU machine (on
+    several, only with CUDA_DEVICE_ORDER=PCI_BUS_ID). None: the index names no GPU."""
+    if torch_index < 0:
+        return None
+    if visible is None:
+        return str(torch_index)
+    entries = [entry.strip() for entry in visible.split(",")]
+    if torch_index >= len(entries) or not entries[torch_index]:
+        return None
+    return entries[torch_index]
+
+
 def query_gpu(wanted: str, nvml: Any = None) -> tuple[GpuFacts | None, list[Problem], bool]:
     """The GPU a launch asked for: query_gpus, then pick_gpu. Returns (facts, problems,
     nvml_available); facts is None when NVML is unavailable or there is no such GPU."""

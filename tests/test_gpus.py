@@ -14,6 +14,7 @@ from omni_dp.gpus import (
     GpuInventory,
     Problem,
     nvml_driver_version,
+    nvml_id_of,
     pick_gpu,
     query_gpu,
     query_gpus,
@@ -169,3 +170,18 @@ def test_the_mps_preflight_asks_nvml_once_too(control_binary, tmp_path, monkeypa
     assert report.ok and report.binaries is not None
     assert report.binaries.driver_version == DRIVER
     assert nvml.calls.count("nvmlInit") == 1, nvml.calls
+
+
+@pytest.mark.parametrize(("index", "visible", "expected"), [
+    (0, None, "0"),
+    (1, None, "1"),
+    (0, H100_UUID, H100_UUID),  # every replica's variable: its GPU by UUID
+    (0, "MIG-2f0c9a43-1b1e-5b0f-9c1e-6f1d2a3b4c5d", "MIG-2f0c9a43-1b1e-5b0f-9c1e-6f1d2a3b4c5d"),
+    (0, "2", "2"),  # torch's 0 is NVML's 2
+    (1, f"3, {L4_UUID}", L4_UUID),
+    (1, "3", None),
+    (0, "", None),  # no GPU visible
+    (-1, None, None),
+])
+def test_a_torch_index_is_found_in_nvml_through_cuda_visible_devices(index, visible, expected):
+    assert nvml_id_of(index, visible) == expected

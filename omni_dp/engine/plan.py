@@ -37,8 +37,9 @@ DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 # What a replica holds besides its weights and KV pool; used only to refuse a plan that cannot
 # fit, never to size anything. On CPU: activations and allocator slack. On a GPU the CUDA
 # context itself (~0.5 GiB on Hopper with lazy module loading), cuBLAS workspaces, activations
-# and the caching allocator's slack come on top: 1 GiB, to be replaced by the figure
-# bench/gpu_check.py measures (device memory of the process minus weights and KV).
+# and the caching allocator's slack come on top: 1 GiB, assumed until bench/engine_steps.py
+# (run by bench/gpu_check.py) measures it: NVML's figure for its process, the context included
+# (its baseline is read before planning makes the context), minus weights and KV.
 CPU_OVERHEAD_BYTES = 256 * 1024**2
 CUDA_OVERHEAD_BYTES = 1024**3
 

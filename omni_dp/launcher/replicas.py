@@ -329,13 +329,15 @@ def replica_memory(processes: tuple[DeclaredProcess, ...], device: str,
                    on_gpu: dict[int, int] | None) -> int | None:
     """A replica's private memory: on CPU the USS (pages no other process maps) summed over its
     recorded processes; on CUDA the GPU memory NVML says they use. None when it cannot be read
-    (a process gone or not ours, NVML without per-process figures)."""
+    (a process gone or not ours, NVML without per-process figures) — also when NVML has a
+    figure for some of its CUDA processes only (MPS may withhold one client's): a part of the
+    replica is not its memory."""
     live = [p for p in processes if p.create_time is not None
             and is_alive(ProcessIdentity(p.pid, p.create_time))]
     if not live:
         return None
     if device == "cuda":
-        if on_gpu is None:
+        if on_gpu is None or any(p.uses_cuda and p.pid not in on_gpu for p in live):
             return None
         figures = [on_gpu[p.pid] for p in live if p.pid in on_gpu]
         return sum(figures) if figures else None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from types import SimpleNamespace
 
 import pytest
@@ -216,6 +217,25 @@ def test_a_replicas_memory_is_measured_never_guessed():
     assert replica_memory(mine, "cuda", {me.pid: 3 << 30, 1: 5}) == 3 << 30
     assert replica_memory(mine, "cuda", {1: 5}) is None  # NVML does not list it
     assert replica_memory(mine, "cuda", None) is None  # NVML cannot say
+
+
+def test_a_replica_with_a_cuda_process_nvml_has_no_figure_for_has_no_memory_figure():
+    """Under MPS NVML may give one client's figure and withhold another's: the replica's sum
+    would be a part passed off as the whole."""
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        me, other = identify(os.getpid()), identify(child.pid)
+        assert me is not None and other is not None
+        talker = DeclaredProcess(me.pid, "talker", "cuda:0", me.create_time)
+        vocoder = DeclaredProcess(other.pid, "vocoder", "cuda:0", other.create_time)
+        front = DeclaredProcess(other.pid, "main", "cpu", other.create_time)
+        assert replica_memory((talker, vocoder), "cuda", {me.pid: 3 << 30}) is None
+        assert replica_memory((talker, vocoder), "cuda",
+                              {me.pid: 3 << 30, other.pid: 1 << 30}) == 4 << 30
+        assert replica_memory((talker, front), "cuda", {me.pid: 3 << 30}) == 3 << 30
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_nvml_gives_each_processes_used_memory_where_it_has_a_figure():
