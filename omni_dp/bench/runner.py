@@ -238,15 +238,20 @@ class BenchRunner:
         return model
 
     def run_configs(self, specs: list[str], launch_args: list[str],
-                    state_dir: Path | None = None) -> list[ConfigResult]:
-        """Each configuration in turn: launch, sweep, down, check nothing is left. Bad specs
-        or launch flags the specs decide are refused (ValueError) before anything starts."""
+                    state_dir: Path | None = None,
+                    finished: Callable[[list[ConfigResult]], None] | None = None
+                    ) -> list[ConfigResult]:
+        """Each configuration in turn: launch, sweep, down, check nothing is left; `finished`
+        is given the results so far as each configuration ends. Bad specs or launch flags the
+        specs decide are refused (ValueError) before anything starts."""
         parsed = [(spec, *parse_spec(spec)) for spec in specs]
         check_launch_args(launch_args)
         results: list[ConfigResult] = []
         with self._signals():
             for spec, replicas, mps in parsed:
                 results.append(self._run_config(spec, replicas, mps, launch_args, state_dir))
+                if finished is not None:
+                    finished(list(results))
                 if self.interrupted:
                     self.progress(f"interrupted ({self.interrupted}): the configurations "
                                   "after this one were not run")

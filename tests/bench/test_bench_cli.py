@@ -111,3 +111,31 @@ def test_an_admission_bound_that_503s_is_counted_and_the_config_is_degraded(tmp_
             os.killpg(router.pid, signal.SIGTERM)
         router.wait(30)
         replica.stop()
+
+
+def test_bench_json_holds_each_configuration_as_it_ends(tmp_path, monkeypatch):
+    """A sweep killed during its third configuration (the device call's timeout) must still
+    have the first two in bench.json: it is rewritten as each configuration ends."""
+    from click.testing import CliRunner
+
+    from omni_dp.bench.results import ConfigResult
+    from omni_dp.bench.runner import BenchRunner
+    from omni_dp.cli import cli
+
+    out = tmp_path / "out"
+    seen: list[dict] = []
+
+    def measured(self, spec, replicas, mps, launch_args, state_dir):
+        if (out / "bench.json").exists():
+            seen.append(json.loads((out / "bench.json").read_text()))
+        return ConfigResult(spec, replicas, mps, "failed", f"{spec}: not launched here")
+
+    monkeypatch.setattr(BenchRunner, "_run_config", measured)
+    done = CliRunner().invoke(cli, ["bench", "--configs", "1,2,3mps", "--out", str(out),
+                                    "--", *TINY])
+    assert done.exit_code == 1, done.output
+    assert [[c["name"] for c in data["configs"]] for data in seen] == [["1"], ["1", "2"]]
+    assert all(data["complete"] is False for data in seen)
+    final = json.loads((out / "bench.json").read_text())
+    assert [c["name"] for c in final["configs"]] == ["1", "2", "3mps"]
+    assert final["complete"] is True

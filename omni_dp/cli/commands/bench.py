@@ -106,9 +106,11 @@ def bench(configs, trials, duration, warmup, concurrency, max_concurrency, max_p
         fail("bench", str(exc))
     if out is not None:
         _writable(out)
-    results = _run(BenchRunner, settings, url, run_dir, specs, launch_args, as_json)
+    partial = None if out is None else (lambda done: _write_json(
+        _report((done, None), settings), Path(out), complete=False))
+    results = _run(BenchRunner, settings, url, run_dir, specs, launch_args, partial)
     report = _report(results, settings)
-    _show(report, out, as_json)
+    _show(report, out, as_json, complete=results[1] is None)
     sys.exit(_exit_code(report, results[1]))
 
 
@@ -157,8 +159,9 @@ def _writable(out: str) -> None:
         fail("bench", f"--out {out}: not writable")
 
 
-def _run(runner_class, settings, url, run_dir, specs, launch_args, as_json):
-    """Run with a progress display on stderr (stdout stays the result's)."""
+def _run(runner_class, settings, url, run_dir, specs, launch_args, finished):
+    """Run with a progress display on stderr (stdout stays the result's); `finished` gets the
+    results so far as each configuration ends."""
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -175,7 +178,7 @@ def _run(runner_class, settings, url, run_dir, specs, launch_args, as_json):
         if url is not None:
             results = [runner.run_url(url, Path(run_dir) if run_dir else None)]
         else:
-            results = runner.run_configs(specs, launch_args)
+            results = runner.run_configs(specs, launch_args, finished=finished)
     return results, runner.interrupted
 
 
@@ -200,16 +203,15 @@ def _machine() -> dict:
                     "count": len(inventory.gpus)} if gpu else None}
 
 
-def _show(report, out: str | None, as_json: bool) -> None:
+def _show(report, out: str | None, as_json: bool, complete: bool) -> None:
     from rich.console import Console
 
     from omni_dp.bench.report import print_report, render_png, to_json
 
-    data = to_json(report)
+    data = {**to_json(report), "complete": complete}
     if out is not None:
-        directory = Path(out)
-        (directory / "bench.json").write_text(json.dumps(data, indent=2) + "\n")
-        render_png(report, directory / "bench.png")
+        _write_json(report, Path(out), complete=complete)
+        render_png(report, Path(out) / "bench.png")
     if as_json:
         print_report(report, Console(stderr=True))
         click.echo(json.dumps(data, indent=2))
@@ -218,6 +220,16 @@ def _show(report, out: str | None, as_json: bool) -> None:
     if out is not None:
         click.echo(f"omni-dp bench: wrote {Path(out) / 'bench.json'} and "
                    f"{Path(out) / 'bench.png'}", err=True)
+
+
+def _write_json(report, directory: Path, complete: bool) -> None:
+    """bench.json, whole; written as each configuration ends, so a sweep killed later keeps
+    what it finished (`complete` false until the last one, or after an interruption)."""
+    from omni_dp.bench.report import to_json
+    from omni_dp.files import atomic_write
+
+    data = {**to_json(report), "complete": complete}
+    atomic_write(directory / "bench.json", json.dumps(data, indent=2) + "\n", mode=0o644)
 
 
 def _exit_code(report, interrupted: str | None) -> int:
