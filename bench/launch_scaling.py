@@ -32,12 +32,11 @@ import time
 from pathlib import Path
 
 import psutil
+from artifacts import copy_artifacts
 from engine_throughput import drive
 
 SAMPLE_RATE = 24000
 DOWN_TIMEOUT_S = 90  # down drains (router, replicas) and quits the daemon; never skipped
-ARTIFACT_MAX_BYTES = 2 * 1024**2  # per file: the tail of a long replica log is what matters
-SECRET_FILES = {"run_token"}
 
 
 class Interrupted(Exception):
@@ -92,24 +91,6 @@ def parse_config(spec: str) -> tuple[int, bool]:
     if not count.isdigit() or int(count) < 1:
         raise ValueError(f"configuration {spec!r} is not N or Nmps (e.g. 1, 2mps)")
     return int(count), mps
-
-
-def copy_artifacts(run_dir: Path, dest: Path) -> list[str]:
-    """Regular files of a run (run.json, events, mps_attach.*, MPS and replica logs), never
-    its token, never the pipe directory's sockets and FIFO (opening a FIFO would block)."""
-    copied = []
-    for path in sorted(run_dir.rglob("*")):
-        if path.name in SECRET_FILES or not path.is_file() or path.is_symlink():
-            continue
-        target = dest / path.relative_to(run_dir)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("rb") as src:
-            size = os.fstat(src.fileno()).st_size
-            if size > ARTIFACT_MAX_BYTES:
-                src.seek(size - ARTIFACT_MAX_BYTES)
-            target.write_bytes(src.read())
-        copied.append(str(target.relative_to(dest)))
-    return copied
 
 
 def processes_of(state_dir: Path, pipe_root: Path | None = None) -> list[dict]:

@@ -5,11 +5,14 @@ What the launcher's attachment proof rests on, asked of the real driver:
   versions; does the daemon start the server binary it was given?
 - is a client listed by `get_client_list` after `cuInit` only, and after a context exists?
 - what NVML lists for it: the compute process list or the MPS one?
-- what the control and server logs say.
+- what the control and server logs say;
+- with --concurrency S: do two processes' kernels run at once, without MPS and under it
+  (bench/kernel_pair.py: each kernel timed alone, then as a pair, for about S seconds each).
 Without a GPU (CI) the same steps run against the real control daemon: the client cannot
 initialise CUDA, and an explicit `start_server` shows that no server can start.
 
     python bench/mps_smoke.py --work /tmp/smoke [--gpu 0] [--mps-control PATH] [--json]
+        [--concurrency 1.0]
     python bench/mps_smoke.py --work /tmp/smoke --cleanup   # quit what a killed run left
 
 Exit 0 when every step ran (whatever the facts), 2 when no control binary was found, 3 when a
@@ -29,6 +32,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import kernel_pair
 
 from omni_dp.gpus import query_gpu
 from omni_dp.mps.binaries import locate_mps_binaries
@@ -157,6 +162,8 @@ class Smoke:
             self.client(control, uuid)
             if not self.facts.get("after_context", {}).get("daemon", {}).get("servers"):
                 self.start_server_by_hand(control)
+            if self.args.concurrency > 0:
+                self.kernel_pairs(control, uuid)
         finally:
             self.stop(daemon, record)
         return 0
@@ -189,6 +196,26 @@ class Smoke:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+
+    def kernel_pairs(self, control: MpsControl, uuid: str | None) -> None:
+        """Two processes' kernels, without MPS (a pipe directory no daemon serves: the silent
+        fallback) and as clients of this daemon."""
+        plain = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_MPS_")}
+        nowhere = self.work / "no-daemon"
+        nowhere.mkdir(exist_ok=True)
+        plain["CUDA_MPS_PIPE_DIRECTORY"] = str(nowhere)
+        served = control.env()
+        if uuid:
+            plain["CUDA_VISIBLE_DEVICES"] = served["CUDA_VISIBLE_DEVICES"] = uuid
+
+        def clients_of(pids: list[int]) -> dict:
+            time.sleep(0.5)  # the daemon lists a new client asynchronously
+            view = self.daemon_view(control)
+            listed = {c for clients in view.get("clients", {}).values() for c in clients}
+            return {"daemon": view, "pair_listed": [pid in listed for pid in pids]}
+
+        facts = kernel_pair.concurrency_facts(plain, served, clients_of, self.args.concurrency)
+        self.fact("concurrency", facts)
 
     def read_line(self, proc: subprocess.Popen) -> str:
         ready, _, _ = select.select([proc.stdout], [], [], PHASE_TIMEOUT_S)
@@ -259,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mps-control", default=None)
     parser.add_argument("--json", action="store_true", help="one JSON object at the end")
     parser.add_argument("--cleanup", action="store_true")
+    parser.add_argument("--concurrency", type=float, default=0.0, metavar="SECONDS",
+                        help="also time two processes' kernels of about SECONDS each, without "
+                             "MPS and under the daemon (0: not)")
     args = parser.parse_args(argv)
     work = Path(args.work)
     if args.cleanup:

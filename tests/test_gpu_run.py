@@ -1,13 +1,15 @@
-"""The device script (bench/gpu_run.sh) and its parts, run on CPU end to end.
+"""The device call (bench/gpu_run.sh, bench/gpu_run.py) and its parts, run on CPU end to end.
 
-A lent GPU machine gives one call of minutes and brings back only the files under $OUT, so the
-script must leave exactly the files it promises — also when a step fails or times out — and
-leave none of its processes running on the (warm) machine. Here it runs the same steps with
-`GPU=none` and the tiny model; the MPS smoke test runs against the real control daemon.
+A lent GPU machine gives one call of minutes and brings back at most 8 files under $OUT, so
+the call must stay within that whatever happens — a step that fails or times out, a budget
+spent, a SIGTERM, a SIGKILL — and leave none of its processes running on the (warm) machine.
+Here it runs the same steps with `GPU=none` (the tiny model on the CPU); the MPS smoke test runs
+against the real control daemon.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -27,9 +29,9 @@ from support.mps import real_control_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
-PROMISED = {"summary.md", "probe.txt", "mps_smoke.txt", "gpu_check.txt", "share.txt", "gpus2.txt",
-            "overlap.txt", "bench.txt", "scaling.txt", "scaling.md", "scaling.jsonl",
-            "artifacts.tar.gz"}
+# What the device tool brings back: at most 8 files, 2 folders down, names of these characters.
+MAX_FILES = 8
+NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
 sys.path.insert(0, str(BENCH))  # the bench scripts import each other as top-level modules
 
@@ -45,106 +47,283 @@ def processes_under(directory: str) -> list[int]:
     return found
 
 
-def gpu_run(out: Path, timeout: float = 400, **knobs: str) -> tuple[int, str]:
-    env = {**os.environ, "OUT": str(out), "GPU": "none", "MODEL": "tiny", "CONFIGS": "1,2",
-           "CONCURRENCY": "4", "REQUESTS": "8", "BUDGET": "300", "PYTHON": sys.executable,
-           "SHARE_REPLICAS": "2", "SHARE_RUNS": "shared",
-           **knobs}
-    done = subprocess.run(["bash", str(BENCH / "gpu_run.sh")], env=env, capture_output=True,
-                          text=True, timeout=timeout, check=False)
+def knobs(out: Path, **more: str) -> dict[str, str]:
+    return {**os.environ, "OUT": str(out), "GPU": "none", "PYTHON": sys.executable,
+            "BUDGET": "300", **more}
+
+
+def returned_files(out: Path) -> list[Path]:
+    """What the device tool would bring back, checked against its limits."""
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) <= MAX_FILES, sorted(p.name for p in files)
+    for path in files:
+        relative = path.relative_to(out)
+        assert len(relative.parts) <= 3 and all(NAME.match(part) for part in relative.parts)
+        assert path.stat().st_size <= 16 * 1024**2
+    return files
+
+
+def gpu_run(out: Path, timeout: float = 400, **more: str) -> tuple[int, str]:
+    done = subprocess.run(["bash", str(BENCH / "gpu_run.sh")], env=knobs(out, **more),
+                          capture_output=True, text=True, timeout=timeout, check=False)
     summary = (out / "summary.md").read_text()
     work = re.search(r"work dir (\S+)", summary).group(1)
     assert not Path(work).exists(), f"work dir {work} kept: {summary}"
-    assert processes_under(work) == [], "a process of the device script is still running"
-    assert {p.name for p in out.iterdir()} == PROMISED
+    assert processes_under(work) == [], "a process of the device call is still running"
+    names = {p.name for p in returned_files(out)}
+    assert {"summary.md", "results.json", "console.log", "artifacts.tar.gz"} <= names
     return done.returncode, summary
 
 
-def rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "scaling.jsonl").read_text().splitlines()]
+def results(out: Path) -> dict[str, dict]:
+    return {s["name"]: s for s in json.loads((out / "results.json").read_text())["steps"]}
+
+
+def row(summary: str, step: str) -> str:
+    match = re.search(rf"^\| {step} \| ([^|]+) \|", summary, re.M)
+    assert match, summary
+    return match.group(1).strip()
 
 
 @pytest.mark.slow
-def test_the_device_script_runs_on_cpu_and_brings_back_exactly_its_files(tmp_path):
+def test_the_device_call_runs_on_cpu_and_brings_back_at_most_eight_files(tmp_path):
     real_control_binary()  # the smoke step drives the real daemon (fails in CI if missing)
-    rc, summary = gpu_run(tmp_path / "out")
+    out = tmp_path / "out"
+    rc, summary = gpu_run(out)
     assert rc == 0, summary
-    for step in ("probe", "mps smoke", "gpu_check", "weight share", "DP table"):
-        assert re.search(rf"^\| {step} \| ok \|", summary, re.M), summary
-    assert "| cleanup | nothing left running |" in summary
-    assert "| two GPUs | skipped (0 GPU(s) here) |" in summary  # GPU=none: not run, said
-    assert "| overlap | skipped (no GPU) |" in summary
-    assert "needs a GPU" in (tmp_path / "out" / "overlap.txt").read_text()
-    assert [(r["config"], r["result"]) for r in rows(tmp_path / "out")] == [
-        ("1", "ok"), ("2", "ok")]
-    assert all(r["down_rc"] == 0 and r["left_behind"] == [] for r in rows(tmp_path / "out"))
-    assert "RESULT: PASS" in (tmp_path / "out" / "gpu_check.txt").read_text()
-    # the sharing run: identical audio from leader and follower, back after the leader's kill
-    share = (tmp_path / "out" / "share.txt").read_text()
-    assert re.search(r"^\| shared \| ok \|.*\| True \(after: True\) \| [\d.]+ \| clean \|$",
-                     share, re.M), share
-    table = (tmp_path / "out" / "scaling.md").read_text()
-    assert re.search(r"^\| 2 \| ok \|", table, re.M)
-    with tarfile.open(tmp_path / "out" / "artifacts.tar.gz") as tar:
+    for step in ("probe", "mps smoke", "headline", "share", "gpu_check", "teardown"):
+        assert row(summary, step) == "ok", summary
+    for step in ("overlap", "more DP", "form3", "tp2", "gpus2"):
+        assert row(summary, step) == "skipped: no GPU (GPU=none)"
+    # the headline figures lead, before the table of steps
+    head = summary.split("## Steps")[0]
+    assert re.search(r"^- DP2: [\d.]+ \[[\d.]+–[\d.]+\] req/s at c=\d+ .*x DP1", head, re.M), head
+    assert "MPS: one client NOT listed" in head  # no GPU: no client can attach, said
+    assert "weights shared: ok" in head and "one replica:" in head
+    steps = results(out)
+    assert steps["probe"]["figures"]["python"] == sys.executable
+    assert {i["dist"] for i in steps["probe"]["figures"]["imports"]} >= {"pyzmq", "soundfile"}
+    configs = steps["headline"]["figures"]["configs"]
+    assert [(c["name"], c["status"]) for c in configs] == [("1", "ok"), ("2", "ok")]
+    assert steps["headline"]["figures"]["bench"]["complete"] is True
+    assert "Torch not compiled with CUDA" in steps["mps smoke"]["figures"]["concurrency"]["error"]
+    assert steps["teardown"]["figures"] == {"cleanup_runs": [], "left_behind": []}
+    assert (out / "headline.png").stat().st_size > 10_000
+    assert "### headline: ok" in (out / "console.log").read_text()
+    with tarfile.open(out / "artifacts.tar.gz") as tar:
         names = tar.getnames()
-    for run in ("bench-1-", "bench-2-"):
+    for run in ("bench-1-", "bench-2-", "share-bench-shared-"):
         run_files = [n for n in names if run in n]
-        assert any(n.endswith("run.json") for n in run_files), names
-        assert any(n.endswith("events.jsonl") for n in run_files), names
-        assert any(n.endswith("replica_0.log") for n in run_files), names
-    assert not any(n.endswith("run_token") for n in names)  # the run's secret stays behind
-    assert any(n.endswith("smoke/log/control.log") for n in names)
+        for name in ("run.json", "events.jsonl", "replica_0.log"):
+            assert any(n.endswith(name) for n in run_files), (run, names)
+    assert not any(n.endswith(("run_token", ".bin")) for n in names)  # no secret, no weights
+    assert {"steps/probe.txt", "steps/headline.txt", "headline/bench.json",
+            "smoke/log/control.log", "INDEX.txt"} <= set(names)
+
+
+def start_call(out: Path, **more: str) -> subprocess.Popen:
+    return subprocess.Popen(["bash", str(BENCH / "gpu_run.sh")], env=knobs(out, **more),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def wait_for(out: Path, text: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in ((out / "console.log").read_text() if (out / "console.log").exists()
+                       else ""):
+        assert proc.poll() is None and time.monotonic() < deadline, f"never said {text!r}"
+        time.sleep(0.2)
 
 
 @pytest.mark.slow
-def test_a_step_that_times_out_or_fails_still_leaves_every_file_and_no_process(tmp_path):
-    """gpu_check and the weight-share step are killed at 3 s; the DP table's MPS configuration
-    fails its preflight (no GPU) and the next one still runs."""
+def test_a_call_killed_outright_still_leaves_its_summary_and_tarball(tmp_path):
+    """SIGKILL (the device tool's own timeout, 137): no teardown runs, and what was written
+    after the last finished step is what comes back."""
     real_control_binary()
-    rc, summary = gpu_run(tmp_path / "out", LIMIT_CHECK="3", LIMIT_SHARE="3", CONFIGS="2mps,1")
-    assert rc == 1, summary
-    assert re.search(r"^\| gpu_check \| timed out after 3s \|", summary, re.M), summary
-    assert re.search(r"^\| weight share \| timed out after 3s \|", summary, re.M), summary
-    assert "RESULT" not in (tmp_path / "out" / "gpu_check.txt").read_text()
-    results = {r["config"]: r for r in rows(tmp_path / "out")}
-    assert results["2mps"]["result"] == "launch exit 2"
-    assert any("--mps needs a GPU" in line for line in results["2mps"]["launch_error"])
-    assert results["1"]["result"] == "ok"
-    assert all(r["left_behind"] == [] for r in results.values())
-    assert "| cleanup | nothing left running |" in summary
+    out = tmp_path / "out"
+    proc = start_call(out)
+    try:
+        wait_for(out, "### headline:", proc)
+        time.sleep(2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    summary = (out / "summary.md").read_text()
+    work = re.search(r"work dir (\S+)", summary).group(1)
+    try:
+        names = {p.name for p in returned_files(out)}
+        assert {"summary.md", "results.json", "console.log", "artifacts.tar.gz"} <= names
+        assert "in progress" in summary and row(summary, "mps smoke") == "ok"
+        with tarfile.open(out / "artifacts.tar.gz") as tar:
+            assert "steps/mps_smoke.txt" in tar.getnames()
+    finally:  # what a rerun's teardown would do: stop the headline's run, by its records
+        for pid in processes_under(work):
+            with contextlib.suppress(ProcessLookupError):
+                if psutil.Process(pid).name() != "nvidia-cuda-mps-control":
+                    os.killpg(os.getpgid(pid), signal.SIGKILL)
+        subprocess.run([sys.executable, "launch_scaling.py", "--cleanup", "--state-dir",
+                        f"{work}/state", "--out", f"{work}/cleanup", "--watch-dir", work],
+                       cwd=BENCH, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                       capture_output=True, timeout=120, check=False)
+        smoke(Path(work), "--cleanup")
+        assert processes_under(work) == []
 
 
 @pytest.mark.slow
-def test_a_configuration_past_its_time_limit_is_a_row_and_is_torn_down(tmp_path):
-    """The launch is killed at 3 s (preflight alone takes about that, bring-up longer): the
-    row says so, `down` ran, and nothing of the run is left."""
-    state = tmp_path / "state"
-    done = subprocess.run(
-        [sys.executable, str(BENCH / "launch_scaling.py"), "--configs", "2", "--gpu", "none",
-         "--serve-args", "--model tiny", "--state-dir", str(state), "--out",
-         str(tmp_path / "out"), "--config-timeout", "3", "--min-config-s", "1",
-         "--concurrency", "4", "--requests", "8"],
-        env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=BENCH, capture_output=True,
-        text=True, timeout=180, check=False)
-    assert done.returncode == 1, done.stdout + done.stderr
-    [row] = rows(tmp_path / "out")
-    assert row["result"] == "timeout (3 s) in: launch --replicas", row
-    assert row["down_rc"] == 0 and row["left_behind"] == []
-    assert not list((state / "runs").glob("*")) if (state / "runs").exists() else True
-    assert processes_under(str(state)) == []
-    assert re.search(r"^\| 2 \| timeout \(3 s\)", (tmp_path / "out" / "scaling.md").read_text(),
-                     re.M)
+def test_sigterm_stops_the_step_in_progress_and_the_teardown_still_runs(tmp_path):
+    real_control_binary()
+    out = tmp_path / "out"
+    proc = start_call(out)
+    try:
+        wait_for(out, "omni-dp bench: 1: concurrency", proc)  # a configuration is up
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(120) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    summary = (out / "summary.md").read_text()
+    work = re.search(r"work dir (\S+)", summary).group(1)
+    assert "stopped by SIGTERM" in summary and row(summary, "teardown") == "ok", summary
+    assert "share" not in results(out)  # nothing after the stopped step
+    assert not Path(work).exists() and processes_under(work) == []
+    returned_files(out)
+
+
+@pytest.mark.slow
+def test_steps_that_time_out_or_fail_are_rows_and_the_next_runs(tmp_path):
+    """The headline is stopped at 12 s in its first configuration (the bench downs it), the
+    weight-share step and gpu_check at 3 s; the teardown still finds nothing left."""
+    real_control_binary()
+    rc, summary = gpu_run(tmp_path / "out", LIMIT_HEADLINE="12", LIMIT_SHARE="3",
+                          LIMIT_GPU_CHECK="3")
+    assert rc == 1, summary
+    for step, limit in (("headline", 12), ("share", 3), ("gpu_check", 3)):
+        assert row(summary, step) == f"timed out after {limit} s", summary
+    assert row(summary, "teardown") == "ok"
+    assert results(tmp_path / "out")["gpu_check"]["figures"]["result"] is None  # cut short
 
 
 @pytest.mark.slow
 def test_steps_past_the_budget_are_skipped_and_said_so(tmp_path):
-    rc, summary = gpu_run(tmp_path / "out", BUDGET="55", TEARDOWN_RESERVE="45",
-                          LIMIT_PROBE="8", SHARE_RUNS="none")
+    rc, summary = gpu_run(tmp_path / "out", BUDGET="70", TEARDOWN_RESERVE="40",
+                          LIMIT_PROBE="8")
     assert rc == 1
-    assert re.search(r"^\| weight share \| skipped \(SHARE_RUNS=none\) \|", summary, re.M)
-    assert re.search(r"^\| probe \| (ok|timed out after \d+s) \|", summary, re.M), summary
-    assert re.search(r"^\| DP table \| skipped \(budget spent\) \|", summary, re.M), summary
-    assert (tmp_path / "out" / "scaling.jsonl").read_text() == ""
+    assert row(summary, "probe") == "ok"
+    assert re.match(r"skipped: budget spent \(\d+ s left, the step needs 60\)",
+                    row(summary, "headline")), summary
+    assert row(summary, "teardown") == "ok"
+
+
+@pytest.mark.slow
+def test_a_package_missing_on_the_machine_is_named_first_and_its_steps_skipped(tmp_path):
+    """pyzmq made unimportable (a stand-in package that raises, first on PYTHONPATH): the
+    probe names it and how to carry it; the MPS smoke test, which needs only torch, still
+    runs; every serving step is skipped, said."""
+    real_control_binary()
+    shadow = tmp_path / "shadow" / "zmq"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text(
+        "raise ImportError(\"No module named 'zmq' (test stand-in)\")\n")
+    out = tmp_path / "out"
+    rc, summary = gpu_run(out, PYTHONPATH=str(tmp_path / "shadow"))
+    assert rc == 1
+    probe = (out / "console.log").read_text().split("### probe", 2)[1]
+    assert probe.splitlines()[1].startswith("python ")  # the imports come first
+    assert "MISSING pyzmq (import zmq)" in probe
+    assert "bench/fetch_wheels.sh" in probe and ".whl" in probe
+    assert row(summary, "probe") == "exit 1" and row(summary, "mps smoke") == "ok"
+    for step in ("headline", "share", "gpu_check"):
+        assert row(summary, step) == "skipped: pyzmq missing (see probe)", summary
+    assert summary.split("## Headline")[1].lstrip().startswith("- MISSING on the machine")
+
+
+@pytest.mark.slow
+def test_the_run_checks_launch_verify_and_down_through_the_command_line(tmp_path):
+    """gpu_runs.py's overlap check on the CPU: the --mps run is refused before it starts, the
+    plain one launches, `verify-mps --overlap` answers (cannot check on the CPU: exit 2, its
+    JSON kept) and is downed with nothing left — the path form3 and gpus2 share."""
+    state = tmp_path / "state"
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "gpu_runs.py"), "overlap", "--gpu", "none", "--model",
+         "tiny", "--state-dir", str(state), "--duration", "1", "--concurrency", "2"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=BENCH, capture_output=True,
+        text=True, timeout=240, check=False)
+    from gpu_steps import marked_json
+
+    facts = marked_json(done.stdout)
+    assert done.returncode == 1, done.stdout[-3000:]  # the --mps run could not launch
+    assert facts["mps"]["launch_rc"] == 2
+    assert any("--mps needs a GPU" in line for line in facts["mps"]["launch_error"])
+    plain = facts["plain"]
+    assert plain["launch_rc"] == 0 and plain["verify_overlap"]["rc"] == 2, plain
+    assert isinstance(plain["verify_overlap"]["report"], dict)
+    assert plain["down_rc"] == 0 and plain["left_behind"] == [] and not plain["run_dir_left"]
+    assert processes_under(str(state)) == []
+
+
+# --- what the machine lacks travels as wheels -------------------------------------------------
+
+
+def dependencies() -> dict[str, bool]:
+    """pyproject.toml's runtime dependencies (and the `fast` extra): name -> needed on the
+    device image's Python (3.12, Linux)."""
+    from packaging.requirements import Requirement
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    found = {}
+    for spec in [*project["dependencies"], *project["optional-dependencies"]["fast"]]:
+        requirement = Requirement(spec)
+        marker = requirement.marker
+        found[requirement.name.lower()] = marker is None or marker.evaluate(
+            {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux"})
+    return found
+
+
+def carried() -> set[str]:
+    done = subprocess.run([str(BENCH / "fetch_wheels.sh"), "--list"], capture_output=True,
+                          text=True, check=True)
+    return {line.split("==")[0].lower() for line in done.stdout.split()}
+
+
+def test_every_dependency_is_in_the_device_image_or_carried_and_probed():
+    from gpu_probe import DEPENDENCIES
+
+    image = {line.strip().lower() for line in (BENCH / "device_image.txt").read_text()
+             .splitlines() if line.strip() and not line.startswith("#")}
+    wheels = carried()
+    for name, needed in dependencies().items():
+        if needed:
+            assert name in image or name in wheels, f"{name}: neither in the image nor carried"
+        assert name in DEPENDENCIES, f"{name}: the probe does not import it"
+    # soundfile's cffi (and cffi's pycparser) are not in the image: carried with it
+    assert {"cffi", "pycparser", "pyzmq", "soundfile", "python-json-logger"} <= wheels
+    assert not wheels & image, "a carried wheel shadows the image's own copy"
+
+
+def test_each_carried_wheel_is_one_pinned_version():
+    done = subprocess.run([str(BENCH / "fetch_wheels.sh"), "--list"], capture_output=True,
+                          text=True, check=True)
+    pins = done.stdout.split()
+    assert all(re.fullmatch(r"[a-z0-9-]+==[\w.]+", p) for p in pins), pins
+    assert len({p.split("==")[0] for p in pins}) == len(pins)
+
+
+# --- the two-kernel proof's arithmetic -----------------------------------------------------------
+
+
+def test_a_pair_side_by_side_and_one_after_the_other():
+    from kernel_pair import pair_timing
+
+    together = pair_timing([(10.0, 11.0), (10.02, 11.03)], alone_s=1.0)
+    assert together.wall_vs_alone == pytest.approx(1.03)
+    assert together.overlap_s == pytest.approx(0.98)
+    turns = pair_timing([(10.0, 11.0), (11.0, 12.0)], alone_s=1.0)
+    assert turns.wall_vs_alone == pytest.approx(2.0) and turns.overlap_s == 0.0
+    with pytest.raises(ValueError):
+        pair_timing([(0.0, 1.0)], alone_s=1.0)
 
 
 # --- the MPS smoke test against the real control daemon -------------------------------------
@@ -219,13 +398,15 @@ def test_the_router_port_lies_outside_the_replicas_range():
 def test_artifacts_are_copied_without_the_token_sockets_or_fifos(tmp_path):
     import socket
 
-    from launch_scaling import copy_artifacts
+    from artifacts import copy_artifacts
 
     run = tmp_path / "run"
     (run / "logs").mkdir(parents=True)
     (run / "mps" / "pipe").mkdir(parents=True)
     (run / "run.json").write_text("{}")
     (run / "run_token").write_text("secret")
+    (run / "share").mkdir()
+    (run / "share" / "weights.bin").write_bytes(b"w" * 100)
     (run / "logs" / "replica_0.log").write_text("x" * 100)
     os.mkfifo(run / "mps" / "pipe" / "log")  # opening it to read would block forever
     with socket.socket(socket.AF_UNIX) as sock:
