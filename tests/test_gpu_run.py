@@ -266,20 +266,14 @@ def test_the_run_checks_launch_verify_and_down_through_the_command_line(tmp_path
 
 
 def dependencies() -> dict[str, bool]:
-    """pyproject.toml's runtime dependencies (and the `fast` extra): name -> needed on the
-    device image's Python (3.12, Linux)."""
-    from packaging.requirements import Requirement
+    """pyproject.toml's runtime dependencies: name -> needed on the device image's Python
+    (3.12, Linux)."""
+    from test_dependencies import declared
 
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    found = {}
-    for spec in [*project["dependencies"], *project["optional-dependencies"]["fast"]]:
-        requirement = Requirement(spec)
-        marker = requirement.marker
-        found[requirement.name.lower()] = marker is None or marker.evaluate(
-            {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux"})
-    return found
+    image_python = {"python_version": "3.12", "python_full_version": "3.12.3",
+                    "sys_platform": "linux"}
+    return {name: r.marker is None or r.marker.evaluate(image_python)
+            for name, r in declared().items()}
 
 
 def carried() -> set[str]:
