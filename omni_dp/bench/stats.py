@@ -29,7 +29,7 @@ VERDICTS = ("host-bound", "gpu-bound", "compute-bound", "unknown")
 CLIENT = "client"  # the load generator's role in cpu_util (omni_dp.bench.sampler)
 
 
-class Samples(Protocol):
+class SampledWindow(Protocol):
     """What a sampler saw in a window (omni_dp.bench.sampler.Samples is one)."""
 
     cpu_util: dict[str, float] | None
@@ -60,7 +60,7 @@ def failure_key(result: RequestResult) -> str:
 
 
 def summarize_point(results: Sequence[RequestResult], window_s: float, concurrency: int,
-                    trial: int, samples: Samples | None = None) -> PointResult:
+                    trial: int, samples: SampledWindow | None = None) -> PointResult:
     """One trial at one concurrency: rates over the measured window (ok requests only), the
     latencies of the ok requests, every failure counted by kind."""
     if window_s <= 0:

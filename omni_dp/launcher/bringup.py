@@ -19,7 +19,7 @@ from omni_dp.launcher.gates import GateFailed, describe_exit, http_json, log_tai
 from omni_dp.launcher.gateway_link import GatewayLink
 from omni_dp.launcher.plan import LaunchPlan
 from omni_dp.launcher.processes import Started, child_env, spawn, stop_processes
-from omni_dp.launcher.replicas import ReplicaSet
+from omni_dp.launcher.replicas import ReplicaControl
 from omni_dp.launcher.share_group import LEADER, followers, start_waves
 from omni_dp.launcher.state import RunState
 from omni_dp.mps.attach import format_text
@@ -84,7 +84,7 @@ def start_router(state: RunState) -> Started:
         time.sleep(0.1)
 
 
-def start_replicas(state: RunState, replicas: ReplicaSet, indices: list[int], *,
+def start_replicas(state: RunState, replicas: ReplicaControl, indices: list[int], *,
                    sequential: bool, timeout_s: float, say: Callable[[str], None]) -> None:
     """Start these replicas wave by wave (share_group.start_waves: a weight-sharing leader
     before its followers) and pass each wave through health, KV and the share checks before
@@ -94,7 +94,7 @@ def start_replicas(state: RunState, replicas: ReplicaSet, indices: list[int], *,
     replicas.measure_memory(sorted(indices))
 
 
-def _start_wave(state: RunState, replicas: ReplicaSet, wave: list[int], *, sequential: bool,
+def _start_wave(state: RunState, replicas: ReplicaControl, wave: list[int], *, sequential: bool,
                 timeout_s: float, say: Callable[[str], None]) -> None:
     def healthy(i: int) -> None:
         try:
@@ -135,7 +135,7 @@ def _start_wave(state: RunState, replicas: ReplicaSet, wave: list[int], *, seque
         state.update_replica(i, state=ReplicaState.HEALTHY)
 
 
-def verify_attachment(state: RunState, replicas: ReplicaSet,
+def verify_attachment(state: RunState, replicas: ReplicaControl,
                       say: Callable[[str], None] = lambda line: None) -> None:
     """Every GPU's replicas against that GPU's daemon; the first GPU that fails stops it."""
     record = state.record
@@ -151,7 +151,7 @@ def verify_attachment(state: RunState, replicas: ReplicaSet,
                 f"is a client of its one server ({stem}.txt)")
 
 
-def bring_up(plan: LaunchPlan, state: RunState, replicas: ReplicaSet,
+def bring_up(plan: LaunchPlan, state: RunState, replicas: ReplicaControl,
              say: Callable[[str], None]) -> Started:
     """Returns the router process (a child of this process, to reap)."""
     o = plan.options

@@ -23,7 +23,7 @@ from omni_dp.launcher.gates import GateFailed, describe_exit, log_tail
 from omni_dp.launcher.options import GATEWAY_KEY_ENV
 from omni_dp.launcher.plan import LaunchPlan
 from omni_dp.launcher.processes import child_env, spawn
-from omni_dp.launcher.replicas import ReplicaSet
+from omni_dp.launcher.replicas import ReplicaControl
 from omni_dp.launcher.share_group import attachment_basis
 from omni_dp.launcher.state import RunState
 from omni_dp.launcher.status import collect, replica_table
@@ -45,7 +45,7 @@ def launch(plan: LaunchPlan, say: Callable[[str], None]) -> int:
     state = RunState.create(plan)
     state.api_key = plan.options.api_key  # in memory: for the router's env and admin calls
     state.event("run_created", plan=plan.to_json())
-    replicas = ReplicaSet(state)
+    replicas = ReplicaControl(state)
     # SIGTERM/SIGINT during bring-up interrupt it; afterwards they only set `stop`, which the
     # supervisor (or the hand-off) acts on, so no moment is left where a signal kills this
     # process without a teardown.

@@ -1,7 +1,7 @@
 """Start, gate and stop one replica of a run, from its record in run.json.
 
-Bring-up and the supervisor's restarts both go through `ReplicaSet`, so a restarted replica gets
-the same argv, environment, CPU block and port, and passes the same gates.
+Bring-up and the supervisor's restarts both go through `ReplicaControl`, so a restarted replica
+gets the same argv, environment, CPU block and port, and passes the same gates.
 """
 
 from __future__ import annotations
@@ -50,7 +50,9 @@ RUNNING = (ReplicaState.STARTING, ReplicaState.HEALTHY, ReplicaState.UNHEALTHY,
 WORK_SUBDIRS = ("tmp", "cache", "rpc")
 
 
-class ReplicaSet:
+class ReplicaControl:
+    """A run's replicas as processes: started, gated, measured and stopped by index."""
+
     def __init__(self, state: RunState) -> None:
         self.state = state
         self.popens: dict[int, subprocess.Popen] = {}  # children of this process, to reap

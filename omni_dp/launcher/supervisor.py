@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from omni_dp.contract import API_KEY_ENV, ExitCode
-from omni_dp.launcher.replicas import ReplicaSet
+from omni_dp.launcher.replicas import ReplicaControl
 from omni_dp.launcher.state import RunState
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.death_watch import DeathWatch
@@ -60,7 +60,7 @@ def _stamped(line: str) -> None:
 
 
 class Supervisor:
-    def __init__(self, state: RunState, replicas: ReplicaSet, *, detached: bool,
+    def __init__(self, state: RunState, replicas: ReplicaControl, *, detached: bool,
                  say: Callable[[str], None] = _stamped, reap: list | None = None,
                  stop_requested: threading.Event | None = None) -> None:
         self.state = state
@@ -261,7 +261,7 @@ def main(argv: list[str]) -> int:
     if state.plan.api_key_set and state.api_key is None:
         say(f"warning: the run's router wants an API key but {API_KEY_ENV} is not set here: "
             "the router will refuse this supervisor's admin calls")
-    return Supervisor(state, ReplicaSet(state), detached=True, say=say).run()
+    return Supervisor(state, ReplicaControl(state), detached=True, say=say).run()
 
 
 if __name__ == "__main__":

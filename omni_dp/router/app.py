@@ -21,10 +21,10 @@ from omni_dp.router.metrics import RouterMetrics
 from omni_dp.router.policies import RequestContext, make_policy
 from omni_dp.router.proxy import Forwarder, json_error
 from omni_dp.router.replicas import (
+    Backends,
     DuplicateReplica,
     Replica,
     ReplicaError,
-    ReplicaSet,
     released,
     validate_id,
     validate_url,
@@ -44,11 +44,11 @@ ADMIN_PREFIX = "/workers"
 
 
 class Router:
-    """Owns the replica set, the policy, the upstream session and the counters."""
+    """Owns the backends, the policy, the upstream session and the counters."""
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.replicas = ReplicaSet([Replica(rid, url) for rid, url in config.replicas])
+        self.replicas = Backends([Replica(rid, url) for rid, url in config.replicas])
         self.policy = make_policy(config.policy, config.seed)
         self.metrics = RouterMetrics(lambda: self.replicas)
         self.num_admitted = 0  # requests past admission and not yet answered
@@ -145,7 +145,7 @@ class Router:
         ]
         return self.policy.select(candidates, ctx)
 
-    # --- the replica set (admin API and the launcher) ----------------------------------
+    # --- the backends (admin API and the launcher) --------------------------------------
     async def add_replica(
         self, url: str, replica_id: str | None, disabled: bool, *, announce: bool = True
     ) -> Replica:
@@ -314,7 +314,7 @@ async def _readiness(request: web.Request) -> web.Response:
 
 
 async def _list_workers(request: web.Request) -> web.Response:
-    """The replica set and this process's view of it: what a router in front of this one,
+    """The backends and this process's view of it: what a router in front of this one,
     or a service-discovery system, reads (`ready` is what /health answers; the bounds are
     this process's share with --workers K)."""
     router = request.app[ROUTER_KEY]

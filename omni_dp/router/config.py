@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from omni_dp.contract import API_KEY_ENV, Problems
@@ -120,6 +121,18 @@ def parse_replica_arg(text: str, index: int) -> tuple[str, str]:
 def plan_router(
     replica_args: list[str], *, health: HealthConfig | None = None, **options
 ) -> RouterConfig:
+    """The router's configuration, or RouterConfigError with every problem at once."""
+    replicas, problems = _replicas(replica_args)
+    config = RouterConfig(replicas=tuple(replicas), health=health or HealthConfig(), **options)
+    problems += _option_problems(config) + _non_finite_problems(config)
+    problems += _health_problems(config.health)
+    if problems:
+        raise RouterConfigError(problems)
+    return config
+
+
+def _replicas(replica_args: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """(id, URL) of each --replica, and what is wrong with them (malformed, repeated)."""
     problems: list[str] = []
     replicas: list[tuple[str, str]] = []
     for index, text in enumerate(replica_args):
@@ -127,43 +140,46 @@ def plan_router(
             replicas.append(parse_replica_arg(text, index))
         except ReplicaError as exc:
             problems.append(str(exc))
-    ids = [r[0] for r in replicas]
-    urls = [r[1] for r in replicas]
-    for name, values in (("id", ids), ("URL", urls)):
+    for name, values in (("id", [r[0] for r in replicas]), ("URL", [r[1] for r in replicas])):
         dupes = sorted({v for v in values if values.count(v) > 1})
         if dupes:
             problems.append(f"replica {name}s must be unique; repeated: {', '.join(dupes)}")
+    return replicas, problems
 
-    config = RouterConfig(replicas=tuple(replicas), health=health or HealthConfig(), **options)
-    if config.policy not in POLICIES:
-        problems.append(f"--policy {config.policy!r} is unknown; choose {', '.join(POLICIES)}")
-    if not 0 <= config.port <= 65535:
-        problems.append(f"--port must be 0-65535, got {config.port}")
-    if config.workers < 1:
-        problems.append(f"--workers must be at least 1, got {config.workers}")
-    if config.workers > 1 and config.port == 0:
-        problems.append("--workers > 1 needs a fixed --port: every worker binds the same one")
-    if config.max_inflight is not None and config.max_inflight < 1:
-        problems.append("--max-inflight must be at least 1")
-    if config.max_inflight_per_replica < 1:
-        problems.append("--max-inflight-per-replica must be at least 1")
-    if config.max_body_readers is not None and config.max_body_readers < 1:
-        problems.append("--max-body-readers must be at least 1")
-    if not (config.body_timeout_s > 0 and config.header_timeout_s > 0):
-        problems.append("--body-timeout and --header-timeout must be positive")
-    if config.api_key is not None and not config.api_key.strip():
-        problems.append("--api-key must not be empty")
-    h = config.health
-    problems += _non_finite_problems(config)
-    if h.interval_s <= 0 or h.timeout_s <= 0:
-        problems.append("--health-interval and --health-timeout must be positive")
-    if h.failure_threshold < 1 or h.success_threshold < 1:
-        problems.append("--health-failures and --health-successes must be at least 1")
-    if not 0 <= h.jitter < 1:
-        problems.append("--health-jitter must be in [0, 1)")
-    if problems:
-        raise RouterConfigError(problems)
-    return config
+
+# Each bound: (it is broken, the message naming its flag).
+_OPTION_RULES: tuple[tuple[Callable[[RouterConfig], bool], str], ...] = (
+    (lambda c: c.policy not in POLICIES, "--policy {policy!r} is unknown; choose {policies}"),
+    (lambda c: not 0 <= c.port <= 65535, "--port must be 0-65535, got {port}"),
+    (lambda c: c.workers < 1, "--workers must be at least 1, got {workers}"),
+    (lambda c: c.workers > 1 and c.port == 0,
+     "--workers > 1 needs a fixed --port: every worker binds the same one"),
+    (lambda c: c.max_inflight is not None and c.max_inflight < 1,
+     "--max-inflight must be at least 1"),
+    (lambda c: c.max_inflight_per_replica < 1, "--max-inflight-per-replica must be at least 1"),
+    (lambda c: c.max_body_readers is not None and c.max_body_readers < 1,
+     "--max-body-readers must be at least 1"),
+    (lambda c: not (c.body_timeout_s > 0 and c.header_timeout_s > 0),
+     "--body-timeout and --header-timeout must be positive"),
+    (lambda c: c.api_key is not None and not c.api_key.strip(), "--api-key must not be empty"),
+)
+_HEALTH_RULES: tuple[tuple[Callable[[HealthConfig], bool], str], ...] = (
+    (lambda h: h.interval_s <= 0 or h.timeout_s <= 0,
+     "--health-interval and --health-timeout must be positive"),
+    (lambda h: h.failure_threshold < 1 or h.success_threshold < 1,
+     "--health-failures and --health-successes must be at least 1"),
+    (lambda h: not 0 <= h.jitter < 1, "--health-jitter must be in [0, 1)"),
+)
+
+
+def _option_problems(config: RouterConfig) -> list[str]:
+    values = {**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)},
+              "policies": ", ".join(POLICIES)}
+    return [message.format(**values) for broken, message in _OPTION_RULES if broken(config)]
+
+
+def _health_problems(health: HealthConfig) -> list[str]:
+    return [message for broken, message in _HEALTH_RULES if broken(health)]
 
 
 def _non_finite_problems(config: RouterConfig) -> list[str]:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import aiohttp
 
 from omni_dp.router.config import HealthConfig
-from omni_dp.router.replicas import Health, Replica, ReplicaSet
+from omni_dp.router.replicas import Backends, Health, Replica
 
 log = logging.getLogger("omni_dp.router.health")
 
@@ -80,7 +80,7 @@ class HealthChecker:
     def __init__(
         self,
         session: aiohttp.ClientSession,
-        replicas: Callable[[], ReplicaSet],
+        replicas: Callable[[], Backends],
         cfg: HealthConfig,
         rng: random.Random | None = None,
     ) -> None:
@@ -91,8 +91,8 @@ class HealthChecker:
         self._task: asyncio.Task | None = None
 
     async def check_all(self) -> None:
-        replica_set: ReplicaSet = self.replicas()
-        await asyncio.gather(*(probe(self.session, r, self.cfg) for r in replica_set))
+        backends: Backends = self.replicas()
+        await asyncio.gather(*(probe(self.session, r, self.cfg) for r in backends))
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="health-checker")

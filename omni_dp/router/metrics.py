@@ -7,7 +7,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from omni_dp.router.replicas import ReplicaSet
+from omni_dp.router.replicas import Backends
 
 # Up to 4 minutes: long TTS streams must not all land in +Inf.
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
@@ -17,7 +17,7 @@ _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 
 class _ReplicaCollector:
     """In-flight, health and ejections read from the replica records at scrape time."""
 
-    def __init__(self, replicas: Callable[[], ReplicaSet]) -> None:
+    def __init__(self, replicas: Callable[[], Backends]) -> None:
         self._replicas = replicas
 
     def collect(self):
@@ -41,7 +41,7 @@ class _ReplicaCollector:
 
 
 class RouterMetrics:
-    def __init__(self, replicas: Callable[[], ReplicaSet]) -> None:
+    def __init__(self, replicas: Callable[[], Backends]) -> None:
         disable_created_metrics()
         self.registry = CollectorRegistry()
         self.registry.register(_ReplicaCollector(replicas))

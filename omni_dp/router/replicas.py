@@ -117,8 +117,9 @@ class Replica:
         }
 
 
-class ReplicaSet:
-    """The replicas, replaced as a whole on every change so readers never see half an update."""
+class Backends:
+    """The replicas the router sends to (its backends), replaced as a whole on every change so
+    readers never see half an update."""
 
     def __init__(self, replicas: list[Replica] | None = None) -> None:
         self._replicas: tuple[Replica, ...] = tuple(replicas or ())

@@ -640,7 +640,7 @@ from omni_dp.launcher import replicas
 def wait_healthy(self, index, timeout_s):  # bring-up stalls here, replicas running
     time.sleep(120)
 
-replicas.ReplicaSet.wait_healthy = wait_healthy
+replicas.ReplicaControl.wait_healthy = wait_healthy
 sys.argv = ["omni-dp", *sys.argv[1:]]
 cli.main()
 """

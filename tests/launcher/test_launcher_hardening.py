@@ -525,7 +525,7 @@ class _AdminStub(StubHttp):
 
 @pytest.mark.parametrize("status", [401, 500])
 def test_a_failed_router_admin_call_is_a_visible_warning_never_a_success(tmp_path, status):
-    from omni_dp.launcher.replicas import ReplicaSet
+    from omni_dp.launcher.replicas import ReplicaControl
     from omni_dp.launcher.state import RunState
     from omni_dp.launcher.supervisor import Supervisor
 
@@ -536,7 +536,7 @@ def test_a_failed_router_admin_call_is_a_visible_warning_never_a_success(tmp_pat
         state.update(router=_no_router_process(state, stub.url))
         _healthy(state)
         said: list[str] = []
-        supervisor = Supervisor(state, ReplicaSet(state), detached=True, say=said.append)
+        supervisor = Supervisor(state, ReplicaControl(state), detached=True, say=said.append)
         assert supervisor.router.set_disabled(0, False) is False
     finally:
         stub.close()
@@ -555,7 +555,7 @@ def test_a_failed_router_admin_call_is_a_visible_warning_never_a_success(tmp_pat
 
 
 def test_a_router_that_refused_a_replica_is_asked_again_until_it_takes_it(tmp_path):
-    from omni_dp.launcher.replicas import ReplicaSet
+    from omni_dp.launcher.replicas import ReplicaControl
     from omni_dp.launcher.state import RunState
     from omni_dp.launcher.supervisor import Supervisor
 
@@ -565,7 +565,7 @@ def test_a_router_that_refused_a_replica_is_asked_again_until_it_takes_it(tmp_pa
         state.update(router=_no_router_process(state, refusing.url))
         _healthy(state)
         said: list[str] = []
-        supervisor = Supervisor(state, ReplicaSet(state), detached=True, say=said.append)
+        supervisor = Supervisor(state, ReplicaControl(state), detached=True, say=said.append)
         supervisor.router.not_in_router.add(0)
         supervisor.router.retry_enable(skip=lambda index: False)
         assert supervisor.router.not_in_router == {0} and not any("back in" in s for s in said)
@@ -633,7 +633,7 @@ from omni_dp.launcher import replicas
 def wait_healthy(self, index, timeout_s):  # bring-up stalls here, the replica running
     time.sleep(120)
 
-replicas.ReplicaSet.wait_healthy = wait_healthy
+replicas.ReplicaControl.wait_healthy = wait_healthy
 sys.argv = ["omni-dp", *sys.argv[1:]]
 cli.main()
 """

@@ -146,14 +146,14 @@ class _InfoServer(StubHttp):
 
 def test_kv_gate_fails_a_run_whose_replicas_report_different_capacities(tmp_path) -> None:
     from omni_dp.launcher.gates import GateFailed
-    from omni_dp.launcher.replicas import ReplicaSet
+    from omni_dp.launcher.replicas import ReplicaControl
 
     state = RunState.create(two_replica_plan(tmp_path))
     servers = [_InfoServer(1024), _InfoServer(512)]
     try:
         for i, server in enumerate(servers):
             state.update_replica(i, url=server.url)
-        replicas = ReplicaSet(state)
+        replicas = ReplicaControl(state)
         replicas.check_kv([0])  # the planned 1024 tokens: passes
         with pytest.raises(GateFailed, match="replica 1: 512 tokens  ← differs"):
             replicas.check_kv([0, 1])
@@ -170,7 +170,7 @@ def test_where_the_engine_derives_the_count_a_restart_is_held_to_the_serving_rep
     """expected None (sglang-omni's byte pin): equal to each other; a restarted replica is
     compared with the replicas that kept serving, never with a stopped one's stale count."""
     from omni_dp.launcher.gates import GateFailed
-    from omni_dp.launcher.replicas import ReplicaSet
+    from omni_dp.launcher.replicas import ReplicaControl
 
     plan = dataclasses.replace(two_replica_plan(tmp_path), expected_kv_tokens=None)
     state = RunState.create(plan)
@@ -178,7 +178,7 @@ def test_where_the_engine_derives_the_count_a_restart_is_held_to_the_serving_rep
     try:
         for i, server in enumerate(servers):
             state.update_replica(i, url=server.url)
-        replicas = ReplicaSet(state)
+        replicas = ReplicaControl(state)
         with pytest.raises(GateFailed, match="no count is held by most"):
             replicas.check_kv([0, 1])  # at bring-up: equal to each other, or no one is right
         state.update_replica(0, state=ReplicaState.STARTING)

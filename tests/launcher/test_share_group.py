@@ -1,5 +1,5 @@
 """--share-weights on the launcher's side, without processes: the start and stop waves, the
-leader's manifest and a follower's attachment checked (ReplicaSet.share_gate), stopping
+leader's manifest and a follower's attachment checked (ReplicaControl.share_gate), stopping
 followers before their leader (restarts and teardown), the memory measured, and what
 `status` shows of it."""
 
@@ -18,7 +18,7 @@ from omni_dp.launcher import replicas as replicas_module
 from omni_dp.launcher import status as status_module
 from omni_dp.launcher import teardown as teardown_mod
 from omni_dp.launcher.gates import GateFailed
-from omni_dp.launcher.replicas import ReplicaSet, replica_memory
+from omni_dp.launcher.replicas import ReplicaControl, replica_memory
 from omni_dp.launcher.share_group import followers, start_waves, stop_waves
 from omni_dp.launcher.state import RunState
 from omni_dp.launcher.status import collect, format_status
@@ -94,7 +94,7 @@ def test_replica_set_stops_followers_before_their_leader(tmp_path, monkeypatch):
     waves = []
     monkeypatch.setattr(replicas_module, "stop_replicas",
                         lambda state, indices, timeout_s, reap: waves.append(indices) or [])
-    ReplicaSet(state).stop([0, 1, 2], 1.0)
+    ReplicaControl(state).stop([0, 1, 2], 1.0)
     assert waves == [[1, 2], [0]]
 
 
@@ -124,7 +124,7 @@ def mapped(monkeypatch):
 def test_the_leaders_manifest_becomes_the_runs_share_record(tmp_path):
     state = sharing_state(tmp_path)
     publish(state, manifest())
-    ReplicaSet(state).share_gate(0)
+    ReplicaControl(state).share_gate(0)
     share = state.record.share
     # no follower is proven attached to it yet: each is added by its own gate
     assert (share.leader, share.followers, share.policy) == (0, (), "omni-dp-tts/1")
@@ -146,7 +146,7 @@ def test_a_manifest_that_is_not_this_leaders_fails_its_gate(tmp_path, published,
     if published is not None:
         publish(state, published)
     with pytest.raises(GateFailed) as caught:
-        ReplicaSet(state).share_gate(0)
+        ReplicaControl(state).share_gate(0)
     assert str(caught.value).startswith("replica 0 (the weight-share leader): ")
     assert why in str(caught.value) and state.record.share is None
 
@@ -156,7 +156,7 @@ def test_a_manifest_others_can_read_fails_its_gate(tmp_path):
     publish(state, manifest())
     os.chmod(state.directory / "share" / "weights.json", 0o644)
     with pytest.raises(GateFailed, match="has mode 644"):
-        ReplicaSet(state).share_gate(0)
+        ReplicaControl(state).share_gate(0)
 
 
 def attached(state: RunState, **changes) -> dict:
@@ -178,15 +178,15 @@ def test_a_follower_must_be_attached_to_this_leader_through_this_share_dir(tmp_p
                                                                            why):
     state = sharing_state(tmp_path)
     publish(state, manifest())
-    ReplicaSet(state).share_gate(0)
+    ReplicaControl(state).share_gate(0)
     monkeypatch.setattr(replicas_module, "server_info", lambda url: attached(state, **changes))
     if why is None:
-        ReplicaSet(state).share_gate(2)
+        ReplicaControl(state).share_gate(2)
         [event] = [e for e in state.events() if e["event"] == "share_attached"]
         assert (event["replica"], event["leader_pid"]) == (2, 1000)
         return
     with pytest.raises(GateFailed) as caught:
-        ReplicaSet(state).share_gate(2)
+        ReplicaControl(state).share_gate(2)
     assert str(caught.value).startswith("replica 2 (a weight-share follower): ")
     assert why in str(caught.value)
 
@@ -198,10 +198,10 @@ def test_a_follower_that_does_not_share_fails_and_a_plain_run_has_no_share_gate(
                         lambda url: {"max_total_num_tokens": 1, "processes": [],
                                      "weight_share": None})
     with pytest.raises(GateFailed, match="reports weight_share None: it is not sharing"):
-        ReplicaSet(state).share_gate(1)
+        ReplicaControl(state).share_gate(1)
     plain = sharing_state(tmp_path / "plain", share=False)
-    ReplicaSet(plain).share_gate(0)  # reads nothing
-    ReplicaSet(plain).share_gate(1)
+    ReplicaControl(plain).share_gate(0)  # reads nothing
+    ReplicaControl(plain).share_gate(1)
 
 
 # --- memory ----------------------------------------------------------------------------------
@@ -276,10 +276,10 @@ def test_status_shows_who_shares_the_bytes_shared_once_and_each_replicas_memory(
             "follower attached") in format_status(report)
     state.update_replica(0, state=ReplicaState.HEALTHY)
     publish(state, manifest())
-    ReplicaSet(state).share_gate(0)
+    ReplicaControl(state).share_gate(0)
     monkeypatch.setattr(replicas_module, "server_info", lambda url: attached(state))
     for i in (1, 2):
-        ReplicaSet(state).share_gate(i)
+        ReplicaControl(state).share_gate(i)
     state.update_replica(1, memory_bytes=3 * 1024**2)
     report = json.loads(json.dumps(collect(state, probe=False)))  # as --json prints it
     assert report["share"]["published"] is True and report["share"]["shared_bytes"] == 1024
@@ -313,7 +313,7 @@ def test_share_followers_are_the_ones_proven_attached_and_leave_when_they_stop(t
     monkeypatch.setattr(status_module, "is_alive", lambda identity: True)  # a live run
     state = sharing_state(tmp_path)
     publish(state, manifest())
-    replicas = ReplicaSet(state)
+    replicas = ReplicaControl(state)
     replicas.share_gate(0)
     monkeypatch.setattr(replicas_module, "server_info", lambda url: attached(state))
     replicas.share_gate(2)
@@ -336,7 +336,7 @@ def test_share_followers_are_the_ones_proven_attached_and_leave_when_they_stop(t
 def test_a_follower_attached_to_another_leader_is_not_added_to_this_ones_proof(tmp_path):
     state = sharing_state(tmp_path)
     publish(state, manifest())
-    ReplicaSet(state).share_gate(0)
+    ReplicaControl(state).share_gate(0)
     assert not state.add_follower(1, leader_pid=4242)
     assert state.add_follower(1, leader_pid=LEADER_ID.pid)
     assert state.record.share.followers == (1,)
@@ -386,7 +386,7 @@ def test_a_follower_is_not_called_attached_to_a_share_the_run_never_recorded(tmp
     state = sharing_state(tmp_path)  # the leader's gate never passed: no share recorded
     monkeypatch.setattr(replicas_module, "server_info", lambda url: attached(state))
     with pytest.raises(GateFailed, match="the run records no share published by the leader"):
-        ReplicaSet(state).share_gate(2)
+        ReplicaControl(state).share_gate(2)
     assert not [e for e in state.events() if e["event"] == "share_attached"]
 
 
@@ -426,11 +426,11 @@ def test_the_share_gate_on_cpu_asks_for_the_mapping_of_the_replicas_own_process(
     monkeypatch.setattr(replicas_module, "segment_mapped_problem",
                         lambda pid, segment: asked.append((pid, segment.name)) or
                         ("it does not map the weight-share segment" if pid == 1002 else None))
-    ReplicaSet(state).share_gate(0)
+    ReplicaControl(state).share_gate(0)
     monkeypatch.setattr(replicas_module, "server_info", lambda url: attached(state))
-    ReplicaSet(state).share_gate(1)
+    ReplicaControl(state).share_gate(1)
     with pytest.raises(GateFailed, match=r"replica 2 .*does not map the weight-share segment"):
-        ReplicaSet(state).share_gate(2)
+        ReplicaControl(state).share_gate(2)
     assert asked == [(1000, "weights.bin"), (1001, "weights.bin"), (1002, "weights.bin")]
     assert state.record.share.followers == (1,)
 
@@ -462,10 +462,10 @@ def test_status_calls_nothing_published_by_a_leader_whose_process_is_gone(tmp_pa
     supervisor will): status re-checks the processes, as it does every recorded one."""
     state = sharing_state(tmp_path)
     publish(state, manifest())
-    ReplicaSet(state).share_gate(0)
+    ReplicaControl(state).share_gate(0)
     monkeypatch.setattr(replicas_module, "server_info", lambda url: attached(state))
     for i in (1, 2):
-        ReplicaSet(state).share_gate(i)
+        ReplicaControl(state).share_gate(i)
     for i in range(3):
         state.update_replica(i, state=ReplicaState.HEALTHY)
     assert state.record.share.followers == (1, 2)

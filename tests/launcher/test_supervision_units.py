@@ -137,7 +137,7 @@ class FakeWorld(Probe):
 
 
 class FakeReplicas:
-    """ReplicaSet's interface; each call makes the state change the real one makes."""
+    """ReplicaControl's interface; each call makes the state change the real one makes."""
 
     def __init__(self, state: RunState, world: FakeWorld, *, healthy: bool = True) -> None:
         self.state, self.world, self.healthy = state, world, healthy
@@ -597,7 +597,7 @@ def test_a_dead_leader_restarts_its_group_in_waves_and_no_follower_restarts_on_i
         sup.busy.join(5)
     assert said[0] == ("replica 0: its process is gone; restarting with replica(s) 1, 2, which "
                        "depend on it")
-    # stopped as a group (ReplicaSet.stop orders it), then in waves: [0], then [1, 2] together
+    # stopped as a group (ReplicaControl.stop orders it), then in waves: [0], then [1, 2] together
     assert sup.replicas.calls[0] == ("stop", 0, 1, 2)
     assert sup.replicas.calls[1:] == [
         *gates(0), ("start", 1), ("start", 2),

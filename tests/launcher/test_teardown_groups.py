@@ -363,7 +363,7 @@ def test_processes_seen_while_a_replica_starts_are_recorded_and_reached_after_it
         tmp_path, engines) -> None:
     """The launcher records a starting replica's session at every /health poll, so children
     of a leader killed before it was ever healthy are the run's by record."""
-    from omni_dp.launcher.replicas import ReplicaSet
+    from omni_dp.launcher.replicas import ReplicaControl
     from omni_dp.launcher.teardown import teardown
 
     state = RunState.create(two_replica_plan(tmp_path))
@@ -371,7 +371,7 @@ def test_processes_seen_while_a_replica_starts_are_recorded_and_reached_after_it
     engine = engines()  # its children do not carry this run's token
     leader, core, worker = (engine[role] for role in ROLES)
     state.update_replica(0, identity=leader, pgid=leader.pid, state=ReplicaState.STARTING)
-    ReplicaSet(state).remember_session(0)
+    ReplicaControl(state).remember_session(0)
     recorded = {(p.pid, p.create_time) for p in state.replica(0).processes}
     assert {(core.pid, core.create_time), (worker.pid, worker.create_time)} <= recorded
     assert {p.role for p in state.replica(0).processes} >= {"StandinCore", "StandinWorker"}

@@ -15,7 +15,7 @@ from omni_dp.router.policies.least_request import LeastRequestPolicy
 from omni_dp.router.policies.power_of_two import PowerOfTwoPolicy
 from omni_dp.router.policies.round_robin import RoundRobinPolicy
 from omni_dp.router.policies.uniform_random import RandomPolicy
-from omni_dp.router.replicas import Health, Replica, ReplicaError, ReplicaSet
+from omni_dp.router.replicas import Backends, Health, Replica, ReplicaError
 
 from support.http_client import client, fetch
 from support.router import (
@@ -145,7 +145,7 @@ def test_new_replicas_are_unknown_and_not_routable():
 
 
 def test_replica_set_rejects_duplicates_and_removes():
-    replicas = ReplicaSet([Replica("0", "http://127.0.0.1:1")])
+    replicas = Backends([Replica("0", "http://127.0.0.1:1")])
     with pytest.raises(ReplicaError, match="already"):
         replicas.add(Replica("0", "http://127.0.0.1:2"))
     with pytest.raises(ReplicaError, match="already"):

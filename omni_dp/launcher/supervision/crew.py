@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from omni_dp.launcher.gates import http_json
-from omni_dp.launcher.replicas import ReplicaSet
+from omni_dp.launcher.replicas import ReplicaControl
 from omni_dp.launcher.state import RunState
 from omni_dp.launcher.supervision.restart_policy import RestartPolicy
 from omni_dp.mps.daemon import DaemonHealth, DaemonRecord, MpsDaemon
@@ -59,7 +59,7 @@ class Probe:
 @dataclass
 class Crew:
     state: RunState
-    replicas: ReplicaSet
+    replicas: ReplicaControl
     say: Callable[[str], None]
     stop: threading.Event  # set: the supervisor is stopping
     fail: Callable[[], None]  # stop the run with a failure (exit 3, state kept)
