@@ -139,7 +139,7 @@ def _generated_defaults(command, *dataclasses_with_prefix):
 def _commands_and_settings():
     from omni_dp.cli import launch, router, serve
     from omni_dp.engine.options import ServeOptions
-    from omni_dp.launcher.options import LaunchOptions
+    from omni_dp.launcher.planning.options import LaunchOptions
     from omni_dp.router.config import HealthConfig, RouterConfig
 
     return {"serve": (serve, [(ServeOptions, "")]),
@@ -250,7 +250,7 @@ def test_launch_config_file_old_key_still_works_with_a_warning(launch_options, t
 
 
 def test_launch_config_file_new_and_old_key_together_are_set_twice(tmp_path):
-    from omni_dp.launcher.options import load_config_file
+    from omni_dp.launcher.planning.options import load_config_file
 
     problems: list[str] = []
     config = tmp_path / "launch.yaml"
@@ -367,7 +367,7 @@ def test_other_weight_seed_gives_other_audio(replica, start_replica):
 def test_policy_names_agree_everywhere():
     """`--policy` of router and launch, the launcher's plan and the router itself."""
     from omni_dp.cli.common import POLICIES
-    from omni_dp.launcher import plan
+    from omni_dp.launcher.planning import plan
     from omni_dp.router import policies
 
     assert set(POLICIES) == set(plan.POLICIES) == set(policies.POLICIES)

@@ -21,8 +21,8 @@ import pytest
 import yaml
 
 from omni_dp.files import make_private_dir, private_dir_problem
-from omni_dp.launcher.facts import new_run_id
-from omni_dp.launcher.options import FIELDS, LaunchOptions, load_config_file
+from omni_dp.launcher.planning.facts import new_run_id
+from omni_dp.launcher.planning.options import FIELDS, LaunchOptions, load_config_file
 from omni_dp.launcher.teardown import owner_bound
 from omni_dp.mps.control import socket_path_problems
 from omni_dp.rundir import mps_pipe_dir, run_dir

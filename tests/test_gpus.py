@@ -19,8 +19,8 @@ from omni_dp.gpus import (
     query_gpu,
     query_gpus,
 )
-from omni_dp.launcher.facts import gather_facts
-from omni_dp.launcher.options import LaunchOptions
+from omni_dp.launcher.planning.facts import gather_facts
+from omni_dp.launcher.planning.options import LaunchOptions
 from omni_dp.mps import binaries
 from omni_dp.mps.preflight import NO_DRIVER_MESSAGE, lookup_gpu, run_preflight
 

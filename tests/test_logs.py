@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from omni_dp.launcher.facts import LaunchFacts
-from omni_dp.launcher.options import load_config_file, merge_options
+from omni_dp.launcher.planning.facts import LaunchFacts
+from omni_dp.launcher.planning.options import load_config_file, merge_options
 from omni_dp.logs import FIELDS, Follower, JsonLines, formatter, setup_logging
 
 from support.http_client import get, request, speech
@@ -300,7 +300,7 @@ def test_logs_of_several_logs_prefix_each_line_and_a_missing_one_exits_2(fake_ru
 
 
 def test_logview_selects_and_shows_without_a_command_line(tmp_path):
-    from omni_dp.launcher.logview import LogError, select_logs, show_logs
+    from omni_dp.launcher.views.logview import LogError, select_logs, show_logs
 
     (tmp_path / "replica_0.log").write_bytes(b"a\nb\npartial")
     (tmp_path / "supervisor.log").write_bytes(b"s\n")

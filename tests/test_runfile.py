@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from omni_dp.launcher.state import RunState
+from omni_dp.launcher.record.state import RunState
 from omni_dp.mps.attach import DeclaredProcess
 from omni_dp.mps.daemon import DaemonRecord
 from omni_dp.procs import ProcessIdentity, identify

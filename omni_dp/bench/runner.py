@@ -43,7 +43,7 @@ from omni_dp.bench.stats import (
 )
 from omni_dp.bench.workload import Workload
 from omni_dp.contract import API_KEY_ENV, RUN_IDENTITY_ENVS
-from omni_dp.launcher.processes import token_carriers
+from omni_dp.launcher.processes.ours import token_carriers
 from omni_dp.net import port_taken
 from omni_dp.procs import ProcessIdentity, is_alive
 from omni_dp.rundir import run_dir as run_dir_of

@@ -1,4 +1,4 @@
-"""The blocking HTTP calls to a gateway's control API (urllib, like omni_dp.launcher.gates).
+"""The blocking HTTP calls to a gateway's control API (urllib, like omni_dp.launcher.bringup.gates).
 
 Blocking on purpose: the launcher registers and deregisters from plain threads, a handful of
 calls per replica. Unlike gates.http_json, an error answer keeps its text, because a gateway

@@ -17,18 +17,18 @@ import time
 from collections.abc import Callable
 
 from omni_dp.contract import API_KEY_ENV, RUN_ID_ENV, ExitCode
-from omni_dp.launcher.bringup import BringUpFailed, bring_up
+from omni_dp.launcher.bringup.gates import GateFailed, describe_exit, log_tail
+from omni_dp.launcher.bringup.replicas import ReplicaControl
+from omni_dp.launcher.bringup.steps import BringUpFailed, bring_up
 from omni_dp.launcher.engines import ENGINES, flag_value, split_model
-from omni_dp.launcher.gates import GateFailed, describe_exit, log_tail
-from omni_dp.launcher.options import GATEWAY_KEY_ENV
-from omni_dp.launcher.plan import LaunchPlan
-from omni_dp.launcher.processes import child_env, spawn
-from omni_dp.launcher.replicas import ReplicaControl
-from omni_dp.launcher.share_group import attachment_basis
-from omni_dp.launcher.state import RunState
-from omni_dp.launcher.status import collect, replica_table
-from omni_dp.launcher.supervisor import Supervisor
+from omni_dp.launcher.planning.options import GATEWAY_KEY_ENV
+from omni_dp.launcher.planning.plan import LaunchPlan
+from omni_dp.launcher.planning.share_group import attachment_basis
+from omni_dp.launcher.processes.ours import child_env, spawn
+from omni_dp.launcher.record.state import RunState
+from omni_dp.launcher.supervision.supervisor import Supervisor
 from omni_dp.launcher.teardown import teardown
+from omni_dp.launcher.views.status import collect, replica_table
 from omni_dp.mps.daemon import MpsDaemonError
 from omni_dp.runfile import RunFileError, RunPhase
 from omni_dp.sizes import format_size
@@ -157,8 +157,8 @@ def _hand_off(state: RunState, reap: list, stop: threading.Event,
         extra[API_KEY_ENV] = state.api_key
     if os.environ.get(GATEWAY_KEY_ENV):  # the gateway's: the supervisor's, never a replica's
         extra[GATEWAY_KEY_ENV] = os.environ[GATEWAY_KEY_ENV]
-    started = spawn([sys.executable, "-m", "omni_dp.launcher.supervisor", str(state.directory)],
-                    child_env(extra, state.token), log)
+    started = spawn([sys.executable, "-m", "omni_dp.launcher.supervision.supervisor",
+                     str(state.directory)], child_env(extra, state.token), log)
     deadline = time.monotonic() + SUPERVISOR_HANDOFF_S
     code = None
     while time.monotonic() < deadline and not stop.is_set():

@@ -21,9 +21,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from omni_dp.launcher.gateway_link import GatewayLink
-from omni_dp.launcher.processes import signal_ours, stop_processes, token_carriers, wait_gone
-from omni_dp.launcher.replica_groups import (
+from omni_dp.launcher.bringup.gateway_link import GatewayLink
+from omni_dp.launcher.planning.share_group import stop_waves
+from omni_dp.launcher.processes.groups import (
     ReplicaGroup,
     live_processes,
     mps_terminator,
@@ -31,8 +31,8 @@ from omni_dp.launcher.replica_groups import (
     stop_groups,
     unproven_orphans,
 )
-from omni_dp.launcher.share_group import stop_waves
-from omni_dp.launcher.state import RunState
+from omni_dp.launcher.processes.ours import signal_ours, stop_processes, token_carriers, wait_gone
+from omni_dp.launcher.record.state import RunState
 from omni_dp.mps.control import MpsControlError
 from omni_dp.mps.daemon import DaemonRecord, MpsDaemon, MpsDaemonError
 from omni_dp.procs import ProcessIdentity, is_alive

@@ -13,8 +13,8 @@ import pytest
 from omni_dp.bench.capacity import client_cap, config_names, plan_capacity
 from omni_dp.bench.probe import probe_capacity
 from omni_dp.launcher.engines import EngineSizing
-from omni_dp.launcher.options import LaunchOptions
-from omni_dp.launcher.topology import Core, CpuTopology
+from omni_dp.launcher.planning.options import LaunchOptions
+from omni_dp.launcher.planning.topology import Core, CpuTopology
 from omni_dp.mps.preflight import CLIENT_CAP_PRE_VOLTA, CLIENT_CAP_VOLTA
 
 from support.plans import GiB, MiB, h200, healthy_facts, opts, plan, problems_of

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from omni_dp.launcher.topology import read_topology
+from omni_dp.launcher.planning.topology import read_topology
 
 
 def omni_dp(*args: str) -> subprocess.CompletedProcess:
@@ -83,7 +83,7 @@ def test_plans_flags_are_launchs_own_settings():
     from omni_dp.cli import plan
     from omni_dp.cli.commands.plan import PLAN_FIELDS
     from omni_dp.cli.common import FieldOption
-    from omni_dp.launcher.options import LaunchOptions
+    from omni_dp.launcher.planning.options import LaunchOptions
 
     generated = {p.name: p for p in plan.params if isinstance(p, FieldOption)}
     assert set(generated) == set(PLAN_FIELDS)

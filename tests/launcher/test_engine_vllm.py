@@ -18,8 +18,8 @@ from omni_dp.launcher.engines import (
 )
 from omni_dp.launcher.engines.base import ReplicaLaunch, split_model
 from omni_dp.launcher.engines.vllm import BLOCK_SIZE, VllmEngine, cache_config_tokens
-from omni_dp.launcher.options import ENGINE_NAMES
-from omni_dp.launcher.topology import format_cpu_list
+from omni_dp.launcher.planning.options import ENGINE_NAMES
+from omni_dp.launcher.planning.topology import format_cpu_list
 
 from support.plans import GiB, MiB, h200, healthy_facts, plan, problems_of
 from support.plans import opts as base_opts

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from omni_dp.gateway import GatewayError, GatewayWorker
-from omni_dp.launcher.gateway_link import GatewayLink
-from omni_dp.launcher.plan import LaunchPlanError
-from omni_dp.launcher.state import RunState
+from omni_dp.launcher.bringup.gateway_link import GatewayLink
+from omni_dp.launcher.planning.plan import LaunchPlanError
+from omni_dp.launcher.record.state import RunState
 from omni_dp.launcher.supervision import router_link
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.restart_policy import RestartPolicy

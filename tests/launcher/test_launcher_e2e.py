@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from omni_dp.launcher.processes import signal_ours
+from omni_dp.launcher.processes.ours import signal_ours
 from omni_dp.procs import ProcessIdentity, identify
 
 from support.http_client import get, is_wav, speech
@@ -635,7 +635,7 @@ def test_sequential_start_waits_for_each_replica(runs):
 _SLOW_GATES = """
 import sys, time
 from omni_dp import cli
-from omni_dp.launcher import replicas
+from omni_dp.launcher.bringup import replicas
 
 def wait_healthy(self, index, timeout_s):  # bring-up stalls here, replicas running
     time.sleep(120)

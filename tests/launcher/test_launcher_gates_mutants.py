@@ -21,7 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from omni_dp.cli import cli
-from omni_dp.launcher.state import RunState
+from omni_dp.launcher.record.state import RunState
 from omni_dp.procs import identify
 from omni_dp.runfile import ReplicaState, RunPhase
 

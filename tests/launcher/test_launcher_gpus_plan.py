@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from omni_dp.gpus import GpuFacts, query_gpus
-from omni_dp.launcher import facts as facts_module
-from omni_dp.launcher.facts import LaunchFacts, _look_up_gpus, _mps_preflight_per_gpu
-from omni_dp.launcher.gpu_plan import parse_gpu_list, spread, with_gpu_replicas
-from omni_dp.launcher.topology import Core, CpuTopology, plan_auto_gpus
+from omni_dp.launcher.planning import facts as facts_module
+from omni_dp.launcher.planning.facts import LaunchFacts, _look_up_gpus, _mps_preflight_per_gpu
+from omni_dp.launcher.planning.gpus import parse_gpu_list, spread, with_gpu_replicas
+from omni_dp.launcher.planning.topology import Core, CpuTopology, plan_auto_gpus
 
 from support.nvml import FakeGpu, FakeNvml
 from support.plans import GiB, h200, healthy_facts, opts, plan, problems_of

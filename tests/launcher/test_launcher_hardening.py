@@ -217,7 +217,7 @@ def test_gpu_index_without_a_gpu_and_without_mps_does_not_speak_of_mps(fuzz_env,
                                                                        monkeypatch):
     from omni_dp.mps import preflight
 
-    monkeypatch.setattr("omni_dp.launcher.facts.query_gpu", lambda gpu, nvml=None: (
+    monkeypatch.setattr("omni_dp.launcher.planning.facts.query_gpu", lambda gpu, nvml=None: (
         None, [preflight.Problem("nvml", preflight.NO_DRIVER_MESSAGE)], False))
     base = free_port_block(3)
     result = CliRunner().invoke(cli, ["launch", "--gpu", "0", "--base-port", str(base),
@@ -401,7 +401,7 @@ def test_detach_is_not_reported_when_the_supervisor_dies_before_supervising(
     import time
 
     from omni_dp.launcher import launch
-    from omni_dp.launcher.state import RunState
+    from omni_dp.launcher.record.state import RunState
     from omni_dp.runfile import RunPhase
 
     sleeper, url = silent_replica
@@ -447,7 +447,7 @@ def test_detach_waits_for_the_supervisors_first_sweep(tmp_path, silent_replica):
     import threading
 
     from omni_dp.launcher import launch
-    from omni_dp.launcher.state import RunState
+    from omni_dp.launcher.record.state import RunState
     from omni_dp.launcher.teardown import teardown
     from omni_dp.runfile import RunPhase
 
@@ -480,13 +480,13 @@ def test_detach_waits_for_the_supervisors_first_sweep(tmp_path, silent_replica):
     (-200, "was killed by signal 200"), (None, "died"),
 ])
 def test_exit_codes_are_described_with_signal_names(code, words):
-    from omni_dp.launcher.gates import describe_exit
+    from omni_dp.launcher.bringup.gates import describe_exit
 
     assert describe_exit(code) == words
 
 
 def test_follow_up_commands_are_written_as_the_user_ran_omni_dp(tmp_path, monkeypatch):
-    from omni_dp.launcher.facts import invoked_as
+    from omni_dp.launcher.planning.facts import invoked_as
 
     script = tmp_path / "venv" / "bin" / "omni-dp"
     script.parent.mkdir(parents=True)
@@ -504,8 +504,8 @@ def test_follow_up_commands_are_written_as_the_user_ran_omni_dp(tmp_path, monkey
     monkeypatch.setattr(sys, "argv", [".venv/bin/omni-dp", "launch"])
     plan = one_replica_plan(tmp_path, run_id="named")
     assert plan.command == "omni-dp"  # one_replica_plan's facts say so; gather_facts reads argv
-    from omni_dp.launcher.facts import gather_facts
-    from omni_dp.launcher.options import LaunchOptions
+    from omni_dp.launcher.planning.facts import gather_facts
+    from omni_dp.launcher.planning.options import LaunchOptions
 
     monkeypatch.setenv("OMNI_DP_STATE_DIR", str(tmp_path / "state"))
     facts = gather_facts(LaunchOptions(gpu="none"), option_problems=["skip the dry run"])
@@ -525,9 +525,9 @@ class _AdminStub(StubHttp):
 
 @pytest.mark.parametrize("status", [401, 500])
 def test_a_failed_router_admin_call_is_a_visible_warning_never_a_success(tmp_path, status):
-    from omni_dp.launcher.replicas import ReplicaControl
-    from omni_dp.launcher.state import RunState
-    from omni_dp.launcher.supervisor import Supervisor
+    from omni_dp.launcher.bringup.replicas import ReplicaControl
+    from omni_dp.launcher.record.state import RunState
+    from omni_dp.launcher.supervision.supervisor import Supervisor
 
     stub = _AdminStub(status)
     try:
@@ -555,9 +555,9 @@ def test_a_failed_router_admin_call_is_a_visible_warning_never_a_success(tmp_pat
 
 
 def test_a_router_that_refused_a_replica_is_asked_again_until_it_takes_it(tmp_path):
-    from omni_dp.launcher.replicas import ReplicaControl
-    from omni_dp.launcher.state import RunState
-    from omni_dp.launcher.supervisor import Supervisor
+    from omni_dp.launcher.bringup.replicas import ReplicaControl
+    from omni_dp.launcher.record.state import RunState
+    from omni_dp.launcher.supervision.supervisor import Supervisor
 
     refusing, accepting = _AdminStub(503), _AdminStub(200)
     try:
@@ -628,7 +628,7 @@ def test_down_drain_timeout_bounds_the_teardown_a_live_supervisor_does(runs):
 _STALLED_LAUNCH = """
 import sys, time
 from omni_dp import cli
-from omni_dp.launcher import replicas
+from omni_dp.launcher.bringup import replicas
 
 def wait_healthy(self, index, timeout_s):  # bring-up stalls here, the replica running
     time.sleep(120)
@@ -676,7 +676,7 @@ def test_api_key_reaches_the_router_by_environment_and_authenticates_the_supervi
     A restart clears last_error; a restarted replica killed again is "killed by SIGKILL"."""
     import signal as signals
 
-    from omni_dp.launcher.facts import invoked_as
+    from omni_dp.launcher.planning.facts import invoked_as
     from omni_dp.procs import read_environ
 
     from support.http_client import request, speech

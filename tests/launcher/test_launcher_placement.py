@@ -13,8 +13,8 @@ import psutil
 import pytest
 
 from omni_dp.launcher.engines.base import EngineSizing
-from omni_dp.launcher.facts import _cuda_processes
-from omni_dp.launcher.options import LaunchOptions
+from omni_dp.launcher.planning.facts import _cuda_processes
+from omni_dp.launcher.planning.options import LaunchOptions
 
 from support.http_client import is_wav, speech
 from support.launcher import SUPERVISION

@@ -23,9 +23,9 @@ import pytest
 
 from omni_dp.contract import Problems
 from omni_dp.launcher.engines import ENGINES, BuiltinEngine, ReplicaLaunch
-from omni_dp.launcher.facts import KnownRun, LaunchFacts, known_runs
-from omni_dp.launcher.options import FIELDS, LaunchOptions, load_config_file, merge_options
-from omni_dp.launcher.plan import (
+from omni_dp.launcher.planning.facts import KnownRun, LaunchFacts, known_runs
+from omni_dp.launcher.planning.options import FIELDS, LaunchOptions, load_config_file, merge_options
+from omni_dp.launcher.planning.plan import (
     OPTION_CHECKS,
     THREAD_VARIABLES,
     LaunchPlanError,
@@ -39,7 +39,7 @@ from omni_dp.launcher.plan import (
     plan_router,
     plan_run,
 )
-from omni_dp.launcher.topology import Core, CpuTopology, read_topology
+from omni_dp.launcher.planning.topology import Core, CpuTopology, read_topology
 from omni_dp.net import port_taken
 
 from support.plans import (
@@ -55,7 +55,7 @@ from support.plans import (
 )
 from support.ports import free_port_block
 
-PIN = [sys.executable, "-m", "omni_dp.launcher.pin"]
+PIN = [sys.executable, "-m", "omni_dp.launcher.processes.pin"]
 
 
 # --- a machine described by hand (its parts: support/plans.py) --------------------------------
@@ -274,7 +274,7 @@ def test_cpu_blocks_none_runs_replicas_unpinned(facts):
     assert len(p.replicas) == 5
     for r in p.replicas:
         assert r.cpus is None
-        assert "omni_dp.launcher.pin" not in r.argv
+        assert "omni_dp.launcher.processes.pin" not in r.argv
         assert list(r.argv[:4]) == [sys.executable, "-m", "omni_dp", "serve"]
         assert r.env["OMP_NUM_THREADS"] == "1"  # 8 allowed CPUs // 5 replicas
     assert "unpinned" in "\n".join(p.describe())
@@ -526,7 +526,7 @@ def test_a_state_root_others_can_read_is_a_problem(facts):
 
 
 def test_known_runs_read_from_the_state_root_feed_the_plan(facts):
-    from omni_dp.launcher.state import RunState
+    from omni_dp.launcher.record.state import RunState
     from omni_dp.procs import ProcessIdentity
     from omni_dp.runfile import SupervisorRecord
 
@@ -991,7 +991,7 @@ def test_config_key_spelled_both_ways_is_a_problem(tmp_path):
 
 
 def test_an_address_the_router_cannot_listen_on_is_named():
-    from omni_dp.launcher.facts import host_problem
+    from omni_dp.launcher.planning.facts import host_problem
 
     assert host_problem("127.0.0.1") is None
     problem = host_problem("no-such-host.invalid")

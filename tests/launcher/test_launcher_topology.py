@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_dp.launcher.topology import (
+from omni_dp.launcher.planning.topology import (
     format_cpu_list,
     gpu_numa_node,
     parse_cpu_list,

@@ -14,10 +14,10 @@ import time
 import pytest
 
 from omni_dp.contract import TOKEN_ENV
-from omni_dp.launcher.gates import kv_problems
-from omni_dp.launcher.options import LaunchOptions
-from omni_dp.launcher.processes import child_env
-from omni_dp.launcher.state import RunState
+from omni_dp.launcher.bringup.gates import kv_problems
+from omni_dp.launcher.planning.options import LaunchOptions
+from omni_dp.launcher.processes.ours import child_env
+from omni_dp.launcher.record.state import RunState
 from omni_dp.mps.attach import DeclaredProcess
 from omni_dp.procs import identify
 from omni_dp.runfile import ReplicaState, RunFileError
@@ -65,16 +65,17 @@ def test_load_refuses_other_schemas(tmp_path) -> None:
 def test_pin_wrapper_pins_before_exec() -> None:
     cpu = sorted(os.sched_getaffinity(0))[-1]
     done = subprocess.run(
-        [sys.executable, "-m", "omni_dp.launcher.pin", str(cpu), "--", sys.executable, "-c",
-         "import os; print(sorted(os.sched_getaffinity(0)))"],
+        [sys.executable, "-m", "omni_dp.launcher.processes.pin", str(cpu), "--",
+         sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
         capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.strip() == f"[{cpu}]"
 
 
 @pytest.mark.parametrize("cpus", ["x-1", "99999"])
 def test_pin_wrapper_refuses_bad_cpus(cpus: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "omni_dp.launcher.pin", cpus, "--", "true"],
-                          capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "omni_dp.launcher.processes.pin", cpus, "--", "true"],
+        capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2 and "cannot pin" in done.stderr
 
 
@@ -107,7 +108,7 @@ def test_kv_gate_names_the_replica_that_differs() -> None:
 
 
 def test_death_watch_wakes_when_a_process_that_is_not_our_child_exits() -> None:
-    from omni_dp.launcher.supervisor import DeathWatch
+    from omni_dp.launcher.supervision.supervisor import DeathWatch
 
     # A grandchild (its parent exits at once), like a replica of a detached supervisor.
     launcher = subprocess.run(
@@ -127,8 +128,9 @@ def test_death_watch_wakes_when_a_process_that_is_not_our_child_exits() -> None:
 
 def test_the_launcher_never_imports_torch() -> None:
     """status/down/launch must start fast and never touch the GPU themselves."""
-    code = ("import sys, omni_dp.launcher.launch, omni_dp.launcher.supervisor, "
-            "omni_dp.launcher.status, omni_dp.launcher.facts; print('torch' in sys.modules)")
+    code = ("import sys, omni_dp.launcher.launch, omni_dp.launcher.supervision.supervisor, "
+            "omni_dp.launcher.views.status, omni_dp.launcher.planning.facts; "
+            "print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, check=True)
     assert done.stdout.strip() == "False"
@@ -145,8 +147,8 @@ class _InfoServer(StubHttp):
 
 
 def test_kv_gate_fails_a_run_whose_replicas_report_different_capacities(tmp_path) -> None:
-    from omni_dp.launcher.gates import GateFailed
-    from omni_dp.launcher.replicas import ReplicaControl
+    from omni_dp.launcher.bringup.gates import GateFailed
+    from omni_dp.launcher.bringup.replicas import ReplicaControl
 
     state = RunState.create(two_replica_plan(tmp_path))
     servers = [_InfoServer(1024), _InfoServer(512)]
@@ -169,8 +171,8 @@ def test_where_the_engine_derives_the_count_a_restart_is_held_to_the_serving_rep
         tmp_path) -> None:
     """expected None (sglang-omni's byte pin): equal to each other; a restarted replica is
     compared with the replicas that kept serving, never with a stopped one's stale count."""
-    from omni_dp.launcher.gates import GateFailed
-    from omni_dp.launcher.replicas import ReplicaControl
+    from omni_dp.launcher.bringup.gates import GateFailed
+    from omni_dp.launcher.bringup.replicas import ReplicaControl
 
     plan = dataclasses.replace(two_replica_plan(tmp_path), expected_kv_tokens=None)
     state = RunState.create(plan)
@@ -197,8 +199,8 @@ def test_where_the_engine_derives_the_count_a_restart_is_held_to_the_serving_rep
 def test_the_engine_dry_run_gets_a_private_empty_mps_pipe_directory(tmp_path, monkeypatch):
     """Never the system default pipe (/tmp/nvidia-mps) nor an inherited one: a CUDA context
     made by the dry run must not join anyone's daemon. The directory is gone afterwards."""
-    from omni_dp.launcher import facts as facts_module
     from omni_dp.launcher.engines import ENGINES, BuiltinEngine
+    from omni_dp.launcher.planning import facts as facts_module
 
     seen = {}
 
@@ -229,8 +231,8 @@ def test_with_share_weights_the_dry_run_is_a_leaders_naming_the_runs_share_dir(t
                                                                             monkeypatch):
     """So that an architecture without a share policy is refused before anything starts (the
     directory is named, not made: a dry run creates nothing)."""
-    from omni_dp.launcher import facts as facts_module
     from omni_dp.launcher.engines import ENGINES, BuiltinEngine
+    from omni_dp.launcher.planning import facts as facts_module
 
     seen = []
 
@@ -258,7 +260,7 @@ def test_the_facts_give_the_free_room_of_the_state_roots_filesystem_before_it_ex
     """A CPU weight-share segment is written there (plan_share_room checks it)."""
     from types import SimpleNamespace
 
-    from omni_dp.launcher import facts as facts_module
+    from omni_dp.launcher.planning import facts as facts_module
 
     root = tmp_path / "not" / "yet" / "state"
     assert facts_module.free_bytes(root) > 0
@@ -279,8 +281,8 @@ def test_a_router_that_never_became_ready_is_stopped_not_left_recorded_as_alive(
         tmp_path, monkeypatch) -> None:
     """Left running, a router that failed its /ready gate stays "alive" in run.json, so the
     supervisor never restarts it and teardown is the only thing that would ever stop it."""
-    from omni_dp.launcher import bringup
-    from omni_dp.launcher.processes import stop_processes
+    from omni_dp.launcher.bringup import steps as bringup
+    from omni_dp.launcher.processes.ours import stop_processes
     from omni_dp.procs import is_alive
 
     state = RunState.create(two_replica_plan(tmp_path, router_port=free_port()))

@@ -14,14 +14,14 @@ import pytest
 
 from omni_dp import gpus
 from omni_dp.files import make_private_dir
-from omni_dp.launcher import replicas as replicas_module
-from omni_dp.launcher import status as status_module
 from omni_dp.launcher import teardown as teardown_mod
-from omni_dp.launcher.gates import GateFailed
-from omni_dp.launcher.replicas import ReplicaControl, replica_memory
-from omni_dp.launcher.share_group import followers, start_waves, stop_waves
-from omni_dp.launcher.state import RunState
-from omni_dp.launcher.status import collect, format_status
+from omni_dp.launcher.bringup import replicas as replicas_module
+from omni_dp.launcher.bringup.gates import GateFailed
+from omni_dp.launcher.bringup.replicas import ReplicaControl, replica_memory
+from omni_dp.launcher.planning.share_group import followers, start_waves, stop_waves
+from omni_dp.launcher.record.state import RunState
+from omni_dp.launcher.views import status as status_module
+from omni_dp.launcher.views.status import collect, format_status
 from omni_dp.mps.attach import DeclaredProcess
 from omni_dp.procs import ProcessIdentity, identify
 from omni_dp.runfile import (
@@ -439,7 +439,7 @@ def test_the_share_gate_on_cpu_asks_for_the_mapping_of_the_replicas_own_process(
 def test_a_mapping_is_recognised_by_its_path_where_maps_shows_another_device(tmp_path):
     """btrfs subvolumes (and overlayfs before Linux 6.8) show a device in /proc/PID/maps that
     is not stat's: the inode and the file's path then name the segment."""
-    from omni_dp.launcher.share_group import segment_mapping_problem
+    from omni_dp.launcher.planning.share_group import segment_mapping_problem
 
     segment = tmp_path / "weights.bin"
     line = "7f00-7f10 {perms} 00000000 00:{dev} 4242 {path}"

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from omni_dp.launcher import status as status_module
-from omni_dp.launcher.scrape_targets import file_sd_problems, run_groups, target_of
-from omni_dp.launcher.state import RunState
-from omni_dp.launcher.status import collect, format_status
+from omni_dp.launcher.record.state import RunState
+from omni_dp.launcher.views import status as status_module
+from omni_dp.launcher.views.scrape_targets import file_sd_problems, run_groups, target_of
+from omni_dp.launcher.views.status import collect, format_status
 from omni_dp.procs import identify
 from omni_dp.runfile import RunRecord
 

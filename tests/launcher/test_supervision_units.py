@@ -11,10 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from omni_dp.contract import API_KEY_ENV
-from omni_dp.launcher.bringup import BringUpFailed
-from omni_dp.launcher.gates import GateFailed
-from omni_dp.launcher.state import RunState
-from omni_dp.launcher.status import collect, format_status
+from omni_dp.launcher.bringup.gates import GateFailed
+from omni_dp.launcher.bringup.steps import BringUpFailed
+from omni_dp.launcher.record.state import RunState
 from omni_dp.launcher.supervision import mps_restart, router_link
 from omni_dp.launcher.supervision.crew import Probe
 from omni_dp.launcher.supervision.mps_watch import MpsWatch, describe_fault
@@ -29,7 +28,8 @@ from omni_dp.launcher.supervision.slots import (
     restart_group,
     run_slots,
 )
-from omni_dp.launcher.supervisor import Supervisor
+from omni_dp.launcher.supervision.supervisor import Supervisor
+from omni_dp.launcher.views.status import collect, format_status
 from omni_dp.mps.daemon import DaemonHealth, DaemonRecord
 from omni_dp.mps.faults import FaultScanner
 from omni_dp.procs import ProcessIdentity
@@ -652,7 +652,7 @@ def test_a_leader_failing_its_gates_leaves_its_followers_unstarted_and_down(tmp_
 
 
 def test_bring_up_starts_the_leader_alone_before_its_followers(tmp_path):
-    from omni_dp.launcher.bringup import start_replicas
+    from omni_dp.launcher.bringup.steps import start_replicas
 
     state = make_state(tmp_path, replicas=3, share=True)
     for i in range(3):  # as the MPS group restart leaves them (bring-up: planned)
@@ -668,7 +668,7 @@ def test_bring_up_starts_the_leader_alone_before_its_followers(tmp_path):
 
 
 def test_bring_up_says_published_and_attached_only_for_what_passed_its_share_gate(tmp_path):
-    from omni_dp.launcher.bringup import BringUpFailed, start_replicas
+    from omni_dp.launcher.bringup.steps import BringUpFailed, start_replicas
 
     def planned(directory):
         state = make_state(directory, replicas=3, share=True)

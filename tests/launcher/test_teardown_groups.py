@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from omni_dp.contract import TOKEN_ENV
-from omni_dp.launcher.replica_groups import (
+from omni_dp.launcher.processes.groups import (
     ReplicaGroup,
     cuda_evidence,
     find_replica_processes,
@@ -34,7 +34,7 @@ from omni_dp.launcher.replica_groups import (
     stop_groups,
     unproven_orphans,
 )
-from omni_dp.launcher.state import RunState
+from omni_dp.launcher.record.state import RunState
 from omni_dp.mps.attach import DeclaredProcess
 from omni_dp.procs import ProcessIdentity, identify, is_alive
 from omni_dp.runfile import ReplicaState
@@ -363,7 +363,7 @@ def test_processes_seen_while_a_replica_starts_are_recorded_and_reached_after_it
         tmp_path, engines) -> None:
     """The launcher records a starting replica's session at every /health poll, so children
     of a leader killed before it was ever healthy are the run's by record."""
-    from omni_dp.launcher.replicas import ReplicaControl
+    from omni_dp.launcher.bringup.replicas import ReplicaControl
     from omni_dp.launcher.teardown import teardown
 
     state = RunState.create(two_replica_plan(tmp_path))

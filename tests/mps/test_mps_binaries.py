@@ -16,9 +16,9 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from omni_dp.launcher.bringup import start_daemon
-from omni_dp.launcher.facts import LaunchFacts, gather_facts
-from omni_dp.launcher.options import LaunchOptions
+from omni_dp.launcher.bringup.steps import start_daemon
+from omni_dp.launcher.planning.facts import LaunchFacts, gather_facts
+from omni_dp.launcher.planning.options import LaunchOptions
 from omni_dp.mps import binaries
 from omni_dp.mps.binaries import (
     SERVER_NAME,

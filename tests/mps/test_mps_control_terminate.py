@@ -19,8 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from omni_dp.launcher.replica_groups import mps_terminator
-from omni_dp.launcher.state import RunState
+from omni_dp.launcher.processes.groups import mps_terminator
+from omni_dp.launcher.record.state import RunState
 from omni_dp.mps.control import CommandRejected, MalformedOutput, MpsControl
 from omni_dp.mps.daemon import DaemonRecord, MpsDaemon
 from omni_dp.procs import ProcessIdentity, identify, is_alive

@@ -12,11 +12,11 @@ import pytest
 
 from omni_dp.gpus import GpuFacts
 from omni_dp.launcher.engines import EngineSizing
-from omni_dp.launcher.facts import LaunchFacts
-from omni_dp.launcher.options import LaunchOptions
-from omni_dp.launcher.plan import LaunchPlanError, plan_launch
-from omni_dp.launcher.state import RunState
-from omni_dp.launcher.topology import Core, CpuTopology
+from omni_dp.launcher.planning.facts import LaunchFacts
+from omni_dp.launcher.planning.options import LaunchOptions
+from omni_dp.launcher.planning.plan import LaunchPlanError, plan_launch
+from omni_dp.launcher.planning.topology import Core, CpuTopology
+from omni_dp.launcher.record.state import RunState
 from omni_dp.runfile import RunRecord
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3

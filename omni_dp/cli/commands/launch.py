@@ -16,7 +16,7 @@ from omni_dp.cli.common import (
     options_from,
     take_deprecated,
 )
-from omni_dp.launcher.options import LaunchOptions, load_config_file, merge_options
+from omni_dp.launcher.planning.options import LaunchOptions, load_config_file, merge_options
 
 
 @click.command(context_settings={"ignore_unknown_options": False})
@@ -82,8 +82,8 @@ def _options(ctx: click.Context, flags: dict, engine_args: tuple[str, ...],
 
 def _plan(options: LaunchOptions, problems: list[str]):
     """Read the machine and plan; the config file's problems and the plan's, all at once."""
-    from omni_dp.launcher.facts import gather_facts
-    from omni_dp.launcher.plan import LaunchPlanError, check_options, plan_launch
+    from omni_dp.launcher.planning.facts import gather_facts
+    from omni_dp.launcher.planning.plan import LaunchPlanError, check_options, plan_launch
 
     facts = gather_facts(options, option_problems=problems + check_options(options))
     try:

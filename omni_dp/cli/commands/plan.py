@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from omni_dp.cli.common import emit, exit_with_problems, json_option, options_from
-from omni_dp.launcher.options import LaunchOptions
+from omni_dp.launcher.planning.options import LaunchOptions
 
 # The settings of `launch` that decide one replica's footprint and where it runs.
 PLAN_FIELDS = ("gpu", "gpus", "kv_cache_bytes", "max_total_tokens", "memory_headroom",

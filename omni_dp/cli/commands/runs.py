@@ -12,7 +12,7 @@ from omni_dp.contract import ExitCode
 
 
 def _pick_run(run_id: str | None, command: str):
-    from omni_dp.launcher.status import pick
+    from omni_dp.launcher.views.status import pick
     from omni_dp.runfile import RunFileError
 
     try:
@@ -36,8 +36,8 @@ def status(run_id: str | None, as_json: bool, sd_file: str | None) -> None:
     nothing owns it), 2 no such run. With --prometheus-sd: 0 once the file is written, 2 when
     it cannot be (the message says why).
     """
-    from omni_dp.launcher.facts import invoked_as
-    from omni_dp.launcher.status import collect, format_status
+    from omni_dp.launcher.planning.facts import invoked_as
+    from omni_dp.launcher.views.status import collect, format_status
 
     if sd_file is not None:
         _write_prometheus_sd(run_id, sd_file, as_json)
@@ -50,8 +50,8 @@ def status(run_id: str | None, as_json: bool, sd_file: str | None) -> None:
 
 def _write_prometheus_sd(run_id: str | None, sd_file: str, as_json: bool) -> None:
     """`status --prometheus-sd`: the target list of the run(s), to FILE or stdout ('-')."""
-    from omni_dp.launcher.scrape_targets import TargetError, render, run_groups, write_file_sd
-    from omni_dp.launcher.status import NoSuchRun, scrape_runs
+    from omni_dp.launcher.views.scrape_targets import TargetError, render, run_groups, write_file_sd
+    from omni_dp.launcher.views.status import NoSuchRun, scrape_runs
 
     try:
         records = scrape_runs(run_id)
@@ -86,7 +86,7 @@ def _why(exc: OSError, path: Path) -> str:
 @json_option("the runs")
 def list_runs(as_json: bool) -> None:
     """Every run under the state directory, live or kept after a failure."""
-    from omni_dp.launcher.listing import format_runs, list_runs
+    from omni_dp.launcher.views.listing import format_runs, list_runs
 
     rows = list_runs()
     emit({"runs": rows}, format_runs(rows), as_json)
@@ -107,7 +107,7 @@ def logs(run_id, replica, router_log, supervisor_log, follow, lines) -> None:
     With several logs each line is prefixed with its log's name. Following prints whole lines
     only, and goes on in a log the supervisor replaced (after an MPS fault) from its start.
     """
-    from omni_dp.launcher.logview import LogError, select_logs, show_logs
+    from omni_dp.launcher.views.logview import LogError, select_logs, show_logs
 
     state = _pick_run(run_id, "logs")
     try:
@@ -134,8 +134,8 @@ def down(run_id: str | None, drain_timeout: float | None, as_json: bool) -> None
     run is ambiguous, 3 something could not be stopped (its state is kept and the leftovers
     named).
     """
-    from omni_dp.launcher.listing import no_state_left
     from omni_dp.launcher.teardown import teardown
+    from omni_dp.launcher.views.listing import no_state_left
     from omni_dp.rundir import state_dir
 
     if no_state_left(run_id):  # already down: nothing to stop is success

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from types import MappingProxyType
 
+from omni_dp.launcher.bringup.gates import GateFailed, server_info
 from omni_dp.launcher.engines.base import (
     EngineSizing,
     EngineUnreadable,
@@ -21,7 +22,6 @@ from omni_dp.launcher.engines.base import (
     KvRequest,
     ReplicaLaunch,
 )
-from omni_dp.launcher.gates import GateFailed, server_info
 from omni_dp.mps.attach import DeclaredProcess, ReplicaProcesses
 
 DRY_RUN_TIMEOUT_S = 120

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from omni_dp.gpus import GpuFacts
+from omni_dp.launcher.bringup.gates import http_json
 from omni_dp.launcher.engines.base import (
     NO_GPU,
     EngineSizing,
@@ -27,7 +28,6 @@ from omni_dp.launcher.engines.base import (
     socket_safe_tmpdir,
     split_model,
 )
-from omni_dp.launcher.gates import http_json
 from omni_dp.mps.attach import DeclaredProcess
 from omni_dp.sizes import GiB, format_size
 

@@ -25,7 +25,7 @@ from omni_dp.launcher.engines.base import (
     split_model,
 )
 from omni_dp.launcher.engines.readback import COUNT, kv_tokens_from_log
-from omni_dp.launcher.options import DEFAULT_ENGINE_STAGE
+from omni_dp.launcher.planning.options import DEFAULT_ENGINE_STAGE
 from omni_dp.mps.attach import DeclaredProcess
 from omni_dp.sizes import GiB, format_size
 

@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from omni_dp.launcher.gates import http_json
-from omni_dp.launcher.replicas import ReplicaControl
-from omni_dp.launcher.state import RunState
+from omni_dp.launcher.bringup.gates import http_json
+from omni_dp.launcher.bringup.replicas import ReplicaControl
+from omni_dp.launcher.record.state import RunState
 from omni_dp.launcher.supervision.restart_policy import RestartPolicy
 from omni_dp.mps.daemon import DaemonHealth, DaemonRecord, MpsDaemon
 from omni_dp.net import port_taken

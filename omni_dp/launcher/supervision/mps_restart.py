@@ -12,9 +12,9 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from omni_dp.launcher.bringup import BringUpFailed, start_daemon, start_replicas
-from omni_dp.launcher.gates import GateFailed
-from omni_dp.launcher.processes import stop_processes
+from omni_dp.launcher.bringup.gates import GateFailed
+from omni_dp.launcher.bringup.steps import BringUpFailed, start_daemon, start_replicas
+from omni_dp.launcher.processes.ours import stop_processes
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.router_link import RouterLink
 from omni_dp.mps.daemon import CONTROL_LOG, DaemonRecord, MpsDaemon, MpsDaemonError

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omni_dp.launcher.gates import describe_exit
+from omni_dp.launcher.bringup.gates import describe_exit
 from omni_dp.runfile import ReplicaState
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from omni_dp.contract import API_KEY_ENV
-from omni_dp.launcher.bringup import BringUpFailed, start_router
-from omni_dp.launcher.gates import http_json
-from omni_dp.launcher.gateway_link import REGISTER_WAIT_S, GatewayLink
+from omni_dp.launcher.bringup.gates import http_json
+from omni_dp.launcher.bringup.gateway_link import REGISTER_WAIT_S, GatewayLink
+from omni_dp.launcher.bringup.steps import BringUpFailed, start_router
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.restart_policy import GiveUp
 from omni_dp.runfile import ReplicaState

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from omni_dp.launcher.share_group import LEADER, followers
+from omni_dp.launcher.planning.share_group import LEADER, followers
 from omni_dp.runfile import ReplicaState, RunRecord, can_transition
 
 

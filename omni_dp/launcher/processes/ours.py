@@ -20,9 +20,9 @@ from pathlib import Path
 import psutil
 
 from omni_dp.contract import API_KEY_ENV, RUN_IDENTITY_ENVS, TOKEN_ENV
-from omni_dp.launcher.options import GATEWAY_KEY_ENV
-from omni_dp.launcher.plan import THREAD_VARIABLES
-from omni_dp.launcher.state import append_private
+from omni_dp.launcher.planning.options import GATEWAY_KEY_ENV
+from omni_dp.launcher.planning.plan import THREAD_VARIABLES
+from omni_dp.launcher.record.state import append_private
 from omni_dp.mps.control import LIMIT_ENVS
 from omni_dp.procs import ProcessIdentity, identify, is_alive, read_environ
 

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from omni_dp.gpus import GpuFacts
-from omni_dp.launcher.options import LaunchOptions
+from omni_dp.launcher.planning.options import LaunchOptions
 from omni_dp.runfile import GpuRecord
 
 MAX_GPUS = 64  # more than any host has: a longer --gpus list is a typo

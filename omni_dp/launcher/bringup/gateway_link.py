@@ -14,8 +14,8 @@ import os
 from collections.abc import Callable
 
 from omni_dp.gateway import Gateway, GatewayError, GatewayWorker, SglangGateway
-from omni_dp.launcher.options import GATEWAY_KEY_ENV
-from omni_dp.launcher.state import RunState
+from omni_dp.launcher.planning.options import GATEWAY_KEY_ENV
+from omni_dp.launcher.record.state import RunState
 from omni_dp.runfile import GatewayEntry, GatewayRecord
 
 REGISTER_WAIT_S = 30.0  # listed healthy within; the SGLang gateway takes 0.05-0.3 s

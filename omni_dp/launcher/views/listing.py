@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omni_dp.launcher.state import RunState
-from omni_dp.launcher.status import collect
+from omni_dp.launcher.record.state import RunState
+from omni_dp.launcher.views.status import collect
 from omni_dp.rundir import RUN_ID, run_dir, state_dir
 from omni_dp.runfile import run_dirs, stored_runs
 

@@ -34,22 +34,27 @@ from omni_dp.launcher.engines import (
     reserved_flag_problems,
     split_model,
 )
-from omni_dp.launcher.facts import LaunchFacts, visible_id
-from omni_dp.launcher.gpu_plan import (
+from omni_dp.launcher.planning.facts import LaunchFacts, visible_id
+from omni_dp.launcher.planning.gpus import (
     GpuGroup,
     gpu_groups,
     gpu_option_problems,
     with_gpu_replicas,
 )
-from omni_dp.launcher.options import (
+from omni_dp.launcher.planning.options import (
     MPS_FAULT_ACTIONS,
     REGISTER_AS,
     START_MODES,
     LaunchOptions,
     replica_ports,
 )
-from omni_dp.launcher.share_group import LEADER, followers, share_role
-from omni_dp.launcher.topology import format_cpu_list, plan_auto, plan_auto_gpus, plan_explicit
+from omni_dp.launcher.planning.share_group import LEADER, followers, share_role
+from omni_dp.launcher.planning.topology import (
+    format_cpu_list,
+    plan_auto,
+    plan_auto_gpus,
+    plan_explicit,
+)
 from omni_dp.logs import LOG_FORMATS
 from omni_dp.mps.binaries import MpsBinaries
 from omni_dp.rundir import RUN_ID, engine_work_dir, mps_log_dir, mps_pipe_dir, run_dir, share_dir
@@ -917,7 +922,7 @@ def _pinned(argv: list[str], cpus: tuple[int, ...] | None, facts: LaunchFacts,
     numactl is there and the block is on its GPU's node) numactl binds memory to that node."""
     if not cpus:
         return argv
-    prefix = [sys.executable, "-m", "omni_dp.launcher.pin", format_cpu_list(cpus), "--"]
+    prefix = [sys.executable, "-m", "omni_dp.launcher.processes.pin", format_cpu_list(cpus), "--"]
     nodes = {core.node for core in facts.topology.cores if set(core.cpus) & set(cpus)}
     if facts.numactl and node is not None and nodes == {node}:
         prefix += [facts.numactl, f"--membind={node}", "--"]

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import psutil
 
-from omni_dp.launcher.processes import carries_token, signal_ours
-from omni_dp.launcher.state import RunState
+from omni_dp.launcher.processes.ours import carries_token, signal_ours
+from omni_dp.launcher.record.state import RunState
 from omni_dp.mps.control import MpsControl, MpsControlError
 from omni_dp.procs import ProcessIdentity, is_alive
 from omni_dp.runfile import ReplicaRecord

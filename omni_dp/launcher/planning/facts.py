@@ -31,10 +31,10 @@ from omni_dp.launcher.engines import (
     split_model,
 )
 from omni_dp.launcher.engines.model_dir import read_model
-from omni_dp.launcher.gpu_plan import parse_gpu_list, spread, with_gpu_replicas
-from omni_dp.launcher.options import GATEWAY_KEY_ENV, LaunchOptions, replica_ports
-from omni_dp.launcher.share_group import LEADER_ROLE
-from omni_dp.launcher.topology import CpuTopology, gpu_numa_node, read_topology
+from omni_dp.launcher.planning.gpus import parse_gpu_list, spread, with_gpu_replicas
+from omni_dp.launcher.planning.options import GATEWAY_KEY_ENV, LaunchOptions, replica_ports
+from omni_dp.launcher.planning.share_group import LEADER_ROLE
+from omni_dp.launcher.planning.topology import CpuTopology, gpu_numa_node, read_topology
 from omni_dp.mps.binaries import MpsBinaries
 from omni_dp.mps.preflight import GPU_CHECKS, check_preflight, in_mps_words
 from omni_dp.net import bind_error, port_taken

@@ -15,18 +15,10 @@ import psutil
 
 from omni_dp.files import make_private_dir
 from omni_dp.gpus import nvml_gpu_memory, nvml_gpu_pids
+from omni_dp.launcher.bringup.gates import GateFailed, kv_problems, server_info, wait_healthy
 from omni_dp.launcher.engines import ENGINES, EngineAdapter, EngineUnreadable
 from omni_dp.launcher.engines.readback import start_banner
-from omni_dp.launcher.gates import GateFailed, kv_problems, server_info, wait_healthy
-from omni_dp.launcher.processes import child_env, spawn
-from omni_dp.launcher.replica_groups import (
-    FoundProcess,
-    find_replica_processes,
-    process_name,
-    session_processes,
-    stop_replicas,
-)
-from omni_dp.launcher.share_group import (
+from omni_dp.launcher.planning.share_group import (
     LEADER,
     follower_problem,
     manifest_problem,
@@ -34,7 +26,15 @@ from omni_dp.launcher.share_group import (
     share_record,
     stop_waves,
 )
-from omni_dp.launcher.state import RunState, append_private
+from omni_dp.launcher.processes.groups import (
+    FoundProcess,
+    find_replica_processes,
+    process_name,
+    session_processes,
+    stop_replicas,
+)
+from omni_dp.launcher.processes.ours import child_env, spawn
+from omni_dp.launcher.record.state import RunState, append_private
 from omni_dp.mps.attach import AttachReport, DeclaredProcess
 from omni_dp.mps.runs import verify_and_record
 from omni_dp.procs import ProcessIdentity, is_alive

@@ -15,13 +15,13 @@ from collections.abc import Callable
 
 from omni_dp.contract import API_KEY_ENV, RUN_ID_ENV
 from omni_dp.gateway import GatewayError
-from omni_dp.launcher.gates import GateFailed, describe_exit, http_json, log_tail
-from omni_dp.launcher.gateway_link import GatewayLink
-from omni_dp.launcher.plan import LaunchPlan
-from omni_dp.launcher.processes import Started, child_env, spawn, stop_processes
-from omni_dp.launcher.replicas import ReplicaControl
-from omni_dp.launcher.share_group import LEADER, followers, start_waves
-from omni_dp.launcher.state import RunState
+from omni_dp.launcher.bringup.gates import GateFailed, describe_exit, http_json, log_tail
+from omni_dp.launcher.bringup.gateway_link import GatewayLink
+from omni_dp.launcher.bringup.replicas import ReplicaControl
+from omni_dp.launcher.planning.plan import LaunchPlan
+from omni_dp.launcher.planning.share_group import LEADER, followers, start_waves
+from omni_dp.launcher.processes.ours import Started, child_env, spawn, stop_processes
+from omni_dp.launcher.record.state import RunState
 from omni_dp.mps.attach import format_text
 from omni_dp.mps.control import MpsControl, MpsControlError
 from omni_dp.mps.daemon import MpsDaemon, MpsDaemonError

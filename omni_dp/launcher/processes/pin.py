@@ -1,4 +1,4 @@
-"""`python -m omni_dp.launcher.pin CPUS -- PROGRAM ARGS…`: pin, then become PROGRAM.
+"""`python -m omni_dp.launcher.processes.pin CPUS -- PROGRAM ARGS…`: pin, then become PROGRAM.
 
 The replica must be on its CPU block before it executes anything (a thread pool sized at import
 would otherwise spread over every core), and Python's subprocess cannot set the child's affinity
@@ -12,14 +12,15 @@ import os
 import sys
 
 from omni_dp.contract import ExitCode
-from omni_dp.launcher.topology import parse_cpu_list
+from omni_dp.launcher.planning.topology import parse_cpu_list
 
 EXEC_FAILED = 127  # the shell's "command not found / not executable"
 
 
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -m omni_dp.launcher.pin CPUS -- PROGRAM [ARGS…]", file=sys.stderr)
+        print("usage: python -m omni_dp.launcher.processes.pin CPUS -- PROGRAM [ARGS…]",
+              file=sys.stderr)
         return ExitCode.USAGE
     try:
         os.sched_setaffinity(0, parse_cpu_list(argv[0]))

@@ -8,7 +8,7 @@ what it depends on (an MPS fault on a GPU restarts every replica of that GPU, an
 SIGTERM/SIGINT: orderly teardown.
 
 Run in the foreground by `omni-dp launch`, or detached as
-`python -m omni_dp.launcher.supervisor RUN_DIR` (what `launch --detach` leaves behind).
+`python -m omni_dp.launcher.supervision.supervisor RUN_DIR` (what `launch --detach` leaves behind).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from omni_dp.contract import API_KEY_ENV, ExitCode
-from omni_dp.launcher.replicas import ReplicaControl
-from omni_dp.launcher.state import RunState
+from omni_dp.launcher.bringup.replicas import ReplicaControl
+from omni_dp.launcher.record.state import RunState
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.death_watch import DeathWatch
 from omni_dp.launcher.supervision.mps_restart import GroupRestart
@@ -246,7 +246,8 @@ class Supervisor:
 
 
 def main(argv: list[str]) -> int:
-    """Entry of the detached supervisor: `python -m omni_dp.launcher.supervisor RUN_DIR`."""
+    """Entry of the detached supervisor:
+    `python -m omni_dp.launcher.supervision.supervisor RUN_DIR`."""
     try:
         state = RunState.load(Path(argv[0]))
     except (IndexError, RunFileError) as exc:

@@ -6,10 +6,10 @@ The JSON shape is the contract in docs/contracts.md; fields may be added, none r
 from __future__ import annotations
 
 from omni_dp import runfile
-from omni_dp.launcher.facts import invoked_as
-from omni_dp.launcher.gates import http_json
-from omni_dp.launcher.share_group import LEADER, attachment_basis, followers, share_role
-from omni_dp.launcher.state import RunState
+from omni_dp.launcher.bringup.gates import http_json
+from omni_dp.launcher.planning.facts import invoked_as
+from omni_dp.launcher.planning.share_group import LEADER, attachment_basis, followers, share_role
+from omni_dp.launcher.record.state import RunState
 from omni_dp.mps.daemon import DaemonRecord
 from omni_dp.procs import is_alive
 from omni_dp.rundir import runs_dir, state_dir
