@@ -7,10 +7,15 @@ import math
 import re
 from dataclasses import dataclass
 
+from omni_dp.contract import RESUME_FROM_HEADER, SEED_HEADER
 from omni_dp.engine.audio import RESPONSE_FORMATS
 from omni_dp.engine.preprocess import DEFAULT_VOICE
 
 STREAM_FORMATS = ("audio", "sse")
+# The formats whose bytes are a function of the request and its seed alone, so that an answer
+# cut off can be sent again from any byte (the router's resume). An Ogg stream's serial number
+# is random, and flac and mp3 are encoded whole: none of those.
+RESUMABLE_FORMATS = ("wav", "pcm")
 # Named by OpenAI's API, answered with a 400 that says so rather than "unknown format".
 UNSUPPORTED_FORMATS = ("aac",)
 MAX_SEED = 2**63 - 1
@@ -151,3 +156,32 @@ def _integer(body: dict, name: str, low: int, high: int) -> int | None:
     if not low <= value <= high:
         raise ApiError(400, f"{name} must be between {low} and {high}, got {value}", name)
     return value
+
+
+@dataclass(frozen=True)
+class ResumeAsk:
+    """What the router's internal headers ask of an answer (docs/contracts.md, "Retry and
+    resume"): the seed to use when the body names none, and the byte to start from."""
+
+    seed: int | None = None
+    offset: int | None = None
+
+
+def parse_resume_headers(headers, params: SpeechParams) -> ResumeAsk:
+    """The router's seed and resume offset, checked like body fields (a 400 naming the header)."""
+    seed = _header_integer(headers, SEED_HEADER, MAX_SEED)
+    offset = _header_integer(headers, RESUME_FROM_HEADER, 2**62)
+    if offset is not None and params.response_format not in RESUMABLE_FORMATS:
+        raise ApiError(400, f"{RESUME_FROM_HEADER}: an answer in {params.response_format} cannot "
+                       f"be resumed; only {', '.join(RESUMABLE_FORMATS)} can", RESUME_FROM_HEADER)
+    return ResumeAsk(seed, offset)
+
+
+def _header_integer(headers, name: str, high: int) -> int | None:
+    text = headers.get(name)
+    if text is None:
+        return None
+    if not (text.isascii() and text.isdigit() and len(text) <= 19 and int(text) <= high):
+        raise ApiError(400, f"{name} must be an integer from 0 to {high}, got {text[:40]!r}",
+                       name)
+    return int(text)

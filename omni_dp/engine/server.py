@@ -18,7 +18,7 @@ import socket
 import struct
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
@@ -27,12 +27,21 @@ from aiohttp import HttpVersion11, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from omni_dp import __version__, logs
-from omni_dp.contract import ExitCode
+from omni_dp.contract import (
+    GOING_AWAY_HEADER,
+    RESUMABLE_BY_BYTES,
+    RESUMABLE_HEADER,
+    RESUMED_FROM_HEADER,
+    ExitCode,
+)
 from omni_dp.engine.api import (
     OPENAI_MODEL_ALIASES,
+    RESUMABLE_FORMATS,
     ApiError,
+    ResumeAsk,
     SpeechParams,
     model_not_found,
+    parse_resume_headers,
     parse_speech_body,
 )
 from omni_dp.engine.audio import (
@@ -158,16 +167,41 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
         return web.json_response(ApiError(exc.status, message).body(), status=exc.status)
 
 
+class GoingAway(ApiError):
+    """A 5xx this replica answers because it is leaving (or not there yet): it did no part of
+    the request, and says so (GOING_AWAY_HEADER) so that the router sends it elsewhere."""
+
+    def __init__(self, status: int, message: str, why: str) -> None:
+        super().__init__(status, message)
+        self.why = why
+
+
 @dataclass(frozen=True)
 class AdmittedSpeech:
     """A speech request that passed every check and can go to the pipeline."""
 
     params: SpeechParams
     speech: PreparedSpeech
+    resume: ResumeAsk = field(default_factory=ResumeAsk)
 
     @property
     def seed(self) -> int:
         return self.speech.seed
+
+
+class ByteSkip:
+    """Drops the first `offset` bytes of what passes through it: an answer resumed from a byte
+    (the router's resume) is the same bytes as the whole one, from that byte on."""
+
+    def __init__(self, offset: int) -> None:
+        self.left = offset
+
+    def __call__(self, data: bytes) -> bytes:
+        if self.left <= 0 or not data:
+            return data
+        dropped = min(self.left, len(data))
+        self.left -= dropped
+        return data[dropped:]
 
 
 class ReplicaServer:
@@ -437,7 +471,9 @@ class ReplicaServer:
         except ApiError as exc:
             outcome = "rejected" if exc.status == 503 else "bad_request"
             self.metrics.count(outcome)
-            headers = {"Retry-After": "1"} if exc.status == 503 else None
+            headers = {"Retry-After": "1"} if exc.status == 503 else {}
+            if isinstance(exc, GoingAway):
+                headers[GOING_AWAY_HEADER] = exc.why
             return web.json_response(exc.body(), status=exc.status, headers=headers)
         assert self.pipeline is not None
         synthesis = self.pipeline.synthesize(job.speech)
@@ -453,7 +489,8 @@ class ReplicaServer:
 
     async def _admit(self, request: web.Request) -> AdmittedSpeech:
         if self.state != State.READY:
-            raise ApiError(503, f"replica is {self.state.value}; retry on another replica")
+            raise GoingAway(503, f"replica is {self.state.value}; retry on another replica",
+                            self.state.value)
         assert self.pipeline is not None
         limit = self.options.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
@@ -466,18 +503,20 @@ class ReplicaServer:
         params = parse_speech_body(raw, max_new_tokens_limit=cfg.max_new_tokens)
         if params.model is not None and params.model not in self.model_names:
             raise model_not_found(params.model)
-        ask = SpeechAsk(params.input, params.voice, params.speed, params.seed,
-                        params.max_new_tokens)
+        resume = parse_resume_headers(request.headers, params)
+        seed = params.seed if params.seed is not None else resume.seed
+        ask = SpeechAsk(params.input, params.voice, params.speed, seed, params.max_new_tokens)
         try:
             speech = await self.pipeline.prepare(ask)
         except PreprocessError as exc:
             raise ApiError(400, str(exc), exc.field) from None
         except EngineFailed as exc:
-            raise ApiError(503, f"replica failed ({exc}); retry on another replica") from None
+            raise GoingAway(503, f"replica failed ({exc}); retry on another replica",
+                            State.FAILED.value) from None
         capacity = self.options.max_running_requests + self.options.max_queued_requests
         if self.pipeline.num_in_flight >= capacity:
             raise ApiError(503, f"replica is full ({capacity} requests in flight); retry shortly")
-        return AdmittedSpeech(params, speech)
+        return AdmittedSpeech(params, speech, resume)
 
     async def _whole(self, job: AdmittedSpeech, chunks, started: float) -> web.Response:
         params = job.params
@@ -489,11 +528,13 @@ class ReplicaServer:
                 pcm += chunk
         except EngineFailed as exc:
             self.metrics.count("failed")
-            return web.json_response(ApiError(500, f"engine failed: {exc}").body(), status=500)
+            return web.json_response(ApiError(500, f"engine failed: {exc}").body(), status=500,
+                                     headers={GOING_AWAY_HEADER: State.FAILED.value})
         except RequestCutOff as exc:
             self.metrics.count("cut_off")
             error = ApiError(503, f"{exc}; retry on another replica")
-            return web.json_response(error.body(), status=503, headers={"Retry-After": "1"})
+            return web.json_response(error.body(), status=503, headers={
+                "Retry-After": "1", GOING_AWAY_HEADER: self.state.value})
         except asyncio.CancelledError:
             self.metrics.count("client_disconnected")
             raise
@@ -503,12 +544,13 @@ class ReplicaServer:
         else:  # a real encoder: tens of ms per second of audio, kept off the event loop
             body = await asyncio.to_thread(encode_whole, params.response_format, bytes(pcm), rate)
         self._record(started, first, len(pcm))
-        return web.Response(body=body, headers=self._audio_headers(params, job.seed))
+        offset = job.resume.offset or 0
+        return web.Response(body=body[offset:], headers=self._audio_headers(job))
 
     async def _stream(self, request, job: AdmittedSpeech, chunks, started: float):
         params = job.params
         sse = params.stream_format == "sse"
-        response = web.StreamResponse(headers=self._audio_headers(params, job.seed))
+        response = web.StreamResponse(headers=self._audio_headers(job))
         if sse:
             response.content_type = "text/event-stream"
             response.headers["Cache-Control"] = "no-cache"
@@ -518,8 +560,10 @@ class ReplicaServer:
         encoder = StreamEncoder(params.response_format, self.plan.cfg.sample_rate)
         first = None
         num_pcm_bytes = 0
+        skip = ByteSkip(job.resume.offset or 0)  # a resumed answer: from the router's offset on
 
         async def send(data: bytes) -> None:
+            data = skip(data)
             if data:
                 await response.write(sse_audio_delta(data) if sse else data)
 
@@ -568,12 +612,19 @@ class ReplicaServer:
             return
         transport.close()
 
-    def _audio_headers(self, params: SpeechParams, seed: int) -> dict[str, str]:
-        return {
+    def _audio_headers(self, job: AdmittedSpeech) -> dict[str, str]:
+        params = job.params
+        headers = {
             "Content-Type": CONTENT_TYPES[params.response_format],
             "X-Sample-Rate": str(self.plan.cfg.sample_rate),
-            "X-Seed": str(seed),  # send it back as `seed` to reproduce this audio anywhere
+            "X-Seed": str(job.seed),  # send it back as `seed` to reproduce this audio anywhere
         }
+        if params.response_format in RESUMABLE_FORMATS:
+            # Its bytes are a function of the request and X-Seed: the router may resume it.
+            headers[RESUMABLE_HEADER] = RESUMABLE_BY_BYTES
+        if job.resume.offset is not None:
+            headers[RESUMED_FROM_HEADER] = str(job.resume.offset)
+        return headers
 
     def _usage(self, job: AdmittedSpeech, num_pcm_bytes: int) -> dict:
         """OpenAI's usage shape (prompt tokens, codec tokens spoken), then audio_seconds."""

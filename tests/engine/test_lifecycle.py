@@ -36,6 +36,7 @@ def test_signal_drains_in_flight_request_then_exits_0(start_replica, sig):
     status, headers, body = post_json(replica.url + SPEECH, {"input": "Too late."})
     assert status == 503
     assert headers["Retry-After"] == "1"
+    assert headers["X-Omni-DP-Going-Away"] == "draining"  # a router sends it elsewhere
     assert b"draining" in body
 
     worker.join(120)
