@@ -16,7 +16,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from omni_dp.router.config import RouterConfig, is_loopback_address
-from omni_dp.router.health import HealthChecker, mark_healthy, probe
+from omni_dp.router.hangs import HangWatch
+from omni_dp.router.health import HealthChecker, check, mark_healthy, probe, record_hang
 from omni_dp.router.metrics import RouterMetrics
 from omni_dp.router.policies import RequestContext, make_policy
 from omni_dp.router.proxy import Forwarder, json_error
@@ -69,6 +70,7 @@ class Router:
         self.session: aiohttp.ClientSession | None = None
         self.probe_session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None
+        self.hangs: HangWatch | None = None
         self.stopping = False
         # Called with each admin change made here, so sibling router processes can apply it.
         self.on_change: Callable[[dict], None] = lambda change: None
@@ -138,12 +140,14 @@ class Router:
         for task in list(self._active):
             task.cancel()
 
-    def select(self, ctx: RequestContext, exclude: set[str]) -> Replica | None:
+    def candidates(self, ctx: RequestContext) -> list[Replica]:
+        """The replicas this request may go to now: routable, with room, not tried by it."""
         cap = self.config.max_inflight_per_replica
-        candidates = [
-            r for r in self.replicas.routable() if r.in_flight < cap and r.id not in exclude
-        ]
-        return self.policy.select(candidates, ctx)
+        return [r for r in self.replicas.routable()
+                if r.in_flight < cap and r.id not in ctx.tried]
+
+    def select(self, ctx: RequestContext) -> Replica | None:
+        return self.policy.select(self.candidates(ctx), ctx)
 
     # --- the backends (admin API and the launcher) --------------------------------------
     async def add_replica(
@@ -221,6 +225,12 @@ class Router:
             self.probe_session, lambda: self.replicas, self.config.health,
             rng=random.Random(self.config.seed),
         )
+        health = self.config.health
+
+        async def check_one(replica: Replica, seconds: float) -> tuple[bool, str]:
+            return await check(self.probe_session, replica, health.path, seconds)
+
+        self.hangs = HangWatch(check_one, health.timeout_s, record_hang)
         await self.health.check_all()  # route as soon as the first probes pass
         self.health.start()
 
@@ -229,6 +239,8 @@ class Router:
             self._cut_timer.cancel()
         if self.health is not None:
             await self.health.stop()
+        if self.hangs is not None:
+            await self.hangs.stop()
         for session in (self.session, self.probe_session):
             if session is not None:
                 await session.close()

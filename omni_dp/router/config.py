@@ -91,10 +91,29 @@ class RouterConfig:
         "flag": "--connect-timeout", "help": "Seconds to connect to a replica."})
     request_timeout_s: float = field(default=1800.0, metadata={
         "flag": "--request-timeout", "help": "Seconds a whole proxied request may take."})
-    retry_connect_failures: bool = field(default=True, metadata={
-        "flag": "--no-retry", "invert": True,
-        "help": "Never retry, not even a request whose connection failed before any byte was "
-                "sent (retried once on another replica by default)."})
+    # Generation has no side effects: a request none of whose answer reached the client can
+    # go to another replica; never to one it was already sent to.
+    retries: int = field(default=1, metadata={
+        "help": "Times a request is sent again, each time to a replica it was not sent to "
+                "yet, when its replica failed before any byte of the answer reached the "
+                "client: connection refused or reset, closed before its status line, a 5xx "
+                "from a replica going away (X-Omni-DP-Going-Away), found hung. 0: never."})
+    resumes: int = field(default=1, metadata={
+        "help": "Times a stream cut after its first byte reached the client is continued by "
+                "another replica from the byte the client has (built-in engine, wav and pcm, "
+                "raw or SSE); other streams end cut. 0: never."})
+    # A replica that passes its /health check is slow, not hung, and is waited on (hangs.py).
+    first_byte_timeout_s: float = field(default=5.0, metadata={
+        "flag": "--first-byte-timeout",
+        "help": "Seconds a replica may take to begin its answer (its status line) before it "
+                "is checked: one that fails its /health check too is ejected at once as hung "
+                "and the request sent to another replica; one that passes is waited on. "
+                "0: no limit."})
+    stall_timeout_s: float = field(default=5.0, metadata={
+        "flag": "--stall-timeout",
+        "help": "Seconds a replica may send nothing in the middle of an answer before it is "
+                "checked the same way; a hung replica's stream is resumed elsewhere where it "
+                "can be, else cut. 0: no limit."})
     health: HealthConfig = field(default_factory=HealthConfig, metadata={"flag": None})
     # for the random policies; tests fix it
     seed: int | None = field(default=None, metadata={"flag": None})
@@ -162,6 +181,12 @@ _OPTION_RULES: tuple[tuple[Callable[[RouterConfig], bool], str], ...] = (
     (lambda c: not (c.body_timeout_s > 0 and c.header_timeout_s > 0),
      "--body-timeout and --header-timeout must be positive"),
     (lambda c: c.api_key is not None and not c.api_key.strip(), "--api-key must not be empty"),
+    (lambda c: c.retries < 0, "--retries must be 0 or more, got {retries}"),
+    (lambda c: c.resumes < 0, "--resumes must be 0 or more, got {resumes}"),
+    (lambda c: c.first_byte_timeout_s < 0 or c.stall_timeout_s < 0,
+     "--first-byte-timeout and --stall-timeout must be 0 (no limit) or more"),
+    (lambda c: not (c.connect_timeout_s > 0 and c.request_timeout_s > 0),
+     "--connect-timeout and --request-timeout must be positive"),
 )
 _HEALTH_RULES: tuple[tuple[Callable[[HealthConfig], bool], str], ...] = (
     (lambda h: h.interval_s <= 0 or h.timeout_s <= 0,

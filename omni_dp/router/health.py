@@ -1,6 +1,7 @@
 """Replica health: active /health probes and passive failure signals, one state machine.
 
 unknown --1 success--> healthy --failure_threshold failures--> unhealthy (ejected)
+healthy --found hung (hangs.py: no answer in time, then a failed check)--> unhealthy (ejected)
 unhealthy --success_threshold successful probes--> healthy
 Failures are consecutive failed probes, or connection errors / 502 / 504 while proxying; any
 other answer from a replica (4xx, 429, 503, ordinary 500) is a working replica, not a failure.
@@ -13,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Callable
 
 import aiohttp
 
 from omni_dp.router.config import HealthConfig
-from omni_dp.router.replicas import Backends, Health, Replica
+from omni_dp.router.replicas import Backends, Ejected, Health, Replica
 
 log = logging.getLogger("omni_dp.router.health")
 
@@ -29,10 +31,30 @@ def record_failure(replica: Replica, cfg: HealthConfig, reason: str) -> None:
     replica.consecutive_successes = 0
     replica.last_error = reason
     if replica.health == Health.HEALTHY and replica.consecutive_failures >= cfg.failure_threshold:
-        replica.health = Health.UNHEALTHY
-        replica.num_ejections += 1
+        _eject(replica, Ejected.FAILURES)
         log.warning("replica %s ejected after %d failures: %s",
                     replica.id, replica.consecutive_failures, reason)
+
+
+def record_hang(replica: Replica, reason: str) -> None:
+    """The replica took a request and answered nothing in time, nor its /health check: it is
+    ejected at once, whatever its count of failures (GET /workers says `hang`)."""
+    replica.consecutive_failures += 1
+    replica.consecutive_successes = 0
+    replica.last_error = reason
+    replica.num_hangs += 1
+    if replica.health != Health.UNHEALTHY:
+        _eject(replica, Ejected.HANG)
+    else:  # already out (its checks failed first): now known to be hung
+        replica.ejected_reason = Ejected.HANG
+    log.warning("replica %s ejected: hung (%s)", replica.id, reason)
+
+
+def _eject(replica: Replica, why: Ejected) -> None:
+    replica.health = Health.UNHEALTHY
+    replica.num_ejections += 1
+    replica.ejected_reason = why
+    replica.ejected_at = time.time()
 
 
 def record_success(replica: Replica, cfg: HealthConfig, *, probe: bool) -> None:
@@ -50,6 +72,7 @@ def record_success(replica: Replica, cfg: HealthConfig, *, probe: bool) -> None:
                      replica.id, replica.consecutive_successes)
         replica.health = Health.HEALTHY
         replica.last_error = None
+        replica.ejected_reason = replica.ejected_at = None
 
 
 def mark_healthy(replica: Replica) -> None:
@@ -58,16 +81,25 @@ def mark_healthy(replica: Replica) -> None:
     replica.consecutive_failures = 0
     replica.consecutive_successes = 0
     replica.last_error = None
+    replica.ejected_reason = replica.ejected_at = None
+
+
+async def check(session: aiohttp.ClientSession, replica: Replica, path: str,
+                timeout_s: float) -> tuple[bool, str]:
+    """One GET of the replica's health path: (it answered 200 in time, what happened)."""
+    try:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with session.get(replica.url + path, timeout=timeout) as resp:
+            await resp.read()
+            return resp.status == 200, f"{path} answered {resp.status}"
+    except asyncio.TimeoutError:
+        return False, f"{path} did not answer within {timeout_s:g} s"
+    except (aiohttp.ClientError, OSError) as exc:
+        return False, f"{path} failed: {type(exc).__name__}: {exc}"
 
 
 async def probe(session: aiohttp.ClientSession, replica: Replica, cfg: HealthConfig) -> None:
-    try:
-        timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
-        async with session.get(replica.url + cfg.path, timeout=timeout) as resp:
-            await resp.read()
-            ok, reason = resp.status == 200, f"{cfg.path} answered {resp.status}"
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-        ok, reason = False, f"{cfg.path} failed: {type(exc).__name__}: {exc}"
+    ok, reason = await check(session, replica, cfg.path, cfg.timeout_s)
     if ok:
         record_success(replica, cfg, probe=True)
     else:

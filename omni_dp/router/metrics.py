@@ -1,4 +1,5 @@
-"""Prometheus metrics of one router process; per-replica labels are the replica ids (bounded)."""
+"""Prometheus metrics of one router process; per-replica labels are the replica ids (bounded),
+and every `reason` / `why` label takes one of a few fixed values (the proxy's failure kinds)."""
 
 from __future__ import annotations
 
@@ -30,14 +31,19 @@ class _ReplicaCollector:
             "omni_dp_router_replica_healthy", "1 healthy, 0 ejected or not yet checked.",
             labels=["replica"])
         ejections = CounterMetricFamily(
-            "omni_dp_router_ejections", "Times a replica was ejected for failures.",
+            "omni_dp_router_ejections", "Times a replica was ejected for failures or a hang.",
+            labels=["replica"])
+        hangs = CounterMetricFamily(
+            "omni_dp_router_hangs",
+            "Times a replica was found hung (no answer in time, and a failed health check).",
             labels=["replica"])
         for replica in self._replicas():
             in_flight.add_metric([replica.id], replica.in_flight)
             routable.add_metric([replica.id], int(replica.routable))
             healthy.add_metric([replica.id], int(replica.health.value == "healthy"))
             ejections.add_metric([replica.id], replica.num_ejections)
-        yield from (in_flight, routable, healthy, ejections)
+            hangs.add_metric([replica.id], replica.num_hangs)
+        yield from (in_flight, routable, healthy, ejections, hangs)
 
 
 class RouterMetrics:
@@ -52,8 +58,17 @@ class RouterMetrics:
             "omni_dp_router_admission_rejections", "Requests refused with 503 before routing.",
             ["reason"], registry=self.registry)
         self.retries = Counter(
-            "omni_dp_router_retries", "Requests re-sent after a connection failure.",
-            registry=self.registry)
+            "omni_dp_router_retries",
+            "Requests sent again to another replica before any byte reached the client, by "
+            "what failed.", ["reason"], registry=self.registry)
+        self.resumes = Counter(
+            "omni_dp_router_resumes",
+            "Answers continued by another replica after their replica failed mid-stream, by "
+            "what failed.", ["reason"], registry=self.registry)
+        self.streams_cut = Counter(
+            "omni_dp_router_streams_cut",
+            "Answers that ended cut after their first byte reached the client, by why they "
+            "were not resumed.", ["why"], registry=self.registry)
         self.upstream_errors = Counter(
             "omni_dp_router_upstream_errors", "Failures talking to a replica, by kind.",
             ["replica", "kind"], registry=self.registry)

@@ -1,14 +1,21 @@
-"""Forwarding one request to one replica, byte for byte, and streaming the answer back.
+"""Forwarding one request to the replicas, byte for byte, and streaming the answer back.
 
 Rules that matter for a fleet of same-GPU replicas:
 - admission is checked before the body is read (over the bound → 503 + Retry-After at once)
   and taken only once the body is in: a slow sender holds a reader slot (its own bound, and
   --body-timeout), never an in-flight slot that real requests need;
 - the body and end-to-end headers go upstream untouched; nothing is re-serialised;
-- the response is relayed chunk by chunk as it arrives (aiohttp sets TCP_NODELAY both ways);
-- one retry, on another replica, only when the connection failed before any byte was sent;
-- a replica failing mid-stream ends the response with an error (SSE error event, or a chunked
-  stream without its terminator), never a short "success";
+- the answer is relayed chunk by chunk as it arrives (aiohttp sets TCP_NODELAY both ways); its
+  head leaves with its first body byte, so a replica that fails in between has sent the client
+  nothing;
+- a request whose replica failed before any byte reached the client is sent again, each time
+  to a replica it was not sent to yet, up to --retries times within its deadline
+  (--request-timeout): generation has no side effects;
+- after the first byte, an answer the request's resume strategy can continue (resume.py) is
+  continued by another replica from the byte the client has (--resumes); any other ends with
+  an error (SSE error event, or a chunked stream without its terminator), never a short
+  "success";
+- a replica that answers nothing in time is checked and, hung, ejected at once (hangs.py);
 - a client that hangs up cancels the upstream request at once (the connection is closed).
 """
 
@@ -17,28 +24,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import secrets
 import sys
 import time
-from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from omni_dp.logs import FIELDS
+from omni_dp.contract import GOING_AWAY_HEADER
+from omni_dp.router.exchange import Exchange, Head, RouteRecord, UpstreamFailed
+from omni_dp.router.hangs import HangTimeout
 from omni_dp.router.health import record_failure, record_success
 from omni_dp.router.policies import RequestContext
 from omni_dp.router.replicas import Replica
+from omni_dp.router.resume import SEED_RESPONSE_HEADER, ReplicaErrorEvent, choose
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout as _timeout
 else:  # aiohttp depends on async-timeout there
     from async_timeout import timeout as _timeout
-
-log = logging.getLogger("omni_dp.router.access")
 
 REQUEST_ID = "X-Request-ID"
 REPLICA_HEADER = "X-Omni-DP-Replica"
@@ -53,6 +59,8 @@ _UPSTREAM_FAILURE_STATUSES = (502, 504)
 # Bodies of known length up to this size are read whole and sent with the headers in one
 # write (one syscall fewer per small JSON answer); anything else is streamed as it arrives.
 _WHOLE_BODY_LIMIT = 64 * 1024
+# Reading the replica's answer failed: it cut the connection (or its deadline passed).
+_READ_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError)
 
 
 def end_to_end(headers) -> CIMultiDict:
@@ -68,43 +76,14 @@ def end_to_end(headers) -> CIMultiDict:
 
 
 def json_error(status: int, message: str, code: str, request_id: str | None = None,
-               retry_after: bool = False) -> web.Response:
-    headers = {REQUEST_ID: request_id} if request_id else {}
+               retry_after: bool = False, headers: dict | None = None) -> web.Response:
+    headers = dict(headers or {})
+    if request_id:
+        headers[REQUEST_ID] = request_id
     if retry_after:
         headers["Retry-After"] = "1"
     body = {"error": {"message": message, "type": code, "code": status}}
     return web.json_response(body, status=status, headers=headers)
-
-
-@dataclass
-class RouteRecord:
-    """Everything the completion log line says about one request."""
-
-    request_id: str
-    method: str
-    path: str
-    replica: str | None = None
-    status: int = 0
-    outcome: str = "ok"
-    attempts: int = 0
-    bytes: int = 0
-    ttfb_s: float | None = None
-    duration_s: float = 0.0
-
-    def log(self) -> None:
-        if log.isEnabledFor(logging.INFO):  # skip the JSON encoding when nobody reads it
-            line = {"event": "route", **self.__dict__,
-                    "client_disconnected": self.outcome == "client_disconnected"}
-            log.info("%s", json.dumps(line, separators=(",", ":")), extra={FIELDS: line})
-
-
-class _UpstreamFailed(Exception):
-    """The replica broke the exchange; `retryable` only if no request byte left the router."""
-
-    def __init__(self, kind: str, detail: str, retryable: bool) -> None:
-        super().__init__(detail)
-        self.kind = kind
-        self.retryable = retryable
 
 
 async def _write_sse_error(response: web.StreamResponse, message: str, kind: str,
@@ -141,7 +120,10 @@ class Forwarder:
     def _reject(self, record: RouteRecord, reason: str, message: str) -> web.Response:
         self.router.metrics.rejections.labels(reason).inc()
         record.status, record.outcome = 503, reason
-        return json_error(503, message, reason, record.request_id, retry_after=True)
+        # A router that is stopping is going away: a router in front sends the request on.
+        headers = {GOING_AWAY_HEADER: "draining"} if reason == "stopping" else None
+        return json_error(503, message, reason, record.request_id, retry_after=True,
+                          headers=headers)
 
     async def _read_body(self, request: web.Request, record: RouteRecord) -> bytes | web.Response:
         """The whole body, bounded in size (client_max_size), time and concurrent readers; or
@@ -186,160 +168,313 @@ class Forwarder:
             return self._reject(record, *rejection)
 
         with router.admitted():
+            config = router.config
             headers = end_to_end(request.headers)
             headers[REQUEST_ID] = record.request_id
-            skip = [h for h in _CLIENT_AUTO_HEADERS if h not in request.headers]
-            ctx = RequestContext(path=request.path, request_id=record.request_id)
-            tried: set[str] = set()
-            while True:
-                replica = router.select(ctx, exclude=tried)
-                if replica is None:
-                    reason = "no_routable_replica" if not tried else "retry_exhausted"
-                    router.metrics.rejections.labels(reason).inc()
-                    record.status, record.outcome = 503, reason
-                    return json_error(503, "no replica can take this request now", reason,
-                                      record.request_id, retry_after=True)
-                tried.add(replica.id)
-                record.replica, record.attempts = replica.id, record.attempts + 1
-                try:
-                    return await self._exchange(
-                        request, replica, body, headers, skip, record, started)
-                except _UpstreamFailed as exc:
-                    router.metrics.upstream_errors.labels(replica.id, exc.kind).inc()
-                    record_failure(replica, router.config.health, f"{exc.kind}: {exc}")
-                    retry = exc.retryable and router.config.retry_connect_failures
-                    if retry and record.attempts == 1:
-                        router.metrics.retries.inc()
-                        continue
-                    record.status, record.outcome = 502, exc.kind
-                    router.metrics.requests.labels(replica.id, "502").inc()
-                    return json_error(502, f"replica {replica.id} failed: {exc}", exc.kind,
-                                      record.request_id)
+            ex = Exchange(
+                request, body, headers,
+                skip=[h for h in _CLIENT_AUTO_HEADERS if h not in request.headers],
+                record=record,
+                ctx=RequestContext(path=request.path, request_id=record.request_id),
+                started=started,
+                deadline=asyncio.get_running_loop().time() + config.request_timeout_s,
+                retries_left=config.retries, resumes_left=config.resumes,
+            )
+            return await self._forward(ex)
 
-    async def _exchange(self, request, replica: Replica, body: bytes, headers, skip,
-                        record: RouteRecord, started: float) -> web.StreamResponse:
+    async def _forward(self, ex: Exchange) -> web.StreamResponse:
+        """Send the request to one replica after another until one answers it whole, or the
+        budget (retries before the first byte, resumes after it, the deadline) is spent."""
         router = self.router
+        try:
+            while True:
+                replica = router.select(ex.ctx)
+                if replica is None:
+                    return await self._no_replica(ex)
+                ex.ctx.tried.add(replica.id)
+                ex.record.tried.append(replica.id)
+                ex.record.replica, ex.record.attempts = replica.id, ex.record.attempts + 1
+                try:
+                    return await self._attempt(ex, replica)
+                except UpstreamFailed as exc:
+                    router.metrics.upstream_errors.labels(replica.id, exc.kind).inc()
+                    if exc.failure:
+                        record_failure(replica, router.config.health, f"{exc.kind}: {exc}")
+                    if not self._again(ex, exc):
+                        return await self._give_up(ex, replica, exc)
+        except asyncio.CancelledError:
+            if router.cutting_off and ex.response is not None and ex.head.sse:
+                # The drain deadline, not the client leaving: say so before the cut.
+                message = (f"the router is stopping: its drain timeout ({router.drain_s:g}s) "
+                           "cut this stream off")
+                await _write_sse_error(ex.response, message, "drain_timeout", 503)
+                self._close(ex)
+            raise
+
+    def _again(self, ex: Exchange, exc: UpstreamFailed) -> bool:
+        """Whether the request goes to another replica now (and that try is counted)."""
+        if not (exc.retryable and self._may_go_on(ex)):
+            return False
+        metrics, record = self.router.metrics, ex.record
+        if ex.response is None:
+            ex.retries_left -= 1
+            metrics.retries.labels(exc.kind).inc()
+            record.retries.append(exc.kind)
+        else:
+            ex.resumes_left -= 1
+            metrics.resumes.labels(exc.kind).inc()
+            record.resumes.append(exc.kind)
+            record.resumed_from = ex.resume.offset
+        return True
+
+    def _may_go_on(self, ex: Exchange) -> bool:
+        """Whether the budget lets the request go to another replica now, and one is there."""
+        if ex.time_left() <= 0 or not self.router.candidates(ex.ctx):
+            return False
+        if ex.response is None:
+            return ex.retries_left > 0
+        return ex.resume.resumable and not ex.resume.complete and ex.resumes_left > 0
+
+    async def _no_replica(self, ex: Exchange) -> web.StreamResponse:
+        if ex.response is not None:  # a resume with nowhere to go (the set changed meanwhile)
+            return await self._cut(ex, "no_replica", "no other replica can continue it")
+        reason = "no_routable_replica" if not ex.record.tried else "retry_exhausted"
+        self.router.metrics.rejections.labels(reason).inc()
+        ex.record.status, ex.record.outcome = 503, reason
+        return json_error(503, "no replica can take this request now", reason,
+                          ex.record.request_id, retry_after=True)
+
+    async def _give_up(self, ex: Exchange, replica: Replica,
+                       exc: UpstreamFailed) -> web.StreamResponse:
+        record = ex.record
+        if ex.response is None:
+            record.status, record.outcome = 502, exc.kind
+            self.router.metrics.requests.labels(replica.id, "502").inc()
+            return json_error(502, f"replica {replica.id} failed: {exc}", exc.kind,
+                              record.request_id)
+        if ex.resume.complete:  # the answer's last event went out: only the end was lost
+            with contextlib.suppress(ConnectionResetError):
+                await ex.response.write_eof()
+            return ex.response
+        return await self._cut(ex, self._why_cut(ex, exc),
+                               f"replica {replica.id} failed mid-stream: {exc}")
+
+    def _why_cut(self, ex: Exchange, exc: UpstreamFailed) -> str:
+        """Why a stream cut after its first byte was not resumed (a bounded label)."""
+        if not ex.resume.resumable:
+            return "not_resumable"
+        if exc.kind == "resume_refused":
+            return "resume_refused"
+        if ex.resumes_left <= 0:
+            return "resumes_spent"
+        if ex.time_left() <= 0 or not exc.retryable:
+            return "deadline"
+        return "no_replica"
+
+    async def _cut(self, ex: Exchange, why: str, message: str) -> web.StreamResponse:
+        """End an answer the client already began to read as a broken one, never a short
+        success: an SSE error event, then no terminating chunk."""
+        self.router.metrics.streams_cut.labels(why).inc()
+        ex.record.outcome = "upstream_failed_midstream"
+        if ex.head.sse:
+            await _write_sse_error(ex.response, message, "upstream_failed", 502)
+        self._close(ex)
+        return ex.response
+
+    @staticmethod
+    def _close(ex: Exchange) -> None:
+        if ex.request.transport is not None:
+            ex.request.transport.close()
+
+    # --- one attempt: one replica ------------------------------------------------------------
+    async def _attempt(self, ex: Exchange, replica: Replica) -> web.StreamResponse:
         with replica.dispatched():
+            upstream = await self._send(ex, replica)
             try:
-                # encoded=True: the path and query go upstream exactly as the client wrote them
-                # (no requoting, no dot-segment resolution).
-                target = URL(replica.url + request.raw_path, encoded=True)
-                upstream = await router.session.request(
-                    request.method, target,
-                    data=body, headers=headers, skip_auto_headers=skip, allow_redirects=False,
-                )
-            except aiohttp.ClientConnectorError as exc:
-                raise _UpstreamFailed("connect_error", str(exc), retryable=True) from None
-            except aiohttp.ConnectionTimeoutError:  # before asyncio.TimeoutError: a subclass
-                raise _UpstreamFailed("connect_timeout", "no connection in time",
-                                      retryable=True) from None
-            except asyncio.TimeoutError:
-                raise _UpstreamFailed("timeout", "no response in time", retryable=False) from None
-            except aiohttp.ClientError as exc:
-                raise _UpstreamFailed("upstream_error", f"{type(exc).__name__}: {exc}",
-                                      retryable=False) from None
-            try:
-                return await self._relay(request, replica, upstream, record, started)
+                if ex.response is None:
+                    return await self._answer(ex, replica, upstream)
+                return await self._resumed(ex, replica, upstream)
             finally:
                 upstream.close()  # no-op after a full read; cuts the replica off otherwise
 
-    async def _relay(self, request, replica: Replica, upstream: aiohttp.ClientResponse,
-                     record: RouteRecord, started: float) -> web.StreamResponse:
+    async def _send(self, ex: Exchange, replica: Replica) -> aiohttp.ClientResponse:
+        """The request to `replica`; its answer's head, or UpstreamFailed."""
         router = self.router
+        headers = ex.headers
+        if ex.response is not None:  # a resume: from the byte the client has
+            headers = CIMultiDict(headers)
+            headers.update(ex.resume.resend_headers())
+        left = ex.time_left()
+        if left <= 0:
+            raise UpstreamFailed("timeout", "the request's deadline passed", retryable=False,
+                                 failure=False)
+        # The session's own timeout is the whole --request-timeout: a later attempt gets what
+        # is left of it.
+        timeout = None if ex.record.attempts == 1 else aiohttp.ClientTimeout(
+            total=left, connect=min(router.config.connect_timeout_s, left))
+        # encoded=True: the path and query go upstream exactly as the client wrote them (no
+        # requoting, no dot-segment resolution).
+        sending = router.session.request(
+            ex.request.method, URL(replica.url + ex.request.raw_path, encoded=True),
+            data=ex.body, headers=headers, skip_auto_headers=ex.skip, allow_redirects=False,
+            **({"timeout": timeout} if timeout is not None else {}),
+        )
+        try:
+            return await router.hangs.wait(replica, router.config.first_byte_timeout_s,
+                                           sending, "status line")
+        except HangTimeout as exc:
+            raise UpstreamFailed("first_byte_timeout", str(exc), retryable=True,
+                                 failure=False) from None
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamFailed("connect_error", str(exc), retryable=True) from None
+        except aiohttp.ConnectionTimeoutError:  # before asyncio.TimeoutError: a subclass
+            raise UpstreamFailed("connect_timeout", "no connection in time",
+                                 retryable=True) from None
+        except asyncio.TimeoutError:
+            raise UpstreamFailed("timeout", "no response in time", retryable=False) from None
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            # Closed or reset before its status line: nothing of the answer exists yet.
+            raise UpstreamFailed("disconnected", f"{type(exc).__name__}: {exc}",
+                                 retryable=True) from None
+        except aiohttp.ClientError as exc:
+            raise UpstreamFailed("upstream_error", f"{type(exc).__name__}: {exc}",
+                                 retryable=False) from None
+
+    async def _answer(self, ex: Exchange, replica: Replica,
+                      upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+        """The request's first answer (nothing reached the client yet): relay it."""
+        router, record = self.router, ex.record
         status = upstream.status
-        record.status = status
-        if status >= 400:  # relayed as-is, but not an "ok" in the route log
-            record.outcome = "replica_4xx" if status < 500 else "replica_5xx"
         router.metrics.requests.labels(replica.id, str(status)).inc()
+        going_away = upstream.headers.get(GOING_AWAY_HEADER)
+        if going_away is not None and status >= 500 and self._may_go_on(ex):
+            raise UpstreamFailed("going_away", f"it answered {status}, going away "
+                                 f"({going_away})", retryable=True, failure=False)
+        record.status = status
+        record.outcome = "ok" if status < 400 else "replica_4xx" if status < 500 else "replica_5xx"
+        self._judge(replica, status)
+        headers = end_to_end(upstream.headers)
+        headers[REQUEST_ID] = record.request_id
+        headers[REPLICA_HEADER] = replica.id
+        record.seed = upstream.headers.get(SEED_RESPONSE_HEADER)
+        ex.resume = choose(status, upstream.headers, ex.request.headers)
+        length = upstream.content_length
+        if length is not None and length <= _WHOLE_BODY_LIMIT:
+            return await self._relay_whole(ex, upstream, headers)
+        bodiless = (ex.request.method == "HEAD" or status in (204, 304)
+                    or 100 <= status < 200)
+        ex.head = Head(status, upstream.reason, headers, length, bodiless,
+                        sse=upstream.content_type == "text/event-stream")
+        return await self._pump(ex, replica, upstream)
+
+    def _judge(self, replica: Replica, status: int) -> None:
+        """What an answer says of the replica's health."""
+        health = self.router.config.health
         if status in _UPSTREAM_FAILURE_STATUSES:
-            record_failure(replica, router.config.health, f"answered {status}")
+            record_failure(replica, health, f"answered {status}")
         elif status != 503:
             # A 503 is neither: no failure (a full replica is not a broken one), and no proof
             # of health either, or steady traffic to a replica that answers 503 to requests
             # and to /health alike (a router with no replica left, a draining server) would
             # clear every failed check and keep it in the rotation for good.
-            record_success(replica, router.config.health, probe=False)
+            record_success(replica, health, probe=False)
 
-        headers = end_to_end(upstream.headers)
-        headers[REQUEST_ID] = record.request_id
-        headers[REPLICA_HEADER] = replica.id
-        length = upstream.content_length
-        if length is not None and length <= _WHOLE_BODY_LIMIT:
-            return await self._relay_whole(request, replica, upstream, headers, record, started)
-        response = web.StreamResponse(status=status, reason=upstream.reason, headers=headers)
-        bodiless = request.method == "HEAD" or status in (204, 304) or 100 <= status < 200
-        if upstream.content_length is not None:
-            response.content_length = upstream.content_length
-        elif request.version >= aiohttp.HttpVersion11 and not bodiless:
-            response.enable_chunked_encoding()
-        is_sse = upstream.content_type == "text/event-stream"
-        await response.prepare(request)
-        try:
-            while True:
-                # Reading from the replica and writing to the client fail for different
-                # reasons and mean different things: keep them in separate try blocks.
-                try:
-                    chunk = await upstream.content.readany()
-                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError,
-                        asyncio.TimeoutError) as exc:
-                    return await self._fail_midstream(request, response, replica, record,
-                                                      is_sse, exc)
-                if not chunk:
-                    break
-                if record.ttfb_s is None:
-                    self._first_byte(record, started)
-                try:
-                    await response.write(chunk)
-                except ConnectionResetError:  # the client left (aiohttp's subclass included)
-                    record.outcome = "client_disconnected"
-                    router.metrics.client_disconnects.inc()
-                    return response  # `finally` in _exchange closes the upstream connection
-                record.bytes += len(chunk)
-        except asyncio.CancelledError:
-            if router.cutting_off and is_sse:  # the drain deadline, not the client leaving
-                message = (f"the router is stopping: its drain timeout ({router.drain_s:g}s) "
-                           "cut this stream off")
-                await _write_sse_error(response, message, "drain_timeout", 503)
-                if request.transport is not None:
-                    request.transport.close()  # no terminating chunk: not a short success
-            raise
-        await response.write_eof()
-        return response
+    async def _resumed(self, ex: Exchange, replica: Replica,
+                       upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+        """Another replica's answer to a resume: relayed on if it is the rest of the same one."""
+        self.router.metrics.requests.labels(replica.id, str(upstream.status)).inc()
+        problem = ex.resume.check(upstream.status, upstream.headers)
+        if problem is not None:
+            raise UpstreamFailed("resume_refused", f"replica {replica.id} cannot resume: "
+                                 f"{problem}", retryable=False, failure=False)
+        record_success(replica, self.router.config.health, probe=False)
+        return await self._pump(ex, replica, upstream)
 
-    async def _relay_whole(self, request, replica: Replica, upstream: aiohttp.ClientResponse,
-                           headers, record: RouteRecord, started: float) -> web.StreamResponse:
+    async def _relay_whole(self, ex: Exchange, upstream: aiohttp.ClientResponse,
+                           headers) -> web.StreamResponse:
         """A small body of known length: headers and body leave in one write."""
         try:
             body = await upstream.read()
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError,
-                asyncio.TimeoutError) as exc:
-            # Nothing was sent to the client yet: a clean 502 beats a broken stream.
-            self._midstream_failure(replica, record, f"body read failed: {exc}")
-            record.status = 502
-            return json_error(502, f"replica {replica.id} failed while answering",
-                              "upstream_failed", record.request_id)
-        self._first_byte(record, started)
-        record.bytes = len(body)
+        except _READ_ERRORS as exc:  # nothing reached the client yet: it may go elsewhere
+            raise UpstreamFailed("midstream", f"body read failed: {type(exc).__name__}",
+                                 retryable=True) from None
+        self._first_byte(ex)
+        ex.record.bytes = len(body)
         return web.Response(body=body, status=upstream.status, reason=upstream.reason,
                             headers=headers)
 
-    async def _fail_midstream(self, request, response, replica, record, is_sse, exc):
-        detail = f"replica {replica.id} failed mid-stream: {type(exc).__name__}"
-        self._midstream_failure(replica, record, detail)
-        if is_sse:
-            await _write_sse_error(response, detail, "upstream_failed", 502)
-        # No terminating chunk: the client sees a broken response, not a short success.
-        if request.transport is not None:
-            request.transport.close()
-        return response
+    async def _pump(self, ex: Exchange, replica: Replica,
+                    upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+        """Relay the answer's body as it arrives, through the resume strategy."""
+        loop = asyncio.get_running_loop()
+        stall = self.router.config.stall_timeout_s
+        with self.router.hangs.watch(replica, stall, "byte", upstream.close) as watch:
+            while True:
+                # Reading from the replica and writing to the client fail for different
+                # reasons and mean different things: the reads fail here, the writes in _write.
+                try:
+                    chunk = await upstream.content.readany()
+                except _READ_ERRORS as exc:
+                    if watch.expired:  # found hung: the watch closed the connection
+                        raise UpstreamFailed("stall_timeout", watch.message, retryable=True,
+                                             failure=False) from None
+                    raise UpstreamFailed("midstream", f"{type(exc).__name__}: {exc}",
+                                         retryable=True) from None
+                if not chunk:
+                    break
+                watch.touch(loop.time())
+                try:
+                    data = ex.resume.take(chunk)
+                except ReplicaErrorEvent as exc:
+                    raise UpstreamFailed("replica_error", str(exc), retryable=True) from None
+                if data and not await self._write(ex, data):
+                    return ex.response  # the client left: _attempt closes the upstream
+        rest = ex.resume.flush()
+        if rest and not await self._write(ex, rest):
+            return ex.response
+        if ex.response is None and not await self._open(ex):
+            return ex.response
+        await ex.response.write_eof()
+        return ex.response
 
-    def _midstream_failure(self, replica: Replica, record: RouteRecord, reason: str) -> None:
-        """The replica failed after it began answering: a replica failure, kind `midstream`."""
-        self.router.metrics.upstream_errors.labels(replica.id, "midstream").inc()
-        record_failure(replica, self.router.config.health, reason)
-        record.outcome = "upstream_failed_midstream"
+    async def _open(self, ex: Exchange) -> bool:
+        """Send the head to the client (with its first body byte, or at the end); False when
+        the client is gone."""
+        head = ex.head
+        response = web.StreamResponse(status=head.status, reason=head.reason,
+                                      headers=head.headers)
+        if head.content_length is not None:
+            response.content_length = head.content_length
+        elif ex.request.version >= aiohttp.HttpVersion11 and not head.bodiless:
+            response.enable_chunked_encoding()
+        ex.response = response
+        try:
+            await response.prepare(ex.request)
+        except ConnectionResetError:
+            self._client_left(ex)
+            return False
+        return True
 
-    def _first_byte(self, record: RouteRecord, started: float) -> None:
+    async def _write(self, ex: Exchange, data: bytes) -> bool:
+        """`data` to the client; False when the client is gone (aiohttp's reset included)."""
+        if ex.response is None and not await self._open(ex):
+            return False
+        try:
+            await ex.response.write(data)
+        except ConnectionResetError:
+            self._client_left(ex)
+            return False
+        ex.resume.sent()
+        if ex.record.ttfb_s is None:
+            self._first_byte(ex)
+        ex.record.bytes += len(data)
+        return True
+
+    def _client_left(self, ex: Exchange) -> None:
+        ex.record.outcome = "client_disconnected"
+        self.router.metrics.client_disconnects.inc()
+
+    def _first_byte(self, ex: Exchange) -> None:
         """Record the time to the first body byte (the whole body, when it is read whole)."""
-        record.ttfb_s = round(time.perf_counter() - started, 6)
-        self.router.metrics.ttfb.observe(record.ttfb_s)
+        ex.record.ttfb_s = round(time.perf_counter() - ex.started, 6)
+        self.router.metrics.ttfb.observe(ex.record.ttfb_s)

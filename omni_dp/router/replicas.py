@@ -31,6 +31,13 @@ class Health(str, Enum):
     UNHEALTHY = "unhealthy"  # ejected: routable again after enough successful checks
 
 
+class Ejected(str, Enum):
+    """Why the router took a replica out of the rotation (GET /workers `ejected_reason`)."""
+
+    FAILURES = "failures"  # --health-failures in a row: checks, connection errors, 502/504
+    HANG = "hang"  # accepted a request, answered nothing in time, and failed a /health check
+
+
 class ReplicaError(ValueError):
     """A replica definition or update that cannot be applied; the message says why."""
 
@@ -84,6 +91,9 @@ class Replica:
     consecutive_successes: int = 0
     num_requests: int = 0
     num_ejections: int = 0
+    num_hangs: int = 0  # times found hung (Ejected.HANG)
+    ejected_reason: Ejected | None = None  # set while ejected; cleared when re-admitted
+    ejected_at: float | None = None  # Unix time of that ejection
     last_error: str | None = None
     removed: bool = False  # set when taken out of the set; in-flight requests still finish
 
@@ -112,6 +122,9 @@ class Replica:
             "in_flight": self.in_flight,
             "requests": self.num_requests,
             "ejections": self.num_ejections,
+            "ejected_reason": self.ejected_reason.value if self.ejected_reason else None,
+            "ejected_at": self.ejected_at,
+            "hangs": self.num_hangs,
             "consecutive_failures": self.consecutive_failures,
             "last_error": self.last_error,
         }

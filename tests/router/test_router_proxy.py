@@ -30,6 +30,7 @@ from support.router import (
     scrape,
     serve,
     status_from_query,
+    total,
 )
 from support.wait import until
 
@@ -411,7 +412,8 @@ def test_refused_connection_is_retried_once_on_another_replica(caplog):
     assert status == 200
     assert headers["X-Omni-DP-Replica"] == "b"
     assert [s.body for s in b_seen] == [b'{"x": 1}']
-    assert sample(metrics, "omni_dp_router_retries_total") == 1
+    assert sample(metrics, "omni_dp_router_retries_total", reason="connect_error") == 1
+    assert total(metrics, "omni_dp_router_retries_total") == 1
     assert sample(metrics, "omni_dp_router_upstream_errors_total",
                   replica="a", kind="connect_error") == 1
     routes = [json.loads(r.getMessage()) for r in caplog.records
@@ -422,11 +424,11 @@ def test_refused_connection_is_retried_once_on_another_replica(caplog):
     assert route["status"] == 200
 
 
-def test_no_retry_option_turns_a_refused_connection_into_502():
+def test_retries_0_turns_a_refused_connection_into_502():
     async def main():
         async with backends("a", "b") as (a, b), \
                 serve(make_config([f"a={a.url}", f"b={b.url}"], policy="round_robin",
-                                  retry_connect_failures=False)) as served, \
+                                  retries=0)) as served, \
                 client() as session:
             await a.stop()
             await asyncio.sleep(0.05)
@@ -438,7 +440,7 @@ def test_no_retry_option_turns_a_refused_connection_into_502():
     assert status == 502
     assert error_body(body)["type"] == "connect_error"
     assert b_seen == 0
-    assert sample(metrics, "omni_dp_router_retries_total") == 0
+    assert total(metrics, "omni_dp_router_retries_total") == 0
 
 
 class DropServer:
@@ -476,7 +478,11 @@ class DropServer:
             writer.close()
 
 
-def test_request_dropped_after_it_was_sent_is_not_retried():
+def test_request_dropped_before_the_status_line_is_retried_on_another_replica(caplog):
+    """The replica read the request and closed without answering (kill -9 before it wrote a
+    byte): nothing of the answer exists, so the request goes to another replica."""
+    caplog.set_level(logging.INFO, logger="omni_dp.router.access")
+
     async def main():
         dropper = await DropServer().start()
         try:
@@ -484,22 +490,74 @@ def test_request_dropped_after_it_was_sent_is_not_retried():
                     serve(make_config([f"a={dropper.url}", f"b={b.url}"],
                                       policy="round_robin")) as served, client() as session:
                 assert served.replica("a").routable
-                status, _, body = await fetch(session, "POST", served.url + "/generate",
-                                              data=b'{"once": true}')
+                status, headers, _ = await fetch(session, "POST", served.url + "/generate",
+                                                 data=b'{"once": true}',
+                                                 headers={"X-Request-ID": "dropped"})
                 await served.wait_idle()
-                return (status, body, dropper.dropped, len(b.seen),
+                return (status, headers, dropper.dropped, [s.body for s in b.seen],
                         served.replica("a").consecutive_failures,
                         await scrape(session, served.url))
         finally:
             await dropper.stop()
 
-    status, body, dropped, b_seen, failures, metrics = run(main())
+    status, headers, dropped, b_bodies, failures, metrics = run(main())
+    assert status == 200
+    assert headers["X-Omni-DP-Replica"] == "b"
+    assert dropped == 1
+    assert b_bodies == [b'{"once": true}']  # the same bytes, once
+    assert failures == 1  # the drop still counts against a
+    assert sample(metrics, "omni_dp_router_retries_total", reason="disconnected") == 1
+    routes = [json.loads(r.getMessage()) for r in caplog.records
+              if r.name == "omni_dp.router.access"]
+    (route,) = [r for r in routes if r["request_id"] == "dropped"]
+    assert (route["tried"], route["retries"], route["status"]) == (["a", "b"], ["disconnected"],
+                                                                   200)
+
+
+def test_a_retry_never_goes_back_to_a_replica_already_tried():
+    """--retries 5 over two replicas that both drop every request: each is tried once (smg
+    re-runs its policy blindly and was seen spending every attempt on one dead worker)."""
+
+    async def main():
+        droppers = [await DropServer().start() for _ in range(2)]
+        try:
+            urls = [f"{name}={d.url}" for name, d in zip("ab", droppers, strict=True)]
+            async with serve(make_config(urls, retries=5, failures=100)) as served, \
+                    client() as session:
+                status, _, body = await fetch(session, "POST", served.url + "/generate",
+                                              data=b"{}")
+                await served.wait_idle()
+                return status, body, [d.dropped for d in droppers], await scrape(
+                    session, served.url)
+        finally:
+            for dropper in droppers:
+                await dropper.stop()
+
+    status, body, dropped, metrics = run(main())
+    assert status == 502
+    assert error_body(body)["type"] == "disconnected"
+    assert dropped == [1, 1]
+    assert total(metrics, "omni_dp_router_retries_total") == 1
+
+
+def test_retries_0_sends_a_dropped_request_nowhere_else():
+    async def main():
+        dropper = await DropServer().start()
+        try:
+            async with backends("b") as (b,), \
+                    serve(make_config([f"a={dropper.url}", f"b={b.url}"], policy="round_robin",
+                                      retries=0)) as served, client() as session:
+                status, _, body = await fetch(session, "POST", served.url + "/generate",
+                                              data=b"{}")
+                await served.wait_idle()
+                return status, body, dropper.dropped, len(b.seen)
+        finally:
+            await dropper.stop()
+
+    status, body, dropped, b_seen = run(main())
     assert status == 502
     assert error_body(body)["code"] == 502
-    assert dropped == 1
-    assert b_seen == 0  # never sent twice
-    assert failures == 1
-    assert sample(metrics, "omni_dp_router_retries_total") == 0
+    assert (dropped, b_seen) == (1, 0)
 
 
 def test_response_timeout_is_a_502_and_is_not_retried(caplog):
@@ -525,12 +583,13 @@ def test_response_timeout_is_a_502_and_is_not_retried(caplog):
     assert status == 502
     assert error_body(body)["type"] == "timeout"
     assert sorted([a_seen, b_seen]) == [0, 1]  # exactly one replica saw it, once
-    assert sample(metrics, "omni_dp_router_retries_total") == 0
+    assert total(metrics, "omni_dp_router_retries_total") == 0
     routes = [json.loads(r.getMessage()) for r in caplog.records
               if r.name == "omni_dp.router.access"]
     (route,) = [r for r in routes if r["request_id"] == "slow"]
     assert route["attempts"] == 1
     assert route["status"] == 502
+    assert route["retries"] == []
 
 
 def test_in_flight_returns_to_zero_after_a_mixed_load():
@@ -623,7 +682,7 @@ def test_connect_timeout_is_retried_on_another_replica():
     status, body, b_seen, metrics = run(main())
     assert status == 200, body
     assert b_seen == 1
-    assert sample(metrics, "omni_dp_router_retries_total") == 1
+    assert sample(metrics, "omni_dp_router_retries_total", reason="connect_timeout") == 1
 
 
 async def firehose(backend, request, seen):

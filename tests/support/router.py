@@ -240,6 +240,13 @@ def sample(samples: dict[tuple, float], name: str, **labels) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+def total(samples: dict[tuple, float], name: str, **labels) -> float:
+    """The sum of every sample of `name` whose labels include `labels` (0 when none)."""
+    wanted = set(labels.items())
+    return sum(value for (sample_name, items), value in samples.items()
+               if sample_name == name and wanted <= set(items))
+
+
 def error_body(body: bytes) -> dict:
     """The OpenAI-style error object of a router error response."""
     parsed = json.loads(body)

@@ -1,0 +1,185 @@
+"""Hung replicas: a replica that took a request and answers nothing in time is checked, and one
+that fails the check too is ejected at once, and every request waiting on it let go (to be
+resent or resumed elsewhere, as the proxy allows).
+
+Why a check and not the timeout alone: a busy replica (a long buffered answer, a deep queue) is
+slow, not hung; ejecting it would move its load onto the others, which would then be slow in
+turn. A replica that cannot answer GET /health either is hung (SIGSTOP, a deadlock, a wedged
+event loop).
+
+The check runs early enough that its verdict is in by the timeout: it starts at T - c and
+may take c = min(--health-timeout, T / 2), so a request on a hung replica waits at most its
+timeout T. A replica that passes waits another T - c before it is checked again. One check per
+replica at a time, whatever the number of requests waiting on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+
+from omni_dp.router.replicas import Ejected, Health, Replica
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _timeout
+else:  # aiohttp depends on async-timeout there
+    from async_timeout import timeout as _timeout
+
+# (replica, seconds) -> (answered 200 in time, what happened)
+Check = Callable[[Replica, float], Awaitable[tuple[bool, str]]]
+
+
+class HangTimeout(Exception):
+    """The replica waited on is hung (found so now, or earlier): stop waiting on it."""
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """One request waiting on one replica: since when (its last byte), and how it is let go.
+
+    `expire` is called once the replica is found hung: the head wait's timeout scope is ended
+    (HangTimeout), or the stream's connection closed (its read fails, `expired` says why).
+    """
+
+    timeout_s: float
+    what: str  # "status line", "byte": for the messages
+    last: float  # loop time the wait began, or of the stream's last byte
+    expire_now: Callable[[], None] = lambda: None
+    timer: asyncio.TimerHandle | None = None
+    expired: bool = False
+    message: str = ""
+
+    def touch(self, now: float) -> None:
+        """A byte arrived: the next check is due a whole period from now."""
+        self.last = now
+
+    def expire(self, replica: Replica) -> None:
+        if self.expired:
+            return
+        self.expired = True
+        self.message = (f"replica {replica.id} is hung: no {self.what} within "
+                        f"{self.timeout_s:g} s, and no answer to its health check")
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.expire_now()
+
+
+class _NoWatch:
+    """A stream with no stall timeout: never expires."""
+
+    expired = False
+    message = ""
+
+    def touch(self, now: float) -> None:
+        pass
+
+
+@dataclass
+class HangWatch:
+    """Waits on replicas under a timeout, and finds hung ones (see the module's docstring)."""
+
+    check: Check  # the replica's health check, with its own timeout
+    health_timeout_s: float  # --health-timeout: the longest a check may take
+    on_hang: Callable[[Replica, str], None]  # ejects the replica (health.record_hang)
+    _waiting: dict[Replica, set[_Waiter]] = field(default_factory=dict)
+    _checks: dict[Replica, asyncio.Task] = field(default_factory=dict)
+
+    def check_time(self, timeout_s: float) -> float:
+        """How long the check of a replica may take when its waiter's timeout is `timeout_s`."""
+        return min(self.health_timeout_s, timeout_s / 2)
+
+    async def wait(self, replica: Replica, timeout_s: float | None, awaitable: Awaitable,
+                   what: str):
+        """`await awaitable` (an answer's head), unless `replica` is found hung first: then
+        HangTimeout. `timeout_s` None or 0: no timeout, a plain await."""
+        if not timeout_s:
+            return await awaitable
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(timeout_s, what, loop.time())
+        try:
+            async with _timeout(None) as scope:
+                # async-timeout's scope (Python 3.10) has update() where asyncio's has
+                # reschedule(): either ends the scope now.
+                end = getattr(scope, "reschedule", None) or scope.update
+                waiter.expire_now = lambda: end(loop.time())
+                with self._registered(loop, replica, waiter):
+                    return await awaitable
+        except TimeoutError:
+            if waiter.expired:
+                raise HangTimeout(waiter.message) from None
+            raise
+
+    @contextlib.contextmanager
+    def watch(self, replica: Replica, timeout_s: float | None, what: str,
+              cut: Callable[[], None]) -> Iterator[_Waiter | _NoWatch]:
+        """An answer's body under a stall timeout: `touch` the watch at every byte; when the
+        replica is found hung, `cut()` ends the stream (its next read fails) and the watch
+        says `expired`. One timer per answer, moved on lazily: a flowing stream costs one
+        attribute write per chunk."""
+        if not timeout_s:
+            yield _NoWatch()
+            return
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(timeout_s, what, loop.time(), expire_now=cut)
+        with self._registered(loop, replica, waiter):
+            yield waiter
+
+    async def stop(self) -> None:
+        checks = list(self._checks.values())
+        for task in checks:
+            task.cancel()
+        await asyncio.gather(*checks, return_exceptions=True)
+
+    # --- inside the loop ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def _registered(self, loop: asyncio.AbstractEventLoop, replica: Replica,
+                    waiter: _Waiter) -> Iterator[None]:
+        waiters = self._waiting.setdefault(replica, set())
+        waiters.add(waiter)
+        self._arm(loop, replica, waiter)
+        try:
+            yield
+        finally:
+            if waiter.timer is not None:
+                waiter.timer.cancel()
+            waiters.discard(waiter)
+            if not waiters and self._waiting.get(replica) is waiters:
+                del self._waiting[replica]
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, replica: Replica, waiter: _Waiter) -> None:
+        due = waiter.last + waiter.timeout_s - self.check_time(waiter.timeout_s)
+        waiter.timer = loop.call_at(due, self._overdue, loop, replica, waiter)
+
+    def _overdue(self, loop: asyncio.AbstractEventLoop, replica: Replica,
+                 waiter: _Waiter) -> None:
+        waiter.timer = None
+        if loop.time() < waiter.last + waiter.timeout_s - self.check_time(waiter.timeout_s):
+            self._arm(loop, replica, waiter)  # a byte came meanwhile: not late after all
+        elif replica.ejected_reason is Ejected.HANG and replica.health is Health.UNHEALTHY:
+            waiter.expire(replica)  # found hung already, by another request's check
+        elif replica not in self._checks:
+            task = loop.create_task(
+                self._run_check(replica, self.check_time(waiter.timeout_s), waiter),
+                name=f"hang-check-{replica.id}")
+            self._checks[replica] = task
+
+    async def _run_check(self, replica: Replica, seconds: float, first: _Waiter) -> None:
+        try:
+            ok, reason = await self.check(replica, seconds)
+        finally:
+            self._checks.pop(replica, None)
+        waiting = list(self._waiting.get(replica, ()))
+        if ok:  # slow, not hung: each late waiter is checked again a period from now
+            loop = asyncio.get_running_loop()
+            for waiter in waiting:
+                if waiter.timer is None and not waiter.expired:
+                    waiter.touch(loop.time())
+                    self._arm(loop, replica, waiter)
+            return
+        self.on_hang(replica, f"no {first.what} within {first.timeout_s:g} s, and {reason}")
+        for waiter in waiting:
+            waiter.expire(replica)

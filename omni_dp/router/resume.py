@@ -1,0 +1,195 @@
+"""Resuming an answer whose replica failed after its first byte reached the client.
+
+One small strategy per request, chosen from its first answer (`choose`). It sees what is
+relayed to the client, says what may go out now (`take`), and how to ask another replica to
+go on from there (`resend_headers`, then `check` of that replica's answer). The proxy knows no
+more than that, so another way of resuming is one more class here and a line in `choose`:
+
+- `AudioBytes`: the built-in engine's wav and pcm answers, raw or SSE, streamed or not. Their
+  bytes are a function of the request and its seed (X-Seed), so another replica regenerates
+  the same answer and sends it from the byte the client has (X-Omni-DP-Resume-From). An SSE
+  stream is relayed whole event by whole event, and its offset counts the decoded audio of
+  the `speech.audio.delta` events relayed: the other replica re-emits events from that audio
+  byte on, and the client reads one well-formed stream.
+- `NotResumable`: everything else (opus, flac, mp3, external engines): a cut stream ends as
+  documented (an SSE error event, or no terminating chunk).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass, field
+
+from omni_dp.contract import (
+    RESUMABLE_BY_BYTES,
+    RESUMABLE_HEADER,
+    RESUME_FROM_HEADER,
+    RESUMED_FROM_HEADER,
+    SEED_HEADER,
+)
+
+SEED_RESPONSE_HEADER = "X-Seed"  # the seed the replica sampled with (the replica contract)
+_EVENT_END = b"\n\n"
+# The built-in replica's delta events, as engine/audio.py writes them (compact JSON): their
+# audio is counted from the base64's length alone; any other event is parsed.
+_DELTA_HEAD = b'data: {"type":"speech.audio.delta","audio":"'
+_DELTA_TAIL = b'"}\n\n'
+
+
+class ReplicaErrorEvent(Exception):
+    """The replica ended its SSE stream with an error event: it failed mid-stream."""
+
+
+class Resume:
+    """Not resumable: every byte passes as it comes, nothing is counted."""
+
+    name = "none"
+    resumable = False
+    complete = False  # the answer's last event reached the client (nothing is left to send)
+
+    def take(self, chunk: bytes) -> bytes:
+        """What of `chunk` may go to the client now (the rest is held for later)."""
+        return chunk
+
+    def sent(self) -> None:
+        """What the last `take` returned reached the client."""
+
+    def flush(self) -> bytes:
+        """At the answer's clean end: whatever is still held."""
+        return b""
+
+    def resend_headers(self) -> dict[str, str]:
+        raise NotImplementedError(f"{self.name} answers cannot be resumed")
+
+    def check(self, status: int, headers) -> str | None:
+        """What is wrong with another replica's answer to `resend_headers`; None if nothing."""
+        raise NotImplementedError(f"{self.name} answers cannot be resumed")
+
+
+NOT_RESUMABLE = Resume()
+
+
+@dataclass
+class AudioBytes(Resume):
+    """Resume by byte offset and seed (the built-in engine's wav and pcm answers)."""
+
+    seed: str
+    content_type: str
+    sse: bool
+    base: int = 0  # the byte the first answer started at (a router in front asked for it)
+    end: int | None = None  # the byte the answer ends at, when its length is known
+    relayed: int = 0  # answer bytes (SSE: decoded audio bytes) the client has beyond `base`
+    complete: bool = False
+    _pending: int = 0
+    _pending_done: bool = False
+    _held: bytearray = field(default_factory=bytearray)
+    name = "audio_bytes"
+    resumable = True
+
+    @property
+    def offset(self) -> int:
+        """The byte of the whole answer the next replica starts from."""
+        return self.base + self.relayed
+
+    def take(self, chunk: bytes) -> bytes:
+        if not self.sse:
+            self._pending = len(chunk)
+            return chunk
+        self._held += chunk
+        cut = self._held.rfind(_EVENT_END)
+        if cut < 0:
+            return b""
+        events = bytes(self._held[:cut + len(_EVENT_END)])
+        del self._held[:cut + len(_EVENT_END)]
+        self._pending, self._pending_done = _count_events(events)
+        return events
+
+    def sent(self) -> None:
+        self.relayed += self._pending
+        self._pending = 0
+        self.complete = self.complete or self._pending_done
+
+    def flush(self) -> bytes:
+        rest = bytes(self._held)
+        self._held.clear()
+        return rest
+
+    def resend_headers(self) -> dict[str, str]:
+        self._held.clear()  # a part of an event that never went out: the next replica resends it
+        return {RESUME_FROM_HEADER: str(self.offset), SEED_HEADER: self.seed}
+
+    def check(self, status: int, headers) -> str | None:
+        if status != 200:
+            return f"it answered {status}"
+        if headers.get(RESUMED_FROM_HEADER) != str(self.offset):
+            return (f"it did not say it resumed from byte {self.offset} "
+                    f"({RESUMED_FROM_HEADER}: {headers.get(RESUMED_FROM_HEADER)})")
+        if headers.get(SEED_RESPONSE_HEADER) != self.seed:
+            return f"it sampled with seed {headers.get(SEED_RESPONSE_HEADER)}, not {self.seed}"
+        if headers.get("Content-Type") != self.content_type:
+            return f"its Content-Type is {headers.get('Content-Type')}, not {self.content_type}"
+        length = headers.get("Content-Length")
+        if self.end is not None and length != str(self.end - self.offset):
+            return f"its Content-Length is {length}, not the {self.end - self.offset} left"
+        return None
+
+
+def choose(status: int, headers, request_headers) -> Resume:
+    """The strategy of a request, from its first answer's status and headers (and the request's
+    own resume offset, when a router in front of this one resumes through it)."""
+    seed = headers.get(SEED_RESPONSE_HEADER)
+    if status != 200 or headers.get(RESUMABLE_HEADER) != RESUMABLE_BY_BYTES or seed is None:
+        return NOT_RESUMABLE
+    asked = request_headers.get(RESUME_FROM_HEADER, "0")
+    if not (asked.isascii() and asked.isdigit()):
+        return NOT_RESUMABLE
+    content_type = headers.get("Content-Type", "")
+    length = headers.get("Content-Length")
+    sse = content_type.startswith("text/event-stream")
+    end = int(asked) + int(length) if length is not None and length.isdigit() and not sse else None
+    return AudioBytes(seed=seed, content_type=content_type, sse=sse, base=int(asked), end=end)
+
+
+def _count_events(events: bytes) -> tuple[int, bool]:
+    """(decoded audio bytes in these whole events, whether the last one was the answer's end).
+
+    An error event raises ReplicaErrorEvent: the replica failed, and its message must not
+    reach the client as the end of a stream another replica can still finish."""
+    audio, done = 0, False
+    for event in events.split(_EVENT_END)[:-1]:
+        event += _EVENT_END
+        if event.startswith(_DELTA_HEAD) and event.endswith(_DELTA_TAIL):
+            size = len(event) - len(_DELTA_HEAD) - len(_DELTA_TAIL)
+            padding = (event[-5:-4] == b"=") + (event[-6:-5] == b"=")
+            audio += size // 4 * 3 - padding
+            continue
+        kind, size = _parse_event(event)
+        if kind == "error":
+            raise ReplicaErrorEvent(event.decode(errors="replace").strip())
+        audio += size
+        done = kind == "speech.audio.done"
+    return audio, done
+
+
+def _parse_event(event: bytes) -> tuple[str | None, int]:
+    """(the event's type, its decoded audio bytes) for any event the fast path did not take."""
+    for line in event.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        try:
+            payload = json.loads(line[5:])
+        except ValueError:
+            return None, 0
+        if not isinstance(payload, dict):
+            return None, 0
+        kind = payload.get("type") or ("error" if "error" in payload else None)
+        audio = payload.get("audio")
+        if kind == "speech.audio.delta" and isinstance(audio, str):
+            try:
+                return kind, len(base64.b64decode(audio, validate=True))
+            except binascii.Error:
+                return kind, 0
+        return kind, 0
+    return None, 0

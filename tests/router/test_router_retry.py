@@ -1,0 +1,210 @@
+"""Retry before the first byte: a request none of whose answer reached the client goes to
+another replica (one it was not sent to), counted by reason; once a byte went out it never
+does (short of a resume, test_router_resume.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from support.http_client import client, fetch
+from support.router import (
+    Backend,
+    backends,
+    error_body,
+    make_config,
+    run,
+    sample,
+    scrape,
+    serve,
+    total,
+)
+
+
+def routes(caplog) -> dict[str, dict]:
+    return {line["request_id"]: line for line in (
+        json.loads(r.getMessage()) for r in caplog.records if r.name == "omni_dp.router.access")}
+
+
+async def going_away(backend, request, seen):
+    """A replica that is draining: 503 marked going away, as `omni-dp serve` answers then."""
+    return web.json_response({"error": {"message": "replica is draining"}}, status=503,
+                             headers={"X-Omni-DP-Going-Away": "draining", "Retry-After": "1"})
+
+
+async def full(backend, request, seen):
+    """A replica that is full: a 503 that says nothing of going away."""
+    return web.json_response({"error": {"message": "replica is full"}}, status=503,
+                             headers={"Retry-After": "1"})
+
+
+def test_a_5xx_from_a_replica_going_away_is_sent_to_another_replica(caplog):
+    caplog.set_level(logging.INFO, logger="omni_dp.router.access")
+
+    async def main():
+        a, b = Backend("a", going_away), Backend("b")
+        async with backends(a, b), \
+                serve(make_config([f"a={a.url}", f"b={b.url}"], policy="round_robin",
+                                  failures=1)) as served, client() as session:
+            status, headers, _ = await fetch(session, "POST", served.url + "/v1/audio/speech",
+                                             data=b"{}", headers={"X-Request-ID": "away"})
+            await served.wait_idle()
+            return (status, headers, len(a.seen), len(b.seen), served.replica("a").routable,
+                    await scrape(session, served.url))
+
+    status, headers, a_seen, b_seen, a_routable, metrics = run(main())
+    assert status == 200
+    assert headers["X-Omni-DP-Replica"] == "b"
+    assert (a_seen, b_seen) == (1, 1)
+    assert a_routable  # going away is no failure of its own
+    assert sample(metrics, "omni_dp_router_retries_total", reason="going_away") == 1
+    assert routes(caplog)["away"]["retries"] == ["going_away"]
+
+
+def test_a_503_that_does_not_say_going_away_is_relayed_as_it_is():
+    async def main():
+        a, b = Backend("a", full), Backend("b")
+        async with backends(a, b), \
+                serve(make_config([f"a={a.url}", f"b={b.url}"],
+                                  policy="round_robin")) as served, client() as session:
+            status, headers, body = await fetch(session, "POST", served.url + "/x", data=b"{}")
+            await served.wait_idle()
+            return status, headers, body, len(b.seen), await scrape(session, served.url)
+
+    status, headers, body, b_seen, metrics = run(main())
+    assert status == 503
+    assert headers["X-Omni-DP-Replica"] == "a"
+    assert b"full" in body
+    assert b_seen == 0
+    assert total(metrics, "omni_dp_router_retries_total") == 0
+
+
+def test_a_going_away_answer_with_no_replica_left_is_relayed_as_it_is():
+    async def main():
+        a = Backend("a", going_away)
+        async with backends(a), serve(make_config([f"a={a.url}"])) as served, \
+                client() as session:
+            status, headers, body = await fetch(session, "POST", served.url + "/x", data=b"{}")
+            await served.wait_idle()
+            return status, headers, body
+
+    status, headers, body = run(main())
+    assert status == 503
+    assert headers["X-Omni-DP-Going-Away"] == "draining"
+    assert b"draining" in body
+
+
+async def dies_after_head(backend, request, seen):
+    """The status line and headers, then the connection drops before any body byte."""
+    response = web.StreamResponse(headers={"Content-Type": "audio/pcm"})
+    await response.prepare(request)
+    await asyncio.sleep(0.05)
+    request.transport.abort()
+    return response
+
+
+async def dies_mid_whole_body(backend, request, seen):
+    """A small body of known length, cut after half of it: the router reads such a body
+    whole before it sends anything, so nothing reached the client."""
+    response = web.StreamResponse(headers={"Content-Type": "audio/pcm"})
+    response.content_length = 1000
+    await response.prepare(request)
+    await response.write(b"x" * 500)
+    await asyncio.sleep(0.05)
+    request.transport.abort()
+    return response
+
+
+async def streams_whole(backend, request, seen):
+    response = web.StreamResponse(headers={"Content-Type": "audio/pcm"})
+    await response.prepare(request)
+    for _ in range(3):
+        await response.write(b"y" * 100)
+    await response.write_eof()
+    return response
+
+
+@pytest.mark.parametrize("dying", [dies_after_head, dies_mid_whole_body],
+                         ids=["after-its-head", "mid-body-read-whole"])
+def test_a_replica_dying_before_the_client_got_a_byte_is_retried(dying):
+    """The router sends an answer's head with its first body byte: a replica that dies after
+    its head but before that byte has sent the client nothing, and the request goes on."""
+
+    async def main():
+        a, b = Backend("a", dying), Backend("b", streams_whole)
+        async with backends(a, b), \
+                serve(make_config([f"a={a.url}", f"b={b.url}"],
+                                  policy="round_robin")) as served, client() as session:
+            status, headers, body = await fetch(session, "POST", served.url + "/x", data=b"{}")
+            await served.wait_idle()
+            return status, headers, body, await scrape(session, served.url)
+
+    status, headers, body, metrics = run(main())
+    assert status == 200
+    assert headers["X-Omni-DP-Replica"] == "b"
+    assert body == b"y" * 300
+    assert sample(metrics, "omni_dp_router_retries_total", reason="midstream") == 1
+
+
+async def one_byte_then_dies(backend, request, seen):
+    response = web.StreamResponse(headers={"Content-Type": "audio/ogg"})
+    await response.prepare(request)
+    await response.write(b"O")
+    await asyncio.sleep(0.05)
+    request.transport.abort()
+    return response
+
+
+def test_a_stream_cut_after_its_first_byte_is_never_sent_again():
+    """Not resumable (no X-Omni-DP-Resumable): one byte out, then the cut is the client's."""
+
+    async def main():
+        a, b = Backend("a", one_byte_then_dies), Backend("b", streams_whole)
+        async with backends(a, b), \
+                serve(make_config([f"a={a.url}", f"b={b.url}"],
+                                  policy="round_robin")) as served, client() as session:
+            got, broken = b"", None
+            async with session.post(served.url + "/x", data=b"{}") as resp:
+                try:
+                    async for chunk in resp.content.iter_any():
+                        got += chunk
+                except aiohttp.ClientPayloadError as exc:
+                    broken = exc
+            await served.wait_idle()
+            return got, broken, len(b.seen), await scrape(session, served.url)
+
+    got, broken, b_seen, metrics = run(main())
+    assert got == b"O"
+    assert broken is not None  # no terminating chunk: never a short success
+    assert b_seen == 0
+    assert total(metrics, "omni_dp_router_retries_total") == 0
+    assert sample(metrics, "omni_dp_router_streams_cut_total", why="not_resumable") == 1
+
+
+def test_the_deadline_bounds_the_retries():
+    """--request-timeout is the request's, across its attempts: a retry whose time is spent is
+    not made."""
+
+    async def slow_then_drop(backend, request, seen):
+        await asyncio.sleep(0.4)
+        request.transport.abort()
+        return web.Response()
+
+    async def main():
+        a, b = Backend("a", slow_then_drop), Backend("b")
+        async with backends(a, b), \
+                serve(make_config([f"a={a.url}", f"b={b.url}"], policy="round_robin",
+                                  request_timeout_s=0.3)) as served, client() as session:
+            status, _, body = await fetch(session, "POST", served.url + "/x", data=b"{}")
+            await served.wait_idle()
+            return status, body, len(b.seen)
+
+    status, body, b_seen = run(main())
+    assert status == 502
+    assert error_body(body)["type"] == "timeout"
+    assert b_seen == 0
