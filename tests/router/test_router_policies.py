@@ -181,6 +181,13 @@ def test_plan_router_accepts_ids_and_strips_trailing_slash():
     ([], {"max_inflight": 0}, "--max-inflight must"),
     ([], {"max_inflight_per_replica": 0}, "--max-inflight-per-replica"),
     ([], {"api_key": "  "}, "--api-key"),
+    ([], {"retries": -1}, "--retries must be 0 or more"),
+    ([], {"resumes": -1}, "--resumes must be 0 or more"),
+    ([], {"first_byte_timeout_s": -1.0}, "--first-byte-timeout and --stall-timeout must be 0"),
+    ([], {"stall_timeout_s": -0.5}, "--first-byte-timeout and --stall-timeout must be 0"),
+    ([], {"stall_timeout_s": float("nan")}, "--stall-timeout must be a finite number"),
+    ([], {"first_byte_timeout_s": float("inf")}, "--first-byte-timeout must be a finite"),
+    ([], {"request_timeout_s": 0.0}, "--connect-timeout and --request-timeout must be positive"),
 ])
 def test_plan_router_reports_problems(args, options, message):
     with pytest.raises(RouterConfigError) as info:

@@ -48,6 +48,10 @@ def omni_dp_router(*args: str) -> subprocess.CompletedProcess:
     (["--body-timeout", "0"], "--body-timeout and --header-timeout must be positive"),
     (["--header-timeout", "-1"], "--body-timeout and --header-timeout must be positive"),
     (["--max-body-readers", "0"], "--max-body-readers must be at least 1"),
+    (["--retries", "-1"], "--retries must be 0 or more"),
+    (["--retries", "one"], "Invalid value for '--retries'"),
+    (["--first-byte-timeout", "nan"], "--first-byte-timeout must be a finite number"),
+    (["--stall-timeout", "-2"], "--first-byte-timeout and --stall-timeout must be 0"),
 ])
 def test_bad_options_exit_2_with_a_message(args, message):
     result = omni_dp_router(*args)
