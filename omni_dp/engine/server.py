@@ -225,6 +225,10 @@ class ReplicaServer:
         )
         # A request's `model` may name the served model or one of OpenAI's TTS models.
         self.model_names = frozenset({plan.served_model_name, *OPENAI_MODEL_ALIASES})
+        # Another replica regenerates a wav/pcm answer byte for byte only where sampling does
+        # not depend on batching: a float64 talker (README, Determinism). In float32 or
+        # bfloat16 a batch can flip a sample, so a resumed answer could go on differently.
+        self.resumable = plan.dtype == torch.float64
         self.app = web.Application(
             client_max_size=self.options.max_body_bytes, middlewares=[json_errors]
         )
@@ -619,7 +623,7 @@ class ReplicaServer:
             "X-Sample-Rate": str(self.plan.cfg.sample_rate),
             "X-Seed": str(job.seed),  # send it back as `seed` to reproduce this audio anywhere
         }
-        if params.response_format in RESUMABLE_FORMATS:
+        if self.resumable and params.response_format in RESUMABLE_FORMATS:
             # Its bytes are a function of the request and X-Seed: the router may resume it.
             headers[RESUMABLE_HEADER] = RESUMABLE_BY_BYTES
         if job.resume.offset is not None:

@@ -97,3 +97,14 @@ def test_compressed_answers_do_not_say_they_are_resumable(replica, fmt):
     status, headers, _ = post_json(replica.url + SPEECH, {**BODY, "response_format": fmt})
     assert status == 200
     assert "X-Omni-DP-Resumable" not in headers
+
+
+def test_a_replica_whose_samples_batching_can_change_does_not_offer_resume(start_replica):
+    """float32 (like CUDA's bfloat16): a batch can flip a sample, so another replica might
+    not regenerate the same answer; it still honours an offset it is asked for."""
+    replica = start_replica("--dtype", "float32")
+    status, headers, whole = speak(replica)
+    assert status == 200
+    assert "X-Omni-DP-Resumable" not in headers
+    _, _, rest = speak(replica, {"X-Omni-DP-Resume-From": "100"})
+    assert rest == whole[100:]
