@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import logging
 import os
@@ -34,12 +35,12 @@ def answer(seed: int) -> bytes:
 
 
 def resumable(die_after: int | None = None, *, sse: bool = False, error_event: bool = False,
-              honour_offset: bool = True, whole: bool = False):
+              honour_offset: bool = True, whole: bool = False, pace_s: float = 0.002):
     """A stand-in replica. It streams `answer(seed)` in CHUNK pieces from the byte asked
     (X-Omni-DP-Resume-From), with the seed asked (X-Omni-DP-Seed, else 77). `die_after`:
     after that many answer bytes it dies (half an SSE event out, or an error event first);
     `honour_offset` False: an old replica that ignores the resume headers; `whole`: one
-    buffered body of known length (stream: false)."""
+    buffered body of known length (stream: false); `pace_s` between chunks."""
 
     async def handler(backend: Backend, request: web.Request, seen) -> web.StreamResponse:
         seed = int(request.headers.get("X-Omni-DP-Seed", "77"))
@@ -64,7 +65,7 @@ def resumable(die_after: int | None = None, *, sse: bool = False, error_event: b
                 request.transport.abort()  # as a kill -9 leaves it
                 return response
             await response.write(sse_audio_delta(piece) if sse else piece)
-            await asyncio.sleep(0.002)
+            await asyncio.sleep(pace_s)
         if sse:
             await response.write(sse_audio_done({"audio_seconds": 1.0}))
         await response.write_eof()
@@ -262,3 +263,34 @@ def test_a_stream_whose_replica_is_killed_is_the_uncut_stream(start_replica):
     assert sse_audio(got_events) == sse_audio(uncut_events)
     assert total(metrics, "omni_dp_router_resumes_total") == 2
     assert total(metrics, "omni_dp_router_streams_cut_total") == 0
+
+
+def test_a_host_router_that_dies_mid_stream_is_resumed_through_another_host():
+    """Router of routers: the front resumes through host B what host A's router was relaying
+    when it died; the resume headers cross both hops."""
+
+    async def main():
+        # a1 streams for 4 s: host A's router, told to stop, cuts it off after its 1 s grace
+        a1 = Backend("a1", resumable(pace_s=0.05), cancellation=True)
+        b1 = Backend("b1", resumable())
+        async with backends(a1, b1), contextlib.AsyncExitStack() as stack:
+            host_a = await stack.enter_async_context(serve(make_config([f"a1={a1.url}"])))
+            async with serve(make_config([f"b1={b1.url}"])) as host_b, \
+                    serve(make_config([f"A={host_a.url}", f"B={host_b.url}"],
+                                      policy="round_robin")) as front, client() as session:
+                async with session.post(front.url + "/v1/audio/speech", data=b"{}") as resp:
+                    body = await resp.content.readexactly(3 * CHUNK)
+                    await stack.aclose()  # host A's router goes, mid-stream
+                    body += await resp.read()
+                    headers = resp.headers
+                await front.wait_idle()
+                return body, headers, [s.headers for s in b1.seen], await scrape(
+                    session, front.url)
+
+    body, headers, b1_headers, metrics = run(main())
+    assert headers["X-Omni-DP-Replica"] == "A"
+    assert body == answer(77)
+    (resume,) = b1_headers
+    assert int(resume["X-Omni-DP-Resume-From"]) >= 3 * CHUNK
+    assert resume["X-Omni-DP-Seed"] == "77"
+    assert sample(metrics, "omni_dp_router_resumes_total", reason="midstream") == 1
