@@ -8,9 +8,10 @@ turn. A replica that cannot answer GET /health either is hung (SIGSTOP, a deadlo
 event loop).
 
 The check runs early enough that its verdict is in by the timeout: it starts at T - c and
-may take c = min(--health-timeout, T / 2), so a request on a hung replica waits at most its
-timeout T. A replica that passes waits another T - c before it is checked again. One check per
-replica at a time, whatever the number of requests waiting on it.
+may take c = min(--health-timeout, T / 2), so the router lets go of a request on a hung replica
+by its timeout T (a resumed stream then waits for another replica to regenerate the answer up
+to its offset). A replica that passes is checked again T - c later, if still late. One check
+per replica at a time, whatever the number of requests waiting on it.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class HangWatch:
                 waiter.expire_now = lambda: end(loop.time())
                 with self._registered(loop, replica, waiter):
                     return await awaitable
-        except TimeoutError:
+        except asyncio.TimeoutError:  # TimeoutError from 3.11 on; async-timeout's before
             if waiter.expired:
                 raise HangTimeout(waiter.message) from None
             raise
