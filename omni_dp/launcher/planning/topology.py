@@ -254,3 +254,5 @@ def gpu_numa_node(pci_bus_id: str, sysfs: str | Path = "/sys") -> int | None:
     except (OSError, ValueError):
         return None
     return node if node >= 0 else None
+
+
