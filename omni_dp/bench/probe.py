@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from omni_dp.bench.capacity import Capacity, plan_capacity
 from omni_dp.contract import Problems
+from omni_dp.cpulist import format_cpu_list
 from omni_dp.gpus import GpuFacts
 from omni_dp.launcher.engines import ENGINES, EngineSizing
 from omni_dp.launcher.planning.checks import check_options
@@ -22,7 +23,7 @@ from omni_dp.launcher.planning.gpus import with_gpu_replicas
 from omni_dp.launcher.planning.memory import plan_kv
 from omni_dp.launcher.planning.options import LaunchOptions
 from omni_dp.launcher.planning.plan import NO_DRY_RUN
-from omni_dp.launcher.planning.topology import CpuTopology, format_cpu_list
+from omni_dp.launcher.planning.topology import CpuTopology
 from omni_dp.sizes import format_size
 
 DEFAULTS = LaunchOptions()

@@ -15,6 +15,7 @@ import yaml.constructor
 import yaml.reader
 
 from omni_dp.contract import API_KEY_ENV
+from omni_dp.launcher.engines.sglang_omni import DEFAULT_ENGINE_STAGE
 from omni_dp.mps.binaries import CONTROL_HELP
 from omni_dp.sizes import parse_size
 from omni_dp.yamlconfig import StrictLoader
@@ -23,7 +24,6 @@ START_MODES = ("sequential", "parallel")
 # The engine adapters' names (omni_dp/launcher/engines holds them; a test keeps the two equal):
 # written here so that the flags are made without importing the adapters.
 ENGINE_NAMES = ("builtin", "vllm", "sglang", "sglang-omni")
-DEFAULT_ENGINE_STAGE = "tts_engine"  # sglang-omni's KV stage in Higgs TTS's pipeline
 MPS_FAULT_ACTIONS = ("restart", "fail")
 REGISTER_AS = ("replicas", "router")
 GATEWAY_KEY_ENV = "OMNI_DP_GATEWAY_API_KEY"  # the gateway's key: by environment, never on disk

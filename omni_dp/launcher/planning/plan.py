@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from omni_dp.contract import REPLICA_ENV, RUN_ID_ENV, Problems
+from omni_dp.cpulist import format_cpu_list
 from omni_dp.launcher.engines import ENGINES
 from omni_dp.launcher.engines.base import EngineSizing, ReplicaLaunch, split_model
 from omni_dp.launcher.planning.checks import (
@@ -44,7 +45,6 @@ from omni_dp.launcher.planning.run import (
     plan_state_root,
 )
 from omni_dp.launcher.planning.share_group import LEADER, followers, share_role
-from omni_dp.launcher.planning.topology import format_cpu_list
 from omni_dp.mps.binaries import MpsBinaries
 from omni_dp.rundir import engine_work_dir, mps_log_dir, mps_pipe_dir, share_dir
 from omni_dp.runfile import GpuRecord, gpu_key
