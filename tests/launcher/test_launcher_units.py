@@ -45,11 +45,11 @@ def test_run_state_is_private_and_written_atomically(tmp_path) -> None:
 
 
 def test_run_state_is_readable_by_verify_mps(tmp_path) -> None:
-    from omni_dp.mps.runs import pick_run
+    from omni_dp.mps.runs import pick_mps_run
 
     state = RunState.create(two_replica_plan(tmp_path))
     state.update_replica(0, processes=(DeclaredProcess(123, "main", "cuda:0"),))
-    run = pick_run("run-test", tmp_path / "state")
+    run = pick_mps_run("run-test", tmp_path / "state")
     assert run.run_id == "run-test" and run.token == state.token
     replicas = [r.declared() for r in run.record.replicas]
     assert replicas[0].processes[0].pid == 123 and replicas[1].processes == ()
