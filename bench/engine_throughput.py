@@ -17,7 +17,6 @@ import os
 import platform
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,11 @@ from pathlib import Path
 
 import aiohttp
 import psutil
+
+from omni_dp.bench.load import send
+from omni_dp.bench.results import RequestResult
+from omni_dp.bench.stats import percentile
+from omni_dp.bench.workload import Workload
 
 # Short texts of varied length, like a TTS service's traffic of prompts and replies.
 TEXTS = [
@@ -63,61 +67,49 @@ def cpu_seconds(process: psutil.Process) -> float:
     return times.user + times.system
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+# The requests: omni-dp bench's streamed-PCM workload over the texts above, request i the same
+# in every run (placement.py compares forms on exactly the same requests).
+WORKLOAD = Workload(kind="speech-stream", texts=tuple(TEXTS), seed=0)
+REQUEST_TIMEOUT_S = 120.0
 
 
-async def drive(url: str, concurrency: int, num_requests: int, sample_rate: int) -> LevelResult:
-    latencies, ttfas = [], []
-    audio_bytes = 0
-    errors = 0
-    next_index = 0
+async def drive(url: str, concurrency: int, num_requests: int,
+                workload: Workload = WORKLOAD) -> LevelResult:
+    """A closed loop of `concurrency` clients until `num_requests` were sent; each request is
+    sent, timed and classified by omni-dp bench's own sender, so these numbers and the
+    command's are made alike."""
+    results: list[RequestResult] = []
+    indices = iter(range(num_requests))
     connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
 
         async def client() -> None:
-            nonlocal next_index, audio_bytes, errors
-            while next_index < num_requests:
-                i = next_index
-                next_index += 1
-                body = {"input": TEXTS[i % len(TEXTS)], "seed": i, "stream": True,
-                        "response_format": "pcm"}
-                start = time.perf_counter()
-                first = None
-                size = 0
-                try:
-                    async with session.post(url + "/v1/audio/speech", json=body) as resp:
-                        if resp.status != 200:
-                            errors += 1
-                            await resp.read()
-                            continue
-                        async for chunk in resp.content.iter_any():
-                            first = first or time.perf_counter()
-                            size += len(chunk)
-                except aiohttp.ClientError:
-                    errors += 1  # a reset or refused connection is a failed request, counted
-                    continue
-                end = time.perf_counter()
-                latencies.append(end - start)
-                ttfas.append((first or end) - start)
-                audio_bytes += size
+            for i in indices:
+                path, body = workload.request(i)
+                results.append(await send(session, url.rstrip("/") + path, body, workload,
+                                          REQUEST_TIMEOUT_S))
 
         started = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))
         wall = time.perf_counter() - started
+    return level_result(concurrency, results, wall)
 
-    done = len(latencies)
-    latencies, ttfas = latencies or [float("nan")], ttfas or [float("nan")]  # all failed
+
+def level_result(concurrency: int, results: list[RequestResult], wall: float) -> LevelResult:
+    ok = [r for r in results if r.outcome == "ok"]
+    latencies = [r.latency_s for r in ok]
+    firsts = [r.ttfb_s if r.ttfb_s is not None else r.latency_s for r in ok]
+
+    def ms(values: list[float], q: float) -> float:
+        value = percentile(values, q)
+        return float("nan") if value is None else round(value * 1000, 1)  # none succeeded
+
     return LevelResult(
-        concurrency=concurrency, requests=done, errors=errors, wall_s=round(wall, 3),
-        requests_per_s=round(done / wall, 2),
-        audio_s_per_s=round(audio_bytes / 2 / sample_rate / wall, 2),
-        latency_p50_ms=round(statistics.median(latencies) * 1000, 1),
-        latency_p99_ms=round(percentile(latencies, 99) * 1000, 1),
-        ttfa_p50_ms=round(statistics.median(ttfas) * 1000, 1),
-        ttfa_p99_ms=round(percentile(ttfas, 99) * 1000, 1),
-    )
+        concurrency=concurrency, requests=len(ok), errors=len(results) - len(ok),
+        wall_s=round(wall, 3), requests_per_s=round(len(ok) / wall, 2),
+        audio_s_per_s=round(sum(r.audio_s for r in ok) / wall, 2),
+        latency_p50_ms=ms(latencies, 50), latency_p99_ms=ms(latencies, 99),
+        ttfa_p50_ms=ms(firsts, 50), ttfa_p99_ms=ms(firsts, 99))
 
 
 def start_replica(serve_args: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
@@ -180,15 +172,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = start_replica(serve_args, Path(tmp) / "replica.log")
         try:
-            with urllib.request.urlopen(url + "/get_server_info") as resp:
-                sample_rate = json.load(resp)["model"]["sample_rate"]
-            asyncio.run(drive(url, 2, 8, sample_rate))  # warm-up, not reported
+            asyncio.run(drive(url, 2, 8))  # warm-up, not reported
             results = []
             replica = psutil.Process(proc.pid)
             client = psutil.Process()
             for level in (int(c) for c in args.concurrency.split(",")):
                 replica_before, client_before = cpu_seconds(replica), cpu_seconds(client)
-                result = asyncio.run(drive(url, level, args.requests, sample_rate))
+                result = asyncio.run(drive(url, level, args.requests))
                 done = max(result.requests, 1)
                 result.replica_cpu_ms_per_req = round(
                     (cpu_seconds(replica) - replica_before) / done * 1000, 1)

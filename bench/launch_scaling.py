@@ -35,7 +35,6 @@ import psutil
 from artifacts import copy_artifacts
 from engine_throughput import drive
 
-SAMPLE_RATE = 24000
 DOWN_TIMEOUT_S = 90  # down drains (router, replicas) and quits the daemon; never skipped
 
 
@@ -217,12 +216,12 @@ class Bench:
         return row
 
     def measure(self, row: dict, url: str, deadline: float) -> None:
-        asyncio.run(drive(url, 8, 16, SAMPLE_RATE))  # warm-up (CUDA kernels, allocator)
+        asyncio.run(drive(url, 8, 16))  # warm-up (CUDA kernels, allocator)
         for concurrency in self.args.concurrency:
             left = deadline - time.monotonic()
             try:
                 result = asyncio.run(asyncio.wait_for(
-                    drive(url, concurrency, self.args.requests, SAMPLE_RATE), timeout=left))
+                    drive(url, concurrency, self.args.requests), timeout=left))
             except (asyncio.TimeoutError, TimeoutError):
                 row["result"] = f"timeout ({self.args.config_timeout:g} s) at c={concurrency}"
                 return

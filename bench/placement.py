@@ -144,13 +144,12 @@ def run_form(name: str, round_: int, args: argparse.Namespace, tmp: Path) -> dic
         row["processes"] = info["processes"]
         row["dtype"], row["threads"] = info["dtype"], info["threads"]
         procs = handles(info["processes"])
-        sample_rate = info["model"]["sample_rate"]
-        asyncio.run(drive(url, 2, args.warmup, sample_rate))  # not reported
+        asyncio.run(drive(url, 2, args.warmup))  # not reported
         row["digests"] = audio_digests(url)
         client = psutil.Process()
         for level in args.concurrency:
             before, client_before = cpu_by_role(procs), cpu_seconds(client)
-            result = asyncio.run(drive(url, level, args.requests, sample_rate))
+            result = asyncio.run(drive(url, level, args.requests))
             after = cpu_by_role(procs)
             done = max(result.requests, 1)
             by_role = {r: round((after[r] - before[r]) / done * 1000, 1) for r in procs}

@@ -1,4 +1,6 @@
-"""The import rules of docs/design.md ("Architecture"), checked on the source itself.
+"""The house as docs/design.md describes it, checked on the source itself: the import rules
+between packages ("Architecture"), the launcher's rooms importing only downwards, no cycle, one
+class name per thing, and the design's map of the tree.
 
 A rule that only lives in prose is broken by the first convenient import; these tests read every
 module's imports with `ast` (module level and inside functions) and fail naming the import.
@@ -7,9 +9,13 @@ module's imports with `ast` (module level and inside functions) and fail naming 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "omni_dp"
@@ -141,3 +147,119 @@ def test_nothing_on_the_launchers_path_imports_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
+
+
+# --- the launcher's rooms ----------------------------------------------------------------------
+
+LAUNCHER = "omni_dp.launcher"
+# Each room of the launcher and the rooms it may import (itself always). A run's life, bottom
+# up: the engine adapters; pure planning; the run's record; the processes it starts; bring-up;
+# the teardown; supervision; `launch` at the top. The views read the record and the plan, and
+# never start or stop anything.
+ROOMS_MAY_IMPORT: dict[str, set[str]] = {
+    "engines": set(),
+    "planning": {"engines"},
+    "record": {"planning", "engines"},
+    "processes": {"record", "planning", "engines"},
+    "bringup": {"processes", "record", "planning", "engines"},
+    "teardown": {"bringup", "processes", "record", "planning", "engines"},
+    "supervision": {"teardown", "bringup", "processes", "record", "planning", "engines"},
+    "views": {"record", "planning", "engines"},
+    "launch": {"supervision", "teardown", "bringup", "processes", "record", "planning",
+               "engines", "views"},
+}
+
+
+def room(module: str) -> str | None:
+    """The launcher room a module belongs to (a package, or launch/teardown at the top)."""
+    if not module.startswith(LAUNCHER + "."):
+        return None
+    return module[len(LAUNCHER) + 1:].split(".")[0]
+
+
+def test_every_launcher_module_is_in_a_room_the_rules_know():
+    rooms = {room(module_name(p)) for p in sources()} - {None}
+    assert rooms == set(ROOMS_MAY_IMPORT), (
+        "a room of the launcher is missing from ROOMS_MAY_IMPORT (or one there is gone): say "
+        "where it sits in a run's life")
+
+
+def test_the_launcher_rooms_import_only_downwards():
+    """Planning imports nothing of bring-up or supervision; the views no bring-up; and so on."""
+    broken = []
+    for path in sources():
+        mine = room(module_name(path))
+        if mine is None:
+            continue
+        for line, target in imports_of(path):
+            theirs = room(target)
+            if theirs and theirs != mine and theirs not in ROOMS_MAY_IMPORT[mine]:
+                broken.append(f"{path.relative_to(ROOT)}:{line} imports {target} ({mine} may "
+                              f"not import {theirs})")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_rooms_themselves_form_no_cycle():
+    seen: set[str] = set()
+
+    def below(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, " -> ".join((*path, name))
+        if name not in seen:
+            for lower in ROOMS_MAY_IMPORT[name]:
+                below(lower, (*path, name))
+            seen.add(name)
+
+    for name in ROOMS_MAY_IMPORT:
+        below(name, ())
+
+
+def test_planning_signals_and_writes_nothing():
+    """Planning reads the machine (facts: /sys, NVML, the engine's dry run) and plans; it never
+    signals a process or writes a file: a refused launch leaves nothing behind."""
+    for path in sources():
+        if room(module_name(path)) == "planning":
+            source = path.read_text()
+            for call in ("os.kill(", "os.killpg(", "send_signal(", "atomic_write(",
+                         "write_text(", "write_bytes(", "mkdir("):
+                assert call not in source, f"{path.relative_to(ROOT)} calls {call}..)"
+
+
+# --- one name per thing ------------------------------------------------------------------------
+
+
+def test_no_public_class_name_is_defined_twice():
+    where: dict[str, list[str]] = defaultdict(list)
+    for path in sources():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                where[node.name].append(module_name(path))
+    twice = {name: modules for name, modules in where.items() if len(modules) > 1}
+    assert not twice, twice
+
+
+# --- the design's map is the tree ----------------------------------------------------------------
+
+
+def design_map() -> set[str]:
+    """The packages docs/design.md's map names (the `omni_dp/.../` lines of its Layout block)."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    block = re.search(r"<!-- the map: tests/test_architecture.py -->\n```\n(.*?)```", text,
+                      re.S)
+    assert block, "docs/design.md has no map (a ``` block after its map comment)"
+    return {m.rstrip("/") for m in re.findall(r"^(omni_dp/(?:[a-z_]+/)*)\s", block.group(1),
+                                                re.M)}
+
+
+def test_the_design_map_names_every_package_and_only_packages():
+    named = design_map()
+    present = {str(p.parent.relative_to(ROOT)) for p in PACKAGE.rglob("__init__.py")}
+    assert not named - present, f"the map names packages that do not exist: {named - present}"
+    assert not present - named, f"packages the map does not name: {present - named}"
+
+
+@pytest.mark.parametrize(("folder", "other"), [("bench", "omni_dp/bench"),
+                                               ("omni_dp/bench", "bench/")])
+def test_each_bench_folder_says_what_it_is_for_and_when_to_use_the_other(folder, other):
+    readme = ROOT / folder / "README.md"
+    assert readme.is_file(), f"{folder} has no README.md"
+    assert other in readme.read_text()

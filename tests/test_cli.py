@@ -367,10 +367,10 @@ def test_other_weight_seed_gives_other_audio(replica, start_replica):
 def test_policy_names_agree_everywhere():
     """`--policy` of router and launch, the launcher's plan and the router itself."""
     from omni_dp.cli.common import POLICIES
-    from omni_dp.launcher.planning import plan
+    from omni_dp.launcher.planning import checks
     from omni_dp.router import policies
 
-    assert set(POLICIES) == set(plan.POLICIES) == set(policies.POLICIES)
+    assert set(POLICIES) == set(checks.POLICIES) == set(policies.POLICIES)
 
 
 def test_log_formats_agree_everywhere():

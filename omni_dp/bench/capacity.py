@@ -12,10 +12,11 @@ from __future__ import annotations
 import shlex
 from dataclasses import asdict, dataclass
 
+from omni_dp.cpulist import format_cpu_list
 from omni_dp.gpus import GpuFacts
 from omni_dp.launcher.engines import EngineSizing
-from omni_dp.launcher.planning.plan import memory_formula
-from omni_dp.launcher.planning.topology import CpuTopology, format_cpu_list
+from omni_dp.launcher.planning.memory import memory_formula
+from omni_dp.launcher.planning.topology import CpuTopology
 from omni_dp.mps.preflight import check_client_limit
 from omni_dp.sizes import format_size
 

@@ -13,13 +13,17 @@ from dataclasses import dataclass
 
 from omni_dp.bench.capacity import Capacity, plan_capacity
 from omni_dp.contract import Problems
+from omni_dp.cpulist import format_cpu_list
 from omni_dp.gpus import GpuFacts
 from omni_dp.launcher.engines import ENGINES, EngineSizing
+from omni_dp.launcher.planning.checks import check_options
+from omni_dp.launcher.planning.devices import plan_gpu, plan_gpus
 from omni_dp.launcher.planning.facts import gather_facts
 from omni_dp.launcher.planning.gpus import with_gpu_replicas
+from omni_dp.launcher.planning.memory import plan_kv
 from omni_dp.launcher.planning.options import LaunchOptions
-from omni_dp.launcher.planning.plan import NO_DRY_RUN, check_options, plan_gpu, plan_gpus, plan_kv
-from omni_dp.launcher.planning.topology import CpuTopology, format_cpu_list
+from omni_dp.launcher.planning.plan import NO_DRY_RUN
+from omni_dp.launcher.planning.topology import CpuTopology
 from omni_dp.sizes import format_size
 
 DEFAULTS = LaunchOptions()

@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 
 from omni_dp.bench.stats import CLIENT as CLIENT_ROLE
-from omni_dp.launcher.planning.topology import parse_cpu_list
+from omni_dp.cpulist import parse_cpu_list
 from omni_dp.runfile import GpuRecord, RunFileError, RunRecord, read_run
 
 INTERVAL_S = 0.2

@@ -149,8 +149,8 @@ def available_cpus() -> int:
 
 
 def plan_serve(options: ServeOptions) -> ServePlan:
+    """The replica's plan from its options, or ServePlanError with every problem at once."""
     problems: list[str] = []
-
     cfg: ModelConfig | None = None
     model_dir = None
     try:
@@ -158,10 +158,32 @@ def plan_serve(options: ServeOptions) -> ServePlan:
         model_dir = str(path) if path else None
     except ModelConfigError as exc:
         problems.append(str(exc))
-
     device = _resolve_device(options.device, problems)
     dtype = _resolve_dtype(options.dtype, device, problems)
     threads = options.threads if options.threads is not None else available_cpus()
+    problems += _limit_problems(options, threads)
+    weights = _check_share(options, cfg, device, dtype, problems)
+    placement = plan_placement(options, device, problems) if device is not None else None
+    if placement is not None and cfg is not None:
+        problems += tp_problems(placement, cfg)
+    kv = _plan_kv(options, cfg, dtype, placement, problems) \
+        if cfg is not None and dtype is not None else None
+    if kv is not None and device is not None:
+        problems += _fit_problems(kv, device, placement, cfg, dtype)
+    if problems:
+        raise ServePlanError(problems)
+    assert cfg is not None and kv is not None and device is not None and dtype is not None
+    return ServePlan(
+        options=options, cfg=cfg, model_dir=model_dir, device=device, dtype=dtype,
+        threads=threads, kv=kv,
+        served_model_name=options.served_model_name or f"omni-dp-{cfg.name}", weights=weights,
+        placement=placement,
+    )
+
+
+def _limit_problems(options: ServeOptions, threads: int) -> list[str]:
+    """The counts, the drain timeout and the port: each a number in its range."""
+    problems = []
     if threads < 1:
         problems.append(f"--threads must be at least 1, got {threads}")
     for name in ("max_running_requests", "max_input_chars", "max_body_bytes"):
@@ -176,54 +198,50 @@ def plan_serve(options: ServeOptions) -> ServePlan:
         problems.append("--drain-timeout must not be negative")
     if not 0 <= options.port <= 65535:
         problems.append(f"--port must be 0-65535, got {options.port}")
-    weights = _check_share(options, cfg, device, dtype, problems)
-    placement = plan_placement(options, device, problems) if device is not None else None
-    if placement is not None and cfg is not None:
-        problems += tp_problems(placement, cfg)
+    return problems
 
-    kv = None
-    if cfg is not None and dtype is not None:
-        stage_bytes = stage_weight_bytes(cfg, dtype)
-        kv_cache_bytes = options.kv_cache_bytes
-        no_room = False
-        if placement is not None and kv_cache_bytes is None and options.max_total_tokens is None:
-            kv_cache_bytes = kv_bytes_from_budget(placement, stage_bytes, _overhead_of)
-            page = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
-                    * options.page_size)
-            if kv_cache_bytes is not None and kv_cache_bytes < page:
-                problems.append(
-                    f"the talker's budget ({format_size(talker_process(placement).budget_bytes)})"
-                    " leaves no room for one KV page after its weights and overhead; raise "
-                    "--talker.gpu_memory_fraction")
-                no_room = True
-        try:
-            if not no_room:
-                kv = plan_kv_cache(
-                    num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                    head_dim=cfg.head_dim, dtype=dtype, page_size=options.page_size,
-                    kv_cache_bytes=kv_cache_bytes, max_total_tokens=options.max_total_tokens,
-                )
-        except KVSizingError as exc:
-            problems.append(str(exc))
-        if kv is not None and placement is not None:
-            problems += budget_check(placement, stage_bytes, kv.cache_bytes, _overhead_of)
-    if kv is not None and device is not None:
-        if placement is None or placement.is_single_process:
-            _check_memory(kv, device, problems)
-        else:
-            assert cfg is not None and dtype is not None
-            needs = process_needs(placement, stage_weight_bytes(cfg, dtype), kv.cache_bytes,
-                                  _overhead_of)
-            problems += _split_memory_problems(placement, needs)
-    if problems:
-        raise ServePlanError(problems)
-    assert cfg is not None and kv is not None and device is not None and dtype is not None
-    return ServePlan(
-        options=options, cfg=cfg, model_dir=model_dir, device=device, dtype=dtype,
-        threads=threads, kv=kv,
-        served_model_name=options.served_model_name or f"omni-dp-{cfg.name}", weights=weights,
-        placement=placement,
-    )
+
+def _plan_kv(options: ServeOptions, cfg: ModelConfig, dtype: torch.dtype,
+             placement: Placement | None, problems: list[str]) -> KVCacheSpec | None:
+    """The KV pool: the size asked for, or (a placement with budgets and no KV knob) what the
+    talker's budget leaves after its weights and overhead; checked against the budgets."""
+    stage_bytes = stage_weight_bytes(cfg, dtype)
+    kv_cache_bytes = options.kv_cache_bytes
+    if placement is not None and kv_cache_bytes is None and options.max_total_tokens is None:
+        kv_cache_bytes = kv_bytes_from_budget(placement, stage_bytes, _overhead_of)
+        page = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+                * options.page_size)
+        if kv_cache_bytes is not None and kv_cache_bytes < page:
+            problems.append(
+                f"the talker's budget ({format_size(talker_process(placement).budget_bytes)})"
+                " leaves no room for one KV page after its weights and overhead; raise "
+                "--talker.gpu_memory_fraction")
+            return None
+    try:
+        kv = plan_kv_cache(
+            num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim, dtype=dtype, page_size=options.page_size,
+            kv_cache_bytes=kv_cache_bytes, max_total_tokens=options.max_total_tokens,
+        )
+    except KVSizingError as exc:
+        problems.append(str(exc))
+        return None
+    if placement is not None:
+        problems += budget_check(placement, stage_bytes, kv.cache_bytes, _overhead_of)
+    return kv
+
+
+def _fit_problems(kv: KVCacheSpec, device: torch.device, placement: Placement | None,
+                  cfg: ModelConfig | None, dtype: torch.dtype | None) -> list[str]:
+    """Whether the pool (one process) or each process's share (a split replica) fits."""
+    if placement is None or placement.is_single_process:
+        problems: list[str] = []
+        _check_memory(kv, device, problems)
+        return problems
+    assert cfg is not None and dtype is not None
+    needs = process_needs(placement, stage_weight_bytes(cfg, dtype), kv.cache_bytes,
+                          _overhead_of)
+    return _split_memory_problems(placement, needs)
 
 
 def _check_share(options: ServeOptions, cfg: ModelConfig | None, device: torch.device | None,

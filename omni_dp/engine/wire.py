@@ -22,7 +22,7 @@ import dataclasses
 import enum
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import msgpack
 import numpy as np
@@ -164,42 +164,55 @@ def _enc(value: Any, frames: list[bytes | memoryview]) -> Any:
         return value
     tag = _tags.get(kind)
     if tag is not None:
-        names = _fields.get(kind)
-        if names is not None:
-            return [_DATACLASS, tag, _enc_fields(value, names, frames)]
-        v = value._value_
-        if type(v) in _PLAIN:
-            return [_ENUM, tag, v]
-        try:
-            return [_ENUM, tag, _enc(v, frames)]
-        except _Refused as refused:
-            refused.where.append(".value")
-            raise
-    if kind is list:
-        return [_LIST, _enc_items(value, frames)]
-    if kind is tuple:
-        return [_TUPLE, _enc_items(value, frames)]
-    if kind is bytes or kind is bytearray:
-        if len(value) < BYTES_FRAME_MIN:
-            return bytes(value)
-        frames.append(value)
-        return [_BYTES, len(frames) - 1]
-    if kind is dict:
-        out = {}
-        for key, v in value.items():
-            if type(key) not in (str, int):
-                raise _Refused(f"cannot encode a dict key of type {_name(type(key))} (keys are "
-                               "str or int)")
-            try:
-                out[key] = _enc(v, frames)
-            except _Refused as refused:
-                refused.where.append(f"[{key!r}]")
-                raise
-        return out
+        return _enc_registered(value, kind, tag, frames)
+    encode = _ENCODERS.get(kind)
+    if encode is not None:
+        return encode(value, frames)
     if isinstance(value, torch.Tensor):
         return _enc_tensor(value, frames)
-    if kind is np.ndarray:
-        return _enc_ndarray(value, frames)
+    return _enc_other(value, kind)
+
+
+def _enc_registered(value: Any, kind: type, tag: str, frames: list) -> list:
+    """A registered dataclass (its fields) or Enum (its value)."""
+    names = _fields.get(kind)
+    if names is not None:
+        return [_DATACLASS, tag, _enc_fields(value, names, frames)]
+    v = value._value_
+    if type(v) in _PLAIN:
+        return [_ENUM, tag, v]
+    try:
+        return [_ENUM, tag, _enc(v, frames)]
+    except _Refused as refused:
+        refused.where.append(".value")
+        raise
+
+
+def _enc_bytes(value: bytes | bytearray, frames: list) -> Any:
+    """Small ones in the header; from BYTES_FRAME_MIN on, a frame of their own (no copy)."""
+    if len(value) < BYTES_FRAME_MIN:
+        return bytes(value)
+    frames.append(value)
+    return [_BYTES, len(frames) - 1]
+
+
+def _enc_dict(value: dict, frames: list) -> dict:
+    out = {}
+    for key, v in value.items():
+        if type(key) not in (str, int):
+            raise _Refused(f"cannot encode a dict key of type {_name(type(key))} (keys are "
+                           "str or int)")
+        try:
+            out[key] = _enc(v, frames)
+        except _Refused as refused:
+            refused.where.append(f"[{key!r}]")
+            raise
+    return out
+
+
+def _enc_other(value: Any, kind: type) -> Any:
+    """What no encoder is registered for: a subclass of a plain type as that type; else why
+    it cannot go."""
     if isinstance(value, enum.Enum):
         raise _Refused(f"cannot encode type {_name(kind)} (an Enum not registered with "
                        "wire.register)")
@@ -236,6 +249,17 @@ def _enc_ndarray(a: np.ndarray, frames: list[bytes | memoryview]) -> list:
         a = a.copy(order="C")  # (not np.ascontiguousarray: it makes a 0-d array 1-d)
     frames.append(memoryview(a.reshape(-1).view(np.uint8)))
     return [_NDARRAY, a.dtype.str, list(a.shape), len(frames) - 1]
+
+
+# By exact type (a subclass takes the slower path of _enc_other, as before).
+_ENCODERS: dict[type, Callable[[Any, list], Any]] = {
+    list: lambda v, frames: [_LIST, _enc_items(v, frames)],
+    tuple: lambda v, frames: [_TUPLE, _enc_items(v, frames)],
+    bytes: _enc_bytes,
+    bytearray: _enc_bytes,
+    dict: _enc_dict,
+    np.ndarray: _enc_ndarray,
+}
 
 
 def _name(cls: type) -> str:
@@ -348,48 +372,76 @@ class _Reader:
         if kind in _DECODED_PLAIN:
             return v
         if kind is dict:
-            out = {}
-            for key, x in v.items():
-                if type(key) not in (str, int):
-                    raise _Refused("malformed dict (keys are str or int)")
-                try:
-                    out[key] = self.value(x)
-                except _Refused as refused:
-                    refused.where.append(f"[{key!r}]")
-                    raise
-            return out
+            return self._dict(v)
         if kind is not list or not v or type(v[0]) is not int:
             raise _Refused(f"malformed value of type {kind.__name__}")
-        marker, n = v[0], len(v)
-        if marker == _DATACLASS and n == 3:
-            return self.dataclass(v[1], v[2])
-        if marker == _ENUM and n == 3:
-            cls = self._class(v[1])
-            if not issubclass(cls, enum.Enum):
-                raise _Refused(f"tag {v[1]!r} is not an Enum")
+        marker = v[0]
+        decode = self._DECODERS.get(marker)
+        if decode is None:
+            raise _Refused(f"unknown value kind {marker}" if marker > _BYTES or marker < 0
+                           else "malformed value")
+        return decode(self, v)
+
+    def _dict(self, v: dict) -> dict:
+        out = {}
+        for key, x in v.items():
+            if type(key) not in (str, int):
+                raise _Refused("malformed dict (keys are str or int)")
             try:
-                value = self.value(v[2])
+                out[key] = self.value(x)
             except _Refused as refused:
-                refused.where.append(".value")
+                refused.where.append(f"[{key!r}]")
                 raise
-            member = cls._value2member_map_.get(value) if type(value) in _PLAIN else None
-            if member is not None:  # (the lookup cls(value) starts with, without its overhead)
-                return member
-            try:
-                return cls(value)
-            except ValueError:
-                raise _Refused(f"{value!r} is not a {v[1]}") from None
-        if marker in (_LIST, _TUPLE) and n == 2 and type(v[1]) is list:
-            items = self.items(v[1])
-            return items if marker == _LIST else tuple(items)
-        if marker in (_TENSOR, _NDARRAY) and n == 4 and type(v[1]) is str and \
-                type(v[2]) is list and type(v[3]) is int:
-            return self._tensor(*v[1:]) if marker == _TENSOR else self._ndarray(*v[1:])
-        if marker == _BYTES and n == 2 and type(v[1]) is int:
-            return bytes(self._frame(v[1]))
-        if marker > _BYTES or marker < 0:
-            raise _Refused(f"unknown value kind {marker}")
-        raise _Refused("malformed value")
+        return out
+
+    # Each kind of list: [marker, ...] of the length and types encode makes, else malformed.
+
+    def _dataclass_value(self, v: list) -> object:
+        if len(v) != 3:
+            raise _Refused("malformed value")
+        return self.dataclass(v[1], v[2])
+
+    def _enum_value(self, v: list) -> enum.Enum:
+        if len(v) != 3:
+            raise _Refused("malformed value")
+        cls = self._class(v[1])
+        if not issubclass(cls, enum.Enum):
+            raise _Refused(f"tag {v[1]!r} is not an Enum")
+        try:
+            value = self.value(v[2])
+        except _Refused as refused:
+            refused.where.append(".value")
+            raise
+        member = cls._value2member_map_.get(value) if type(value) in _PLAIN else None
+        if member is not None:  # (the lookup cls(value) starts with, without its overhead)
+            return member
+        try:
+            return cls(value)
+        except ValueError:
+            raise _Refused(f"{value!r} is not a {v[1]}") from None
+
+    def _sequence_value(self, v: list) -> list | tuple:
+        if len(v) != 2 or type(v[1]) is not list:
+            raise _Refused("malformed value")
+        items = self.items(v[1])
+        return items if v[0] == _LIST else tuple(items)
+
+    def _array_value(self, v: list) -> object:
+        if len(v) != 4 or type(v[1]) is not str or type(v[2]) is not list or \
+                type(v[3]) is not int:
+            raise _Refused("malformed value")
+        return self._tensor(*v[1:]) if v[0] == _TENSOR else self._ndarray(*v[1:])
+
+    def _bytes_value(self, v: list) -> bytes:
+        if len(v) != 2 or type(v[1]) is not int:
+            raise _Refused("malformed value")
+        return bytes(self._frame(v[1]))
+
+    _DECODERS: ClassVar[dict[int, Callable[[_Reader, list], Any]]] = {
+        _DATACLASS: _dataclass_value, _ENUM: _enum_value, _LIST: _sequence_value,
+        _TUPLE: _sequence_value, _TENSOR: _array_value, _NDARRAY: _array_value,
+        _BYTES: _bytes_value,
+    }
 
     def _class(self, tag: object) -> type:
         cls = _classes.get(tag) if type(tag) is str else None

@@ -48,7 +48,7 @@ import time
 import urllib.parse
 from dataclasses import replace
 
-from omni_dp.gateway import _http
+from omni_dp.blocking_http import Answer, call
 from omni_dp.gateway.base import GatewayError, GatewayWorker
 
 _POLL_FIRST_S = 0.05  # registration takes ~0.05-0.3 s: look soon, then less often
@@ -208,15 +208,15 @@ class SglangGateway:
         except ValueError as exc:
             raise GatewayError(f"cannot register with {self.describe()}: {exc}") from None
 
-    def _call(self, method: str, path: str, body: object = None) -> _http.Answer:
-        answer = _http.call(method, self.url + path, body, timeout=self.timeout_s,
+    def _call(self, method: str, path: str, body: object = None) -> Answer:
+        answer = call(method, self.url + path, body, timeout=self.timeout_s,
                             headers=self._headers)
         if answer.status == 0:
             raise GatewayError(f"no answer from {self.describe()} ({method} {path}: "
                                f"{answer.error}): is it running, and is the URL right?")
         return answer
 
-    def _refused(self, what: str, answer: _http.Answer) -> GatewayError:
+    def _refused(self, what: str, answer: Answer) -> GatewayError:
         hint = ""
         if answer.status in (401, 403):
             hint = (" - pass the gateway's API key (its --api-key, or an admin key of its "

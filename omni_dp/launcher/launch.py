@@ -17,10 +17,12 @@ import time
 from collections.abc import Callable
 
 from omni_dp.contract import API_KEY_ENV, RUN_ID_ENV, ExitCode
-from omni_dp.launcher.bringup.gates import GateFailed, describe_exit, log_tail
+from omni_dp.launcher.bringup.gates import describe_exit, log_tail
 from omni_dp.launcher.bringup.replicas import ReplicaControl
 from omni_dp.launcher.bringup.steps import BringUpFailed, bring_up
-from omni_dp.launcher.engines import ENGINES, flag_value, split_model
+from omni_dp.launcher.engines import ENGINES
+from omni_dp.launcher.engines.base import flag_value, split_model
+from omni_dp.launcher.engines.replica_api import GateFailed
 from omni_dp.launcher.planning.options import GATEWAY_KEY_ENV
 from omni_dp.launcher.planning.plan import LaunchPlan
 from omni_dp.launcher.planning.share_group import attachment_basis

@@ -98,7 +98,7 @@ class DaemonHealth:
                 "servers": self.servers, "faults": self.faults, "error": self.error}
 
 
-def log_tail(log_dir: str, lines: int = 20) -> str:
+def control_log_tail(log_dir: str, lines: int = 20) -> str:
     try:
         text = Path(log_dir, CONTROL_LOG).read_text(errors="replace")
     except OSError:
@@ -181,7 +181,7 @@ class MpsDaemon:
         if identity is None:
             raise MpsDaemonError(
                 "the daemon answers but no process of its binary holds this pipe directory; "
-                f"control.log:\n{log_tail(control.log_dir)}"
+                f"control.log:\n{control_log_tail(control.log_dir)}"
             )
         with contextlib.suppress(OSError):  # gone meanwhile: the health checks say so
             raise_open_files(identity.pid)  # before any client makes it spawn its server
@@ -209,7 +209,7 @@ class MpsDaemon:
                 if time.monotonic() > deadline:
                     raise MpsDaemonError(
                         f"the daemon did not answer within {timeout_s:.0f}s ({exc}); "
-                        f"control.log:\n{log_tail(self.control.log_dir)}"
+                        f"control.log:\n{control_log_tail(self.control.log_dir)}"
                     ) from None
             time.sleep(delay)
             delay = min(delay * 2, 0.25)
@@ -240,7 +240,7 @@ class MpsDaemon:
             if time.monotonic() > deadline:
                 raise MpsDaemonError(
                     f"the MPS daemon (pid {record.identity.pid}) is still running "
-                    f"{timeout_s:.0f}s after quit; control.log:\n{log_tail(record.log_dir)}"
+                    f"{timeout_s:.0f}s after quit; control.log:\n{control_log_tail(record.log_dir)}"
                 )
             time.sleep(0.05)
         return True

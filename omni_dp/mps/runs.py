@@ -140,7 +140,7 @@ def _result_line(verdict: RunVerdict) -> str:
             "process of its replicas is a client of that GPU's one MPS server")
 
 
-def pick_run(run_id: str | None, root: Path | None = None) -> StoredRun:
+def pick_mps_run(run_id: str | None, root: Path | None = None) -> StoredRun:
     """The named run, or the only live run (omni_dp.runfile's one meaning) with at least one
     MPS daemon recorded; CannotCheck saying why there is none to check."""
     root = root or state_dir()

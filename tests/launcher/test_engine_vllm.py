@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from omni_dp.cpulist import format_cpu_list
 from omni_dp.launcher.engines import (
     ENGINES,
     EngineUnreadable,
@@ -19,7 +20,6 @@ from omni_dp.launcher.engines import (
 from omni_dp.launcher.engines.base import ReplicaLaunch, split_model
 from omni_dp.launcher.engines.vllm import BLOCK_SIZE, VllmEngine, cache_config_tokens
 from omni_dp.launcher.planning.options import ENGINE_NAMES
-from omni_dp.launcher.planning.topology import format_cpu_list
 
 from support.plans import GiB, MiB, h200, healthy_facts, plan, problems_of
 from support.plans import opts as base_opts

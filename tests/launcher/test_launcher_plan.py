@@ -23,22 +23,14 @@ import pytest
 
 from omni_dp.contract import Problems
 from omni_dp.launcher.engines import ENGINES, BuiltinEngine, ReplicaLaunch
+from omni_dp.launcher.planning.checks import OPTION_CHECKS, check_options
+from omni_dp.launcher.planning.cpus import plan_cpus
+from omni_dp.launcher.planning.devices import plan_gpu, plan_mps
 from omni_dp.launcher.planning.facts import KnownRun, LaunchFacts, known_runs
+from omni_dp.launcher.planning.memory import plan_kv, plan_memory
 from omni_dp.launcher.planning.options import FIELDS, LaunchOptions, load_config_file, merge_options
-from omni_dp.launcher.planning.plan import (
-    OPTION_CHECKS,
-    THREAD_VARIABLES,
-    LaunchPlanError,
-    check_options,
-    plan_cpus,
-    plan_gpu,
-    plan_kv,
-    plan_memory,
-    plan_mps,
-    plan_ports,
-    plan_router,
-    plan_run,
-)
+from omni_dp.launcher.planning.plan import THREAD_VARIABLES, LaunchPlanError
+from omni_dp.launcher.planning.run import plan_ports, plan_router, plan_run
 from omni_dp.launcher.planning.topology import Core, CpuTopology, read_topology
 from omni_dp.net import port_taken
 

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from omni_dp.cpulist import format_cpu_list, parse_cpu_list
 from omni_dp.launcher.planning.topology import (
-    format_cpu_list,
     gpu_numa_node,
-    parse_cpu_list,
     plan_auto,
     plan_explicit,
     read_topology,

@@ -45,11 +45,11 @@ def test_run_state_is_private_and_written_atomically(tmp_path) -> None:
 
 
 def test_run_state_is_readable_by_verify_mps(tmp_path) -> None:
-    from omni_dp.mps.runs import pick_run
+    from omni_dp.mps.runs import pick_mps_run
 
     state = RunState.create(two_replica_plan(tmp_path))
     state.update_replica(0, processes=(DeclaredProcess(123, "main", "cuda:0"),))
-    run = pick_run("run-test", tmp_path / "state")
+    run = pick_mps_run("run-test", tmp_path / "state")
     assert run.run_id == "run-test" and run.token == state.token
     replicas = [r.declared() for r in run.record.replicas]
     assert replicas[0].processes[0].pid == 123 and replicas[1].processes == ()
@@ -147,8 +147,8 @@ class _InfoServer(StubHttp):
 
 
 def test_kv_gate_fails_a_run_whose_replicas_report_different_capacities(tmp_path) -> None:
-    from omni_dp.launcher.bringup.gates import GateFailed
     from omni_dp.launcher.bringup.replicas import ReplicaControl
+    from omni_dp.launcher.engines.replica_api import GateFailed
 
     state = RunState.create(two_replica_plan(tmp_path))
     servers = [_InfoServer(1024), _InfoServer(512)]
@@ -171,8 +171,8 @@ def test_where_the_engine_derives_the_count_a_restart_is_held_to_the_serving_rep
         tmp_path) -> None:
     """expected None (sglang-omni's byte pin): equal to each other; a restarted replica is
     compared with the replicas that kept serving, never with a stopped one's stale count."""
-    from omni_dp.launcher.bringup.gates import GateFailed
     from omni_dp.launcher.bringup.replicas import ReplicaControl
+    from omni_dp.launcher.engines.replica_api import GateFailed
 
     plan = dataclasses.replace(two_replica_plan(tmp_path), expected_kv_tokens=None)
     state = RunState.create(plan)

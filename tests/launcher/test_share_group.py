@@ -16,8 +16,8 @@ from omni_dp import gpus
 from omni_dp.files import make_private_dir
 from omni_dp.launcher import teardown as teardown_mod
 from omni_dp.launcher.bringup import replicas as replicas_module
-from omni_dp.launcher.bringup.gates import GateFailed
 from omni_dp.launcher.bringup.replicas import ReplicaControl, replica_memory
+from omni_dp.launcher.engines.replica_api import GateFailed
 from omni_dp.launcher.planning.share_group import followers, start_waves, stop_waves
 from omni_dp.launcher.record.state import RunState
 from omni_dp.launcher.views import status as status_module

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from omni_dp.contract import API_KEY_ENV
-from omni_dp.launcher.bringup.gates import GateFailed
 from omni_dp.launcher.bringup.steps import BringUpFailed
+from omni_dp.launcher.engines.replica_api import GateFailed
 from omni_dp.launcher.record.state import RunState
 from omni_dp.launcher.supervision import mps_restart, router_link
 from omni_dp.launcher.supervision.crew import Probe

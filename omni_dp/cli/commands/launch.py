@@ -82,8 +82,9 @@ def _options(ctx: click.Context, flags: dict, engine_args: tuple[str, ...],
 
 def _plan(options: LaunchOptions, problems: list[str]):
     """Read the machine and plan; the config file's problems and the plan's, all at once."""
+    from omni_dp.launcher.planning.checks import check_options
     from omni_dp.launcher.planning.facts import gather_facts
-    from omni_dp.launcher.planning.plan import LaunchPlanError, check_options, plan_launch
+    from omni_dp.launcher.planning.plan import LaunchPlanError, plan_launch
 
     facts = gather_facts(options, option_problems=problems + check_options(options))
     try:

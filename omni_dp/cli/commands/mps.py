@@ -72,12 +72,12 @@ def verify_mps(run_id: str | None, gpu: str | None, as_json: bool, no_nvml: bool
         FAIL,
         CannotCheck,
         format_verdict,
-        pick_run,
+        pick_mps_run,
         verify_run,
     )
 
     try:
-        run = pick_run(run_id)
+        run = pick_mps_run(run_id)
         verdict = verify_run(run, gpu=gpu, use_nvml=not no_nvml)
     except CannotCheck as exc:
         _cannot_check(str(exc), as_json)

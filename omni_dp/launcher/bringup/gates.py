@@ -7,59 +7,15 @@ standard the first one was. Talks to replicas and the router over HTTP only.
 
 from __future__ import annotations
 
-import json
 import signal
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from omni_dp.blocking_http import http_json
+from omni_dp.launcher.engines.replica_api import GateFailed
 from omni_dp.procs import ProcessIdentity, is_alive
-
-# Loopback only: an http_proxy in the environment must never see these requests.
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-class GateFailed(Exception):
-    """A replica did not pass a gate; the message says which and why (with its log tail)."""
-
-
-def http_json(method: str, url: str, body: dict | None = None, timeout: float = 3.0,
-              headers: dict[str, str] | None = None) -> tuple[int, dict | None]:
-    """(status, parsed JSON body or None); status 0 when nothing answered.
-
-    Blocking urllib on purpose: the launcher makes a handful of calls per second from plain
-    threads, and needs no event loop for that."""
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json",
-                                              **(headers or {})})
-    status, raw, _ = _send(request, timeout)
-    try:
-        return status, json.loads(raw) if raw else None
-    except ValueError:
-        return status, None
-
-
-def http_text(url: str, timeout: float = 3.0) -> tuple[int, str | None]:
-    """GET url: (status, body as text); status 0 when nothing answered; no text for an error
-    status."""
-    status, raw, ok = _send(urllib.request.Request(url), timeout)
-    return status, raw.decode("utf-8", "replace") if ok and raw is not None else None
-
-
-def _send(request: urllib.request.Request, timeout: float) -> tuple[int, bytes | None, bool]:
-    """(status, body, whether the status was a success); (0, None, False) when nothing
-    answered (refused, reset, timed out)."""
-    try:
-        with _OPENER.open(request, timeout=timeout) as response:
-            return response.status, response.read(), True
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read(), False
-    except (OSError, ValueError):
-        return 0, None, False
 
 
 def describe_exit(code: int | None) -> str:
@@ -104,17 +60,6 @@ def wait_healthy(url: str, identity: ProcessIdentity, log: Path, timeout_s: floa
                              f"{status or 'no answer'}); last lines of {log}:\n{log_tail(log)}")
         time.sleep(delay)
         delay = min(delay * 1.5, 1.0)
-
-
-def server_info(url: str) -> dict:
-    status, info = http_json("GET", url + "/get_server_info", timeout=5.0)
-    if status != 200 or not isinstance(info, dict):
-        raise GateFailed(f"GET {url}/get_server_info answered {status or 'nothing'}")
-    for key in ("max_total_num_tokens", "processes"):
-        if key not in info:
-            raise GateFailed(f"GET {url}/get_server_info has no {key!r}: the engine does not "
-                             "follow the replica contract (docs/contracts.md)")
-    return info
 
 
 def kv_problems(tokens: dict[int, int], expected: int | None) -> list[str]:

@@ -15,9 +15,11 @@ import psutil
 
 from omni_dp.files import make_private_dir
 from omni_dp.gpus import nvml_gpu_memory, nvml_gpu_pids
-from omni_dp.launcher.bringup.gates import GateFailed, kv_problems, server_info, wait_healthy
-from omni_dp.launcher.engines import ENGINES, EngineAdapter, EngineUnreadable
+from omni_dp.launcher.bringup.gates import kv_problems, wait_healthy
+from omni_dp.launcher.engines import ENGINES
+from omni_dp.launcher.engines.base import EngineAdapter, EngineUnreadable
 from omni_dp.launcher.engines.readback import start_banner
+from omni_dp.launcher.engines.replica_api import GateFailed, server_info
 from omni_dp.launcher.planning.share_group import (
     LEADER,
     follower_problem,

@@ -13,11 +13,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from omni_dp.blocking_http import http_json
 from omni_dp.contract import API_KEY_ENV, RUN_ID_ENV
 from omni_dp.gateway import GatewayError
-from omni_dp.launcher.bringup.gates import GateFailed, describe_exit, http_json, log_tail
+from omni_dp.launcher.bringup.gates import describe_exit, log_tail
 from omni_dp.launcher.bringup.gateway_link import GatewayLink
 from omni_dp.launcher.bringup.replicas import ReplicaControl
+from omni_dp.launcher.engines.replica_api import GateFailed
 from omni_dp.launcher.planning.plan import LaunchPlan
 from omni_dp.launcher.planning.share_group import LEADER, followers, start_waves
 from omni_dp.launcher.processes.ours import Started, child_env, spawn, stop_processes

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 from types import MappingProxyType
 
-from omni_dp.launcher.bringup.gates import GateFailed, server_info
 from omni_dp.launcher.engines.base import (
     EngineSizing,
     EngineUnreadable,
@@ -22,6 +21,7 @@ from omni_dp.launcher.engines.base import (
     KvRequest,
     ReplicaLaunch,
 )
+from omni_dp.launcher.engines.replica_api import GateFailed, server_info
 from omni_dp.mps.attach import DeclaredProcess, ReplicaProcesses
 
 DRY_RUN_TIMEOUT_S = 120

@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from types import MappingProxyType
 
+from omni_dp.blocking_http import http_json
 from omni_dp.gpus import GpuFacts
-from omni_dp.launcher.bringup.gates import http_json
 from omni_dp.launcher.engines.base import (
     NO_GPU,
     EngineSizing,

@@ -25,7 +25,6 @@ from omni_dp.launcher.engines.base import (
     split_model,
 )
 from omni_dp.launcher.engines.readback import COUNT, kv_tokens_from_log
-from omni_dp.launcher.planning.options import DEFAULT_ENGINE_STAGE
 from omni_dp.mps.attach import DeclaredProcess
 from omni_dp.sizes import GiB, format_size
 
@@ -44,6 +43,8 @@ ALLOCATED = re.compile(r"(?<!Full )(?<!SWA )KV Cache is allocated\. .*?#tokens: 
 POST_CAPTURE = re.compile(r"Post-capture KV sizing: KV cache allocated\. .*?#tokens: " + COUNT)
 KV_LINE = "`KV Cache is allocated. … #tokens: N`"
 
+
+DEFAULT_ENGINE_STAGE = "tts_engine"  # sglang-omni's KV stage in Higgs TTS's pipeline
 
 class SglangOmniEngine:
     name = "sglang-omni"

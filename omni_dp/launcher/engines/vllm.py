@@ -16,7 +16,8 @@ from types import MappingProxyType
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from omni_dp.launcher.bringup.gates import http_text
+from omni_dp.blocking_http import http_text
+from omni_dp.cpulist import format_cpu_list
 from omni_dp.launcher.engines.base import (
     EngineSizing,
     EngineUnreadable,
@@ -27,7 +28,6 @@ from omni_dp.launcher.engines.base import (
     flag_value,
     split_model,
 )
-from omni_dp.launcher.planning.topology import format_cpu_list
 from omni_dp.mps.attach import DeclaredProcess
 from omni_dp.sizes import GiB, format_size
 

@@ -23,13 +23,8 @@ import psutil
 
 from omni_dp.gateway import GatewayError, SglangGateway
 from omni_dp.gpus import NO_DRIVER, GpuFacts, Problem, pick_gpu, query_gpu, query_gpus
-from omni_dp.launcher.engines import (
-    ENGINES,
-    EngineSizing,
-    ModelFacts,
-    ReplicaLaunch,
-    split_model,
-)
+from omni_dp.launcher.engines import ENGINES
+from omni_dp.launcher.engines.base import EngineSizing, ModelFacts, ReplicaLaunch, split_model
 from omni_dp.launcher.engines.model_dir import read_model
 from omni_dp.launcher.planning.gpus import parse_gpu_list, spread, with_gpu_replicas
 from omni_dp.launcher.planning.options import GATEWAY_KEY_ENV, LaunchOptions, replica_ports

@@ -124,3 +124,5 @@ def gpu_groups(gpus: list[tuple[GpuFacts | None, int | None, int | None]],
     return tuple(GpuGroup(slot, facts, index, node, replicas)
                  for slot, ((facts, index, node), replicas)
                  in enumerate(zip(gpus, spread(total, len(gpus)), strict=True)))
+
+

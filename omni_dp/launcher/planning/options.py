@@ -15,6 +15,7 @@ import yaml.constructor
 import yaml.reader
 
 from omni_dp.contract import API_KEY_ENV
+from omni_dp.launcher.engines.sglang_omni import DEFAULT_ENGINE_STAGE
 from omni_dp.mps.binaries import CONTROL_HELP
 from omni_dp.sizes import parse_size
 from omni_dp.yamlconfig import StrictLoader
@@ -23,7 +24,6 @@ START_MODES = ("sequential", "parallel")
 # The engine adapters' names (omni_dp/launcher/engines holds them; a test keeps the two equal):
 # written here so that the flags are made without importing the adapters.
 ENGINE_NAMES = ("builtin", "vllm", "sglang", "sglang-omni")
-DEFAULT_ENGINE_STAGE = "tts_engine"  # sglang-omni's KV stage in Higgs TTS's pipeline
 MPS_FAULT_ACTIONS = ("restart", "fail")
 REGISTER_AS = ("replicas", "router")
 GATEWAY_KEY_ENV = "OMNI_DP_GATEWAY_API_KEY"  # the gateway's key: by environment, never on disk
@@ -188,56 +188,90 @@ def _coerce(f: dataclasses.Field, value, problems: list[str], source: str, shown
     """A YAML value to the field's type, or a problem naming the key as shown."""
     if value is None:
         return None
-    expected = f.type
     try:
-        if f.name in _SIZE_FIELDS:
-            return parse_size(str(value))
-        if f.name == "gpus" and isinstance(value, list):  # `gpus: [0, 1]` as well as "0,1"
-            if not value or not all(isinstance(v, (str, int)) and not isinstance(v, bool)
-                                    for v in value):
-                raise ValueError("all, or GPU indices or UUIDs (a list, or separated by commas)")
-            return ",".join(str(v) for v in value)
-        if f.name == "engine_args":
-            if isinstance(value, str):
-                value = value.split()
-            if not (isinstance(value, list) and all(
-                    isinstance(v, (str, int, float)) and not isinstance(v, bool)
-                    for v in value)):
-                raise ValueError("a list of strings")
-            args = tuple(str(v) for v in value)
-            if any("\0" in arg for arg in args):
-                raise ValueError("a list of strings without NUL characters")
-            return args
-        if "bool" in expected:
-            if not isinstance(value, bool):
-                raise ValueError("true or false")
-            return value
-        if "int" in expected and "float" not in expected:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError("an integer")
-            if abs(value) >= _INT_LIMIT:
-                raise ValueError(f"an integer below 2**63 (this one has {value.bit_length()} "
-                                 "bits)")
-            return value
-        if "float" in expected:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError("a number")
-            try:
-                number = float(value)
-            except OverflowError:
-                raise ValueError("a finite number (this integer is too large)") from None
-            if not math.isfinite(number):
-                raise ValueError(f"a finite number, got {number}")
-            return number
-        if isinstance(value, (dict, list, set)):
-            raise ValueError("a string")
-        text = str(value)
-        if "\0" in text:
-            raise ValueError("a string without NUL characters")
-        return text
+        return _converter(f)(value)
     except ValueError as exc:
         problems.append(f"{source}: {shown} must be {exc}")
         return None
+
+
+# Each converter takes a YAML value and returns the setting's, or raises ValueError saying what
+# the value must be ("must be " + its message).
+
+
+def _as_bool(value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError("true or false")
+    return value
+
+
+def _as_int(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError("an integer")
+    if abs(value) >= _INT_LIMIT:
+        raise ValueError(f"an integer below 2**63 (this one has {value.bit_length()} bits)")
+    return value
+
+
+def _as_float(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("a number")
+    try:
+        number = float(value)
+    except OverflowError:
+        raise ValueError("a finite number (this integer is too large)") from None
+    if not math.isfinite(number):
+        raise ValueError(f"a finite number, got {number}")
+    return number
+
+
+def _as_text(value) -> str:
+    if isinstance(value, (dict, list, set)):
+        raise ValueError("a string")
+    text = str(value)
+    if "\0" in text:
+        raise ValueError("a string without NUL characters")
+    return text
+
+
+def _as_gpus(value) -> str:
+    """`gpus: [0, 1]` as well as "0,1" (and `all`)."""
+    if not isinstance(value, list):
+        return _as_text(value)
+    if not value or not all(isinstance(v, (str, int)) and not isinstance(v, bool)
+                            for v in value):
+        raise ValueError("all, or GPU indices or UUIDs (a list, or separated by commas)")
+    return ",".join(str(v) for v in value)
+
+
+def _as_engine_args(value) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = value.split()
+    if not (isinstance(value, list) and all(
+            isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value)):
+        raise ValueError("a list of strings")
+    args = tuple(str(v) for v in value)
+    if any("\0" in arg for arg in args):
+        raise ValueError("a list of strings without NUL characters")
+    return args
+
+
+_BY_NAME = {"gpus": _as_gpus, "engine_args": _as_engine_args}
+
+
+def _converter(f: dataclasses.Field):
+    """The converter a field's schema calls for: by its name where its value has a form of its
+    own, a size where its metadata says so, else by its annotated type."""
+    if f.name in _SIZE_FIELDS:
+        return lambda value: parse_size(str(value))
+    if f.name in _BY_NAME:
+        return _BY_NAME[f.name]
+    expected = f.type
+    if "bool" in expected:
+        return _as_bool
+    if "int" in expected and "float" not in expected:
+        return _as_int
+    return _as_float if "float" in expected else _as_text
 
 
 def _read_text(path: str, source: str, problems: list[str]) -> str | None:

@@ -12,61 +12,46 @@ complete parts.
 
 from __future__ import annotations
 
-import math
-import re
 import sys
-import urllib.parse
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
 from omni_dp.contract import REPLICA_ENV, RUN_ID_ENV, Problems
-from omni_dp.files import private_dir_problem
-from omni_dp.gateway import normalize_url
-from omni_dp.gpus import GpuFacts
-from omni_dp.launcher.engines import (
-    ENGINES,
-    EngineSizing,
-    KvPlan,
-    KvRequest,
-    ReplicaLaunch,
-    reserved_flag_problems,
-    split_model,
+from omni_dp.cpulist import format_cpu_list
+from omni_dp.launcher.engines import ENGINES
+from omni_dp.launcher.engines.base import EngineSizing, ReplicaLaunch, split_model
+from omni_dp.launcher.planning.checks import (
+    check_options,
+    is_loopback_url,
 )
+from omni_dp.launcher.planning.cpus import CpuPart, plan_cpus
+from omni_dp.launcher.planning.devices import GpuPart, plan_gpu, plan_gpus, plan_mps
 from omni_dp.launcher.planning.facts import LaunchFacts, visible_id
-from omni_dp.launcher.planning.gpus import (
-    GpuGroup,
-    gpu_groups,
-    gpu_option_problems,
-    with_gpu_replicas,
+from omni_dp.launcher.planning.gpus import GpuGroup, with_gpu_replicas
+from omni_dp.launcher.planning.memory import (
+    KvPart,
+    memory_formula,
+    plan_kv,
+    plan_memory,
+    plan_share_room,
 )
-from omni_dp.launcher.planning.options import (
-    MPS_FAULT_ACTIONS,
-    REGISTER_AS,
-    START_MODES,
-    LaunchOptions,
-    replica_ports,
+from omni_dp.launcher.planning.options import LaunchOptions
+from omni_dp.launcher.planning.run import (
+    RunPart,
+    plan_ports,
+    plan_router,
+    plan_run,
+    plan_state_root,
 )
 from omni_dp.launcher.planning.share_group import LEADER, followers, share_role
-from omni_dp.launcher.planning.topology import (
-    format_cpu_list,
-    plan_auto,
-    plan_auto_gpus,
-    plan_explicit,
-)
-from omni_dp.logs import LOG_FORMATS
 from omni_dp.mps.binaries import MpsBinaries
-from omni_dp.rundir import RUN_ID, engine_work_dir, mps_log_dir, mps_pipe_dir, run_dir, share_dir
+from omni_dp.rundir import engine_work_dir, mps_log_dir, mps_pipe_dir, share_dir
 from omni_dp.runfile import GpuRecord, gpu_key
 from omni_dp.sizes import format_size
 
-POLICIES = ("least_request", "round_robin", "power_of_two", "random")
-STAGE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
-MAX_SECONDS = 7 * 24 * 3600.0  # any timeout or interval beyond is a typo (and overflows poll())
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                     "NUMEXPR_NUM_THREADS")
-SEGMENT_SLACK_BYTES = 16 * 1024**2
 NO_DRY_RUN = ("the engine's dry run did not run, so the replicas' sizes are unknown; run "
               "`omni-dp serve --dry-run` with the engine arguments to see why")
 
@@ -222,560 +207,7 @@ class LaunchPlan:
                 for g in self.gpus]
 
 
-# --- the options alone ----------------------------------------------------------------------
-# Each check reads a few fields and returns its problems; a sub-planner that reads those fields
-# asks the same check whether they were refused.
-
-
-def _replica_count(o: LaunchOptions) -> list[str]:
-    return [] if o.replicas >= 1 else [f"--replicas must be at least 1, got {o.replicas}"]
-
-
-def _kv_pin(o: LaunchOptions) -> list[str]:
-    if o.kv_cache_bytes is not None and o.max_total_tokens is not None:
-        return ["--kv-cache-bytes and --max-total-tokens are exclusive: pin the KV cache by "
-                "bytes OR by tokens"]
-    unpinned = o.kv_cache_bytes is None and o.max_total_tokens is None
-    if (o.replicas > 1 and unpinned
-            and not getattr(ENGINES.get(o.engine), "fixed_default_kv", False)):
-        what = (f"--gpus {o.gpus} ({o.replicas} replicas)" if o.gpus is not None
-                else f"--replicas {o.replicas}")
-        return [f"{what} needs a pinned KV size: give --max-total-tokens N or "
-                "--kv-cache-bytes SIZE. Without one, each replica sizes its KV from the memory "
-                "free when it starts, so later replicas get less"]
-    return []
-
-
-def _kv_sizes(o: LaunchOptions) -> list[str]:
-    problems = []
-    if o.kv_cache_bytes is not None and o.kv_cache_bytes <= 0:
-        problems.append("--kv-cache-bytes must be positive")
-    if o.max_total_tokens is not None and o.max_total_tokens <= 0:
-        problems.append("--max-total-tokens must be positive")
-    return problems
-
-
-# (flag, field, allowed values, None allowed (the default chosen later), say what was given)
-_CHOICES = (
-    ("--start", "start", START_MODES, True, True),
-    ("--on-mps-fault", "on_mps_fault", MPS_FAULT_ACTIONS, False, False),
-    ("--policy", "policy", POLICIES, False, True),
-    ("--log-format", "log_format", LOG_FORMATS, False, True),
-    ("--register-as", "register_as", REGISTER_AS, False, True),
-)
-
-
-def _choices(o: LaunchOptions) -> list[str]:
-    problems = []
-    for flag, name, allowed, optional, say in _CHOICES:
-        value = getattr(o, name)
-        if value in allowed or (optional and value is None):
-            continue
-        problems.append(f"{flag} must be one of {', '.join(allowed)}"
-                        + (f", got {value!r}" if say else ""))
-    return problems
-
-
-def _router_workers(o: LaunchOptions) -> list[str]:
-    return [] if o.router_workers >= 1 else ["--router-workers must be at least 1"]
-
-
-def _engine(o: LaunchOptions) -> list[str]:
-    engine = ENGINES.get(o.engine)
-    if engine is None:
-        return [f"engine {o.engine!r} is not known; known: {', '.join(ENGINES)}"]
-    problems = reserved_flag_problems(engine, o.engine_args)
-    if not engine.external and (o.engine_python or o.engine_overhead is not None):
-        problems.append("--engine-python and --engine-overhead are for external engines; the "
-                        "built-in engine runs with omni-dp's interpreter and sizes itself")
-    if not STAGE_NAME.match(o.engine_stage):
-        problems.append(f"--engine-stage {o.engine_stage!r} is not a stage name: letters, "
-                        "digits and '_'")
-    return problems
-
-
-def _run_id(o: LaunchOptions) -> list[str]:
-    if o.run_id is None or RUN_ID.match(o.run_id):
-        return []
-    return [f"--run-id {o.run_id!r} is not a run id: 1-64 letters, digits, '_', '.', '-', "
-            "starting with a letter or digit (no path separators)"]
-
-
-# (field, may be 0): each a number of seconds up to MAX_SECONDS
-_SECONDS = (("start_timeout", False), ("check_interval", False), ("restart_window", False),
-            ("drain_timeout", True))
-
-
-def _seconds(o: LaunchOptions) -> list[str]:
-    problems = []
-    # nan passes every comparison below it (and then stops the supervisor's loop), inf too
-    for name, zero_ok in _SECONDS:
-        seconds = getattr(o, name)
-        if seconds is None:  # --start-timeout: the engine's default
-            continue
-        if (math.isfinite(seconds) and (seconds >= 0 if zero_ok else seconds > 0)
-                and seconds <= MAX_SECONDS):
-            continue
-        lowest = "0" if zero_ok else "more than 0"
-        problems.append(f"--{name.replace('_', '-')} must be a number of seconds from {lowest} "
-                        f"to {MAX_SECONDS:.0f} (7 days), got {seconds}")
-    return problems
-
-
-def _restart_counts(o: LaunchOptions) -> list[str]:
-    if o.restart_after_failures < 1 or o.restart_budget < 0:
-        return ["--restart-after-failures must be ≥ 1 and --restart-budget ≥ 0"]
-    return []
-
-
-def _memory_headroom(o: LaunchOptions) -> list[str]:
-    if 0 <= o.memory_headroom < 1:
-        return []
-    return [f"--memory-headroom must be a fraction in [0, 1), got {o.memory_headroom}"]
-
-
-def _api_key(o: LaunchOptions) -> list[str]:
-    """The key travels in an HTTP header: visible ASCII only. Never echoed back."""
-    key = o.api_key
-    if key is None:
-        return []
-    if not key.strip():
-        return ["--api-key (or OMNI_DP_API_KEY, or api_key in --config) must not be empty"]
-    if not all(33 <= ord(c) <= 126 for c in key):
-        return ["--api-key (or OMNI_DP_API_KEY, or api_key in --config) must be printable "
-                "ASCII without spaces: it is sent in an HTTP header"]
-    return []
-
-
-def _share_weights(o: LaunchOptions) -> list[str]:
-    engine = ENGINES.get(o.engine)
-    if not o.share_weights or engine is None or engine.shares_weights:
-        return []
-    able = ", ".join(name for name, e in ENGINES.items() if e.shares_weights)
-    return [f"--share-weights: engine {o.engine} cannot share weights between replicas; only "
-            f"{able} can: run without --share-weights"]
-
-
-def _register(o: LaunchOptions) -> list[str]:
-    """--register's URLs must be http(s) URLs the gateway can be given as they are."""
-    problems = []
-    for flag, url in (("--register", o.register), ("--register-url", o.register_url)):
-        if url is None:
-            continue
-        try:
-            normalize_url(url)
-        except ValueError as exc:
-            problems.append(f"{flag}: {exc}; give http://HOST:PORT")
-    if o.register_url is not None and (o.register is None or o.register_as != "router"):
-        problems.append("--register-url is the router's URL for --register-as router; "
-                        "replicas are registered by their own URLs")
-    if (o.register is not None and o.register_as == "router" and o.register_url is None
-            and not problems and not _loopback_url(o.register)):
-        problems.append(f"--register-as router with the gateway {o.register} on another host: "
-                        "give --register-url http://THIS_HOST:PORT, the router's address as "
-                        "that gateway reaches it (and --host 0.0.0.0 so the router listens "
-                        "there)")
-    return problems
-
-
-def _loopback_url(url: str) -> bool:
-    host = urllib.parse.urlsplit(normalize_url(url)).hostname or ""
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
-def _no_gpu_check(o: LaunchOptions) -> list[str]:
-    return ["--no-gpu-check only applies to --mps"] if o.no_gpu_check and not o.mps else []
-
-
-def _replica_ports(o: LaunchOptions) -> list[str]:
-    if _replica_count(o):  # no replica ports to place
-        return []
-    last = o.base_port + o.replicas - 1
-    if o.base_port < 1 or last > 65535:
-        return [f"--base-port {o.base_port}: replica ports {o.base_port}-{last} must lie within "
-                "1-65535"]
-    return []
-
-
-def _router_port(o: LaunchOptions) -> list[str]:
-    if not 1 <= o.router_port <= 65535:
-        return [f"--router-port must be 1-65535, got {o.router_port}"]
-    if _replica_count(o):
-        return []
-    last = o.base_port + o.replicas - 1
-    if o.base_port <= o.router_port <= last:
-        return [f"--router-port {o.router_port} falls in the replica port range "
-                f"{o.base_port}-{last}; move one of them"]
-    return []
-
-
-OPTION_CHECKS: tuple[Callable[[LaunchOptions], list[str]], ...] = (
-    _replica_count, _kv_pin, _kv_sizes, _choices, _router_workers, _engine, _run_id, _seconds,
-    _restart_counts, _memory_headroom, _api_key, _no_gpu_check, _replica_ports, _router_port,
-    _share_weights, gpu_option_problems, _register,
-)
-
-
-def check_options(o: LaunchOptions) -> list[str]:
-    """What is wrong with the options alone, whatever the machine."""
-    return [problem for check in OPTION_CHECKS for problem in check(o)]
-
-
-# --- the parts of a plan --------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GpuPart:
-    gpu: GpuFacts | None  # the first GPU (the only one without --gpus); None: on the CPU
-    device: str  # "cpu" or "cuda"
-    label: str  # "GPU-<uuid>" (or the index), or "cpu"; comma-separated over GPUs
-    warnings: tuple[str, ...] = ()
-    groups: tuple[GpuGroup, ...] = ()  # one per GPU slot, with its replicas
-
-    def group_of(self, index: int) -> GpuGroup:
-        return next(g for g in self.groups if index in g.replicas)
-
-
-@dataclass(frozen=True)
-class MpsPart:
-    binary: str | None  # the control binary; None without --mps
-    binaries: MpsBinaries | None
-
-
-@dataclass(frozen=True)
-class RunPart:
-    run_id: str
-    directory: Path
-
-
-@dataclass(frozen=True)
-class RouterPart:
-    url: str
-    argv: tuple[str, ...]  # without the --replica entries
-
-
-@dataclass(frozen=True)
-class CpuPart:
-    blocks: tuple[tuple[int, ...] | None, ...]  # one per replica; None: unpinned
-    warnings: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class KvPart:
-    pin: KvPlan  # the engine adapter's: its arguments, what every replica holds and reports
-    per_gpu: tuple[KvPlan, ...] = ()  # each GPU slot's pin (its own size); () with one GPU
-
-    @property
-    def sizing(self) -> EngineSizing:
-        return self.pin.sizing
-
-    def of(self, slot: int) -> KvPlan:
-        """GPU slot's pin: the same tokens everywhere, the engine's knobs per GPU."""
-        return self.per_gpu[slot] if self.per_gpu else self.pin
-
-
-def plan_gpu(o: LaunchOptions, facts: LaunchFacts) -> tuple[GpuPart | None, list[str]]:
-    """Which device the replicas use, and what --mps needs of it."""
-    gpu = facts.gpu
-    problems = []
-    if o.gpu not in ("auto", "none") and gpu is None:
-        problems += facts.gpu_problems or [f"--gpu {o.gpu}: no such GPU"]
-    problems += _mps_gpu_problems(o, facts)
-    engine = ENGINES.get(o.engine)
-    if engine is not None and engine.needs_gpu and (gpu is None or o.gpu == "none"):
-        on_cpu = ", ".join(name for name, e in ENGINES.items() if not e.needs_gpu)
-        problems.append(f"engine {o.engine} needs a CUDA GPU and there is none to use"
-                        + (" (--gpu none)" if o.gpu == "none" else "")
-                        + f"; it cannot serve on the CPU (these can: {on_cpu})")
-    if problems:
-        return None, problems
-    warnings = ()
-    if o.mps and gpu is None:  # --no-gpu-check
-        warnings = ("--no-gpu-check: no GPU, the replicas run on CPU; the MPS daemon runs but "
-                    "no process can attach to it, so attach verification will fail",)
-    # the replicas' indices only once their count is valid (10**30 of them must not be made)
-    count = 0 if _replica_count(o) or _replica_ports(o) else o.replicas
-    groups = (GpuGroup(0, gpu, gpu.index if gpu is not None else None, facts.gpu_numa_node,
-                       tuple(range(count))),)
-    return GpuPart(gpu, "cuda" if gpu is not None else "cpu", visible_id(gpu) or "cpu",
-                   warnings, groups), []
-
-
-def plan_gpus(o: LaunchOptions, facts: LaunchFacts) -> tuple[GpuPart | None, list[str]]:
-    """--gpus: one slot per GPU, the replicas spread over them (o.replicas is the total)."""
-    problems = list(facts.gpu_problems)
-    if gpu_option_problems(o) or _replica_count(o) or _replica_ports(o):
-        return None, problems
-    listed = [(g, g.index, node) for g, node in zip(facts.gpus, facts.gpu_nodes, strict=True)]
-    listed += [(None, index, None) for index in facts.unchecked_gpus]
-    if not listed and not problems:
-        problems.append(f"--gpus {o.gpus}: no GPU to use")
-    if o.mps:
-        problems += [_no_uuid(g) for g, _, _ in listed if g is not None and not g.uuid]
-    engine = ENGINES.get(o.engine)
-    if engine is not None and engine.needs_gpu and facts.unchecked_gpus:
-        problems.append(f"engine {o.engine} needs CUDA GPUs; --no-gpu-check runs the replicas "
-                        "on the CPU")
-    if o.share_weights and len(listed) > 1:
-        problems.append("--share-weights shares one copy of the weights on one GPU; with "
-                        "--gpus over several GPUs each GPU would need its own leader, which "
-                        "omni-dp does not do yet: run one launch per GPU, or without "
-                        "--share-weights")
-    if listed and o.replicas < len(listed):  # with_gpu_replicas said why
-        return None, problems
-    if problems:
-        return None, problems
-    groups = gpu_groups(listed, o.replicas)
-    warnings: tuple[str, ...] = ()
-    if facts.unchecked_gpus:
-        warnings = (f"--no-gpu-check: GPUs {o.gpus} taken unchecked (NVML sees none): one MPS "
-                    "daemon per GPU runs, the replicas run on the CPU and nothing can attach, "
-                    "so attach verification will fail",)
-    first = facts.gpus[0] if facts.gpus else None
-    return GpuPart(first, "cuda" if first is not None else "cpu",
-                   ",".join(g.label for g in groups), warnings, groups), []
-
-
-def _no_uuid(gpu: GpuFacts) -> str:
-    return (f"--mps: NVML could not read the UUID of GPU {gpu.index}; its MPS daemon and "
-            "clients must name the GPU by UUID; check `nvidia-smi -L` and the driver, or run "
-            "without --mps")
-
-
-def _mps_gpu_problems(o: LaunchOptions, facts: LaunchFacts) -> list[str]:
-    gpu = facts.gpu
-    if not o.mps:
-        return []
-    if gpu is None and not o.no_gpu_check:
-        why = "; ".join(facts.gpu_problems) or "NVML sees no GPU here"
-        return [f"--mps needs a GPU, and there is none to use ({why}); run without --mps to "
-                "use the CPU"]
-    if gpu is not None and not gpu.uuid:
-        return [f"--mps: NVML could not read the UUID of GPU {gpu.index}; the MPS daemon and "
-                "its clients must name the GPU by UUID (a client's CUDA_VISIBLE_DEVICES index "
-                "is renumbered under MPS and names the right GPU only by chance); check "
-                "`nvidia-smi -L` and the driver, or run without --mps"]
-    return []
-
-
-def plan_mps(o: LaunchOptions, facts: LaunchFacts) -> tuple[MpsPart | None, list[str]]:
-    """The MPS binaries the run uses, and the MPS preflight's word (read with the facts)."""
-    if facts.mps_problems:
-        return None, list(facts.mps_problems)
-    return MpsPart(facts.mps_binary, facts.mps_binaries), []
-
-
-def plan_run(o: LaunchOptions, facts: LaunchFacts) -> tuple[RunPart | None, list[str]]:
-    """The run's id and directory: an id no earlier run's state still holds."""
-    if _run_id(o):
-        return None, []
-    run_id = o.run_id or facts.new_run_id
-    problems = []
-    for run in facts.runs:
-        if run.run_id != run_id:
-            continue
-        problems.append(
-            f"run {run_id} is still running; pick another --run-id or stop it: "
-            f"{facts.command} down {run_id}" if run.live else
-            f"the state of an earlier run {run_id} is kept at {run.directory}; remove it "
-            f"with `{facts.command} down {run_id}` or pick another --run-id")
-    if problems:
-        return None, problems
-    return RunPart(run_id, run_dir(facts.state_root, run_id)), []
-
-
-def plan_state_root(facts: LaunchFacts) -> tuple[Path | None, list[str]]:
-    """The state root must be ours alone (or not exist yet): it holds every run's token."""
-    problem = private_dir_problem(facts.state_root)
-    if problem:
-        return None, [f"state directory: {problem} (set OMNI_DP_STATE_DIR to use another)"]
-    return facts.state_root, []
-
-
-def plan_ports(o: LaunchOptions, facts: LaunchFacts) -> tuple[tuple[int, ...] | None, list[str]]:
-    """One free loopback port per replica."""
-    if _replica_count(o) or _replica_ports(o):
-        return None, []
-    ports = tuple(replica_ports(o))
-    problems = [f"port {port} (replica {port - o.base_port}) is in use; pick another "
-                "--base-port" for port in ports if port in facts.taken_ports]
-    return (None, problems) if problems else (ports, [])
-
-
-def plan_router(o: LaunchOptions, facts: LaunchFacts) -> tuple[RouterPart | None, list[str]]:
-    """Where the router listens, and how many worker processes it forks."""
-    problems = [facts.host_problem] if facts.host_problem else []
-    if o.router_port in facts.taken_ports:
-        problems.append(f"port {o.router_port} on {o.host} (router) is in use; pick another "
-                        "--router-port")
-    cpus = len(facts.topology.allowed)
-    if o.router_workers > cpus:  # a typo here would fork that many routers
-        problems.append(f"--router-workers {o.router_workers}: more router processes than the "
-                        f"{cpus} CPU(s) this process may use gain nothing; use at most {cpus}")
-    if problems or _router_port(o) or _router_workers(o):
-        return None, problems
-    argv = (sys.executable, "-m", "omni_dp", "router", "--host", o.host,
-            "--port", str(o.router_port), "--policy", o.policy,
-            "--workers", str(o.router_workers), "--drain-timeout", str(o.drain_timeout),
-            "--log-format", o.log_format)
-    return RouterPart(f"http://{_url_host(o.host)}:{o.router_port}", argv), []
-
-
-def plan_cpus(o: LaunchOptions, facts: LaunchFacts,
-              gpu: GpuPart | None = None) -> tuple[CpuPart | None, list[str]]:
-    """Each replica's CPU block: whole cores, disjoint, its GPU's NUMA node first (over
-    several GPUs: each GPU's replicas on that GPU's node first, no core shared)."""
-    if _replica_count(o):
-        return None, []
-    if o.cpu_blocks == "none":
-        return CpuPart((None,) * o.replicas), []
-    groups = gpu.groups if gpu is not None and len(gpu.groups) > 1 else ()
-    if o.gpus is not None and not groups and gpu is None:
-        return None, []  # plan_gpus said why: no GPUs to place the blocks by
-    nodes = [g.numa_node for g in groups for _ in g.replicas] or None
-    if o.cpu_blocks == "auto" and groups:
-        cpu_plan = plan_auto_gpus(facts.topology, [(len(g.replicas), g.numa_node)
-                                                   for g in groups])
-    elif o.cpu_blocks == "auto":
-        cpu_plan = plan_auto(facts.topology, o.replicas, facts.gpu_numa_node)
-    else:
-        cpu_plan = plan_explicit(facts.topology, o.replicas, o.cpu_blocks, facts.gpu_numa_node,
-                                 nodes)
-    if cpu_plan.problems:
-        return None, cpu_plan.problems
-    return CpuPart(tuple(cpu_plan.blocks), tuple(cpu_plan.warnings)), []
-
-
-def plan_kv(o: LaunchOptions, facts: LaunchFacts,
-            gpu: GpuPart | None = None) -> tuple[KvPart | None, list[str]]:
-    """The KV pin in the engine's own knobs, from the engine's word on its sizes (the builtin
-    engine's dry run, an external engine's model directory)."""
-    engine = ENGINES.get(o.engine)
-    if engine is None or _kv_pin(o) or _kv_sizes(o):
-        return None, list(facts.engine_problems)
-    if engine.needs_gpu and gpu is None:  # plan_gpu said why; a pin needs the GPU's size
-        return None, list(facts.engine_problems)
-    device = gpu.device if gpu is not None else ("cuda" if facts.gpu is not None else "cpu")
-    groups = gpu.groups if gpu is not None and len(gpu.groups) > 1 else ()
-    if not groups:
-        request = _kv_request(o, facts, device, gpu.gpu if gpu is not None else facts.gpu,
-                              o.replicas)
-        pin, problems = engine.plan_kv(request)
-        problems = [*facts.engine_problems, *problems]
-        if pin is None or problems:
-            return None, problems
-        return KvPart(pin), []
-    # One pin per GPU (its knobs may depend on the GPU's size), one token count for all.
-    pins, problems = [], list(facts.engine_problems)
-    for group in groups:
-        pin, found = engine.plan_kv(_kv_request(o, facts, device, group.gpu,
-                                                len(group.replicas)))
-        problems += [p if group.title in p else f"{group.title}: {p}" for p in found]
-        pins.append(pin)
-    if problems or any(pin is None for pin in pins):
-        return None, problems
-    tokens = {group.title: pin.expected_tokens for group, pin in zip(groups, pins, strict=True)}
-    if len(set(tokens.values())) > 1:
-        return None, ["the GPUs' KV pins differ: " + ", ".join(
-            f"{title} {count} tokens" for title, count in tokens.items())
-            + "; every replica must hold the same KV: pin it by --max-total-tokens, or list "
-            "GPUs of one model in --gpus"]
-    return KvPart(pins[0], tuple(pins)), []
-
-
-def _kv_request(o: LaunchOptions, facts: LaunchFacts, device: str, gpu: GpuFacts | None,
-                replicas: int) -> KvRequest:
-    return KvRequest(
-        kv_cache_bytes=o.kv_cache_bytes, max_total_tokens=o.max_total_tokens,
-        replicas=replicas, device=device, gpu=gpu, sizing=facts.sizing, model=facts.model,
-        overhead_bytes=o.engine_overhead, engine_stage=o.engine_stage,
-        engine_args=o.engine_args)
-
-
-def plan_memory(o: LaunchOptions, facts: LaunchFacts, gpu: GpuPart | None,
-                kv: KvPart | None) -> tuple[int | None, list[str]]:
-    """Whether N replicas fit in the device's memory; the part is the bytes they need."""
-    if gpu is None or kv is None or _replica_count(o) or _memory_headroom(o):
-        return None, []
-    need, each = memory_formula(kv.sizing, o.replicas, o.share_weights)
-    if len(gpu.groups) > 1:  # each GPU holds its own replicas
-        problems, total = [], 0
-        for group in gpu.groups:
-            mine, words = memory_formula(kv.of(group.slot).sizing, len(group.replicas),
-                                         o.share_weights)
-            total += mine
-            if group.gpu is not None:
-                problems += _gpu_memory_problems(o, group.gpu, mine, words, named=True)
-        if gpu.device == "cpu" and total > facts.host_memory_available:  # GPUs unchecked
-            problems.append(f"host memory: {each} does not fit in the "
-                            f"{format_size(facts.host_memory_available)} available; lower the "
-                            "KV size or the replica count")
-        return (None, problems) if problems else (total, [])
-    if gpu.gpu is not None:
-        problems = _gpu_memory_problems(o, gpu.gpu, need, each)
-    elif need > facts.host_memory_available:
-        problems = [f"host memory: {each} does not fit in the "
-                    f"{format_size(facts.host_memory_available)} available; lower the KV size or "
-                    "the replica count"]
-    else:
-        problems = []
-    return (None, problems) if problems else (need, [])
-
-
-def plan_share_room(o: LaunchOptions, facts: LaunchFacts, gpu: GpuPart | None,
-                    kv: KvPart | None) -> tuple[int | None, list[str]]:
-    """--share-weights on the CPU: the leader writes every weight, shared and private, as one
-    segment file into the run's share/ directory, on the state root's filesystem (by default
-    under $XDG_RUNTIME_DIR, often a small tmpfs). The part is the segment's bytes."""
-    if not o.share_weights or gpu is None or gpu.device != "cpu" or kv is None:
-        return None, []
-    # + the manifest, alignment padding and buffers beside the parameters: a slack, not a size
-    need, free = kv.sizing.weights_bytes + SEGMENT_SLACK_BYTES, facts.state_root_free
-    if free is None or need <= free:
-        return need, []
-    return None, [f"--share-weights on the CPU: the leader writes its weights "
-                  f"({format_size(kv.sizing.weights_bytes)}, shared and private; "
-                  f"{format_size(need)} with the manifest and padding) as one segment into the run "
-                  f"directory under {facts.state_root}, whose filesystem has "
-                  f"{format_size(free)} free; set OMNI_DP_STATE_DIR to a directory on a "
-                  "filesystem with room for it, or run without --share-weights"]
-
-
-def memory_formula(sizing: EngineSizing, replicas: int, share: bool) -> tuple[int, str]:
-    """What N replicas need, and the formula with its numbers: N × (weights + KV + overhead),
-    or with --share-weights W + N × (private weights + KV + overhead), W the shared weights
-    held once (beside it, what the same replicas would need without sharing)."""
-    s = sizing
-    plain = replicas * s.total_bytes
-    plain_text = (f"{replicas} × (weights {format_size(s.weights_bytes)} + KV "
-                  f"{format_size(s.kv_cache_bytes)} + overhead {format_size(s.overhead_bytes)})"
-                  f" = {format_size(plain)}")
-    if not share:
-        return plain, plain_text
-    need = s.shared_weights_bytes + replicas * (
-        s.private_weights_bytes + s.kv_cache_bytes + s.overhead_bytes)
-    return need, (f"shared weights {format_size(s.shared_weights_bytes)} + {replicas} × "
-                  f"(private weights {format_size(s.private_weights_bytes)} + KV "
-                  f"{format_size(s.kv_cache_bytes)} + overhead {format_size(s.overhead_bytes)})"
-                  f" = {format_size(need)} (without --share-weights: {plain_text})")
-
-
-def _gpu_memory_problems(o: LaunchOptions, gpu: GpuFacts, need: int, each: str,
-                         named: bool = False) -> list[str]:
-    total = gpu.memory_total_bytes
-    if not total:  # NVML could not tell: nothing to check against
-        return []
-    used = gpu.memory_used_bytes or 0
-    usable = int(total * (1 - o.memory_headroom)) - used
-    if need <= usable:
-        return []
-    where = f" of {gpu.label}" if named else ""
-    return [f"GPU memory{where}: {each} does not fit: the GPU has {format_size(total)}, "
-            f"{format_size(used)} already in use, {o.memory_headroom:.0%} kept as headroom → "
-            f"{format_size(max(usable, 0))} usable; lower the KV size or the replica count"]
-
-
-# --- the plan -------------------------------------------------------------------------------
+# --- the plan, from its parts ------------------------------------------------------------------
 
 T = TypeVar("T")
 
@@ -884,7 +316,7 @@ def _register_warnings(o: LaunchOptions, router_url: str) -> list[str]:
         warnings.append(f"--register: the SGLang model gateway does not proxy "
                         f"/v1/audio/speech; engine {o.engine}'s speech goes through this host's "
                         f"router ({router_url}) only, the gateway lists the replicas")
-    if o.register_as == "replicas" and not _loopback_url(o.register):
+    if o.register_as == "replicas" and not is_loopback_url(o.register):
         warnings.append(f"--register {o.register}: the replicas listen on 127.0.0.1, so that "
                         "gateway must run on this host; from elsewhere register the router "
                         "(--register-as router --register-url http://THIS_HOST:PORT, --host "
@@ -929,9 +361,3 @@ def _pinned(argv: list[str], cpus: tuple[int, ...] | None, facts: LaunchFacts,
     return prefix + argv
 
 
-def _url_host(host: str) -> str:
-    if host in ("0.0.0.0", ""):
-        return "127.0.0.1"
-    if host == "::":
-        return "[::1]"
-    return f"[{host}]" if ":" in host else host

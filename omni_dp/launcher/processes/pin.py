@@ -12,7 +12,7 @@ import os
 import sys
 
 from omni_dp.contract import ExitCode
-from omni_dp.launcher.planning.topology import parse_cpu_list
+from omni_dp.cpulist import parse_cpu_list
 
 EXEC_FAILED = 127  # the shell's "command not found / not executable"
 

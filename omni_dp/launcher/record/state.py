@@ -45,9 +45,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from omni_dp.cpulist import format_cpu_list
 from omni_dp.files import atomic_write, make_private_dir
 from omni_dp.launcher.planning.plan import LaunchPlan
-from omni_dp.launcher.planning.topology import format_cpu_list
 from omni_dp.mps.daemon import DaemonRecord
 from omni_dp.procs import identify
 from omni_dp.rundir import RUN_FILE, TOKEN_FILE, logs_dir

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from omni_dp.launcher.bringup.gates import http_json
+from omni_dp.blocking_http import http_json
 from omni_dp.launcher.bringup.replicas import ReplicaControl
 from omni_dp.launcher.record.state import RunState
 from omni_dp.launcher.supervision.restart_policy import RestartPolicy

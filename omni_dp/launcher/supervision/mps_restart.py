@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from omni_dp.launcher.bringup.gates import GateFailed
 from omni_dp.launcher.bringup.steps import BringUpFailed, start_daemon, start_replicas
+from omni_dp.launcher.engines.replica_api import GateFailed
 from omni_dp.launcher.processes.ours import stop_processes
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.router_link import RouterLink

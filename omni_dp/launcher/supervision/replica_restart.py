@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from omni_dp.launcher.bringup.gates import GateFailed
+from omni_dp.launcher.engines.replica_api import GateFailed
 from omni_dp.launcher.planning.share_group import LEADER, start_waves
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.restart_policy import GiveUp

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from omni_dp.blocking_http import http_json
 from omni_dp.contract import API_KEY_ENV
-from omni_dp.launcher.bringup.gates import http_json
 from omni_dp.launcher.bringup.gateway_link import REGISTER_WAIT_S, GatewayLink
 from omni_dp.launcher.bringup.steps import BringUpFailed, start_router
 from omni_dp.launcher.supervision.crew import Crew

@@ -6,7 +6,7 @@ The JSON shape is the contract in docs/contracts.md; fields may be added, none r
 from __future__ import annotations
 
 from omni_dp import runfile
-from omni_dp.launcher.bringup.gates import http_json
+from omni_dp.blocking_http import http_json
 from omni_dp.launcher.planning.facts import invoked_as
 from omni_dp.launcher.planning.share_group import LEADER, attachment_basis, followers, share_role
 from omni_dp.launcher.record.state import RunState

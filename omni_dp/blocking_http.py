@@ -1,8 +1,9 @@
-"""The blocking HTTP calls to a gateway's control API (urllib, like omni_dp.launcher.bringup.gates).
+"""Blocking HTTP calls from plain threads: the launcher's and the supervisor's to replicas and
+routers (a handful a second), and the fleet-gateway registration's.
 
-Blocking on purpose: the launcher registers and deregisters from plain threads, a handful of
-calls per replica. Unlike gates.http_json, an error answer keeps its text, because a gateway
-that refuses says why in plain text or JSON, and that is what the person reading must see.
+Blocking urllib on purpose: these callers need no event loop for a few calls, and none of them
+goes through a proxy. `call` keeps an error answer's text (a gateway that refuses says why in
+it); `http_json` and `http_text` are the short forms the gates use.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-# Straight to the gateway: an http_proxy meant for the outside world must not see (or answer
-# for) calls to a gateway on the cluster's network, as for every other omni-dp HTTP call.
+# Straight to the peer: an http_proxy meant for the outside world must never see (or answer for)
+# calls to a replica, a router on loopback or a gateway on the cluster's network.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-_WORDS_MAX = 400  # characters of a gateway's answer quoted in a message
+_WORDS_MAX = 400  # characters of an answer quoted in a message
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Answer:
     error: str = ""
 
     def words(self) -> str:
-        """What the gateway said, for a message: its JSON error/message, else the text."""
+        """What the peer said, for a message: its JSON error/message, else the text."""
         if isinstance(self.body, dict):
             said = [str(self.body[k]) for k in ("error", "message", "detail") if self.body.get(k)]
             if said:
@@ -45,9 +46,10 @@ def call(method: str, url: str, body: object = None, *, timeout: float,
          headers: dict[str, str] | None = None) -> Answer:
     """One request; JSON in and out."""
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json",
-                                              "Accept": "application/json", **(headers or {})})
+    sent = {"Accept": "application/json",
+            **({"Content-Type": "application/json"} if data is not None else {}),
+            **(headers or {})}
+    request = urllib.request.Request(url, data=data, method=method, headers=sent)
     try:
         with _OPENER.open(request, timeout=timeout) as response:
             status, raw = response.status, response.read()
@@ -73,3 +75,17 @@ def _reason(exc: object) -> str:
     if isinstance(exc, socket.gaierror):
         return f"unknown host ({exc.strerror or exc})"
     return str(getattr(exc, "strerror", None) or exc)
+
+
+def http_json(method: str, url: str, body: dict | None = None, timeout: float = 3.0,
+              headers: dict[str, str] | None = None) -> tuple[int, dict | None]:
+    """(status, parsed JSON body or None); status 0 when nothing answered."""
+    answer = call(method, url, body, timeout=timeout, headers=headers)
+    return answer.status, answer.body if isinstance(answer.body, (dict, list)) else None
+
+
+def http_text(url: str, timeout: float = 3.0) -> tuple[int, str | None]:
+    """GET url: (status, body as text); status 0 when nothing answered; no text for an error
+    status."""
+    answer = call("GET", url, timeout=timeout, headers={"Accept": "*/*"})
+    return answer.status, answer.text if 200 <= answer.status < 300 else None
