@@ -80,6 +80,21 @@ class LaunchOptions:
         "help": "The router's load-balancing policy."})
     router_workers: int = field(default=1, metadata={
         "help": "Router processes sharing the port (SO_REUSEPORT)."})
+    # The router's handling of a replica that fails or hangs under a request: passed to
+    # `omni-dp router` when given; None keeps the router's own default (one home for each).
+    retries: int | None = field(default=None, metadata={
+        "help": "The router's --retries: times a request none of whose answer reached the "
+                "client is sent to another replica.  [default: the router's, 1]"})
+    resumes: int | None = field(default=None, metadata={
+        "help": "The router's --resumes: times a cut stream is continued by another replica "
+                "from the byte the client has.  [default: the router's, 1]"})
+    first_byte_timeout: float | None = field(default=None, metadata={
+        "help": "The router's --first-byte-timeout: seconds before a silent replica is "
+                "checked, and ejected as hung if its /health fails too.  [default: the "
+                "router's, 5]"})
+    stall_timeout: float | None = field(default=None, metadata={
+        "help": "The router's --stall-timeout: the same for a stream that stops mid-answer.  "
+                "[default: the router's, 5]"})
     run_id: str | None = field(default=None, metadata={
         "help": "Name the run (default: run-DATE-TIME-XXXX)."})
     detach: bool = field(default=False, metadata={

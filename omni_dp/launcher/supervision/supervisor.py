@@ -28,6 +28,7 @@ from omni_dp.launcher.bringup.replicas import ReplicaControl
 from omni_dp.launcher.record.state import RunState
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.death_watch import DeathWatch
+from omni_dp.launcher.supervision.hang_watch import HangWatch
 from omni_dp.launcher.supervision.mps_restart import GroupRestart
 from omni_dp.launcher.supervision.mps_watch import MpsWatch
 from omni_dp.launcher.supervision.replica_restart import ReplicaRestart
@@ -77,6 +78,7 @@ class Supervisor:
         self.busy = Busy(run_slots(state.record))  # the slots a restart thread owns
         self.watches = {r.index: ReplicaWatch(s.restart_after_failures) for r in state.replicas}
         self.router = RouterLink(self.crew)
+        self.hangs = HangWatch()
         # one watch per GPU's daemon, by GPU slot: its own budget, its own clients' logs
         self.mps = {slot.index: MpsWatch(self.crew.policy, s.on_mps_fault, slot.index)
                     for slot in self.busy.deps.slots if slot.kind == "mps"}
@@ -171,6 +173,7 @@ class Supervisor:
             if not self.busy.skipped(slot):
                 check[slot.kind](slot)
         self.router.retry_enable(skip=self._replica_skipped)
+        self._check_hangs()
         healthy = {r.state for r in self.state.replicas} == {ReplicaState.HEALTHY}
         self.state.set_phase(RunPhase.RUNNING if healthy else RunPhase.DEGRADED)
 
@@ -233,6 +236,23 @@ class Supervisor:
         delay = self.router.died(router.identity.pid)
         if delay is not None:
             self.busy.start(ROUTER, self.router.restart, delay, self.reap, name="router-restart")
+
+    def _check_hangs(self) -> None:
+        """Replicas the router found hung and has not re-admitted within the grace: each
+        restarted through the gates (its own health checks may not have seen it yet: a
+        stopped process's listening socket still accepts)."""
+        router = self.state.record.router
+        if router is None or self.busy.skipped(ROUTER):
+            return
+        workers = self.crew.probe.router_workers(router.url, self.state.api_key)
+        for hung in self.hangs.due(workers or [], self.crew.clock()):
+            record = next((r for r in self.state.replicas if r.index == hung.index), None)
+            if record is None or record.state not in WATCHED or \
+                    self._replica_skipped(hung.index):
+                continue
+            self.state.event("replica_hung", replica=hung.index, since=hung.since,
+                             error=hung.error)
+            self._restart(hung.index, f"hung: the router took it out ({hung.error})")
 
     def _check_mps(self, gpu: int) -> None:
         """GPU slot `gpu`'s daemon: a fault restarts it with its clients, that GPU's replicas."""
