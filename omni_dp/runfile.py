@@ -233,6 +233,9 @@ class PlanRecord:
     register_as: str = "replicas"  # replicas | router
     register_url: str | None = None  # with register_as router: the URL the gateway uses
     replicas_per_gpu: int | None = None  # --replicas-per-gpu (replicas is the run's total)
+    # The launch options as merged at launch (keys as in a --config file, no secret): what a
+    # day-two change plans from; None for a run launched before they were kept
+    options: Mapping[str, object] | None = None
 
     def to_json(self) -> dict:
         return {
@@ -247,6 +250,7 @@ class PlanRecord:
             "api_key_set": self.api_key_set, "share_weights": self.share_weights,
             "register": self.register, "register_as": self.register_as,
             "register_url": self.register_url, "replicas_per_gpu": self.replicas_per_gpu,
+            "options": dict(self.options) if self.options is not None else None,
         }
 
     @classmethod
@@ -266,6 +270,7 @@ class PlanRecord:
             f.bool("share_weights", False), f.str("register", None, optional=True),
             f.str("register_as", "replicas"), f.str("register_url", None, optional=True),
             f.int("replicas_per_gpu", None, optional=True),
+            dict(options.data) if (options := f.object("options", optional=True)) else None,
         )
 
 
@@ -580,6 +585,26 @@ class RunRecord:
         replicas = list(self.replicas)
         replicas[index] = replace(old, **fields)
         return replace(self, replicas=tuple(replicas), share=share)
+
+    def with_scale(self, replicas: tuple[ReplicaRecord, ...], plan: PlanRecord,
+                   gpus: tuple[GpuRecord, ...]) -> RunRecord:
+        """This record with its replica list (a scale added or removed some, numbered 0..N-1
+        still) and the plan and GPU slots they follow from."""
+        if [r.index for r in replicas] != list(range(len(replicas))):
+            raise ValueError("replicas must be numbered 0..N-1, got "
+                             f"{[r.index for r in replicas]}")
+        if plan.replicas != len(replicas):
+            raise ValueError(f"the plan says {plan.replicas} replicas, the list has "
+                             f"{len(replicas)}")
+        share = self.share
+        for gone in (r.index for r in self.replicas if r.index >= len(replicas)):
+            share = share.without(gone) if share is not None else None
+        return replace(self, replicas=replicas, plan=plan, gpus=gpus, share=share)
+
+    def with_plan(self, plan: PlanRecord) -> RunRecord:
+        """This record following a changed plan (new engine arguments: a model update)."""
+        check_types("run", {"plan": plan}, {"plan": (PlanRecord,)})
+        return replace(self, plan=plan)
 
     def with_phase(self, phase: RunPhase) -> RunRecord:
         check_types("run", {"state": phase}, {"state": (RunPhase,)})

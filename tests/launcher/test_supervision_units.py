@@ -16,7 +16,7 @@ from omni_dp.launcher.engines.replica_api import GateFailed
 from omni_dp.launcher.record.state import RunState
 from omni_dp.launcher.supervision import mps_restart, router_link
 from omni_dp.launcher.supervision.crew import Probe
-from omni_dp.launcher.supervision.hang_watch import HANG_GRACE_S, HangWatch, HungReplica
+from omni_dp.launcher.supervision.hang_watch import HANG_GRACE_S, HangReports, HungReplica
 from omni_dp.launcher.supervision.mps_watch import MpsWatch, describe_fault
 from omni_dp.launcher.supervision.replica_watch import ReplicaWatch, Seen, Verdict
 from omni_dp.launcher.supervision.restart_policy import GiveUp, Restart, RestartPolicy
@@ -375,8 +375,8 @@ def test_a_replica_the_router_found_hung_is_restarted_once_after_the_grace(tmp_p
     assert len(started) == 1 and said[-1].startswith("replica 1: hung: the router took it out")
 
 
-def test_hang_watch_acts_on_each_ejection_once_and_ignores_what_is_not_a_hang():
-    watch = HangWatch(grace_s=10.0)
+def test_hang_reports_act_on_each_ejection_once_and_ignores_what_is_not_a_hang():
+    watch = HangReports(grace_s=10.0)
     hung = {"id": "2", "ejected_reason": "hang", "ejected_at": 100.0, "last_error": "stalled"}
     assert watch.due([hung], now=105.0) == []
     assert watch.due([hung], now=111.0) == [HungReplica(2, 100.0, "stalled")]

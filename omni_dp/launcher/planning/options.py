@@ -427,3 +427,37 @@ def merge_options(file_values: dict, flag_values: dict, config_file: str | None
     merged = {name: value for name, value in file_values.items() if value is not None}
     merged.update(flag_values)
     return LaunchOptions(**merged, config_file=config_file)
+
+
+# --- the options a run was launched with, kept in its run.json ---------------------------------
+# What a day-two change (omni-dp restart with new engine arguments, omni-dp scale) plans from:
+# the run's options as they were merged at launch, keys as in a --config file. Secrets never
+# go to disk (the API key is in the environment of whoever needs it).
+NOT_RECORDED = ("api_key", "config_file")
+
+
+def options_record(o: LaunchOptions) -> dict:
+    """The options as plain JSON values, by setting name."""
+    record = {}
+    for name, f in FIELDS.items():
+        if f.name in NOT_RECORDED:
+            continue
+        value = getattr(o, f.name)
+        record[name] = list(value) if isinstance(value, tuple) else value
+    return record
+
+
+def options_from_record(record: dict, source: str = "run.json's options"
+                        ) -> tuple[LaunchOptions, list[str]]:
+    """The options a run.json kept, read back as a --config file is (each value to its
+    field's type); the problems with it, if any (an unknown setting is skipped, said)."""
+    problems: list[str] = []
+    values = {}
+    for name, value in record.items():
+        f = FIELDS.get(name)
+        if f is None or f.name in NOT_RECORDED:
+            problems.append(f"{source}: {name!r} is no setting of this omni-dp")
+            continue
+        values[f.name] = _coerce(f, value, problems, source, name)
+    values = {k: v for k, v in values.items() if v is not None}
+    return LaunchOptions(**values), problems

@@ -36,7 +36,7 @@ from omni_dp.launcher.planning.memory import (
     plan_memory,
     plan_share_room,
 )
-from omni_dp.launcher.planning.options import LaunchOptions
+from omni_dp.launcher.planning.options import LaunchOptions, options_record
 from omni_dp.launcher.planning.run import (
     RunPart,
     plan_ports,
@@ -199,6 +199,7 @@ class LaunchPlan:
             "register": o.register, "register_as": o.register_as,
             "register_url": o.register_url,
             "replicas_per_gpu": o.replicas_per_gpu,
+            "options": options_record(o),
         }
 
     def gpus_json(self) -> list[dict]:

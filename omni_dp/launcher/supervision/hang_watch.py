@@ -23,7 +23,7 @@ class HungReplica:
     error: str  # what the router said
 
 
-class HangWatch:
+class HangReports:
     """Which replicas are due for a restart as hung: each ejection once, after the grace."""
 
     def __init__(self, grace_s: float = HANG_GRACE_S) -> None:
