@@ -21,7 +21,7 @@ from typing import Any
 
 from omni_dp.jsonfields import JsonFields, Malformed
 from omni_dp.mps.attach import DeclaredProcess, ReplicaProcesses
-from omni_dp.mps.daemon import DaemonRecord
+from omni_dp.mps.daemon import DaemonLimits, DaemonRecord
 from omni_dp.procs import ProcessIdentity, is_alive
 from omni_dp.rundir import RUN_FILE, RUN_ID, TOKEN_FILE, run_dir, runs_dir, state_dir
 
@@ -107,9 +107,13 @@ def _fields(data: Mapping | JsonFields, where: str) -> JsonFields:
 
 
 def _daemon(f: JsonFields) -> DaemonRecord:
+    limits = f.object("limits", optional=True)  # absent before caps were offered: none set
     return DaemonRecord(f.identity(), f.str("binary"), f.str("pipe_dir"), f.str("log_dir"),
                         f.str("gpu_uuid", None, optional=True),
-                        f.str("server_binary", None, optional=True), f.int("gpu", 0))
+                        f.str("server_binary", None, optional=True), f.int("gpu", 0),
+                        DaemonLimits(limits.number("thread_percentage", None, optional=True),
+                                     limits.int("memory_limit_bytes", None, optional=True))
+                        if limits else DaemonLimits())
 
 
 def _daemons(mps: JsonFields | None) -> tuple[DaemonRecord, ...]:
@@ -236,6 +240,10 @@ class PlanRecord:
     # The launch options as merged at launch (keys as in a --config file, no secret): what a
     # day-two change plans from; None for a run launched before they were kept
     options: Mapping[str, object] | None = None
+    # --mps-thread-percentage / --mps-memory-limit: each replica process's MPS caps (None:
+    # uncapped); the daemons' defaults are set to them and read back (DaemonRecord.limits)
+    mps_thread_percentage: float | None = None
+    mps_memory_limit: int | None = None
 
     def to_json(self) -> dict:
         return {
@@ -251,6 +259,8 @@ class PlanRecord:
             "register": self.register, "register_as": self.register_as,
             "register_url": self.register_url, "replicas_per_gpu": self.replicas_per_gpu,
             "options": dict(self.options) if self.options is not None else None,
+            "mps_thread_percentage": self.mps_thread_percentage,
+            "mps_memory_limit": self.mps_memory_limit,
         }
 
     @classmethod
@@ -271,6 +281,8 @@ class PlanRecord:
             f.str("register_as", "replicas"), f.str("register_url", None, optional=True),
             f.int("replicas_per_gpu", None, optional=True),
             dict(options.data) if (options := f.object("options", optional=True)) else None,
+            f.number("mps_thread_percentage", None, optional=True),
+            f.int("mps_memory_limit", None, optional=True),
         )
 
 

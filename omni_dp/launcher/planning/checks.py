@@ -212,6 +212,31 @@ def is_loopback_url(url: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
+MIB, GIB = 1024**2, 1024**3
+
+
+def mps_limit_problems(o: LaunchOptions) -> list[str]:
+    """The MPS caps: the daemon's to enforce (so --mps), a share of the SMs, and a memory
+    limit the daemon can keep exactly (it keeps whole MiB, and whole GiB from 1 GiB up: any
+    other size would be read back smaller than asked, silently)."""
+    problems = []
+    given = [flag for flag, value in (("--mps-thread-percentage", o.mps_thread_percentage),
+                                      ("--mps-memory-limit", o.mps_memory_limit))
+             if value is not None]
+    if given and not o.mps:
+        problems.append(f"{' and '.join(given)} cap(s) the replicas' MPS clients: add --mps "
+                        "(the limits are the MPS daemon's to enforce)")
+    percent = o.mps_thread_percentage
+    if percent is not None and not (math.isfinite(percent) and 1 <= percent <= 100):
+        problems.append(f"--mps-thread-percentage must be a percentage of the GPU's SMs from "
+                        f"1 to 100, got {percent}")
+    limit = o.mps_memory_limit
+    if limit is not None and (limit < MIB or limit % (GIB if limit >= GIB else MIB)):
+        problems.append(f"--mps-memory-limit {limit} bytes: the MPS daemon keeps whole MiB "
+                        "from 1MiB, and whole GiB from 1GiB up; give e.g. 512MiB or 8GiB")
+    return problems
+
+
 def _no_gpu_check(o: LaunchOptions) -> list[str]:
     return ["--no-gpu-check only applies to --mps"] if o.no_gpu_check and not o.mps else []
 
@@ -243,6 +268,7 @@ OPTION_CHECKS: tuple[Callable[[LaunchOptions], list[str]], ...] = (
     router_worker_problems, _engine, run_id_problems, _seconds, _restart_counts,
     memory_headroom_problems, _api_key, _no_gpu_check, replica_port_problems,
     router_port_problems, _share_weights, gpu_option_problems, _register, _router_faults,
+    mps_limit_problems,
 )
 
 

@@ -121,6 +121,20 @@ class LaunchOptions:
     engine_args: tuple[str, ...] = field(default=(), metadata={"flag": None})
     mps_control: str | None = field(default=None, metadata={
         "metavar": "PATH", "help": CONTROL_HELP})
+    # Per-replica MPS caps: off unless asked (a cap takes away the headroom a host-bound
+    # replica uses, and some SM caps make cuBLAS pick wrong BF16 kernels: a capped replica
+    # passes a BF16 GEMM check before it serves).
+    mps_thread_percentage: float | None = field(default=None, metadata={
+        "metavar": "P",
+        "help": "With --mps: cap each replica process at P% (1-100) of the GPU's SMs "
+                "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; P × N may exceed 100). Each capped "
+                "replica passes a BF16 GEMM check under its cap before it starts.  [default: "
+                "uncapped]"})
+    mps_memory_limit: int | None = field(default=None, metadata={
+        "size": True, "metavar": "SIZE",
+        "help": "With --mps: cap the device memory each replica process may pin, e.g. 8GiB "
+                "(CUDA_MPS_PINNED_DEVICE_MEM_LIMIT); refused below a replica's planned "
+                "footprint.  [default: uncapped]"})
     # --mps where NVML sees no GPU: exercises the daemon only
     no_gpu_check: bool = field(default=False, metadata={
         "help": "With --mps where NVML sees no GPU: start the daemon anyway (exercises the "
