@@ -70,8 +70,8 @@ def test_uncapped_by_default_and_a_memory_cap_alone_needs_no_numeric_check(facts
 
 def test_caps_need_mps_and_sane_values_every_problem_at_once(facts):
     problems = problems_of(opts(mps_thread_percentage=0.5, mps_memory_limit=1536 * MiB), facts)
-    assert problems[0].startswith("--mps-thread-percentage and --mps-memory-limit cap(s) the "
-                                  "replicas' MPS clients: add --mps")
+    assert problems[0] == ("--mps-thread-percentage and --mps-memory-limit need --mps: the "
+                           "caps are the MPS daemon's to enforce; add --mps, or drop the cap")
     assert "--mps-thread-percentage must be a percentage of the GPU's SMs from 1 to 100, got " \
            "0.5" in problems
     assert any(p.startswith(f"--mps-memory-limit {1536 * MiB} bytes: the MPS daemon keeps "

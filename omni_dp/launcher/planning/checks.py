@@ -224,8 +224,9 @@ def mps_limit_problems(o: LaunchOptions) -> list[str]:
                                       ("--mps-memory-limit", o.mps_memory_limit))
              if value is not None]
     if given and not o.mps:
-        problems.append(f"{' and '.join(given)} cap(s) the replicas' MPS clients: add --mps "
-                        "(the limits are the MPS daemon's to enforce)")
+        problems.append(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} "
+                        "--mps: the caps are the MPS daemon's to enforce; add --mps, or drop "
+                        "the cap")
     percent = o.mps_thread_percentage
     if percent is not None and not (math.isfinite(percent) and 1 <= percent <= 100):
         problems.append(f"--mps-thread-percentage must be a percentage of the GPU's SMs from "
