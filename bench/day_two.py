@@ -48,14 +48,26 @@ CHANGES = (
 FORMATS = {"response_format": "pcm"}  # streamed PCM: a change that cut one would show
 
 
+class ShortLoad(Load):
+    """router_faults.py's load with shorter answers: more requests in the same time."""
+
+    max_new_tokens = 40
+
+    def bodies(self) -> list[dict]:
+        return [{**body, "max_new_tokens": self.max_new_tokens} for body in super().bodies()]
+
+
 def failed(done: list[Done]) -> dict:
-    """How many of these failed, per 1,000, and how."""
-    bad = [d.outcome for d in done if d.outcome != "ok"]
+    """How many of these failed, per 1,000, and how; the outage: from the first failed request's
+    start to the last one's end (clients send again at once, so a refused port fails many)."""
+    bad = [d for d in done if d.outcome != "ok"]
     how: dict[str, int] = {}
-    for outcome in bad:
-        how[outcome] = how.get(outcome, 0) + 1
+    for d in bad:
+        how[d.outcome] = how.get(d.outcome, 0) + 1
+    outage = (max(d.end for d in bad) - min(d.start for d in bad)) if bad else 0.0
     return {"requests": len(done), "failed": len(bad),
-            "failed_per_1000": round(1000 * len(bad) / max(len(done), 1), 1), "how": how}
+            "failed_per_1000": round(1000 * len(bad) / max(len(done), 1), 1), "how": how,
+            "outage_s": round(outage, 1)}
 
 
 async def change(args, run_id: str, env: dict, load: Load, name: str,
@@ -97,7 +109,8 @@ async def relaunch(args, run_id: str, env: dict, load: Load, launch: list[str]) 
 
 
 async def drive(args, run_id: str, env: dict, url: str, launch: list[str]) -> dict:
-    load = Load(url, FORMATS)
+    ShortLoad.max_new_tokens = args.max_new_tokens
+    load = ShortLoad(url, FORMATS)
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         await references(session, load)
@@ -150,20 +163,23 @@ def markdown(result: dict, args) -> str:
     head = (f"### {time.strftime('%Y-%m-%d %H:%M')} — {os.cpu_count()} CPUs "
             f"({platform.machine()}), Python {platform.python_version()}\n\n"
             f"2 built-in tiny replicas (`omni-dp launch --gpu none --cpu-blocks none`, drain bound "
-            f"{args.drain_timeout:g} s), {args.clients} clients streaming PCM, "
+            f"{args.drain_timeout:g} s), {args.clients} clients streaming PCM "
+            f"(`max_new_tokens` {args.max_new_tokens}), "
             f"{args.settle:g} s of load between changes; every answer checked against the "
             "same request answered before any change.\n\n")
     if "error" in result:
         return head + f"launch failed: {result['error']}\n"
     lines = ["| change | exit | time in all s | per replica s | requests meanwhile | failed | "
-             "per 1,000 | what failed |", "|---|---:|---:|---|---:|---:|---:|---|"]
+             "per 1,000 | clients' outage s | what failed |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---|"]
     for r in result["changes"]:
         how = ", ".join(f"{n} {k}" for k, n in r["how"].items()) or "—"
         lines.append(f"| {r['change']} | {r['rc']} | {r['seconds']} | {per_replica(r)} | "
-                     f"{r['requests']} | {r['failed']} | {r['failed_per_1000']} | {how} |")
+                     f"{r['requests']} | {r['failed']} | {r['failed_per_1000']} | "
+                     f"{r['outage_s']} | {how} |")
     whole = result["whole_run"]
-    lines.append(f"| whole run (the changes) | | | | {whole['requests']} | {whole['failed']} | "
-                 f"{whole['failed_per_1000']} | "
+    lines.append(f"| the whole run, the relaunch left out | | | | {whole['requests']} | {whole['failed']} | "
+                 f"{whole['failed_per_1000']} | {whole['outage_s']} | "
                  f"{', '.join(f'{n} {k}' for k, n in whole['how'].items()) or '—'} |")
     left = result.get("left_behind")
     tail = f"\nLeft behind after `down`: {left or 'nothing'}.\n"
@@ -178,6 +194,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--drain-timeout", type=float, default=15.0,
                         help="the run's --drain-timeout: each replica's drain bound")
     parser.add_argument("--rounds", type=int, default=1, help="times the five changes run")
+    parser.add_argument("--max-new-tokens", type=int, default=40,
+                        help="each request's length (shorter: more requests)")
     parser.add_argument("--no-relaunch", dest="relaunch", action="store_false",
                         help="leave out the down + launch of before")
     parser.add_argument("--change-timeout", type=float, default=600.0)
