@@ -178,7 +178,8 @@ def markdown(result: dict, args) -> str:
                      f"{r['requests']} | {r['failed']} | {r['failed_per_1000']} | "
                      f"{r['outage_s']} | {how} |")
     whole = result["whole_run"]
-    lines.append(f"| the whole run, the relaunch left out | | | | {whole['requests']} | {whole['failed']} | "
+    lines.append(f"| the whole run, the relaunch left out | | | | {whole['requests']} | "
+                 f"{whole['failed']} | "
                  f"{whole['failed_per_1000']} | {whole['outage_s']} | "
                  f"{', '.join(f'{n} {k}' for k, n in whole['how'].items()) or '—'} |")
     left = result.get("left_behind")
