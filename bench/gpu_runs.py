@@ -8,7 +8,11 @@
   (placement form ③) under MPS: every CUDA process proven attached, one request;
 - `tp2`: a tensor-parallel talker over two ranks. On one GPU that is refused before anything
   starts (NCCL takes one GPU per rank): `serve --dry-run` must say so, exit 2;
-- `gpus2`: one run over GPUs 0 and 1 (a daemon each), where the machine has two.
+- `gpus2`: one run over GPUs 0 and 1 (a daemon each), where the machine has two;
+- `caps`: two replicas under --mps-thread-percentage and --mps-memory-limit: the caps each
+  daemon read back, each replica's BF16 GEMM check under its cap (its error, the SM count and
+  `cudaMemGetInfo` as a capped client sees them: whether it reports the memory cap is not
+  documented), attachment, one request.
 
 Every run is downed here whatever happened (`finish_run`); bench/gpu_run.py's cleanup downs
 what a killed check left in the state directory.
@@ -19,6 +23,7 @@ what a killed check left in the state directory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -113,6 +118,30 @@ class Checks:
             finish_run(self.state, self.env, run_id, facts, None)
         return facts
 
+    def caps(self) -> dict:
+        run_id = f"caps-{os.getpid()}"
+        facts: dict = {"thread_percentage": self.args.cap_percentage,
+                       "memory_limit": self.args.cap_memory}
+        try:
+            router = self.launch(run_id, 2, ["--gpu", self.args.gpu, "--replicas", "2"],
+                                 ["--mps", "--on-mps-fault", "fail", "--max-total-tokens",
+                                  "4096", "--mps-thread-percentage",
+                                  str(self.args.cap_percentage), "--mps-memory-limit",
+                                  self.args.cap_memory], [], facts)
+            events = self.state / "runs" / run_id / "events.jsonl"
+            with contextlib.suppress(OSError, ValueError):
+                lines = [json.loads(line) for line in events.read_text().splitlines()]
+                facts["daemon_limits"] = [e.get("limits") for e in lines
+                                          if e["event"] == "mps_daemon_started"]
+                facts["numeric_checks"] = [e for e in lines
+                                           if e["event"] == "replica_numeric_check"]
+            if router:
+                facts["verify_mps"] = self.verify(run_id)
+                facts["speech_status"] = speech(router)
+        finally:
+            finish_run(self.state, self.env, run_id, facts, None)
+        return facts
+
     def tp2(self) -> dict:
         argv = [sys.executable, "-m", "omni_dp", "serve", "--dry-run", "--device", "cuda",
                 "--model", self.args.model, "--talker.tp_size", "2", "--talker.devices", "0,0"]
@@ -139,12 +168,16 @@ def speech(router: int) -> int | str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("check", choices=("overlap", "form3", "tp2", "gpus2"))
+    parser.add_argument("check", choices=("overlap", "form3", "tp2", "gpus2", "caps"))
     parser.add_argument("--gpu", default="0")
     parser.add_argument("--model", default="small")
     parser.add_argument("--state-dir", required=True)
     parser.add_argument("--duration", type=float, default=6.0, help="overlap: seconds of load")
     parser.add_argument("--concurrency", type=int, default=32, help="overlap: streams")
+    parser.add_argument("--cap-percentage", type=float, default=50.0,
+                        help="caps: each replica's --mps-thread-percentage")
+    parser.add_argument("--cap-memory", default="16GiB",
+                        help="caps: each replica's --mps-memory-limit")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _raise_interrupted)
     checks = Checks(args)

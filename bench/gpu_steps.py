@@ -249,6 +249,8 @@ def steps(s: Settings) -> list[Step]:
              needs=("serving",), not_here=no_gpu),
         Step("gpus2", [*runs, "gpus2", *run_args], limit("gpus2", 120), 50, marked_json,
              cwd=BENCH, env=with_state, needs=("serving", "gpus2"), not_here=no_gpu),
+        Step("caps", [*runs, "caps", *run_args], limit("caps", 90), 40, marked_json,
+             cwd=BENCH, env=with_state, needs=("serving",), not_here=no_gpu),
         Step("teardown", ["sh", "-c", TEARDOWN, "teardown", py, str(s.work), state],
              s.teardown_reserve_s, 0, teardown_facts, cwd=BENCH),
     ]
@@ -307,6 +309,11 @@ def smoke_lines(f: dict) -> list[str]:
                      + f"; {said}")
     if "concurrency" in f:
         lines += [f"two kernels at once, {line}" for line in kernel_pair.describe(f["concurrency"])]
+    if "static_partitions" in f:
+        known = f["static_partitions"].get("known")
+        lines.append("MPS static SM partitions: "
+                     + ("the daemon knows `sm_partition`" if known else
+                        "this daemon does not know `sm_partition` (none offered)"))
     return lines
 
 
@@ -364,12 +371,24 @@ def probe_lines(f: dict) -> list[str]:
             f"{torch.get('cuda')}"]
 
 
+def caps_lines(f: dict) -> list[str]:
+    """`MPS caps 50%/16GiB: read back …; BF16 GEMM check …; cudaMemGetInfo total …`."""
+    checks = f.get("numeric_checks") or []
+    errors = ", ".join(f"{c.get('relative_error', float('nan')):.4f}" for c in checks)
+    seen = [(c.get("mem_get_info") or {}).get("total") for c in checks]
+    return [f"MPS caps {f.get('thread_percentage')}%/{f.get('memory_limit')}: read back "
+            f"{f.get('daemon_limits')}; BF16 GEMM check error(s) {errors or 'none recorded'}, "
+            f"SMs seen {[c.get('sm_count') for c in checks]}, cudaMemGetInfo total {seen}; "
+            f"launch rc {f.get('launch_rc')}, request {f.get('speech_status')}"]
+
+
 HEADLINES: list[tuple[str, Callable[[dict], list[str]]]] = [
     ("probe", missing_lines), ("headline", dp_lines), ("mps smoke", smoke_lines),
     ("share", share_lines), ("gpu_check", check_summary), ("overlap", overlap_lines),
     ("more DP", dp_lines),
     ("form3", lambda f: [f"form ③ under MPS: {json.dumps(f)[:300]}"]),
     ("tp2", lambda f: [f"TP2 on one GPU refused before start: {f.get('refused_as_expected')}"]),
+    ("caps", caps_lines),
     ("probe", probe_lines),
 ]
 

@@ -159,6 +159,7 @@ class Smoke:
                                  "pid_file": (self.work / "pipe" /
                                               "nvidia-cuda-mps-control.pid").exists(),
                                  "before_any_client": self.daemon_view(control)})
+            self.fact("static_partitions", self.partition_probe(control))
             self.client(control, uuid)
             if not self.facts.get("after_context", {}).get("daemon", {}).get("servers"):
                 self.start_server_by_hand(control)
@@ -167,6 +168,19 @@ class Smoke:
         finally:
             self.stop(daemon, record)
         return 0
+
+    def partition_probe(self, control: MpsControl) -> dict:
+        """Does this daemon know static SM partitions? Asked, never assumed from a version:
+        its answers to `help` and to a bare `sm_partition` (which lists or explains, and adds
+        nothing), as they are. omni-dp offers no static partition until a GPU run says how."""
+        answers = {}
+        for command in ("help", "sm_partition"):
+            try:
+                answers[command] = control.run(command)
+            except MpsControlError as exc:
+                answers[command] = f"{type(exc).__name__}: {exc}"
+        answers["known"] = "Unknown command" not in answers["sm_partition"]
+        return answers
 
     def client(self, control: MpsControl, uuid: str | None) -> None:
         env = control.env()

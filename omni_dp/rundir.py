@@ -65,3 +65,9 @@ def mps_log_dir(run: Path, gpu_index: int | None = None) -> Path:
 
 def logs_dir(run: Path) -> Path:
     return run / "logs"
+
+
+def numeric_check_file(run: Path, index: int) -> Path:
+    """A capped replica's BF16 GEMM check, as it ran under its caps before the replica
+    started (processes/numeric_gate.py writes it; the launcher reports it)."""
+    return logs_dir(run) / f"replica_{index}.numeric_check.json"

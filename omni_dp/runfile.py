@@ -21,7 +21,7 @@ from typing import Any
 
 from omni_dp.jsonfields import JsonFields, Malformed
 from omni_dp.mps.attach import DeclaredProcess, ReplicaProcesses
-from omni_dp.mps.daemon import DaemonRecord
+from omni_dp.mps.daemon import DaemonLimits, DaemonRecord
 from omni_dp.procs import ProcessIdentity, is_alive
 from omni_dp.rundir import RUN_FILE, RUN_ID, TOKEN_FILE, run_dir, runs_dir, state_dir
 
@@ -107,9 +107,13 @@ def _fields(data: Mapping | JsonFields, where: str) -> JsonFields:
 
 
 def _daemon(f: JsonFields) -> DaemonRecord:
+    limits = f.object("limits", optional=True)  # absent before caps were offered: none set
     return DaemonRecord(f.identity(), f.str("binary"), f.str("pipe_dir"), f.str("log_dir"),
                         f.str("gpu_uuid", None, optional=True),
-                        f.str("server_binary", None, optional=True), f.int("gpu", 0))
+                        f.str("server_binary", None, optional=True), f.int("gpu", 0),
+                        DaemonLimits(limits.number("thread_percentage", None, optional=True),
+                                     limits.int("memory_limit_bytes", None, optional=True))
+                        if limits else DaemonLimits())
 
 
 def _daemons(mps: JsonFields | None) -> tuple[DaemonRecord, ...]:
@@ -233,6 +237,13 @@ class PlanRecord:
     register_as: str = "replicas"  # replicas | router
     register_url: str | None = None  # with register_as router: the URL the gateway uses
     replicas_per_gpu: int | None = None  # --replicas-per-gpu (replicas is the run's total)
+    # The launch options as merged at launch (keys as in a --config file, no secret): what a
+    # day-two change plans from; None for a run launched before they were kept
+    options: Mapping[str, object] | None = None
+    # --mps-thread-percentage / --mps-memory-limit: each replica process's MPS caps (None:
+    # uncapped); the daemons' defaults are set to them and read back (DaemonRecord.limits)
+    mps_thread_percentage: float | None = None
+    mps_memory_limit: int | None = None
 
     def to_json(self) -> dict:
         return {
@@ -247,6 +258,9 @@ class PlanRecord:
             "api_key_set": self.api_key_set, "share_weights": self.share_weights,
             "register": self.register, "register_as": self.register_as,
             "register_url": self.register_url, "replicas_per_gpu": self.replicas_per_gpu,
+            "options": dict(self.options) if self.options is not None else None,
+            "mps_thread_percentage": self.mps_thread_percentage,
+            "mps_memory_limit": self.mps_memory_limit,
         }
 
     @classmethod
@@ -266,6 +280,9 @@ class PlanRecord:
             f.bool("share_weights", False), f.str("register", None, optional=True),
             f.str("register_as", "replicas"), f.str("register_url", None, optional=True),
             f.int("replicas_per_gpu", None, optional=True),
+            dict(options.data) if (options := f.object("options", optional=True)) else None,
+            f.number("mps_thread_percentage", None, optional=True),
+            f.int("mps_memory_limit", None, optional=True),
         )
 
 
@@ -580,6 +597,26 @@ class RunRecord:
         replicas = list(self.replicas)
         replicas[index] = replace(old, **fields)
         return replace(self, replicas=tuple(replicas), share=share)
+
+    def with_scale(self, replicas: tuple[ReplicaRecord, ...], plan: PlanRecord,
+                   gpus: tuple[GpuRecord, ...]) -> RunRecord:
+        """This record with its replica list (a scale added or removed some, numbered 0..N-1
+        still) and the plan and GPU slots they follow from."""
+        if [r.index for r in replicas] != list(range(len(replicas))):
+            raise ValueError("replicas must be numbered 0..N-1, got "
+                             f"{[r.index for r in replicas]}")
+        if plan.replicas != len(replicas):
+            raise ValueError(f"the plan says {plan.replicas} replicas, the list has "
+                             f"{len(replicas)}")
+        share = self.share
+        for gone in (r.index for r in self.replicas if r.index >= len(replicas)):
+            share = share.without(gone) if share is not None else None
+        return replace(self, replicas=replicas, plan=plan, gpus=gpus, share=share)
+
+    def with_plan(self, plan: PlanRecord) -> RunRecord:
+        """This record following a changed plan (new engine arguments: a model update)."""
+        check_types("run", {"plan": plan}, {"plan": (PlanRecord,)})
+        return replace(self, plan=plan)
 
     def with_phase(self, phase: RunPhase) -> RunRecord:
         check_types("run", {"state": phase}, {"state": (RunPhase,)})

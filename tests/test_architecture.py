@@ -154,7 +154,8 @@ def test_nothing_on_the_launchers_path_imports_torch():
 LAUNCHER = "omni_dp.launcher"
 # Each room of the launcher and the rooms it may import (itself always). A run's life, bottom
 # up: the engine adapters; pure planning; the run's record; the processes it starts; bring-up;
-# the teardown; supervision; `launch` at the top. The views read the record and the plan, and
+# day-two changes as planned and asked for (the supervisor makes them); the teardown;
+# supervision; `launch` at the top. The views read the record and the plan, and
 # never start or stop anything.
 ROOMS_MAY_IMPORT: dict[str, set[str]] = {
     "engines": set(),
@@ -162,11 +163,13 @@ ROOMS_MAY_IMPORT: dict[str, set[str]] = {
     "record": {"planning", "engines"},
     "processes": {"record", "planning", "engines"},
     "bringup": {"processes", "record", "planning", "engines"},
+    "changes": {"record", "planning", "engines"},
     "teardown": {"bringup", "processes", "record", "planning", "engines"},
-    "supervision": {"teardown", "bringup", "processes", "record", "planning", "engines"},
+    "supervision": {"teardown", "changes", "bringup", "processes", "record", "planning",
+                    "engines"},
     "views": {"record", "planning", "engines"},
-    "launch": {"supervision", "teardown", "bringup", "processes", "record", "planning",
-               "engines", "views"},
+    "launch": {"supervision", "teardown", "changes", "bringup", "processes", "record",
+               "planning", "engines", "views"},
 }
 
 

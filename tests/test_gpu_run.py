@@ -93,7 +93,7 @@ def test_the_device_call_runs_on_cpu_and_brings_back_at_most_eight_files(tmp_pat
     assert rc == 0, summary
     for step in ("probe", "mps smoke", "headline", "share", "gpu_check", "teardown"):
         assert row(summary, step) == "ok", summary
-    for step in ("overlap", "more DP", "form3", "tp2", "gpus2"):
+    for step in ("overlap", "more DP", "form3", "tp2", "gpus2", "caps"):
         assert row(summary, step) == "skipped: no GPU (GPU=none)"
     # the headline figures lead, before the table of steps
     head = summary.split("## Steps")[0]

@@ -13,7 +13,7 @@ import pytest
 
 from omni_dp.launcher.record.state import RunState
 from omni_dp.mps.attach import DeclaredProcess
-from omni_dp.mps.daemon import DaemonRecord
+from omni_dp.mps.daemon import DaemonLimits, DaemonRecord
 from omni_dp.procs import ProcessIdentity, identify
 from omni_dp.runfile import (
     REPLICA_TRANSITIONS,
@@ -73,7 +73,8 @@ def _filled(state: RunState, alive: ProcessIdentity, dead: ProcessIdentity) -> N
     state.set_daemon(DaemonRecord(dead, "/bin/nvidia-cuda-mps-control",
                                   str(state.directory / "mps" / "pipe"),
                                   str(state.directory / "mps" / "log"), "GPU-test",
-                                  "/bin/nvidia-cuda-mps-server", gpu=0))
+                                  "/bin/nvidia-cuda-mps-server", gpu=0,
+                                  limits=DaemonLimits(40.0, 2 * 1024**3)))
     state.update_replica(0, identity=alive, pgid=alive.pid, state=_R.STARTING)
     state.update_replica(0, state=_R.HEALTHY, kv_tokens=1024, mps_attached=True,
                          processes=(DeclaredProcess(alive.pid, "main", "cuda:0"),
@@ -121,7 +122,10 @@ def test_a_run_json_with_every_record_set_round_trips_byte_for_byte(tmp_path, de
     assert list(data["supervisor"]) == ["pid", "create_time", "detached", "supervising_since"]
     assert list(data["mps"]) == ["daemons"]
     assert list(data["mps"]["daemons"][0]) == ["pid", "create_time", "binary", "pipe_dir",
-                                               "log_dir", "gpu_uuid", "server_binary", "gpu"]
+                                               "log_dir", "gpu_uuid", "server_binary", "gpu",
+                                               "limits"]
+    assert data["mps"]["daemons"][0]["limits"] == {"thread_percentage": 40.0,
+                                                   "memory_limit_bytes": 2 * 1024**3}
     assert data["replicas"][0]["processes"][1] == {"pid": os.getpid() + 1, "role": "vocoder",
                                                    "device": "cpu"}
     again = RunState.load(state.directory)

@@ -48,6 +48,13 @@ CLI_COMMANDS: dict[str, LazyCommand] = {
     "down": LazyCommand(
         f"{_COMMANDS}.runs:down",
         "Stop a run and everything it started, and nothing else; remove its state."),
+    "restart": LazyCommand(
+        f"{_COMMANDS}.changes:restart",
+        "Restart a live run's replicas one at a time, without downtime; `-- ENGINE ARGS` "
+        "updates the model."),
+    "scale": LazyCommand(
+        f"{_COMMANDS}.changes:scale",
+        "Add replicas to a live run, or remove the highest-numbered ones, without downtime."),
     "verify-mps": LazyCommand(
         f"{_COMMANDS}.mps:verify_mps",
         "Re-prove that every GPU process of every replica of a live run is an MPS client."),

@@ -189,15 +189,21 @@ class MpsControl:
     def default_thread_percentage(self) -> float:
         return parse_percentage(self.run("get_default_active_thread_percentage"))
 
-    def set_default_thread_percentage(self, percent: float) -> None:
+    def set_default_thread_percentage(self, percent: float) -> float:
+        """Set, then read back; the percentage the daemon now gives new clients."""
         echoed = parse_percentage(self.run(f"set_default_active_thread_percentage {percent:g}"))
         if abs(echoed - percent) > 1e-6:
             raise MalformedOutput(f"asked for {percent:g}% threads, daemon answered {echoed:g}")
+        actual = self.default_thread_percentage()
+        if abs(actual - percent) > 1e-6:
+            raise MalformedOutput(f"asked for {percent:g}% threads, the daemon reports "
+                                  f"{actual:g}")
+        return actual
 
     def default_pinned_mem_limit(self, device: int = 0) -> int:
         return parse_mem_limit(self.run(f"get_default_device_pinned_mem_limit {device}"))
 
-    def set_default_pinned_mem_limit(self, num_bytes: int, device: int = 0) -> None:
+    def set_default_pinned_mem_limit(self, num_bytes: int, device: int = 0) -> int:
         """Set, then read back: the setter answers nothing, so only the read proves it."""
         mib = max(1, num_bytes // 1024**2)
         reply = self.run(f"set_default_device_pinned_mem_limit {device} {mib}M")
@@ -210,6 +216,7 @@ class MpsControl:
         if actual != expected:
             raise MalformedOutput(f"asked for a {mib} MiB memory limit, the daemon reports "
                                   f"{actual} bytes")
+        return actual
 
     def terminate_client(self, server_pid: int, client_pid: int) -> None:
         """Have the server drop one client's outstanding GPU work, so that killing the client

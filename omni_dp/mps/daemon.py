@@ -8,6 +8,7 @@ only its recorded pid + create time is ever waited on.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import resource
 import subprocess
@@ -52,6 +53,28 @@ class MpsDaemonError(Exception):
 
 
 @dataclass(frozen=True)
+class DaemonLimits:
+    """The client defaults the daemon was given, as it read them back (None: not set, so
+    uncapped); limits are read when its server starts, so these hold for every client."""
+
+    thread_percentage: float | None = None
+    memory_limit_bytes: int | None = None  # device 0's: the one GPU the daemon sees
+
+    @property
+    def any(self) -> bool:
+        return self.thread_percentage is not None or self.memory_limit_bytes is not None
+
+    def to_json(self) -> dict:
+        return {"thread_percentage": self.thread_percentage,
+                "memory_limit_bytes": self.memory_limit_bytes}
+
+    @classmethod
+    def from_json(cls, data: dict | None) -> DaemonLimits:
+        data = data or {}
+        return cls(data.get("thread_percentage"), data.get("memory_limit_bytes"))
+
+
+@dataclass(frozen=True)
 class DaemonRecord:
     """What run.json keeps about the daemon."""
 
@@ -62,17 +85,19 @@ class DaemonRecord:
     gpu_uuid: str | None
     server_binary: str | None = None  # records written before it was kept have none
     gpu: int = 0  # the run's GPU slot it serves (RunRecord.gpus); one daemon per GPU
+    limits: DaemonLimits = DaemonLimits()
 
     def to_json(self) -> dict:
         return {**self.identity.to_json(), "binary": self.binary, "pipe_dir": self.pipe_dir,
                 "log_dir": self.log_dir, "gpu_uuid": self.gpu_uuid,
-                "server_binary": self.server_binary, "gpu": self.gpu}
+                "server_binary": self.server_binary, "gpu": self.gpu,
+                "limits": self.limits.to_json()}
 
     @classmethod
     def from_json(cls, data: dict) -> DaemonRecord:
         return cls(ProcessIdentity.from_json(data), data["binary"], data["pipe_dir"],
                    data["log_dir"], data.get("gpu_uuid"), data.get("server_binary"),
-                   int(data.get("gpu", 0)))
+                   int(data.get("gpu", 0)), DaemonLimits.from_json(data.get("limits")))
 
     def control(self) -> MpsControl:
         """The control client for this daemon: the same pair whoever stops, checks or
@@ -188,14 +213,15 @@ class MpsDaemon:
         record = DaemonRecord(identity, control.binary, control.pipe_dir, control.log_dir,
                               gpu_uuid, control.server_binary, gpu)
         try:
-            if thread_percentage is not None:
+            limits = DaemonLimits(
                 control.set_default_thread_percentage(thread_percentage)
-            if memory_limit_bytes is not None:
+                if thread_percentage is not None else None,
                 control.set_default_pinned_mem_limit(memory_limit_bytes)
+                if memory_limit_bytes is not None else None)
         except MpsControlError as exc:
             self.stop(record, force=True)
             raise MpsDaemonError(f"could not apply the MPS limits: {exc}") from None
-        return record
+        return dataclasses.replace(record, limits=limits)
 
     def _wait_ready(self, timeout_s: float) -> None:
         """`-d` returns before the socket accepts: poll a harmless query (bounded)."""

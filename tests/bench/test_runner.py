@@ -196,7 +196,8 @@ def test_a_replica_killed_mid_run_is_counted_as_failed_requests(tmp_path):
     settings = BenchSettings(trials=1, duration_s=3.0, warmup_s=0.5, timeout_s=10.0,
                              concurrency=(4,), seed=2)
     with Run(tmp_path, replicas=2) as run:
-        run.launch("--", "--model", "tiny")
+        # the router's retry and resume would save every request: off, so that some fail
+        run.launch("--retries", "0", "--resumes", "0", "--", "--model", "tiny")
         killer = threading.Timer(1.5, kill_replica, (run, 1))
         killer.start()
         try:

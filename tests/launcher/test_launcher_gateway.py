@@ -34,9 +34,14 @@ def listed(gateway) -> dict[str, bool | None]:
 
 def test_replicas_registered_after_their_gates_re_registered_after_a_restart_removed_by_down(
         tmp_path, gateway):
-    with Run(tmp_path, replicas=2) as run:
+    """And `omni-dp scale` 2 → 3 → 1: the gateway lists a new replica once it passed its
+    gates, and no removed one."""
+    run = Run(tmp_path, replicas=3)  # ports for three: the scale adds one
+    run.replicas = 2
+    with run:
+        # unpinned: three replicas need three cores to pin, and this machine may have two
         result = run.launch("--max-total-tokens", "1024", "--register", gateway.url,
-                            *SUPERVISION)
+                            "--cpu-blocks", "none", *SUPERVISION)
         assert result.returncode == 0, describe(result)
         urls = [r["url"] for r in run.run_json()["replicas"]]
         assert listed(gateway) == {url: True for url in urls}, gateway.log_text()[-2000:]
@@ -63,6 +68,15 @@ def test_replicas_registered_after_their_gates_re_registered_after_a_restart_rem
                   if e["event"].startswith("gateway_")]
         assert events[-2:] == [("gateway_deregistered", 1), ("gateway_registered", 1)], events
         assert listed(gateway) == {url: True for url in urls}  # one entry each, no leftover
+
+        up = run.cli("scale", run.run_id, "--replicas", "3", timeout=240)
+        assert up.returncode == 0, describe(up)
+        three = [r["url"] for r in run.run_json()["replicas"]]
+        assert three[:2] == urls and listed(gateway) == {url: True for url in three}
+        down_to_one = run.cli("scale", run.run_id, "--replicas", "1", timeout=240)
+        assert down_to_one.returncode == 0, describe(down_to_one)
+        assert listed(gateway) == {urls[0]: True}
+        assert [e["target"] for e in run.run_json()["gateway"]["entries"]] == [urls[0]]
 
         # kill -9 of the supervisor: `down` still removes the run's entries, from run.json
         supervisor = run.run_json()["supervisor"]["pid"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 
 import pytest
 
@@ -37,12 +38,34 @@ def _assert_gone(run: MpsRun, record: dict) -> None:
     assert run.token_carriers() == []
 
 
+def _events(run: MpsRun) -> list[dict]:
+    return [json.loads(line) for line in (run.run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def _caps_in_force(run: MpsRun, k: int) -> tuple[str, str]:
+    """What GPU k's daemon gives new clients, asked of the real daemon now."""
+    env = {**os.environ, PIPE_ENV: _pipe(run, k)}
+    answers = [subprocess.run([run.real], input=command + "\n", capture_output=True, text=True,
+                              env=env, timeout=10, check=True).stdout.strip()
+               for command in ("get_default_active_thread_percentage",
+                               "get_default_device_pinned_mem_limit 0")]
+    return answers[0], answers[1]
+
+
 def test_two_gpus_two_daemons_each_replica_on_its_own_and_a_fault_restarts_only_its_gpu(
         mps_run):
+    """And per-replica MPS caps: each daemon given them and read back (again after its
+    restart), each replica's client environment, each replica's BF16 GEMM check passed."""
     run = mps_run
-    done = run.launch("--gpus", "0,1", "--check-interval", "0.5", replicas=2)
+    done = run.launch("--gpus", "0,1", "--check-interval", "0.5", "--mps-thread-percentage",
+                      "40", "--mps-memory-limit", "2GiB", replicas=2)
     assert done.returncode == 0, done.stdout + done.stderr + run.logs()
     assert "on each of the 2 GPUs, every CUDA process of its replicas" in done.stdout
+    for title in ("GPU 0", "GPU 1"):
+        assert (f"MPS caps in force for each client on {title}: 40% of the SMs and 2.00 GiB "
+                "of pinned memory (set, and read back from the daemon)") in done.stdout
+    assert done.stdout.count("its BF16 GEMM check passed under its MPS caps") == 2
+    assert [_caps_in_force(run, k) for k in (0, 1)] == [("40.0", "2G")] * 2
 
     record = run.record()
     assert record["schema"] == 2
@@ -60,6 +83,18 @@ def test_two_gpus_two_daemons_each_replica_on_its_own_and_a_fault_restarts_only_
             "index"] == k
     status = run.status()
     assert [g["replicas"] for g in status["gpus"]] == [[0], [1]]
+    assert status["mps_caps"] == {"thread_percentage": 40, "memory_limit_bytes": 2 * 1024**3}
+    assert [g["mps"]["limits"] for g in status["gpus"]] == [
+        {"thread_percentage": 40.0, "memory_limit_bytes": 2 * 1024**3}] * 2
+    for replica in record["replicas"]:
+        env = environ(replica["pid"]) or {}
+        assert env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") == "40", env
+        assert env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT") == "0=2048M"
+    checks = [e for e in _events(run) if e["event"] == "replica_numeric_check"]
+    assert sorted(e["replica"] for e in checks) == [0, 1]
+    assert all(e["relative_error"] < 0.01 and e["device"] == "cpu" for e in checks)
+    text = run.cli("status", run.run_id)
+    assert "caps per client: 40% SMs, 2.00 GiB pinned" in text.stdout, text.stdout
     verify = run.cli("verify-mps", run.run_id)
     assert verify.returncode == 0, verify.stdout + verify.stderr
     code, _, _ = post_json(run.router_url + "/v1/audio/speech",
@@ -82,6 +117,10 @@ def test_two_gpus_two_daemons_each_replica_on_its_own_and_a_fault_restarts_only_
     assert [e["gpu"] for e in lines if e["event"] == "mps_daemon_started"] == [0, 1, 1]
     wait_for("the run to be running again", lambda: run.status()["state"] == "running", 15,
              interval=0.1)
+    # the new daemon got the caps too, and the restarted replica passed its check again
+    assert _caps_in_force(run, 1) == ("40.0", "2G")
+    assert [e["replica"] for e in _events(run) if e["event"] == "replica_numeric_check"] \
+        == [0, 1, 1]
 
     down = run.cli("down", run.run_id)
     assert down.returncode == 0, down.stdout + down.stderr

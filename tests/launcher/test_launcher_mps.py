@@ -218,7 +218,9 @@ def test_daemon_fault_restarts_daemon_and_every_replica_through_the_gates(mps_ru
     # The sweep after the restart finds it all healthy again; the router serves.
     status = wait_for("the run to be running again",
                       lambda: (s := run.status())["state"] == "running" and s, 15, interval=0.1)
-    assert status["mps"] == {"daemon_pid": new_daemon, "daemon_alive": True, "attached": True}
+    assert status["mps"] == {"daemon_pid": new_daemon, "daemon_alive": True, "attached": True,
+                             "limits": {"thread_percentage": None,  # uncapped by default
+                                        "memory_limit_bytes": None}}
     assert [r["health"] for r in status["replicas"]] == ["healthy", "healthy"]
     assert [r["mps_attached"] for r in status["replicas"]] == [True, True]
     verify = run.cli("verify-mps", run.run_id, "--json")

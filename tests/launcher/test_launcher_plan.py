@@ -1095,3 +1095,40 @@ def test_a_dry_run_that_did_not_take_the_share_flags_is_a_problem():
     assert "does not share weights" in problem
     [problem] = share_problems(sizing(shared_weights_bytes=2 * GiB), None, None)
     assert "shared_weights_bytes 2147483648 is not within its weights_bytes" in problem
+
+
+def test_the_routers_fault_options_are_passed_on_only_when_given(facts):
+    """--retries/--resumes/--first-byte-timeout/--stall-timeout go to `omni-dp router` as
+    given; left out, the router keeps its own defaults (one home for each)."""
+    fault_flags = ("--retries", "--resumes", "--first-byte-timeout", "--stall-timeout")
+    plain = list(plan(opts(), facts).router_argv)
+    assert not set(fault_flags) & set(plain)
+    given = list(plan(opts(retries=0, resumes=2, first_byte_timeout=1.5, stall_timeout=0.0),
+                      facts).router_argv)
+    assert [given[given.index(flag) + 1] for flag in fault_flags] == ["0", "2", "1.5", "0.0"]
+
+
+@pytest.mark.parametrize(("changes", "words"), [
+    ({"retries": -1}, "--retries must be 0 or more"),
+    ({"resumes": -2}, "--resumes must be 0 or more"),
+    ({"first_byte_timeout": float("nan")}, "--first-byte-timeout must be a number of seconds"),
+    ({"stall_timeout": -1.0}, "--stall-timeout must be a number of seconds"),
+])
+def test_a_bad_router_fault_option_is_refused_by_name(facts, changes, words):
+    with pytest.raises(LaunchPlanError) as refused:
+        plan(opts(**changes), facts)
+    assert any(words in problem for problem in refused.value.problems)
+
+
+def test_the_launch_help_says_the_routers_own_defaults():
+    """The launcher may not import the router (its rooms' rule): the defaults it quotes in
+    its help are checked against the router's own here."""
+    from omni_dp.launcher.planning.options import FIELDS
+    from omni_dp.router.config import RouterConfig
+
+    router = RouterConfig()
+    quoted = {"retries": router.retries, "resumes": router.resumes,
+              "first_byte_timeout": router.first_byte_timeout_s,
+              "stall_timeout": router.stall_timeout_s}
+    for name, default in quoted.items():
+        assert f"[default: the router's, {default:g}]" in FIELDS[name].metadata["help"], name

@@ -59,6 +59,9 @@ def alive(monkeypatch):
     monkeypatch.setattr(status_module, "is_alive", lambda identity: identity.pid != DEAD)
 
 
+UNCAPPED = {"thread_percentage": None, "memory_limit_bytes": None}
+
+
 # --- status, grouped by GPU ------------------------------------------------------------------
 
 
@@ -67,12 +70,14 @@ def test_status_json_lists_each_gpu_with_its_replicas_and_its_own_daemon(tmp_pat
     assert report["gpu"] == f"{UUID0},{UUID1}"
     assert report["gpus"] == [
         {"slot": 0, "index": 0, "label": UUID0, "name": "NVIDIA H200", "numa_node": 0,
-         "replicas": [0, 2], "mps": {"daemon_pid": 50, "daemon_alive": True, "attached": True}},
+         "replicas": [0, 2], "mps": {"daemon_pid": 50, "daemon_alive": True, "attached": True,
+                                     "limits": UNCAPPED}},
         {"slot": 1, "index": 1, "label": UUID1, "name": "NVIDIA H200", "numa_node": 1,
          "replicas": [1], "mps": {"daemon_pid": DEAD, "daemon_alive": False,
-                                  "attached": False}}]
+                                  "attached": False, "limits": UNCAPPED}}]
     # `mps` as before: the first GPU's daemon, and `attached` for the whole run.
-    assert report["mps"] == {"daemon_pid": 50, "daemon_alive": True, "attached": False}
+    assert report["mps"] == {"daemon_pid": 50, "daemon_alive": True, "attached": False,
+                             "limits": UNCAPPED}
     assert [(r["index"], r["gpu"], r["url"]) for r in report["replicas"]] == [
         (0, 0, "http://127.0.0.1:1"), (1, 1, "http://127.0.0.1:2"), (2, 0, "http://127.0.0.1:3")]
 
@@ -115,7 +120,7 @@ def test_the_one_gpu_text_is_as_before_runs_spanned_gpus(tmp_path, alive):
     assert report["gpus"] == [{"slot": 0, "index": None, "label": "GPU-test", "name": None,
                                "numa_node": None, "replicas": [0, 1],
                                "mps": {"daemon_pid": 50, "daemon_alive": True,
-                                       "attached": None}}]
+                                       "attached": None, "limits": UNCAPPED}}]
     text = format_status(report)
     assert text.splitlines()[3:] == [
         "  mps daemon  pid 50 alive  attached=None",

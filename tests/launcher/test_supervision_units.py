@@ -16,6 +16,7 @@ from omni_dp.launcher.engines.replica_api import GateFailed
 from omni_dp.launcher.record.state import RunState
 from omni_dp.launcher.supervision import mps_restart, router_link
 from omni_dp.launcher.supervision.crew import Probe
+from omni_dp.launcher.supervision.hang_watch import HANG_GRACE_S, HangReports, HungReplica
 from omni_dp.launcher.supervision.mps_watch import MpsWatch, describe_fault
 from omni_dp.launcher.supervision.replica_watch import ReplicaWatch, Seen, Verdict
 from omni_dp.launcher.supervision.restart_policy import GiveUp, Restart, RestartPolicy
@@ -119,6 +120,7 @@ class FakeWorld(Probe):
         self.daemon_of: dict[int, DaemonHealth] = {}  # …one of its own, by GPU slot
         self.daemon_checks = 0
         self.checked: list[int] = []  # the GPU slot of each daemon checked
+        self.workers: list[dict] = []  # the router's GET /workers entries
 
     def alive(self, identity):
         return identity is not None and identity.pid in self.live
@@ -128,6 +130,9 @@ class FakeWorld(Probe):
 
     def port_taken(self, port):
         return port in self.taken
+
+    def router_workers(self, url, api_key):
+        return self.workers
 
     def daemon_health(self, record):
         self.daemon_checks += 1
@@ -342,6 +347,46 @@ def test_the_sweep_counts_failed_health_checks_and_restarts_past_the_threshold(t
     assert started == [(0, "/health answered 503 (2 in a row)")]
     assert state.replica(0).state is R and state.replica(1).state is H
     assert said == ["replica 0: /health answered 503 (2 in a row); restarting"]
+
+
+def test_a_replica_the_router_found_hung_is_restarted_once_after_the_grace(tmp_path):
+    """The router took replica 1 out as hung (a SIGSTOPped process: its socket still accepts,
+    so the supervisor's own /health checks may not have failed yet): past the grace it is
+    restarted through the gates, once for that ejection; a replica ejected for failures is the
+    health checks' business, and one still within the grace may yet be re-admitted."""
+    state = make_state(tmp_path)
+    sup, world, said = supervisor(state)
+    started: list[tuple[int, str]] = []
+    sup.restart_replica = lambda index, reason, group: started.append((index, reason))
+    world.workers = [
+        {"id": "0", "ejected_reason": "failures", "ejected_at": NOW - 60, "last_error": "x"},
+        {"id": "1", "ejected_reason": "hang", "ejected_at": NOW - HANG_GRACE_S + 1,
+         "last_error": "no answer within --first-byte-timeout 5 s; /health: no answer"}]
+    sup.sweep()
+    assert started == []  # still within the grace
+    sup.crew.clock.now += 2
+    sup.sweep()
+    sup.busy.join(5)
+    assert started == [(1, "hung: the router took it out (no answer within "
+                           "--first-byte-timeout 5 s; /health: no answer)")]
+    assert [e["replica"] for e in events(state) if e["event"] == "replica_hung"] == [1]
+    sup.sweep()  # the same ejection: not again
+    sup.busy.join(5)
+    assert len(started) == 1 and said[-1].startswith("replica 1: hung: the router took it out")
+
+
+def test_hang_reports_act_on_each_ejection_once_and_ignores_what_is_not_a_hang():
+    watch = HangReports(grace_s=10.0)
+    hung = {"id": "2", "ejected_reason": "hang", "ejected_at": 100.0, "last_error": "stalled"}
+    assert watch.due([hung], now=105.0) == []
+    assert watch.due([hung], now=111.0) == [HungReplica(2, 100.0, "stalled")]
+    assert watch.due([hung], now=200.0) == []  # acted on
+    again = {**hung, "ejected_at": 300.0}  # re-admitted, then hung again: a new ejection
+    assert watch.due([again], now=311.0) == [HungReplica(2, 300.0, "stalled")]
+    odd = [{"id": "router", "ejected_reason": "hang", "ejected_at": 1.0},
+           {"id": "3", "ejected_reason": "hang", "ejected_at": None},
+           {"id": "4", "ejected_reason": None, "ejected_at": None}]
+    assert watch.due(odd, now=1000.0) == []
 
 
 # --- restarting one replica ----------------------------------------------------------------

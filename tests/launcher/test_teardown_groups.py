@@ -157,6 +157,22 @@ def test_a_live_leaders_session_is_found_and_stopped_whole(engines, token) -> No
     assert not any(is_alive(i) for i in (leader, core, worker))
 
 
+def test_a_stopped_group_is_continued_so_that_it_drains_instead_of_being_killed(engines,
+                                                                               token) -> None:
+    """A SIGSTOPped replica (a hang, a debugger) keeps SIGTERM pending: the stop continues it
+    so it drains at once, rather than after the drain bound's SIGKILL."""
+    engine = engines()
+    members = [engine[role] for role in ROLES]
+    os.killpg(members[0].pid, signal.SIGSTOP)
+    wait_for("the group stopped", lambda: all(
+        psutil.Process(i.pid).status() == psutil.STATUS_STOPPED for i in members), timeout=5)
+    started = time.monotonic()
+    assert stop_groups([ReplicaGroup(members[0])], token, 20.0, grace_s=5.0,
+                       reap=[engine.popen]) == []
+    assert time.monotonic() - started < 5.0  # drained on SIGTERM, not killed after 20 s
+    assert not any(is_alive(i) for i in members)
+
+
 def test_orphans_of_a_sigkilled_leader_are_reached_only_through_their_records(
         engines, token) -> None:
     engine = engines()

@@ -6,6 +6,7 @@ gets the same argv, environment, CPU block and port, and passes the same gates.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from collections import Counter
@@ -40,7 +41,7 @@ from omni_dp.launcher.record.state import RunState, append_private
 from omni_dp.mps.attach import AttachReport, DeclaredProcess
 from omni_dp.mps.runs import verify_and_record
 from omni_dp.procs import ProcessIdentity, is_alive
-from omni_dp.rundir import attach_stem, engine_work_dir, share_dir
+from omni_dp.rundir import attach_stem, engine_work_dir, numeric_check_file, share_dir
 from omni_dp.runfile import ReplicaState
 from omni_dp.sharefile import ShareFileError, read_manifest, segment_path
 
@@ -90,6 +91,8 @@ class ReplicaControl:
             # published is no proof of this one's (its manifest is checked against this pid).
             make_private_dir(self.share_dir)
             self.state.update(share=None)
+        if self.capped:  # a check an earlier start recorded proves nothing about this one
+            numeric_check_file(self.state.directory, index).unlink(missing_ok=True)
         started = spawn(record.argv, child_env(record.env, self.state.token), log, cwd=work)
         self.popens[index] = started.popen
         self.state.update_replica(index, identity=started.identity, pgid=started.pid,
@@ -98,7 +101,8 @@ class ReplicaControl:
         self.state.event("replica_started", replica=index, pid=started.pid,
                          cpus=record.cpus, port=record.port)
 
-    def wait_healthy(self, index: int, timeout_s: float) -> None:
+    def wait_healthy(self, index: int, timeout_s: float) -> dict | None:
+        """Healthy, and under an SM cap its numeric check passed: that check's facts."""
         record = self.state.replica(index)
         assert record.identity is not None, "start() first"
         popen = self.popens.get(index)
@@ -106,6 +110,29 @@ class ReplicaControl:
                                timeout_s, exit_code=popen.poll if popen else lambda: None,
                                on_poll=lambda: self.remember_session(index))
         self.state.event("replica_healthy", replica=index, seconds=round(seconds, 2))
+        return self.numeric_check(index) if self.capped else None
+
+    @property
+    def capped(self) -> bool:
+        """Under an MPS SM cap every replica passes a BF16 GEMM check before it starts."""
+        return self.state.plan.mps_thread_percentage is not None
+
+    def numeric_check(self, index: int) -> dict:
+        """What the replica's numeric gate recorded before its engine started: healthy with no
+        passed check on record is no proof that its cap gives right answers."""
+        path = numeric_check_file(self.state.directory, index)
+        try:
+            facts = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise GateFailed(f"is healthy but its BF16 GEMM check under the MPS caps left no "
+                             f"record ({path}: {exc}); it must not serve") from None
+        if not isinstance(facts, dict) or facts.get("passed") is not True:
+            raise GateFailed(f"is healthy but its BF16 GEMM check did not pass ({path}); it "
+                             "must not serve")
+        self.state.event("replica_numeric_check", replica=index, **{
+            key: facts.get(key) for key in ("device", "relative_error", "threshold", "sm_count",
+                                            "mem_get_info", "caps")})
+        return facts
 
     def remember_session(self, index: int) -> None:
         """Record, while it starts, every process that appears in the replica's session: an

@@ -26,7 +26,7 @@ from omni_dp.launcher.processes.ours import Started, child_env, spawn, stop_proc
 from omni_dp.launcher.record.state import RunState
 from omni_dp.mps.attach import format_text
 from omni_dp.mps.control import MpsControl, MpsControlError
-from omni_dp.mps.daemon import MpsDaemon, MpsDaemonError
+from omni_dp.mps.daemon import DaemonLimits, DaemonRecord, MpsDaemon, MpsDaemonError
 from omni_dp.procs import is_alive
 from omni_dp.rundir import attach_stem, mps_log_dir, mps_pipe_dir
 from omni_dp.runfile import ReplicaState, RouterRecord, RunPhase
@@ -40,7 +40,7 @@ class BringUpFailed(Exception):
 
 
 def start_daemon(state: RunState, slot: int, binary: str,
-                 server_binary: str | None = None) -> None:
+                 server_binary: str | None = None) -> DaemonRecord:
     """The private daemon of GPU slot `slot`: its own pipe and log directories, the GPU's
     UUID in its CUDA_VISIBLE_DEVICES (none on the CPU, --no-gpu-check)."""
     record = state.record
@@ -49,13 +49,26 @@ def start_daemon(state: RunState, slot: int, binary: str,
                          str(mps_log_dir(state.directory, key)), server_binary=server_binary)
     uuid = gpu.label if record.device == "cuda" else None
     try:
-        daemon = MpsDaemon(control).start(gpu_uuid=uuid, gpu=slot)
+        daemon = MpsDaemon(control).start(
+            gpu_uuid=uuid, gpu=slot, thread_percentage=record.plan.mps_thread_percentage,
+            memory_limit_bytes=record.plan.mps_memory_limit)
     except (MpsDaemonError, MpsControlError) as exc:
         raise BringUpFailed(f"the MPS daemon for {gpu.title} did not start: {exc}") from None
     state.set_daemon(daemon)
     state.event("mps_daemon_started", gpu=slot, pid=daemon.identity.pid,
                 pipe_dir=daemon.pipe_dir, binary=daemon.binary,
-                server_binary=daemon.server_binary)
+                server_binary=daemon.server_binary, limits=daemon.limits.to_json())
+    return daemon
+
+
+def limits_words(limits: DaemonLimits) -> str:
+    """`40% of the SMs, 2GiB pinned` — the caps a daemon read back."""
+    words = []
+    if limits.thread_percentage is not None:
+        words.append(f"{limits.thread_percentage:g}% of the SMs")
+    if limits.memory_limit_bytes is not None:
+        words.append(f"{format_size(limits.memory_limit_bytes)} of pinned memory")
+    return " and ".join(words)
 
 
 def start_router(state: RunState) -> Started:
@@ -100,13 +113,15 @@ def _start_wave(state: RunState, replicas: ReplicaControl, wave: list[int], *, s
                 timeout_s: float, say: Callable[[str], None]) -> None:
     def healthy(i: int) -> None:
         try:
-            replicas.wait_healthy(i, timeout_s)
+            check = replicas.wait_healthy(i, timeout_s)
             replicas.record_processes(i)
         except GateFailed as exc:
             state.update_replica(i, state=ReplicaState.FAILED,
                                  last_error=str(exc).splitlines()[0])
             raise BringUpFailed(f"replica {i} {exc}") from None
-        say(f"replica {i} healthy on {replicas.url(i)}")
+        say(f"replica {i} healthy on {replicas.url(i)}" + (
+            f"; its BF16 GEMM check passed under its MPS caps (relative error "
+            f"{check['relative_error']:.4f})" if check else ""))
 
     if sequential or len(wave) == 1:
         for i in wave:
@@ -162,8 +177,11 @@ def bring_up(plan: LaunchPlan, state: RunState, replicas: ReplicaControl,
         for gpu in plan.gpus:
             say(f"starting the private MPS control daemon for {gpu.title}"
                 + (f": {found.describe()}" if found else ""))
-            start_daemon(state, gpu.slot, plan.mps_binary or "nvidia-cuda-mps-control",
-                         found.server if found else None)
+            daemon = start_daemon(state, gpu.slot, plan.mps_binary or "nvidia-cuda-mps-control",
+                                  found.server if found else None)
+            if daemon.limits.any:
+                say(f"MPS caps in force for each client on {gpu.title}: "
+                    f"{limits_words(daemon.limits)} (set, and read back from the daemon)")
     say(f"starting {len(plan.replicas)} replica(s), {plan.start}"
         + (f" (--share-weights: replica {LEADER} leads, the others follow once it published)"
            if o.share_weights else ""))

@@ -126,6 +126,31 @@ def _seconds(o: LaunchOptions) -> list[str]:
     return problems
 
 
+# The router's options passed through (None: its default), checked as it checks them.
+_ROUTER_COUNTS = ("retries", "resumes")
+_ROUTER_SECONDS = ("first_byte_timeout", "stall_timeout")
+
+
+def _router_faults(o: LaunchOptions) -> list[str]:
+    problems = [f"--{name} must be 0 or more, got {getattr(o, name)}" for name in _ROUTER_COUNTS
+                if getattr(o, name) is not None and getattr(o, name) < 0]
+    for name in _ROUTER_SECONDS:
+        seconds = getattr(o, name)
+        if seconds is not None and not (math.isfinite(seconds) and 0 <= seconds <= MAX_SECONDS):
+            problems.append(f"--{name.replace('_', '-')} must be a number of seconds from 0 "
+                            f"(no limit) to {MAX_SECONDS:.0f}, got {seconds}")
+    return problems
+
+
+def router_fault_args(o: LaunchOptions) -> list[str]:
+    """The router's flags for the options given (the others keep the router's default)."""
+    args = []
+    for name in (*_ROUTER_COUNTS, *_ROUTER_SECONDS):
+        if getattr(o, name) is not None:
+            args += [f"--{name.replace('_', '-')}", str(getattr(o, name))]
+    return args
+
+
 def _restart_counts(o: LaunchOptions) -> list[str]:
     if o.restart_after_failures < 1 or o.restart_budget < 0:
         return ["--restart-after-failures must be ≥ 1 and --restart-budget ≥ 0"]
@@ -187,6 +212,32 @@ def is_loopback_url(url: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
+MIB, GIB = 1024**2, 1024**3
+
+
+def mps_limit_problems(o: LaunchOptions) -> list[str]:
+    """The MPS caps: the daemon's to enforce (so --mps), a share of the SMs, and a memory
+    limit the daemon can keep exactly (it keeps whole MiB, and whole GiB from 1 GiB up: any
+    other size would be read back smaller than asked, silently)."""
+    problems = []
+    given = [flag for flag, value in (("--mps-thread-percentage", o.mps_thread_percentage),
+                                      ("--mps-memory-limit", o.mps_memory_limit))
+             if value is not None]
+    if given and not o.mps:
+        problems.append(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} "
+                        "--mps: the caps are the MPS daemon's to enforce; add --mps, or drop "
+                        "the cap")
+    percent = o.mps_thread_percentage
+    if percent is not None and not (math.isfinite(percent) and 1 <= percent <= 100):
+        problems.append(f"--mps-thread-percentage must be a percentage of the GPU's SMs from "
+                        f"1 to 100, got {percent}")
+    limit = o.mps_memory_limit
+    if limit is not None and (limit < MIB or limit % (GIB if limit >= GIB else MIB)):
+        problems.append(f"--mps-memory-limit {limit} bytes: the MPS daemon keeps whole MiB "
+                        "from 1MiB, and whole GiB from 1GiB up; give e.g. 512MiB or 8GiB")
+    return problems
+
+
 def _no_gpu_check(o: LaunchOptions) -> list[str]:
     return ["--no-gpu-check only applies to --mps"] if o.no_gpu_check and not o.mps else []
 
@@ -217,7 +268,8 @@ OPTION_CHECKS: tuple[Callable[[LaunchOptions], list[str]], ...] = (
     replica_count_problems, kv_pin_problems, kv_size_problems, _choices,
     router_worker_problems, _engine, run_id_problems, _seconds, _restart_counts,
     memory_headroom_problems, _api_key, _no_gpu_check, replica_port_problems,
-    router_port_problems, _share_weights, gpu_option_problems, _register,
+    router_port_problems, _share_weights, gpu_option_problems, _register, _router_faults,
+    mps_limit_problems,
 )
 
 

@@ -113,6 +113,26 @@ def plan_memory(o: LaunchOptions, facts: LaunchFacts, gpu: GpuPart | None,
     return (None, problems) if problems else (need, [])
 
 
+def plan_mps_memory_limit(o: LaunchOptions, kv: KvPart | None) -> tuple[None, list[str]]:
+    """--mps-memory-limit caps what each replica process may pin: below the replica's planned
+    footprint it would fail at its first large allocation (or its engine would size a smaller
+    KV than the plan's), so it is refused here. A replica of several CUDA processes is held
+    to its whole footprint too: how it splits over them is the engine's."""
+    limit = o.mps_memory_limit
+    if limit is None or kv is None:
+        return None, []
+    sizings = [pin.sizing for pin in kv.per_gpu] or [kv.sizing]
+    largest = max(sizings, key=lambda s: s.total_bytes)
+    if limit >= largest.total_bytes:
+        return None, []
+    s = largest
+    return None, [f"--mps-memory-limit {format_size(limit)} is below one replica's planned "
+                  f"footprint: weights {format_size(s.weights_bytes)} + KV "
+                  f"{format_size(s.kv_cache_bytes)} + overhead {format_size(s.overhead_bytes)} "
+                  f"= {format_size(s.total_bytes)}; raise the limit to at least that, or lower "
+                  "the KV size"]
+
+
 def plan_share_room(o: LaunchOptions, facts: LaunchFacts, gpu: GpuPart | None,
                     kv: KvPart | None) -> tuple[int | None, list[str]]:
     """--share-weights on the CPU: the leader writes every weight, shared and private, as one

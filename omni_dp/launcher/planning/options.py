@@ -80,6 +80,21 @@ class LaunchOptions:
         "help": "The router's load-balancing policy."})
     router_workers: int = field(default=1, metadata={
         "help": "Router processes sharing the port (SO_REUSEPORT)."})
+    # The router's handling of a replica that fails or hangs under a request: passed to
+    # `omni-dp router` when given; None keeps the router's own default (one home for each).
+    retries: int | None = field(default=None, metadata={
+        "help": "The router's --retries: times a request none of whose answer reached the "
+                "client is sent to another replica.  [default: the router's, 1]"})
+    resumes: int | None = field(default=None, metadata={
+        "help": "The router's --resumes: times a cut stream is continued by another replica "
+                "from the byte the client has.  [default: the router's, 1]"})
+    first_byte_timeout: float | None = field(default=None, metadata={
+        "help": "The router's --first-byte-timeout: seconds before a silent replica is "
+                "checked, and ejected as hung if its /health fails too.  [default: the "
+                "router's, 5]"})
+    stall_timeout: float | None = field(default=None, metadata={
+        "help": "The router's --stall-timeout: the same for a stream that stops mid-answer.  "
+                "[default: the router's, 5]"})
     run_id: str | None = field(default=None, metadata={
         "help": "Name the run (default: run-DATE-TIME-XXXX)."})
     detach: bool = field(default=False, metadata={
@@ -106,6 +121,20 @@ class LaunchOptions:
     engine_args: tuple[str, ...] = field(default=(), metadata={"flag": None})
     mps_control: str | None = field(default=None, metadata={
         "metavar": "PATH", "help": CONTROL_HELP})
+    # Per-replica MPS caps: off unless asked (a cap takes away the headroom a host-bound
+    # replica uses, and some SM caps make cuBLAS pick wrong BF16 kernels: a capped replica
+    # passes a BF16 GEMM check before it serves).
+    mps_thread_percentage: float | None = field(default=None, metadata={
+        "metavar": "P",
+        "help": "With --mps: cap each replica process at P% (1-100) of the GPU's SMs "
+                "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; P × N may exceed 100). Each capped "
+                "replica passes a BF16 GEMM check under its cap before it starts.  [default: "
+                "uncapped]"})
+    mps_memory_limit: int | None = field(default=None, metadata={
+        "size": True, "metavar": "SIZE",
+        "help": "With --mps: cap the device memory each replica process may pin, e.g. 8GiB "
+                "(CUDA_MPS_PINNED_DEVICE_MEM_LIMIT); refused below a replica's planned "
+                "footprint.  [default: uncapped]"})
     # --mps where NVML sees no GPU: exercises the daemon only
     no_gpu_check: bool = field(default=False, metadata={
         "help": "With --mps where NVML sees no GPU: start the daemon anyway (exercises the "
@@ -412,3 +441,37 @@ def merge_options(file_values: dict, flag_values: dict, config_file: str | None
     merged = {name: value for name, value in file_values.items() if value is not None}
     merged.update(flag_values)
     return LaunchOptions(**merged, config_file=config_file)
+
+
+# --- the options a run was launched with, kept in its run.json ---------------------------------
+# What a day-two change (omni-dp restart with new engine arguments, omni-dp scale) plans from:
+# the run's options as they were merged at launch, keys as in a --config file. Secrets never
+# go to disk (the API key is in the environment of whoever needs it).
+NOT_RECORDED = ("api_key", "config_file")
+
+
+def options_record(o: LaunchOptions) -> dict:
+    """The options as plain JSON values, by setting name."""
+    record = {}
+    for name, f in FIELDS.items():
+        if f.name in NOT_RECORDED:
+            continue
+        value = getattr(o, f.name)
+        record[name] = list(value) if isinstance(value, tuple) else value
+    return record
+
+
+def options_from_record(record: dict, source: str = "run.json's options"
+                        ) -> tuple[LaunchOptions, list[str]]:
+    """The options a run.json kept, read back as a --config file is (each value to its
+    field's type); the problems with it, if any (an unknown setting is skipped, said)."""
+    problems: list[str] = []
+    values = {}
+    for name, value in record.items():
+        f = FIELDS.get(name)
+        if f is None or f.name in NOT_RECORDED:
+            problems.append(f"{source}: {name!r} is no setting of this omni-dp")
+            continue
+        values[f.name] = _coerce(f, value, problems, source, name)
+    values = {k: v for k, v in values.items() if v is not None}
+    return LaunchOptions(**values), problems

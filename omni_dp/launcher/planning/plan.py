@@ -34,9 +34,10 @@ from omni_dp.launcher.planning.memory import (
     memory_formula,
     plan_kv,
     plan_memory,
+    plan_mps_memory_limit,
     plan_share_room,
 )
-from omni_dp.launcher.planning.options import LaunchOptions
+from omni_dp.launcher.planning.options import LaunchOptions, options_record
 from omni_dp.launcher.planning.run import (
     RunPart,
     plan_ports,
@@ -46,7 +47,13 @@ from omni_dp.launcher.planning.run import (
 )
 from omni_dp.launcher.planning.share_group import LEADER, followers, share_role
 from omni_dp.mps.binaries import MpsBinaries
-from omni_dp.rundir import engine_work_dir, mps_log_dir, mps_pipe_dir, share_dir
+from omni_dp.rundir import (
+    engine_work_dir,
+    mps_log_dir,
+    mps_pipe_dir,
+    numeric_check_file,
+    share_dir,
+)
 from omni_dp.runfile import GpuRecord, gpu_key
 from omni_dp.sizes import format_size
 
@@ -128,6 +135,7 @@ class LaunchPlan:
                + (f"replica(s) {', '.join(map(str, sharing))} follow "
                   "(map them), started once it published, stopped before it"
                   if sharing else "no follower")] if o.share_weights else []),
+            *self._cap_lines(),
             f"  start        {self.start} (each healthy within {self.start_timeout:g} s)",
             f"  router       {self.router_url} (policy {o.policy}, {o.router_workers} "
             "worker(s))",
@@ -138,6 +146,17 @@ class LaunchPlan:
             lines.append(f"  replica {r.index}    {r.url}  cpus {cpus}{on}")
         lines += [f"  warning: {w}" for w in self.warnings]
         return lines
+
+    def _cap_lines(self) -> list[str]:
+        o = self.options
+        caps = [f"{o.mps_thread_percentage:g}% of the SMs"] if o.mps_thread_percentage else []
+        if o.mps_memory_limit is not None:
+            caps.append(f"{format_size(o.mps_memory_limit)} of pinned memory")
+        if not caps:
+            return []
+        check = ("; each replica passes a BF16 GEMM check under them before it starts"
+                 if o.mps_thread_percentage is not None else "")
+        return [f"  mps caps     {' and '.join(caps)} per replica process{check}"]
 
     def _memory_lines(self) -> list[str]:
         """The fit formula: the run's, or each GPU's with its share of the replicas."""
@@ -199,6 +218,9 @@ class LaunchPlan:
             "register": o.register, "register_as": o.register_as,
             "register_url": o.register_url,
             "replicas_per_gpu": o.replicas_per_gpu,
+            "options": options_record(o),
+            "mps_thread_percentage": o.mps_thread_percentage,
+            "mps_memory_limit": o.mps_memory_limit,
         }
 
     def gpus_json(self) -> list[dict]:
@@ -237,6 +259,7 @@ def plan_launch(o: LaunchOptions, facts: LaunchFacts, *,
     kv = _take(plan_kv(o, facts, gpu), problems)
     _take(plan_memory(o, facts, gpu, kv), problems)
     _take(plan_share_room(o, facts, gpu, kv), problems)
+    _take(plan_mps_memory_limit(o, kv), problems)
     if problems:
         raise LaunchPlanError(problems)
     if kv is None:  # no dry run, and nothing said why: never plan without the engine's word
@@ -287,6 +310,9 @@ def plan_replicas(o: LaunchOptions, facts: LaunchFacts, run: RunPart, gpu: GpuPa
             share_role=share_role(o.share_weights, i),
             share_dir=share_dir(run.directory) if o.share_weights else None)
         argv = engine.argv(launch, engine_args)
+        if o.mps_thread_percentage is not None:  # an SM cap: its numeric check first
+            argv = [*_numeric_gate(launch.python or sys.executable, gpu.device,
+                                   numeric_check_file(run.directory, i)), *argv]
         env = {**_replica_env(o, run, gpu, group, i, threads), **engine.environment(launch)}
         pinned = _pinned(argv, block, facts, group.numa_node)
         replicas.append(ReplicaPlan(i, port, block, tuple(pinned), env, group.slot))
@@ -304,6 +330,18 @@ def _replica_env(o: LaunchOptions, run: RunPart, gpu: GpuPart, group: GpuGroup, 
         key = gpu_key(len(gpu.groups), group.index, group.slot)
         env["CUDA_MPS_PIPE_DIRECTORY"] = str(mps_pipe_dir(run.directory, key))
         env["CUDA_MPS_LOG_DIRECTORY"] = str(mps_log_dir(run.directory, key))
+        env.update(mps_limit_env(o))
+    return env
+
+
+def mps_limit_env(o: LaunchOptions) -> dict[str, str]:
+    """The caps as a client's environment: the memory limit keyed by device index (0, the
+    one GPU a replica sees; MPS ignores UUID keys), in MiB."""
+    env = {}
+    if o.mps_thread_percentage is not None:
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = f"{o.mps_thread_percentage:g}"
+    if o.mps_memory_limit is not None:
+        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={o.mps_memory_limit // 1024**2}M"
     return env
 
 
@@ -346,6 +384,13 @@ def _neighbour_warnings(run: RunPart, gpu: GpuPart, facts: LaunchFacts) -> list[
             warnings.append(f"run {other.run_id} is live on the same GPU; both runs will "
                             "share it")
     return warnings
+
+
+def _numeric_gate(python: str, device: str, record: Path) -> list[str]:
+    """Before an SM-capped replica's engine: its BF16 GEMM check, with the engine's own
+    interpreter under the replica's caps (processes/numeric_gate.py); exec keeps the pid."""
+    return [sys.executable, "-m", "omni_dp.launcher.processes.numeric_gate", "--python", python,
+            "--device", device, "--record", str(record), "--"]
 
 
 def _pinned(argv: list[str], cpus: tuple[int, ...] | None, facts: LaunchFacts,

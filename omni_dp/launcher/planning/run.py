@@ -11,6 +11,7 @@ from omni_dp.files import private_dir_problem
 from omni_dp.launcher.planning.checks import (
     replica_count_problems,
     replica_port_problems,
+    router_fault_args,
     router_port_problems,
     router_worker_problems,
     run_id_problems,
@@ -87,7 +88,7 @@ def plan_router(o: LaunchOptions, facts: LaunchFacts) -> tuple[RouterPart | None
     argv = (sys.executable, "-m", "omni_dp", "router", "--host", o.host,
             "--port", str(o.router_port), "--policy", o.policy,
             "--workers", str(o.router_workers), "--drain-timeout", str(o.drain_timeout),
-            "--log-format", o.log_format)
+            "--log-format", o.log_format, *router_fault_args(o))
     return RouterPart(f"http://{url_host(o.host)}:{o.router_port}", argv), []
 
 

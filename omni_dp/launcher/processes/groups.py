@@ -257,13 +257,17 @@ def _signal_group(group: ReplicaGroup, live: list[ProcessIdentity], sig: int,
     own — once: a second SIGTERM means "stop now" to an engine (omni-dp serve)."""
     leader = group.leader
     in_group: set[int] = set()
+    # A stopped process (SIGSTOP, a debugger) keeps a SIGTERM pending and cannot drain: it is
+    # continued too, so the stop drains it instead of waiting for the SIGKILL.
+    signals = (sig, signal.SIGCONT) if sig == signal.SIGTERM else (sig,)
     if leader is not None and is_alive(leader):
         in_group = {p.pid for p in live if _pgid(p.pid) == leader.pid}
-        if not signal_ours(leader, sig, token, group=True):
+        if not all(signal_ours(leader, s, token, group=True) for s in signals):
             in_group = set()
     for identity in live:
         if identity.pid not in in_group and identity != leader:
-            signal_ours(identity, sig, token)
+            for s in signals:
+                signal_ours(identity, s, token)
 
 
 def _pgid(pid: int) -> int | None:

@@ -47,12 +47,13 @@ from typing import Any
 
 from omni_dp.cpulist import format_cpu_list
 from omni_dp.files import atomic_write, make_private_dir
-from omni_dp.launcher.planning.plan import LaunchPlan
+from omni_dp.launcher.planning.plan import LaunchPlan, ReplicaPlan
 from omni_dp.mps.daemon import DaemonRecord
 from omni_dp.procs import identify
 from omni_dp.rundir import RUN_FILE, TOKEN_FILE, logs_dir
 from omni_dp.runfile import (
     GatewayRecord,
+    GpuRecord,
     PlanRecord,
     ReplicaRecord,
     RunPhase,
@@ -68,6 +69,13 @@ STOP_FILE = "stop_request.json"
 def append_private(path: Path):
     """Open for appending; created 0600 whatever the umask (logs can hold request text)."""
     return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+
+
+def replica_record(r: ReplicaPlan) -> ReplicaRecord:
+    """What run.json keeps of a planned replica before it first starts."""
+    return ReplicaRecord(index=r.index, port=r.port, url=r.url,
+                         cpus=format_cpu_list(r.cpus) if r.cpus else None,
+                         argv=tuple(r.argv), env=dict(r.env), log=r.log_name, gpu=r.gpu)
 
 
 class RunState:
@@ -98,12 +106,7 @@ class RunState:
             run_id=plan.run_id, created_at=time.time(), state=RunPhase.STARTING,
             gpu=plan.gpu_label, device=plan.device, plan=PlanRecord.from_json(plan.to_json()),
             launcher=identify(os.getpid()),  # `omni-dp launch`, until it hands off
-            replicas=tuple(
-                ReplicaRecord(index=r.index, port=r.port, url=r.url,
-                              cpus=format_cpu_list(r.cpus) if r.cpus else None,
-                              argv=tuple(r.argv), env=dict(r.env), log=r.log_name,
-                              gpu=r.gpu)
-                for r in plan.replicas),
+            replicas=tuple(replica_record(r) for r in plan.replicas),
             gpus=plan.gpus,
         )
         state = cls(plan.run_dir, record, token)
@@ -191,6 +194,19 @@ class RunState:
         is checked against the lifecycle."""
         with self._lock:
             self._record = self._record.with_replica(index, **fields)
+            self.save()
+
+    def set_scale(self, replicas: tuple[ReplicaRecord, ...], plan: PlanRecord,
+                  gpus: tuple[GpuRecord, ...]) -> None:
+        """The replica list after a scale (omni-dp scale), with the plan it follows."""
+        with self._lock:
+            self._record = self._record.with_scale(replicas, plan, gpus)
+            self.save()
+
+    def set_plan(self, plan: PlanRecord) -> None:
+        """The plan after a change that keeps the replicas (a model update)."""
+        with self._lock:
+            self._record = self._record.with_plan(plan)
             self.save()
 
     def add_follower(self, index: int, leader_pid: int) -> bool:

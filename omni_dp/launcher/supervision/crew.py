@@ -49,6 +49,14 @@ class Probe:
         """GET /health's status; 0 when nothing answered."""
         return http_json("GET", url + "/health", timeout=timeout_s)[0]
 
+    def router_workers(self, url: str, api_key: str | None) -> list[dict] | None:
+        """GET /workers' entries (what the router thinks of each replica); None when the
+        router did not answer with them."""
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        status, body = http_json("GET", url + "/workers", timeout=2.0, headers=headers)
+        workers = body.get("workers") if status == 200 and isinstance(body, dict) else None
+        return workers if isinstance(workers, list) else None
+
     def port_taken(self, port: int) -> bool:
         return port_taken("127.0.0.1", port)
 

@@ -119,6 +119,16 @@ class ReplicaRestart:
                     **({"group": members} if len(members) > 1 else {}))
         if crew.stop.wait(decision.delay):
             return
+        self.cycle(members, progress)
+
+    def cycle(self, members: list[int], progress: Progress, *,
+              relaunch: Callable[[int], None] | None = None) -> list[int] | None:
+        """Stop the members (followers before their leader), wait for their ports, start
+        them again in share_group.start_waves through every gate of bring-up, each back in the
+        router as its wave passed; `relaunch(i)` changes a member's record (argv, env, block)
+        between its stop and its start (a model update, a new CPU block). The members that
+        passed (None when teardown began); a member that failed is down, said."""
+        crew, state = self.crew, self.crew.state
         crew.replicas.stop(members, crew.drain_timeout)  # followers before their leader
         for i in members:
             port = state.replica(i).port
@@ -126,13 +136,16 @@ class ReplicaRestart:
                 for j in members:
                     self._failed(j, f"port {port} still busy after {PORT_FREE_TIMEOUT_S:.0f} s"
                                  + ("" if j == i else f" (replica {i}'s)"))
-                return
+                return []
+        if relaunch is not None:
+            for i in members:
+                relaunch(i)
         waves = start_waves(state.record, members)
         up: list[int] = []
         for n, wave in enumerate(waves):
-            passed = self._wave(wave, progress)
+            passed = self.start_wave(wave, progress)
             if passed is None:  # teardown began: nothing more is started
-                return
+                return None
             up += passed
             if len(passed) < len(wave):  # what follows depends on what failed here
                 for later in waves[n + 1:]:
@@ -148,6 +161,7 @@ class ReplicaRestart:
                 state.event("memory_measure_failed", replicas=up, error=repr(exc))
                 crew.say(f"replica(s) {', '.join(map(str, up))}: restarted, but measuring "
                          f"their memory failed: {exc!r}")
+        return up
 
     def _leader_gone(self, members: list[int]) -> bool:
         """A follower restarted without its leader (a restart of the leader would take it
@@ -173,7 +187,7 @@ class ReplicaRestart:
                           f"the restart of replica {LEADER}'s group brings it back")
         return True
 
-    def _wave(self, wave: list[int], progress: Progress) -> list[int] | None:
+    def start_wave(self, wave: list[int], progress: Progress) -> list[int] | None:
         """Start these replicas (together, unless the run starts one after another) and pass
         each through the gates; each that passed is back in the router. The ones that passed;
         None when teardown began."""

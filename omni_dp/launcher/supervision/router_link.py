@@ -92,10 +92,58 @@ class RouterLink:
         router = self.crew.state.record.router
         if router is None:
             return 0, None  # no router recorded: nothing answered
-        key = self.crew.state.api_key
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
         return self.http("PUT", f"{router.url}/workers/{index}", {"disabled": disabled},
-                         headers=headers)
+                         headers=self._headers())
+
+    def _headers(self) -> dict[str, str]:
+        key = self.crew.state.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def add(self, index: int, url: str) -> bool:
+        """A new replica (a scale-up) into the router, disabled until it passed its gates
+        (enable() then takes it in); True only on a 2xx, a refusal said and recorded."""
+        router = self.crew.state.record.router
+        status, body = (0, None) if router is None else self.http(
+            "POST", f"{router.url}/workers", {"url": url, "id": str(index), "disabled": True},
+            headers=self._headers())
+        return self._said("added", index, status, body)
+
+    def remove(self, index: int) -> bool:
+        """A replica scaled away out of the router for good (its requests finish normally)."""
+        router = self.crew.state.record.router
+        status, body = (0, None) if router is None else self.http(
+            "DELETE", f"{router.url}/workers/{index}", headers=self._headers())
+        return self._said("removed", index, status, body)
+
+    def _said(self, action: str, index: int, status: int, body: object) -> bool:
+        if 200 <= status < 300:
+            self.crew.state.event("router_" + action, replica=index, status=status)
+            return True
+        said = body.get("error") if isinstance(body, dict) else None
+        error = (f"the router did not take replica {index} {action.removesuffix('ed')}: "
+                 f"answered {status or 'nothing'}" + (f" ({said})" if said else ""))
+        self.crew.state.event("router_admin_failed", replica=index, action=action,
+                              status=status, error=error)
+        self.crew.say(f"warning: {error}")
+        return False
+
+    def in_flight(self, index: int) -> int | None:
+        """The requests the router has in flight on this replica (None: it cannot say)."""
+        router = self.crew.state.record.router
+        workers = None if router is None else self.crew.probe.router_workers(
+            router.url, self.crew.state.api_key)
+        entry = next((w for w in workers or [] if w.get("id") == str(index)), None)
+        value = entry.get("in_flight") if entry else None
+        return value if isinstance(value, int) else None
+
+    def drain(self, index: int, timeout_s: float, poll_s: float = 0.1) -> bool:
+        """Wait, at most timeout_s, until the router has nothing in flight on the replica (it
+        was taken out first: nothing new comes); True when drained."""
+        deadline = self.crew.clock() + timeout_s
+        while (left := self.in_flight(index)) not in (0, None):
+            if self.crew.clock() >= deadline or self.crew.stop.wait(poll_s):
+                return False
+        return left == 0
 
     def enable(self, index: int) -> bool:
         """Back in the router, or remembered as not (retried by retry_enable)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from omni_dp.launcher.planning.share_group import LEADER, followers
@@ -39,6 +40,7 @@ class Slot:
 
 
 ROUTER = Slot("router")
+CHANGE = Slot("change")  # a day-two change's thread (it holds each replica's slot in turn)
 
 
 class Dependencies:
@@ -154,6 +156,21 @@ class Busy:
         finally:
             with self._lock:
                 self._threads.pop(slot, None)
+
+    @contextmanager
+    def holding(self, slot: Slot):
+        """The calling thread holds slot while inside (a change working on a replica)."""
+        with self._lock:
+            self._threads[slot] = threading.current_thread()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._threads.pop(slot, None)
+
+    def holder(self, slot: Slot) -> threading.Thread | None:
+        with self._lock:
+            return self._threads.get(slot)
 
     def slots(self) -> set[Slot]:
         with self._lock:

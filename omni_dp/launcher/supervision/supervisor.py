@@ -25,9 +25,12 @@ from pathlib import Path
 
 from omni_dp.contract import API_KEY_ENV, ExitCode
 from omni_dp.launcher.bringup.replicas import ReplicaControl
+from omni_dp.launcher.changes.request import take
 from omni_dp.launcher.record.state import RunState
+from omni_dp.launcher.supervision.change_runner import ChangeRunner
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.death_watch import DeathWatch
+from omni_dp.launcher.supervision.hang_watch import HangReports
 from omni_dp.launcher.supervision.mps_restart import GroupRestart
 from omni_dp.launcher.supervision.mps_watch import MpsWatch
 from omni_dp.launcher.supervision.replica_restart import ReplicaRestart
@@ -35,6 +38,7 @@ from omni_dp.launcher.supervision.replica_watch import ReplicaWatch, Seen
 from omni_dp.launcher.supervision.restart_policy import RestartPolicy
 from omni_dp.launcher.supervision.router_link import RouterLink
 from omni_dp.launcher.supervision.slots import (
+    CHANGE,
     ROUTER,
     Busy,
     Slot,
@@ -77,6 +81,7 @@ class Supervisor:
         self.busy = Busy(run_slots(state.record))  # the slots a restart thread owns
         self.watches = {r.index: ReplicaWatch(s.restart_after_failures) for r in state.replicas}
         self.router = RouterLink(self.crew)
+        self.hangs = HangReports()
         # one watch per GPU's daemon, by GPU slot: its own budget, its own clients' logs
         self.mps = {slot.index: MpsWatch(self.crew.policy, s.on_mps_fault, slot.index)
                     for slot in self.busy.deps.slots if slot.kind == "mps"}
@@ -84,6 +89,9 @@ class Supervisor:
         self.restart_group = GroupRestart(self.crew, self.router,
                                           {gpu: w.scanner for gpu, w in self.mps.items()},
                                           self._passed)
+        self.change = ChangeRunner(self.crew, self.router, self.restart_replica, self.busy,
+                                   self.refresh)
+        self.sweep_lock = threading.RLock()  # a sweep, or a change reshaping the run's slots
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -157,6 +165,22 @@ class Supervisor:
     # --- one sweep: check every slot nobody restarts, dispatch what is due ------------------
 
     def sweep(self) -> None:
+        with self.sweep_lock:
+            self._sweep()
+
+    def refresh(self) -> None:
+        """The slots and watches of the run as its record now is (a scale added or removed a
+        replica); between sweeps."""
+        with self.sweep_lock:
+            record = self.state.record
+            for r in record.replicas:
+                self.watches.setdefault(r.index, ReplicaWatch(self.state.supervision
+                                                              .restart_after_failures))
+            for gone in set(self.watches) - {r.index for r in record.replicas}:
+                del self.watches[gone]
+            self.busy.deps = run_slots(record)
+
+    def _sweep(self) -> None:
         if self.state.removed:
             self.say(f"the run directory {self.state.directory} was removed; tearing the run "
                      "down from memory")
@@ -171,6 +195,8 @@ class Supervisor:
             if not self.busy.skipped(slot):
                 check[slot.kind](slot)
         self.router.retry_enable(skip=self._replica_skipped)
+        self._check_hangs()
+        self._check_change()
         healthy = {r.state for r in self.state.replicas} == {ReplicaState.HEALTHY}
         self.state.set_phase(RunPhase.RUNNING if healthy else RunPhase.DEGRADED)
 
@@ -233,6 +259,32 @@ class Supervisor:
         delay = self.router.died(router.identity.pid)
         if delay is not None:
             self.busy.start(ROUTER, self.router.restart, delay, self.reap, name="router-restart")
+
+    def _check_change(self) -> None:
+        """A day-two change asked for (omni-dp restart, omni-dp scale): taken and made in a
+        thread of its own, one at a time (the next waits, asked, until this one ended)."""
+        if self.busy.holder(CHANGE) is not None or self.stop_requested.is_set():
+            return
+        change = take(self.state.directory)
+        if change is not None:
+            self.busy.start(CHANGE, self.change, change, name=f"change-{change.id}")
+
+    def _check_hangs(self) -> None:
+        """Replicas the router found hung and has not re-admitted within the grace: each
+        restarted through the gates (its own health checks may not have seen it yet: a
+        stopped process's listening socket still accepts)."""
+        router = self.state.record.router
+        if router is None or self.busy.skipped(ROUTER):
+            return
+        workers = self.crew.probe.router_workers(router.url, self.state.api_key)
+        for hung in self.hangs.due(workers or [], self.crew.clock()):
+            record = next((r for r in self.state.replicas if r.index == hung.index), None)
+            if record is None or record.state not in WATCHED or \
+                    self._replica_skipped(hung.index):
+                continue
+            self.state.event("replica_hung", replica=hung.index, since=hung.since,
+                             error=hung.error)
+            self._restart(hung.index, f"hung: the router took it out ({hung.error})")
 
     def _check_mps(self, gpu: int) -> None:
         """GPU slot `gpu`'s daemon: a fault restarts it with its clients, that GPU's replicas."""

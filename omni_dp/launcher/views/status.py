@@ -79,6 +79,10 @@ def collect(state: RunState, *, probe: bool = True) -> dict:
                    "url": record.plan.router.url, "ready": router_ready},
         # As before runs spanned GPUs: the first GPU's daemon; `attached` stays run-wide.
         "mps": _mps(record.daemons[0], record.replicas) if record.daemons else None,
+        # what every replica process was capped at (null: uncapped); each daemon's `limits`
+        # are what it read back
+        "mps_caps": {"thread_percentage": record.plan.mps_thread_percentage,
+                     "memory_limit_bytes": record.plan.mps_memory_limit},
         "gpus": [_gpu_row(record, g) for g in record.gpus],
         "share": _share(record),
         "replicas": [_replica_row(r, probe, share_role(record.plan.share_weights, r.index))
@@ -89,7 +93,7 @@ def collect(state: RunState, *, probe: bool = True) -> dict:
 def _mps(daemon: DaemonRecord, replicas: tuple[ReplicaRecord, ...]) -> dict:
     """A daemon as recorded, re-checked, and whether these replicas are proven its clients."""
     return {"daemon_pid": daemon.identity.pid, "daemon_alive": is_alive(daemon.identity),
-            "attached": _attached(replicas)}
+            "attached": _attached(replicas), "limits": daemon.limits.to_json()}
 
 
 def _gpu_row(record: RunRecord, gpu: GpuRecord) -> dict:
@@ -184,8 +188,14 @@ def format_status(s: dict, command: str = "omni-dp") -> str:
 
 
 def _daemon_text(mps: dict) -> str:
+    limits = mps.get("limits") or {}
+    caps = [f"{limits['thread_percentage']:g}% SMs"] if limits.get(
+        "thread_percentage") is not None else []
+    if limits.get("memory_limit_bytes") is not None:
+        caps.append(f"{format_size(limits['memory_limit_bytes'])} pinned")
     return (f"pid {mps['daemon_pid']} {'alive' if mps['daemon_alive'] else 'NOT running'}  "
-            f"attached={mps['attached']}")
+            f"attached={mps['attached']}"
+            + (f"  caps per client: {', '.join(caps)}" if caps else ""))
 
 
 def gpu_heading(gpu: dict) -> str:

@@ -1,0 +1,143 @@
+"""The asking command's side of a day-two change: hand it to the run's supervisor, then follow it
+in events.jsonl until it ended, saying each replica's progress as it comes.
+
+The supervisor takes a request at its next sweep; one that nobody takes (the supervisor gone, or
+stuck) is withdrawn after TAKE_TIMEOUT (never left to surprise the next supervisor), said. A
+supervisor that dies mid-change ends the following with that said.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omni_dp.launcher.changes.request import (
+    CHANGE_FILE,
+    REQUEST_FILE,
+    ChangeRequest,
+    read_change,
+    submit,
+)
+from omni_dp.launcher.record.state import EVENTS_FILE
+from omni_dp.procs import ProcessIdentity, is_alive
+
+TAKE_TIMEOUT_S = 30.0  # beyond a sweep interval or two: the supervisor did not take it
+POLL_S = 0.2
+
+
+@dataclass
+class Outcome:
+    change: ChangeRequest
+    ok: bool
+    error: str | None = None
+    steps: list[dict] = field(default_factory=list)  # each step's action, replica, seconds
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"id": self.change.id, "kind": self.change.kind, "summary": self.change.summary,
+                "ok": self.ok, "error": self.error, "steps": self.steps,
+                "seconds": round(self.seconds, 2)}
+
+
+class EventTail:
+    """The lines appended to events.jsonl since it was opened, whole lines only."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = path.stat().st_size if path.exists() else 0
+        self.partial = b""
+
+    def read(self) -> list[dict]:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        self.offset += len(data)
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()
+        found = []
+        for line in lines:
+            try:
+                found.append(json.loads(line))
+            except ValueError:
+                continue
+        return found
+
+
+def describe(event: dict) -> str | None:
+    """A progress line for one event of the change (None: not one to say)."""
+    name, i = event.get("event"), event.get("replica")
+    lines: dict[str, Callable[[], str]] = {
+        "change_step": lambda: f"step {event['step']}: {event['action']} replica {i}",
+        "change_drained": lambda: (
+            f"replica {i}: out of the router, " + (
+                f"drained in {event['seconds']} s" if event.get("drained") else
+                f"still busy after {event['seconds']} s: the stop drains the rest")),
+        "restart_completed": lambda: f"replica {i}: passed its gates "
+                                     f"({', '.join(event.get('gates') or [])}), "
+                                     + ("back in the router" if event.get("in_router") else
+                                        "NOT back in the router"),
+        "restart_failed": lambda: f"replica {i}: failed: {event.get('error')}",
+        "router_added": lambda: f"replica {i}: in the router (out of rotation until its gates)",
+        "router_removed": lambda: f"replica {i}: out of the router for good",
+        "change_step_done": lambda: f"step {event['step']} done in {event['seconds']} s",
+    }
+    say = lines.get(name)
+    return say() if say else None
+
+
+def ask_and_follow(directory: Path, request: ChangeRequest, supervisor: ProcessIdentity | None,
+                   say: Callable[[str], None]) -> Outcome:
+    """Submit (ChangeRefused when another change is asked for or running), then follow."""
+    tail = EventTail(directory / EVENTS_FILE)
+    started = time.monotonic()
+    submit(directory, request)
+    say(f"asked the run's supervisor for change {request.id}: {request.summary}")
+    if not _taken(directory, request, supervisor):
+        return Outcome(request, False, "the run's supervisor did not take the change within "
+                       f"{TAKE_TIMEOUT_S:.0f} s (is it running? `omni-dp status`); withdrawn")
+    outcome = Outcome(request, False)
+    while True:
+        for event in tail.read():
+            if event.get("change") not in (None, request.id):
+                continue
+            if event.get("event") == "change_step_done":
+                outcome.steps.append({k: event.get(k) for k in ("action", "replica", "seconds")})
+            line = describe(event)  # a restart's own events carry no change id: said too
+            if line:
+                say(line)
+            if event.get("event") in ("change_done", "change_failed") and \
+                    event.get("change") == request.id:
+                outcome.ok = event["event"] == "change_done"
+                outcome.error = event.get("error")
+                outcome.seconds = time.monotonic() - started
+                return outcome
+        if supervisor is not None and not is_alive(supervisor):
+            ended = read_change(directory)
+            if ended is not None and ended.id == request.id and ended.state in ("done", "failed"):
+                return Outcome(request, ended.state == "done", ended.error,
+                               outcome.steps, time.monotonic() - started)
+            outcome.error = "the run's supervisor is gone; the change did not end"
+            return outcome
+        time.sleep(POLL_S)
+
+
+def _taken(directory: Path, request: ChangeRequest, supervisor: ProcessIdentity | None) -> bool:
+    deadline = time.monotonic() + TAKE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        taken = read_change(directory)
+        if taken is not None and taken.id == request.id:
+            return True
+        if supervisor is not None and not is_alive(supervisor):
+            break
+        time.sleep(POLL_S)
+    pending = read_change(directory, REQUEST_FILE)
+    if pending is not None and pending.id == request.id:
+        (directory / REQUEST_FILE).unlink(missing_ok=True)
+    taken = read_change(directory, CHANGE_FILE)  # taken as the request was withdrawn
+    return taken is not None and taken.id == request.id

@@ -1,0 +1,191 @@
+"""The supervisor makes a day-two change (omni_dp/launcher/changes): the steps in order, each on
+one replica (or a weight-share leader's group), in a thread of its own so the rest of the run
+stays watched. While a step works on a replica it holds that replica's slot: the sweep leaves it
+alone, and the step waits for a restart the sweep began to end first.
+
+- restart: out of the router → drained (the router's in-flight count for it reaches 0, or the
+  drain bound) → stopped → its record changed when the step brings a new launch (a model
+  update, a new CPU block) → started through every gate of bring-up → back in the router;
+- add: recorded, into the router (out of rotation), started through the gates, then in;
+- remove: out of the router, drained, stopped, out of the router and the gateway for good, and
+  gone from the record (the highest-numbered first, so the others keep their numbers).
+A step that fails stops the change there (what passed stays; the failed replica is down, as
+after a failed restart: the sweep tries it again); the change is recorded failed, said.
+Operator restarts are not charged to a replica's restart budget.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+
+from omni_dp.launcher.changes.request import ChangeRequest, Step, finish
+from omni_dp.launcher.supervision.crew import Crew
+from omni_dp.launcher.supervision.replica_restart import Progress, ReplicaRestart
+from omni_dp.launcher.supervision.router_link import RouterLink
+from omni_dp.launcher.supervision.slots import Busy, Slot
+from omni_dp.runfile import GpuRecord, PlanRecord, ReplicaRecord, ReplicaState
+
+SLOT_WAIT_S = 600.0  # for a restart the sweep began on the same replica to end
+
+
+class StepFailed(Exception):
+    """A step that did not complete; the message says which and why."""
+
+
+class ChangeRunner:
+    def __init__(self, crew: Crew, router: RouterLink, restart: ReplicaRestart, busy: Busy,
+                 refresh: Callable[[], None]) -> None:
+        self.crew = crew
+        self.router = router
+        self.restart = restart
+        self.busy = busy
+        self.refresh = refresh  # the supervisor's slots and watches follow a changed record
+
+    def __call__(self, change: ChangeRequest) -> None:
+        """The change thread's body: whatever goes wrong is recorded, never raised."""
+        state = self.crew.state
+        state.event("change_started", change=change.id, kind=change.kind,
+                    summary=change.summary, steps=[s.to_json() for s in change.steps])
+        self.crew.say(f"change {change.id}: {change.summary}")
+        error = None
+        try:
+            for n, step in enumerate(change.steps, 1):
+                self._step(change, step, n)
+            self._record_plan(change)
+        except StepFailed as exc:
+            error = str(exc)
+        except Exception as exc:  # a bug or an unwritable run.json: said, never fatal
+            error = f"{type(exc).__name__}: {exc}"
+        if self.crew.gate.closed and error is None and change.steps:
+            error = "the run is being torn down"
+        finish(state.directory, change, error)
+        if error:
+            state.event("change_failed", change=change.id, error=error)
+            self.crew.say(f"change {change.id} failed: {error}")
+        else:
+            state.event("change_done", change=change.id)
+            self.crew.say(f"change {change.id} done: {change.summary}")
+
+    def _step(self, change: ChangeRequest, step: Step, n: int) -> None:
+        if self.crew.stop.is_set() or self.crew.gate.closed:
+            raise StepFailed("the run is being torn down")
+        started = time.monotonic()
+        self.crew.state.event("change_step", change=change.id, step=n, action=step.action,
+                              replica=step.replica)
+        {"restart": self._restart, "add": self._add, "remove": self._remove}[step.action](
+            change, step)
+        self.crew.state.event("change_step_done", change=change.id, step=n,
+                              action=step.action, replica=step.replica,
+                              seconds=round(time.monotonic() - started, 2))
+
+    # --- the steps --------------------------------------------------------------------------
+
+    def _restart(self, change: ChangeRequest, step: Step) -> None:
+        members = self.restart_group(step.replica)
+        with self._holding(step.replica):
+            for i in members:
+                self._out_and_drained(change, i)
+                if self.crew.state.replica(i).state is not ReplicaState.RESTARTING:
+                    self.crew.state.update_replica(i, state=ReplicaState.RESTARTING)
+            relaunch = (lambda i: self._relaunch(i, step)) if step.launch else None
+            passed = self.restart.cycle(members, Progress(), relaunch=relaunch)
+        if passed is None:
+            raise StepFailed("the run is being torn down")
+        failed = [i for i in members if i not in passed]
+        if failed:
+            raise StepFailed(f"replica {', '.join(map(str, failed))} did not pass its gates "
+                             f"after the restart: {self._last_error(failed[0])}")
+
+    def _add(self, change: ChangeRequest, step: Step) -> None:
+        state = self.crew.state
+        record = ReplicaRecord.from_json(step.launch or {})
+        state.set_scale((*state.replicas, record),
+                        self._plan_with(len(state.replicas) + 1, change),
+                        self._gpus(change))
+        self.refresh()
+        if not self.router.add(record.index, record.url):
+            raise StepFailed(f"the router did not take replica {record.index} in")
+        with self._holding(record.index):
+            passed = self.restart.start_wave([record.index], Progress())
+        if not passed:
+            raise StepFailed(f"replica {record.index} did not pass its gates: "
+                             f"{self._last_error(record.index)}")
+        try:
+            self.crew.replicas.measure_memory(passed)
+        except Exception as exc:  # it passed: a figure missing is no failure
+            self.crew.state.event("memory_measure_failed", replicas=passed, error=repr(exc))
+
+    def _remove(self, change: ChangeRequest, step: Step) -> None:
+        state = self.crew.state
+        index = step.replica
+        if index != len(state.replicas) - 1:
+            raise StepFailed(f"replica {index} is not the highest-numbered one: scale removes "
+                             "from the top")
+        with self._holding(index):
+            self._out_and_drained(change, index)
+            self.crew.replicas.stop([index], change.drain_timeout)
+            self.router.remove(index)
+            self.router.not_in_router.discard(index)
+            state.set_scale(state.replicas[:index], self._plan_with(index, change),
+                            self._gpus(change))
+        self.refresh()
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def restart_group(self, index: int) -> list[int]:
+        """The replica and its dependents (a weight-share leader's followers)."""
+        return [index, *(s.index for s in self.busy.deps.dependents(Slot.replica(index))
+                         if s.kind == "replica" and s.index is not None)]
+
+    def _out_and_drained(self, change: ChangeRequest, index: int) -> None:
+        """Out of the router (and the gateway), then its in-flight requests given the drain
+        bound to finish; the stop drains what is left (SIGTERM)."""
+        state = self.crew.state
+        out = self.router.set_disabled(index, True)
+        started = time.monotonic()
+        drained = out and self.router.drain(index, change.drain_timeout)
+        state.event("change_drained", change=change.id, replica=index, out_of_router=out,
+                    drained=drained, seconds=round(time.monotonic() - started, 2))
+
+    def _relaunch(self, index: int, step: Step) -> None:
+        launch = step.launch or {}
+        self.crew.state.update_replica(index, argv=tuple(launch["argv"]),
+                                       env=dict(launch["env"]), cpus=launch.get("cpus"))
+
+    def _record_plan(self, change: ChangeRequest) -> None:
+        """The plan the run now follows (a model update's engine arguments, a scale's count)."""
+        if change.plan is not None and change.kind == "restart":
+            self.crew.state.set_plan(PlanRecord.from_json(change.plan))
+
+    def _plan_with(self, replicas: int, change: ChangeRequest) -> PlanRecord:
+        """The plan as the record goes through a scale: the new one's, counting what is there
+        now (each step adds or removes one)."""
+        plan = PlanRecord.from_json(change.plan or {})
+        return PlanRecord.from_json({**plan.to_json(), "replicas": replicas})
+
+    def _gpus(self, change: ChangeRequest) -> tuple[GpuRecord, ...]:
+        return tuple(GpuRecord.from_json(g) for g in change.gpus or []) or \
+            self.crew.state.record.gpus
+
+    def _last_error(self, index: int) -> str:
+        state = self.crew.state
+        found = next((r for r in state.replicas if r.index == index), None)
+        return (found.last_error or "no reason recorded") if found else "gone from the record"
+
+    @contextmanager
+    def _holding(self, index: int):
+        """This replica's slot, once no restart the sweep began holds it (or what it depends
+        on): the sweep leaves it alone meanwhile."""
+        slot = Slot.replica(index)
+        deadline = time.monotonic() + SLOT_WAIT_S
+        while self.busy.skipped(slot) and not self._mine(slot):
+            if time.monotonic() > deadline or self.crew.stop.wait(0.1):
+                raise StepFailed(f"replica {index} stayed busy with a restart")
+        with self.busy.holding(slot):
+            yield
+
+    def _mine(self, slot: Slot) -> bool:
+        return self.busy.holder(slot) is threading.current_thread()

@@ -1,0 +1,239 @@
+"""Day-two changes without processes: how a restart and a scale are planned (which steps, in
+which order, what is refused and why), the machine as it would be without the run, and the
+request handed to the supervisor (one at a time). The changes made on live replicas are in
+test_changes_live.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from omni_dp.launcher.changes.plan import ChangePlanError, plan_restart, plan_scale, without_run
+from omni_dp.launcher.changes.request import (
+    CHANGE_FILE,
+    REQUEST_FILE,
+    ChangeRefused,
+    ChangeRequest,
+    Step,
+    finish,
+    read_change,
+    submit,
+    take,
+)
+from omni_dp.launcher.engines import EngineSizing
+from omni_dp.launcher.planning.facts import KnownRun, LaunchFacts
+from omni_dp.launcher.planning.options import LaunchOptions
+from omni_dp.launcher.planning.plan import plan_launch
+from omni_dp.launcher.planning.topology import Core, CpuTopology
+from omni_dp.launcher.record.state import RunState
+from omni_dp.procs import ProcessIdentity
+from omni_dp.runfile import ReplicaState
+
+from support.plans import GiB, h200
+
+H = ReplicaState.HEALTHY
+
+
+def cpu_facts(tmp_path, cores: int = 2) -> LaunchFacts:
+    return LaunchFacts(
+        state_root=tmp_path / "state", new_run_id="run-d2",
+        topology=CpuTopology(tuple(Core((i,), 0) for i in range(cores)),
+                             frozenset(range(cores))),
+        gpu=None, gpu_problems=(), gpu_numa_node=None, mps_binary=None, mps_problems=(),
+        taken_ports=frozenset(), runs=(),
+        sizing=EngineSizing(weights_bytes=1, kv_cache_bytes=8192 * 1024, kv_tokens=1024,
+                            overhead_bytes=1, device="cpu"),
+        engine_problems=(), host_memory_available=1 << 34, numactl=None)
+
+
+def launched(tmp_path, facts: LaunchFacts, **options) -> RunState:
+    """A run as launch records it, every replica healthy."""
+    o = LaunchOptions(**{"replicas": 2, "max_total_tokens": 1024, **options})
+    state = RunState.create(plan_launch(o, facts))
+    for r in state.replicas:
+        state.update_replica(r.index, identity=ProcessIdentity(1000 + r.index, 1.0),
+                             state=ReplicaState.STARTING)
+        state.update_replica(r.index, state=H)
+    return state
+
+
+def replanner(facts: LaunchFacts):
+    """Re-planning as the command does, on the hand-made machine."""
+    from omni_dp.launcher.planning.options import options_from_record
+
+    def replan(record, changes):
+        options, problems = options_from_record(dict(record.plan.options))
+        assert problems == []
+        return plan_launch(dataclasses.replace(options, run_id=None, **changes),
+                           dataclasses.replace(facts, new_run_id=record.run_id))
+    return replan
+
+
+def steps(request: ChangeRequest) -> list[tuple[str, int]]:
+    return [(s.action, s.replica) for s in request.steps]
+
+
+# --- omni-dp restart -------------------------------------------------------------------------
+
+
+def test_a_rolling_restart_is_one_replica_at_a_time_with_the_runs_own_plan(tmp_path):
+    state = launched(tmp_path, cpu_facts(tmp_path))
+    request = plan_restart(state.record)
+    assert steps(request) == [("restart", 0), ("restart", 1)]
+    assert all(s.launch is None for s in request.steps)  # the recorded argv, env and block
+    assert request.plan is None and request.summary == "rolling restart of replicas 0, 1"
+    assert request.drain_timeout == state.supervision.drain_timeout
+    assert steps(plan_restart(state.record, replicas=[1])) == [("restart", 1)]
+
+
+def test_a_restart_that_leaves_nothing_serving_is_refused_unless_downtime_is_allowed(tmp_path):
+    state = launched(tmp_path, cpu_facts(tmp_path, cores=1), replicas=1)
+    with pytest.raises(ChangePlanError) as refused:
+        plan_restart(state.record)
+    assert refused.value.problems == [
+        "replica 0 is the run's only replica: while it restarts every request fails; add "
+        "--allow-downtime to restart it anyway (or scale to 2 first)"]
+    assert steps(plan_restart(state.record, allow_downtime=True)) == [("restart", 0)]
+    two = launched(tmp_path / "two", cpu_facts(tmp_path / "two"))
+    two.update_replica(1, state=ReplicaState.DOWN)  # the other one does not serve
+    with pytest.raises(ChangePlanError, match="no other replica is serving meanwhile"):
+        plan_restart(two.record, replicas=[0])
+
+
+def test_a_weight_share_leader_restarts_last_and_takes_its_followers(tmp_path):
+    state = launched(tmp_path, cpu_facts(tmp_path, cores=3), replicas=3, share_weights=True)
+    with pytest.raises(ChangePlanError, match="replica 0's restart takes down replicas 0, 1, 2"):
+        plan_restart(state.record)  # the group is the whole run
+    request = plan_restart(state.record, allow_downtime=True)
+    assert steps(request) == [("restart", 0)]
+    assert "followers restart with it" in request.summary
+    assert steps(plan_restart(state.record, replicas=[2, 1])) == [("restart", 2),
+                                                                   ("restart", 1)]
+
+
+def test_a_model_update_restarts_every_replica_with_its_new_launch(tmp_path):
+    facts = cpu_facts(tmp_path)
+    state = launched(tmp_path, facts)
+    request = plan_restart(state.record, engine_args=("--model", "tiny", "--seed", "3"),
+                           replan=replanner(facts))
+    assert steps(request) == [("restart", 0), ("restart", 1)]
+    for step, old in zip(request.steps, state.replicas, strict=True):
+        assert step.launch["argv"][-4:] == ["--model", "tiny", "--seed", "3"]
+        assert step.launch["argv"][:-4] == list(old.argv)  # port, block, threads: as they were
+        assert step.launch["cpus"] == old.cpus
+    assert request.plan["engine_args"] == ["--model", "tiny", "--seed", "3"]
+    assert request.summary == "model update of replicas 0, 1 to `--model tiny --seed 3`"
+    with pytest.raises(ChangePlanError, match="give no --replica"):
+        plan_restart(state.record, replicas=[0], engine_args=("--model", "tiny"))
+    with pytest.raises(ChangePlanError, match=r"--replica 7: run run-d2 has replicas 0, 1"):
+        plan_restart(state.record, replicas=[7])
+
+
+def test_a_run_without_its_options_cannot_be_replanned(tmp_path):
+    from omni_dp.launcher.changes.plan import replan
+
+    state = launched(tmp_path, cpu_facts(tmp_path))
+    old = dataclasses.replace(state.record, plan=dataclasses.replace(state.plan, options=None))
+    with pytest.raises(ChangePlanError, match="did not keep its options"):
+        replan(old, {"replicas": 3})
+
+
+# --- omni-dp scale ---------------------------------------------------------------------------
+
+
+def test_scaling_up_adds_replicas_and_moves_the_others_into_their_new_blocks(tmp_path):
+    facts = cpu_facts(tmp_path)
+    state = launched(tmp_path, facts, replicas=1)
+    assert state.replica(0).cpus == "0-1"
+    request = plan_scale(state.record, 2, replan=replanner(facts))
+    assert steps(request) == [("add", 1), ("restart", 0)]  # the new one serves first
+    add, restart = request.steps
+    assert add.launch["cpus"] == "1" and add.launch["port"] == state.replica(0).port + 1
+    assert restart.launch["cpus"] == "0"
+    assert request.plan["replicas"] == 2 and request.plan["options"]["replicas"] == 2
+    assert "replicas 0 restart into their new CPU blocks, one at a time" in request.summary
+
+
+def test_scaling_down_removes_from_the_top_and_keeps_the_last_one_serving_as_it_is(tmp_path):
+    facts = cpu_facts(tmp_path)
+    state = launched(tmp_path, facts)
+    request = plan_scale(state.record, 1, replan=replanner(facts))
+    assert steps(request) == [("remove", 1)]  # replica 0 would grow to both cores: kept
+    assert "replica 0 keeps running as it was started" in request.summary
+    unpinned = launched(tmp_path / "u", cpu_facts(tmp_path / "u"), replicas=3,
+                        cpu_blocks="none")
+    assert steps(plan_scale(unpinned.record, 1, replan=replanner(cpu_facts(tmp_path / "u")))
+                 )[:2] == [("remove", 2), ("remove", 1)]
+
+
+def test_scaling_to_the_count_it_has_changes_nothing(tmp_path):
+    state = launched(tmp_path, cpu_facts(tmp_path))
+    request = plan_scale(state.record, 2, replan=lambda *a: pytest.fail("re-planned"))
+    assert request.steps == () and request.summary == "already 2 replicas: nothing to change"
+
+
+def test_a_scale_is_held_to_launchs_checks_every_problem_at_once(tmp_path):
+    facts = cpu_facts(tmp_path)
+    state = launched(tmp_path, facts)
+    with pytest.raises(ChangePlanError) as refused:
+        plan_scale(state.record, 3, replan=replanner(facts))  # 3 blocks on 2 cores
+    assert any("3 replicas need 3 physical cores" in p for p in refused.value.problems)
+    with pytest.raises(ChangePlanError, match="--replicas must be at least 1, got 0"):
+        plan_scale(state.record, 0)
+
+
+def test_the_machine_without_the_run_has_its_ports_id_and_memory_free(tmp_path):
+    facts = cpu_facts(tmp_path)
+    state = launched(tmp_path, facts)
+    record = state.record
+    for r in record.replicas:
+        state.update_replica(r.index, memory_bytes=3 * GiB)
+    record = state.record
+    own = {r.port for r in record.replicas}
+    facts = dataclasses.replace(
+        facts, gpu=h200(memory_used_bytes=10 * GiB), taken_ports=frozenset({*own, 9999}),
+        runs=(KnownRun(record.run_id, state.directory, "cpu", True),
+              KnownRun("other", state.directory, "cpu", True)))
+    freed = without_run(facts, record)
+    assert freed.taken_ports == frozenset({9999})
+    assert [r.run_id for r in freed.runs] == ["other"]
+    assert freed.gpu.memory_used_bytes == 4 * GiB  # its two replicas' 3 GiB each, as measured
+
+
+# --- the request handed to the supervisor ----------------------------------------------------
+
+
+def request_of(kind: str = "restart") -> ChangeRequest:
+    return ChangeRequest(kind, (Step("restart", 0),), "rolling restart of replicas 0", 30.0)
+
+
+def test_one_change_at_a_time(tmp_path):
+    first = request_of()
+    submit(tmp_path, first)
+    with pytest.raises(ChangeRefused, match=f"another change is already asked for .*{first.id}"):
+        submit(tmp_path, request_of())
+    taken = take(tmp_path)
+    assert taken.id == first.id and taken.state == "running"
+    assert not (tmp_path / REQUEST_FILE).exists()
+    with pytest.raises(ChangeRefused, match=f"change {first.id} .* is still running"):
+        submit(tmp_path, request_of())
+    ended = finish(tmp_path, taken, None)
+    assert read_change(tmp_path).state == "done" == ended.state
+    submit(tmp_path, request_of("scale"))  # the next may come now
+    assert take(tmp_path).kind == "scale"
+
+
+def test_an_unreadable_request_is_set_aside_not_made(tmp_path):
+    (tmp_path / REQUEST_FILE).write_text('{"kind": "explode"}')
+    assert take(tmp_path) is None
+    assert not (tmp_path / REQUEST_FILE).exists()
+    assert (tmp_path / f"{REQUEST_FILE}.unreadable").exists()
+    assert not (tmp_path / CHANGE_FILE).exists()
+
+
+def test_a_request_round_trips_whole(tmp_path):
+    request = ChangeRequest("scale", (Step("add", 2, {"index": 2}), Step("remove", 3)),
+                            "scale from 4 to 3", 5.0, plan={"replicas": 3}, gpus=[{"slot": 0}])
+    assert ChangeRequest.from_json(json.loads(json.dumps(request.to_json()))) == request
