@@ -12,7 +12,6 @@ import json
 import logging
 import random
 
-import aiohttp
 import pytest
 
 from support.http_client import client
@@ -21,11 +20,11 @@ from support.llm_standin import (
     PROMPT_DUMP,
     Failure,
     next_token,
-    parse_sse,
     pending,
     prompt_ids,
     standin,
 )
+from support.openai_stream import post_stream
 from support.router import Backend, backends, make_config, run, sample, scrape, serve, total
 
 COMPLETION = {"model": MODEL, "prompt": "Tell me about omni", "max_tokens": 40,
@@ -35,19 +34,6 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about 
         "stream_options": {"include_usage": True}}
 PATHS = {"completions": ("/v1/completions", COMPLETION),
          "chat": ("/v1/chat/completions", CHAT)}
-
-
-async def post_stream(session, url: str, body) -> tuple:
-    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    async with session.post(url, data=raw, headers={"Content-Type": "application/json",
-                                                      "X-Request-ID": "r"}) as resp:
-        got, broken = b"", False
-        try:
-            async for chunk in resp.content.iter_any():
-                got += chunk
-        except aiohttp.ClientPayloadError:
-            broken = True
-        return parse_sse(got, resp.status, broken), resp.headers
 
 
 async def through(handlers: list, path: str, body, **options):
