@@ -185,4 +185,6 @@ def plan_migration(method: str, path: str, body: bytes, limit: int, paths: tuple
 
 
 def _streaming(status: int, headers) -> bool:
-    return status == 200 and headers.get("Content-Type", "").startswith(SSE_TYPE)
+    """An answer the router can read chunk by chunk: SSE, not compressed."""
+    return (status == 200 and headers.get("Content-Type", "").startswith(SSE_TYPE)
+            and headers.get("Content-Encoding", "identity") == "identity")

@@ -30,7 +30,9 @@ or a body that ends before its `[DONE]` (`at_end`): each is a failure the proxy 
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -40,11 +42,25 @@ COMPLETIONS_PATH = "/v1/completions"
 SSE_TYPE = "text/event-stream"
 TOKEN_IDS_FIELD = "return_token_ids"
 _EVENT_END = b"\n\n"
+# An event longer than this is no engine's chunk (their separators are "\n\n"): past it the
+# stream is relayed as it comes, untracked, rather than held.
+_MAX_EVENT = 1024 * 1024
 _DONE = b"data: [DONE]\n\n"
 # What a chat delta may hold for its text to be the whole output; reasoning or tool-call
 # deltas come from a parser a completions continuation does not run.
 _PLAIN_DELTA = frozenset({"role", "content"})
 _IDENTITY = ("id", "object", "created", "model", "choices")
+# The ids the client did not ask for, nulled in the chunk's own bytes as vLLM writes them
+# unasked (its and sglang's chunks are compact JSON): a key followed by `":` cannot occur
+# inside a JSON string, whose quotes are escaped.
+def _nulling(key: bytes):
+    return functools.partial(re.compile(b'"' + key + rb'":\[[0-9, ]*\]').sub,
+                             b'"' + key + b'":null')
+
+
+_null_token_ids, _null_prompt_ids = _nulling(b"token_ids"), _nulling(b"prompt_token_ids")
+_decode = json.JSONDecoder().decode
+_encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 
 class StreamPlan(Protocol):
@@ -97,8 +113,7 @@ def _text(choice: dict, chat: bool) -> str:
 
 
 def _dumps(chunk: dict) -> bytes:
-    return b"data: " + json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode() \
-        + _EVENT_END
+    return b"data: " + _encode(chunk).encode() + _EVENT_END
 
 
 class TokenStream(Resume):
@@ -125,6 +140,7 @@ class TokenStream(Resume):
         self._skip_ids: list[int] = []  # a continuation's overlap, still to be checked
         self._skip_text = ""
         self._buffer = bytearray()
+        self._passthrough = False  # relayed as it comes (`_untracked`)
         self._held: list[_Event] = []
         self._pending: list[_Event] = []
 
@@ -143,14 +159,19 @@ class TokenStream(Resume):
 
     # --- relaying --------------------------------------------------------------------------
     def take(self, chunk: bytes) -> bytes:
-        self._buffer += chunk
-        cut = self._buffer.rfind(_EVENT_END)
-        if cut < 0:
-            return b""
-        whole = bytes(self._buffer[:cut + len(_EVENT_END)])
-        del self._buffer[:cut + len(_EVENT_END)]
+        if self._passthrough:
+            return chunk
+        if self._buffer:
+            self._buffer += chunk
+            chunk = bytes(self._buffer)
+            self._buffer.clear()
+        end = chunk.rfind(_EVENT_END)
+        if end < 0 and len(chunk) > _MAX_EVENT:
+            return self._untracked(chunk)
+        cut = end + len(_EVENT_END) if end >= 0 else 0
+        self._buffer += chunk[cut:]  # part of an event: held until its end comes
         ready: list[_Event] = []
-        for raw in whole.split(_EVENT_END)[:-1]:
+        for raw in chunk[:cut].split(_EVENT_END)[:-1]:
             event = self._read(raw + _EVENT_END)
             if event is None:
                 continue
@@ -163,6 +184,16 @@ class TokenStream(Resume):
         if not self.resumable:  # nothing is held for a stream that cannot migrate
             ready += self._held
             self._held.clear()
+        self._pending += ready
+        return b"".join(event.data for event in ready)
+
+    def _untracked(self, data: bytes) -> bytes:
+        """No event's end within _MAX_EVENT bytes: these are no engine's chunks; from here on
+        they go out as they come, and the stream cannot migrate."""
+        self._stop("unreadable_chunk")
+        self._passthrough = True
+        ready = [*self._held, _Event(data)]
+        self._held.clear()
         self._pending += ready
         return b"".join(event.data for event in ready)
 
@@ -189,7 +220,9 @@ class TokenStream(Resume):
             self._since_clean.append(event.text)
 
     def at_end(self) -> str | None:
-        return None if self.done_sent else "the stream ended before its [DONE]"
+        if self.done_sent or self._passthrough:
+            return None
+        return "the stream ended before its [DONE]"
 
     def ending(self) -> bytes:
         """The end of an answer whose finish the client has: its usage (when asked for and
@@ -219,7 +252,7 @@ class TokenStream(Resume):
         self._skip_ids = self.generated[self.clean:]
         self._skip_text = "".join(self._since_clean)
         prompt = (self.prompt_ids or []) + self.generated[:self.clean]
-        return Resend({}, path=COMPLETIONS_PATH,
+        return Resend({"Content-Type": "application/json"}, path=COMPLETIONS_PATH,
                       body=self.plan.continuation(prompt, self.base))
 
     def check(self, status: int, headers) -> str | None:
@@ -228,6 +261,8 @@ class TokenStream(Resume):
         content_type = headers.get("Content-Type", "")
         if not content_type.startswith(SSE_TYPE):
             return f"its Content-Type is {content_type}, not {SSE_TYPE}"
+        if headers.get("Content-Encoding", "identity") != "identity":
+            return f"it is compressed ({headers.get('Content-Encoding')})"
         return None
 
     # --- one event -------------------------------------------------------------------------
@@ -238,7 +273,7 @@ class TokenStream(Resume):
         if payload == b"[DONE]":
             return _Event(raw, done=True)
         try:
-            chunk = json.loads(payload)
+            chunk = _decode(payload.decode())
         except ValueError:
             chunk = None
         if not isinstance(chunk, dict):
@@ -267,8 +302,12 @@ class TokenStream(Resume):
             self.prompt_ids = list(prompt_ids)
             self._check_length()
         event = self._event(chunk, choice)
-        hidden = not self.plan.client_wants_ids and _hide_ids(chunk, choice)
-        event.data = _dumps(chunk) if hidden else raw
+        event.data = raw
+        if not self.plan.client_wants_ids:
+            if prompt_ids is not None:
+                event.data = _null_prompt_ids(event.data)
+            if choice is not None and choice.get("token_ids") is not None:
+                event.data = _null_token_ids(event.data)
         return event
 
     def _continued(self, chunk: dict, choice: dict | None) -> _Event | None:
@@ -352,14 +391,3 @@ class TokenStream(Resume):
             self._tracking, self._why = False, why
             self.generated, self._since_clean = [], []
 
-
-def _hide_ids(chunk: dict, choice: dict | None) -> bool:
-    """Null the ids the client did not ask for (vLLM's own unasked shape); True if any was
-    there."""
-    changed = False
-    for where, key in ((chunk, "prompt_token_ids"), (choice, "prompt_token_ids"),
-                       (choice, "token_ids")):
-        if where is not None and where.get(key) is not None:
-            where[key] = None
-            changed = True
-    return changed

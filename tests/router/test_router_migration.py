@@ -14,6 +14,8 @@ import random
 
 import pytest
 
+from omni_dp.router.migration import MIGRATION_PATHS, plan_migration
+
 from support.http_client import client
 from support.llm_standin import (
     MODEL,
@@ -294,3 +296,41 @@ def test_a_stream_lost_after_its_finish_is_ended_by_the_router():
     assert (read.text, read.usage, read.dones, read.broken) == (whole.text, whole.usage, 1,
                                                                 False)
     assert b_seen == []
+
+
+def test_ids_are_nulled_in_the_chunks_own_bytes_and_nowhere_else():
+    """The ids the client did not ask for are nulled where the engine wrote them, never in
+    its text (where a quote is escaped), whatever pieces the chunk arrives in."""
+    body = json.dumps(COMPLETION).encode()
+    plan = plan_migration("POST", "/v1/completions", body, 1, MIGRATION_PATHS, None)
+    stream = plan.strategy(200, {"Content-Type": "text/event-stream"})
+    text = 'say "token_ids":[1,2] and "prompt_token_ids":[3]'
+    chunk = {"id": "x", "object": "text_completion", "created": 1, "model": MODEL,
+             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None,
+                          "stop_reason": None, "prompt_token_ids": [1, 2],
+                          "token_ids": [5, 6]}]}
+    raw = b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+    out = b"".join(stream.take(raw[i:i + 7]) for i in range(0, len(raw), 7))
+    stream.sent()
+    choice = json.loads(out[len(b"data: "):])["choices"][0]
+    assert choice["text"] == text
+    assert (choice["prompt_token_ids"], choice["token_ids"]) == (None, None)
+    assert (stream.prompt_ids, stream.generated) == ([1, 2], [5, 6])
+
+
+def test_what_the_router_cannot_read_chunk_by_chunk_passes_as_it_comes():
+    """A compressed answer, or one whose events never end ("\\r\\n" separators, not an
+    engine's): relayed untouched, and never migrated."""
+    body = json.dumps(COMPLETION).encode()
+    plan = plan_migration("POST", "/v1/completions", body, 1, MIGRATION_PATHS, None)
+    gzipped = plan.strategy(200, {"Content-Type": "text/event-stream",
+                                  "Content-Encoding": "gzip"})
+    assert not gzipped.resumable and gzipped.take(b"\x1f\x8b\x08") == b"\x1f\x8b\x08"
+    stream = plan.strategy(200, {"Content-Type": "text/event-stream"})
+    crlf = b'data: {"x": 1}\r\n\r\n' * 70_000  # over a MiB with no "\n\n" in it
+    assert stream.take(crlf[:1000]) == b""  # held: an event's end may still come
+    assert stream.take(crlf[1000:]) == crlf
+    assert stream.take(b"more") == b"more"
+    stream.sent()
+    assert (stream.resumable, stream.why_not, stream.at_end()) == (False, "unreadable_chunk",
+                                                                   None)
