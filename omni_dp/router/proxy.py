@@ -382,7 +382,9 @@ class Forwarder:
         record.seed = upstream.headers.get(SEED_RESPONSE_HEADER)
         ex.resume = choose(status, upstream.headers, ex.request.headers, ex.migration)
         length = upstream.content_length
-        if length is not None and length <= _WHOLE_BODY_LIMIT:
+        if ex.resume.migrates:  # its chunks are rewritten: their length is not the engine's
+            length = None
+        elif length is not None and length <= _WHOLE_BODY_LIMIT:
             return await self._relay_whole(ex, upstream, headers)
         bodiless = (ex.request.method == "HEAD" or status in (204, 304)
                     or 100 <= status < 200)

@@ -334,3 +334,14 @@ def test_what_the_router_cannot_read_chunk_by_chunk_passes_as_it_comes():
     stream.sent()
     assert (stream.resumable, stream.why_not, stream.at_end()) == (False, "unreadable_chunk",
                                                                    None)
+
+
+def test_a_stream_sent_whole_with_its_length_is_read_chunk_by_chunk_too():
+    """An engine that sends a streamed answer as one body of known length: the router still
+    removes the ids the client did not ask for (so the length changes: it goes out chunked)."""
+    path, body = PATHS["completions"]
+    read, _, _ = run(through([standin(whole=True)], path, body))
+    assert (read.status, read.broken, read.dones, read.errors) == (200, False, 1, [])
+    assert read.usage["completion_tokens"] == 40
+    assert all(ch["token_ids"] is None and ch["prompt_token_ids"] is None
+               for c in read.chunks for ch in c["choices"])

@@ -80,15 +80,20 @@ class Failure:
 
 
 def standin(failure: Failure | None = None, *, per_chunk: int = 1, pace_s: float = 0.001,
-            honours_token_ids: bool = True, created: int = 1_800_000_000):
+            honours_token_ids: bool = True, created: int = 1_800_000_000,
+            whole: bool = False):
     """A Backend handler: streams the toy model's answer in vLLM's chunks, `per_chunk` tokens
-    to a chunk (vLLM merges them when its reader lags), failing as `failure` says."""
+    to a chunk (vLLM merges them when its reader lags), failing as `failure` says; `whole`:
+    every chunk in one body of known length instead."""
     failure = failure or Failure()
 
     async def handler(backend: Backend, request: web.Request, seen: Seen) -> web.StreamResponse:
         body = json.loads(seen.body)
         chat = request.path.endswith("/chat/completions")
         stream = _Stream(backend, body, chat, honours_token_ids, created)
+        if whole:
+            events = b"".join(event for event, _ in stream.events(per_chunk))
+            return web.Response(body=events, content_type="text/event-stream")
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for event, made in stream.events(per_chunk):
