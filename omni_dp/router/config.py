@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from omni_dp.contract import API_KEY_ENV, Problems
+from omni_dp.router.migration import MIGRATION_PATHS
 from omni_dp.router.policies import POLICIES
 from omni_dp.router.replicas import ReplicaError, validate_id, validate_url
 
@@ -114,6 +115,26 @@ class RouterConfig:
         "help": "Seconds a replica may send nothing in the middle of an answer before it is "
                 "checked the same way; a hung replica's stream is resumed elsewhere where it "
                 "can be, else cut. 0: no limit."})
+    # Off by default, as in NVIDIA Dynamo: it costs a JSON parse of each such request and of
+    # every chunk of its answer (migration.py, token_stream.py; bench/results/migration.md).
+    migration_limit: int = field(default=0, metadata={
+        "help": "Times a streamed completions or chat answer of an LLM engine (vLLM; sglang: "
+                "completions) cut after its first byte goes on on another replica, token for "
+                "token: the prompt's and the generated token ids as its prompt, max_tokens "
+                "less what was generated, the same sampling; the client reads one stream. "
+                "Not for n > 1, best_of, beam search, structured output, logprobs, stop "
+                "strings, presence/frequency penalties, tools, non-text input, or no stated "
+                "max_tokens. 0: off."})
+    migration_max_seq_len: int | None = field(default=None, metadata={
+        "metavar": "TOKENS",
+        "help": "A stream whose prompt plus generated tokens exceed this is no longer "
+                "tracked (its ids are let go) and cannot migrate.  [default: no limit]"})
+    migration_paths: tuple[str, ...] = field(default=MIGRATION_PATHS, metadata={
+        "flag": "--migration-path", "multiple": True, "metavar": "PATH",
+        "help": "An endpoint whose streams migrate; repeat for each. sglang streams token "
+                "ids on /v1/completions only (it refuses them on streamed chat): give "
+                "that one alone in front of sglang.  [default: /v1/completions, "
+                "/v1/chat/completions]"})
     health: HealthConfig = field(default_factory=HealthConfig, metadata={"flag": None})
     # for the random policies; tests fix it
     seed: int | None = field(default=None, metadata={"flag": None})
@@ -187,6 +208,12 @@ _OPTION_RULES: tuple[tuple[Callable[[RouterConfig], bool], str], ...] = (
      "--first-byte-timeout and --stall-timeout must be 0 (no limit) or more"),
     (lambda c: not (c.connect_timeout_s > 0 and c.request_timeout_s > 0),
      "--connect-timeout and --request-timeout must be positive"),
+    (lambda c: c.migration_limit < 0, "--migration-limit must be 0 or more, got "
+     "{migration_limit}"),
+    (lambda c: c.migration_max_seq_len is not None and c.migration_max_seq_len < 1,
+     "--migration-max-seq-len must be at least 1, got {migration_max_seq_len}"),
+    (lambda c: not c.migration_paths or not set(c.migration_paths) <= set(MIGRATION_PATHS),
+     "--migration-path must be one of {migration_choices}, got {migration_given}"),
 )
 _HEALTH_RULES: tuple[tuple[Callable[[HealthConfig], bool], str], ...] = (
     (lambda h: h.interval_s <= 0 or h.timeout_s <= 0,
@@ -199,7 +226,8 @@ _HEALTH_RULES: tuple[tuple[Callable[[HealthConfig], bool], str], ...] = (
 
 def _option_problems(config: RouterConfig) -> list[str]:
     values = {**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)},
-              "policies": ", ".join(POLICIES)}
+              "policies": ", ".join(POLICIES), "migration_choices": ", ".join(MIGRATION_PATHS),
+              "migration_given": ", ".join(config.migration_paths) or "none"}
     return [message.format(**values) for broken, message in _OPTION_RULES if broken(config)]
 
 

@@ -13,7 +13,7 @@ from multidict import CIMultiDict
 
 from omni_dp.logs import FIELDS
 from omni_dp.router.policies import RequestContext
-from omni_dp.router.resume import NOT_RESUMABLE, Resume
+from omni_dp.router.resume import NOT_RESUMABLE, Continuable, Resume
 
 log = logging.getLogger("omni_dp.router.access")
 
@@ -33,6 +33,9 @@ class RouteRecord:
     retries: list[str] = field(default_factory=list)  # why each retry (before the first byte)
     resumes: list[str] = field(default_factory=list)  # why each resume (after it)
     resumed_from: int | None = None  # the byte the last resume started at
+    migrations: list[str] = field(default_factory=list)  # why each migration (LLM streams)
+    migrated_at: int | None = None  # the tokens the client had at the last migration
+    cut: str | None = None  # why an answer cut after its first byte was not continued
     seed: str | None = None  # the seed the answer was sampled with (its X-Seed)
     bytes: int = 0
     ttfb_s: float | None = None
@@ -86,9 +89,15 @@ class Exchange:
     deadline: float  # loop time by which the whole request must be done (--request-timeout)
     retries_left: int
     resumes_left: int
+    migrations_left: int = 0
+    migration: Continuable | None = None  # an LLM stream's plan (migration.py), or None
     head: Head | None = None
     response: web.StreamResponse | None = None  # set once the head went out to the client
     resume: Resume = NOT_RESUMABLE  # the resume strategy (resume.py), from the first answer
 
     def time_left(self) -> float:
         return self.deadline - asyncio.get_running_loop().time()
+
+    def continuations_left(self) -> int:
+        """What is left of the budget of the answer's kind: migrations or resumes."""
+        return self.migrations_left if self.resume.migrates else self.resumes_left

@@ -65,6 +65,10 @@ class RouterMetrics:
             "omni_dp_router_resumes",
             "Answers continued by another replica after their replica failed mid-stream, by "
             "what failed.", ["reason"], registry=self.registry)
+        self.migrations = Counter(
+            "omni_dp_router_migrations",
+            "LLM streams continued token for token by another replica after their replica "
+            "failed mid-stream, by what failed.", ["reason"], registry=self.registry)
         self.streams_cut = Counter(
             "omni_dp_router_streams_cut",
             "Answers that ended cut after their first byte reached the client, by why they "

@@ -12,9 +12,10 @@ Rules that matter for a fleet of same-GPU replicas:
   to a replica it was not sent to yet, up to --retries times within its deadline
   (--request-timeout): generation has no side effects;
 - after the first byte, an answer the request's resume strategy can continue (resume.py) is
-  continued by another replica from the byte the client has (--resumes); any other ends with
-  an error (SSE error event, or a chunked stream without its terminator), never a short
-  "success";
+  continued by another replica from the byte the client has (--resumes), or for an LLM
+  stream from the tokens it has (--migration-limit; migration.py, token_stream.py); any other
+  ends with an error (SSE error event, or a chunked stream without its terminator), never a
+  short "success";
 - a replica that answers nothing in time is checked and, hung, ejected at once (hangs.py);
 - a client that hangs up cancels the upstream request at once (the connection is closed).
 """
@@ -37,9 +38,15 @@ from omni_dp.contract import GOING_AWAY_HEADER
 from omni_dp.router.exchange import Exchange, Head, RouteRecord, UpstreamFailed
 from omni_dp.router.hangs import HangTimeout
 from omni_dp.router.health import record_failure, record_success
+from omni_dp.router.migration import plan_migration
 from omni_dp.router.policies import RequestContext
 from omni_dp.router.replicas import Replica
-from omni_dp.router.resume import SEED_RESPONSE_HEADER, ReplicaErrorEvent, choose
+from omni_dp.router.resume import (
+    SEED_RESPONSE_HEADER,
+    ContinuationRefused,
+    ReplicaErrorEvent,
+    choose,
+)
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout as _timeout
@@ -169,6 +176,11 @@ class Forwarder:
 
         with router.admitted():
             config = router.config
+            migration = plan_migration(request.method, request.path, body,
+                                       config.migration_limit, config.migration_paths,
+                                       config.migration_max_seq_len)
+            if migration is not None:  # an LLM stream: it asks for its token ids
+                body = migration.upstream_body(body)
             headers = end_to_end(request.headers)
             headers[REQUEST_ID] = record.request_id
             ex = Exchange(
@@ -179,6 +191,7 @@ class Forwarder:
                 started=started,
                 deadline=asyncio.get_running_loop().time() + config.request_timeout_s,
                 retries_left=config.retries, resumes_left=config.resumes,
+                migrations_left=config.migration_limit, migration=migration,
             )
             return await self._forward(ex)
 
@@ -220,6 +233,11 @@ class Forwarder:
             ex.retries_left -= 1
             metrics.retries.labels(exc.kind).inc()
             record.retries.append(exc.kind)
+        elif ex.resume.migrates:
+            ex.migrations_left -= 1
+            metrics.migrations.labels(exc.kind).inc()
+            record.migrations.append(exc.kind)
+            record.migrated_at = ex.resume.offset
         else:
             ex.resumes_left -= 1
             metrics.resumes.labels(exc.kind).inc()
@@ -233,7 +251,7 @@ class Forwarder:
             return False
         if ex.response is None:
             return ex.retries_left > 0
-        return ex.resume.resumable and not ex.resume.complete and ex.resumes_left > 0
+        return ex.resume.resumable and not ex.resume.complete and ex.continuations_left() > 0
 
     async def _no_replica(self, ex: Exchange) -> web.StreamResponse:
         if ex.response is not None:  # a resume with nowhere to go (the set changed meanwhile)
@@ -254,6 +272,9 @@ class Forwarder:
                               record.request_id)
         if ex.resume.complete:  # the answer's last event went out: only the end was lost
             with contextlib.suppress(ConnectionResetError):
+                ending = ex.resume.ending()
+                if ending:
+                    await ex.response.write(ending)
                 await ex.response.write_eof()
             return ex.response
         return await self._cut(ex, self._why_cut(ex, exc),
@@ -262,11 +283,11 @@ class Forwarder:
     def _why_cut(self, ex: Exchange, exc: UpstreamFailed) -> str:
         """Why a stream cut after its first byte was not resumed (a bounded label)."""
         if not ex.resume.resumable:
-            return "not_resumable"
+            return ex.resume.why_not
         if exc.kind == "resume_refused":
             return "resume_refused"
-        if ex.resumes_left <= 0:
-            return "resumes_spent"
+        if ex.continuations_left() <= 0:
+            return "migrations_spent" if ex.resume.migrates else "resumes_spent"
         if ex.time_left() <= 0 or not exc.retryable:
             return "deadline"
         return "no_replica"
@@ -275,7 +296,7 @@ class Forwarder:
         """End an answer the client already began to read as a broken one, never a short
         success: an SSE error event, then no terminating chunk."""
         self.router.metrics.streams_cut.labels(why).inc()
-        ex.record.outcome = "upstream_failed_midstream"
+        ex.record.outcome, ex.record.cut = "upstream_failed_midstream", why
         if ex.head.sse:
             await _write_sse_error(ex.response, message, "upstream_failed", 502)
         self._close(ex)
@@ -300,10 +321,12 @@ class Forwarder:
     async def _send(self, ex: Exchange, replica: Replica) -> aiohttp.ClientResponse:
         """The request to `replica`; its answer's head, or UpstreamFailed."""
         router = self.router
-        headers = ex.headers
-        if ex.response is not None:  # a resume: from the byte the client has
+        path, body, headers = ex.request.raw_path, ex.body, ex.headers
+        if ex.response is not None:  # a resume from the byte the client has, or a migration
+            resend = ex.resume.resend()
             headers = CIMultiDict(headers)
-            headers.update(ex.resume.resend_headers())
+            headers.update(resend.headers)
+            path, body = resend.path or path, resend.body if resend.body is not None else body
         left = ex.time_left()
         if left <= 0:
             raise UpstreamFailed("timeout", "the request's deadline passed", retryable=False,
@@ -315,8 +338,8 @@ class Forwarder:
         # encoded=True: the path and query go upstream exactly as the client wrote them (no
         # requoting, no dot-segment resolution).
         sending = router.session.request(
-            ex.request.method, URL(replica.url + ex.request.raw_path, encoded=True),
-            data=ex.body, headers=headers, skip_auto_headers=ex.skip, allow_redirects=False,
+            ex.request.method, URL(replica.url + path, encoded=True),
+            data=body, headers=headers, skip_auto_headers=ex.skip, allow_redirects=False,
             **({"timeout": timeout} if timeout is not None else {}),
         )
         try:
@@ -357,9 +380,11 @@ class Forwarder:
         headers[REQUEST_ID] = record.request_id
         headers[REPLICA_HEADER] = replica.id
         record.seed = upstream.headers.get(SEED_RESPONSE_HEADER)
-        ex.resume = choose(status, upstream.headers, ex.request.headers)
+        ex.resume = choose(status, upstream.headers, ex.request.headers, ex.migration)
         length = upstream.content_length
-        if length is not None and length <= _WHOLE_BODY_LIMIT:
+        if ex.resume.migrates:  # its chunks are rewritten: their length is not the engine's
+            length = None
+        elif length is not None and length <= _WHOLE_BODY_LIMIT:
             return await self._relay_whole(ex, upstream, headers)
         bodiless = (ex.request.method == "HEAD" or status in (204, 304)
                     or 100 <= status < 200)
@@ -427,8 +452,14 @@ class Forwarder:
                     data = ex.resume.take(chunk)
                 except ReplicaErrorEvent as exc:
                     raise UpstreamFailed("replica_error", str(exc), retryable=True) from None
+                except ContinuationRefused as exc:
+                    raise UpstreamFailed("resume_refused", str(exc), retryable=False,
+                                         failure=False) from None
                 if data and not await self._write(ex, data):
                     return ex.response  # the client left: _attempt closes the upstream
+        short = ex.resume.at_end()
+        if short is not None:  # closed cleanly, but before the answer's end
+            raise UpstreamFailed("closed_early", short, retryable=True)
         rest = ex.resume.flush()
         if rest and not await self._write(ex, rest):
             return ex.response

@@ -2,8 +2,8 @@
 
 One small strategy per request, chosen from its first answer (`choose`). It sees what is
 relayed to the client, says what may go out now (`take`), and how to ask another replica to
-go on from there (`resend_headers`, then `check` of that replica's answer). The proxy knows no
-more than that, so another way of resuming is one more class here and a line in `choose`:
+go on from there (`resend`, then `check` of that replica's answer). The proxy knows no more
+than that, so another way of resuming is one more class and a line in `choose`:
 
 - `AudioBytes`: the built-in engine's wav and pcm answers, raw or SSE, streamed or not. Their
   bytes are a function of the request and its seed (X-Seed), so another replica regenerates
@@ -11,8 +11,12 @@ more than that, so another way of resuming is one more class here and a line in 
   stream is relayed whole event by whole event, and its offset counts the decoded audio of
   the `speech.audio.delta` events relayed: the other replica re-emits events from that audio
   byte on, and the client reads one well-formed stream.
-- `NotResumable`: everything else (opus, flac, mp3, external engines): a cut stream ends as
-  documented (an SSE error event, or no terminating chunk).
+- `TokenStream` (token_stream.py, planned per request by migration.py): an LLM engine's
+  streamed completions and chat answers (vLLM, sglang) under --migration-limit, continued
+  token-exactly on another replica from the token ids the client has.
+- `NotResumable`: everything else (opus, flac, mp3, LLM streams without --migration-limit or
+  that cannot migrate, `why_not` says why): a cut stream ends as documented (an SSE error
+  event, or no terminating chunk).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import base64
 import binascii
 import json
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from omni_dp.contract import (
     RESUMABLE_BY_BYTES,
@@ -42,12 +47,30 @@ class ReplicaErrorEvent(Exception):
     """The replica ended its SSE stream with an error event: it failed mid-stream."""
 
 
+class ContinuationRefused(Exception):
+    """What another replica sent to continue an answer is not its rest (it went another way):
+    nothing of it may reach the client."""
+
+
+@dataclass(frozen=True)
+class Resend:
+    """How another replica is asked to go on: headers added to the request's own, and where a
+    continuation is another request (a migration), its path and body."""
+
+    headers: dict[str, str]
+    path: str | None = None  # None: the request's own
+    body: bytes | None = None  # None: the request's own
+
+
 class Resume:
     """Not resumable: every byte passes as it comes, nothing is counted."""
 
     name = "none"
     resumable = False
+    migrates = False  # continued by a new request (--migration-limit), not a resume
+    why_not = "not_resumable"  # why a cut stream of this kind is not continued (a metric label)
     complete = False  # the answer's last event reached the client (nothing is left to send)
+    offset = 0  # where the next replica goes on from (bytes; tokens for a migration)
 
     def take(self, chunk: bytes) -> bytes:
         """What of `chunk` may go to the client now (the rest is held for later)."""
@@ -60,15 +83,39 @@ class Resume:
         """At the answer's clean end: whatever is still held."""
         return b""
 
-    def resend_headers(self) -> dict[str, str]:
+    def at_end(self) -> str | None:
+        """At the upstream body's clean end: why the answer is not whole after all (it ended
+        before its last event), or None."""
+        return None
+
+    def ending(self) -> bytes:
+        """Once `complete`, what the client still needs when the replica is lost: the end of
+        the stream, made here."""
+        return b""
+
+    def resend(self) -> Resend:
         raise NotImplementedError(f"{self.name} answers cannot be resumed")
 
     def check(self, status: int, headers) -> str | None:
-        """What is wrong with another replica's answer to `resend_headers`; None if nothing."""
+        """What is wrong with another replica's answer to `resend`; None if nothing."""
         raise NotImplementedError(f"{self.name} answers cannot be resumed")
 
 
+class NotResumable(Resume):
+    """Not resumable, for a reason the metrics name (`streams_cut_total{why}`)."""
+
+    def __init__(self, why_not: str) -> None:
+        self.why_not = why_not
+
+
 NOT_RESUMABLE = Resume()
+
+
+class Continuable(Protocol):
+    """A request's own plan for its answer (migration.py): the strategy its first answer
+    gets, from that answer's status and headers."""
+
+    def strategy(self, status: int, headers) -> Resume: ...
 
 
 @dataclass
@@ -116,9 +163,9 @@ class AudioBytes(Resume):
         self._held.clear()
         return rest
 
-    def resend_headers(self) -> dict[str, str]:
+    def resend(self) -> Resend:
         self._held.clear()  # a part of an event that never went out: the next replica resends it
-        return {RESUME_FROM_HEADER: str(self.offset), SEED_HEADER: self.seed}
+        return Resend({RESUME_FROM_HEADER: str(self.offset), SEED_HEADER: self.seed})
 
     def check(self, status: int, headers) -> str | None:
         if status != 200:
@@ -136,9 +183,13 @@ class AudioBytes(Resume):
         return None
 
 
-def choose(status: int, headers, request_headers) -> Resume:
+def choose(status: int, headers, request_headers,
+           migration: Continuable | None = None) -> Resume:
     """The strategy of a request, from its first answer's status and headers (and the request's
-    own resume offset, when a router in front of this one resumes through it)."""
+    own resume offset, when a router in front of this one resumes through it; and its
+    migration plan, for an LLM stream under --migration-limit)."""
+    if migration is not None:
+        return migration.strategy(status, headers)
     seed = headers.get(SEED_RESPONSE_HEADER)
     if status != 200 or headers.get(RESUMABLE_HEADER) != RESUMABLE_BY_BYTES or seed is None:
         return NOT_RESUMABLE

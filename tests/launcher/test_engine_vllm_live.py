@@ -19,7 +19,6 @@ import os
 import signal
 import time
 import urllib.request
-from pathlib import Path
 
 import psutil
 import pytest
@@ -29,32 +28,16 @@ from omni_dp.gateway import SglangGateway
 from support.launcher import SUPERVISION, Run, alive, describe
 from support.ports import port_listening
 from support.sglang_gateway import SglangGatewayProcess, smg_path
+from support.vllm import installed_vllm, vllm_args
 from support.wait import wait_for
 
-VLLM_PYTHON = os.environ.get("OMNI_DP_VLLM_PYTHON")
-TINY_LLAMA = os.environ.get("OMNI_DP_TINY_LLAMA")
 LAUNCH_TIMEOUT_S = 600.0
 RESTART_TIMEOUT_S = 420.0
 
 
 @pytest.fixture(scope="module")
 def vllm() -> tuple[str, str]:
-    if VLLM_PYTHON and TINY_LLAMA and Path(VLLM_PYTHON).exists() and Path(TINY_LLAMA).is_dir():
-        return VLLM_PYTHON, TINY_LLAMA
-    why = ("vLLM's CPU build or the tiny model is not installed (scripts/setup-vllm, "
-           "scripts/make-tiny-llama; scripts/test exports OMNI_DP_VLLM_PYTHON and "
-           "OMNI_DP_TINY_LLAMA)")
-    if os.environ.get("OMNI_DP_REQUIRE_VLLM"):
-        pytest.fail(why)
-    pytest.skip(why)
-
-
-def vllm_args(python: str, model: str, *extra: str) -> tuple[str, ...]:
-    # --enforce-eager skips a ~30 s compile per start; float32 because vLLM serves this
-    # float32 checkpoint in bfloat16 by default, whose eager CPU attention kernel died with
-    # SIGILL on some of these machines (AMX path)
-    return ("--engine", "vllm", "--engine-python", python, *extra, "--", model,
-            "--enforce-eager", "--dtype", "float32")
+    return installed_vllm()
 
 
 def completion(url: str, model: str, prompt: str, timeout: float = 60.0) -> dict:

@@ -897,7 +897,11 @@ def problem_lines(done: subprocess.CompletedProcess) -> list[str]:
     (["--run-id", "../evil"], ["--run-id '../evil' is not a run id"]),
     (["--", "--port", "1"], ["engine argument --port is set by the launcher",
                              "omni-dp launch --base-port"]),
-], ids=["two-kv-pins", "no-replicas", "run-id-path", "reserved-engine-arg"])
+    (["--migration-limit", "-1"], ["--migration-limit must be 0 or more, got -1"]),
+    (["--migration-limit", "1"], ["--migration-limit: engine builtin streams no token ids"]),
+    (["--migration-max-seq-len", "0"], ["--migration-max-seq-len must be at least 1"]),
+], ids=["two-kv-pins", "no-replicas", "run-id-path", "reserved-engine-arg",
+        "negative-migration-limit", "migration-for-builtin", "migration-max-seq-len-0"])
 def test_cli_bad_options_exit_2_and_leave_nothing(tmp_path, args, needles):
     ports = free_port_block(3)
     done = launch(tmp_path, "--base-port", str(ports), "--router-port", str(ports + 2), *args)

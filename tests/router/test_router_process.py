@@ -52,6 +52,10 @@ def omni_dp_router(*args: str) -> subprocess.CompletedProcess:
     (["--retries", "one"], "Invalid value for '--retries'"),
     (["--first-byte-timeout", "nan"], "--first-byte-timeout must be a finite number"),
     (["--stall-timeout", "-2"], "--first-byte-timeout and --stall-timeout must be 0"),
+    (["--migration-limit", "-1"], "--migration-limit must be 0 or more"),
+    (["--migration-limit", "1.5"], "Invalid value for '--migration-limit'"),
+    (["--migration-max-seq-len", "0"], "--migration-max-seq-len must be at least 1"),
+    (["--migration-path", "/v1/audio/speech"], "--migration-path must be one of"),
 ])
 def test_bad_options_exit_2_with_a_message(args, message):
     result = omni_dp_router(*args)

@@ -166,6 +166,10 @@ class EngineAdapter(Protocol):
     cuda_processes_per_replica: int
     start_timeout_s: float  # --start-timeout's default for this engine
     example: str  # "speech" or "completions": the request the launch summary shows
+    # The OpenAI endpoints whose streamed answers give every chunk's token ids when asked
+    # (`return_token_ids`): the router's --migration-path, for --migration-limit. () for an
+    # engine without such streams (migration refused).
+    migration_paths: tuple[str, ...]
 
     def plan_kv(self, request: KvRequest) -> tuple[KvPlan | None, list[str]]:
         """Pure: the pin in the engine's knobs, or every reason it cannot be pinned."""

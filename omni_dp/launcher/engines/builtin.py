@@ -48,6 +48,8 @@ class BuiltinEngine:
     cuda_processes_per_replica = 1
     start_timeout_s = 300.0
     example = "speech"
+    # no token stream: its audio is resumed by byte (the router's --resumes)
+    migration_paths: tuple[str, ...] = ()
 
     def argv(self, launch: ReplicaLaunch, engine_args: tuple[str, ...]) -> list[str]:
         argv = [launch.python or sys.executable, "-m", "omni_dp", "serve", "--host",

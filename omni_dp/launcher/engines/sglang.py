@@ -66,6 +66,8 @@ class SglangEngine:
     cuda_processes_per_replica = 1  # the scheduler; the HTTP and detokenizer processes hold none
     start_timeout_s = 900.0  # weights, then CUDA graph capture and JIT kernels on a cold cache
     example = "completions"
+    # token ids on streamed completions; streamed chat refuses return_token_ids (0.5.22)
+    migration_paths: tuple[str, ...] = ("/v1/completions",)
 
     def plan_kv(self, request: KvRequest) -> tuple[KvPlan | None, list[str]]:
         """`--max-total-tokens T --mem-fraction-static F`, F sized for the last replica."""

@@ -63,6 +63,8 @@ class SglangOmniEngine:
     cuda_processes_per_replica = 4  # one per GPU stage process; an upper estimate for Higgs
     start_timeout_s = 1200.0  # loading, CUDA graphs, then warm-up (SGLANG_OMNI_WARMUP_TIMEOUT)
     example = "speech"
+    # speech and omni answers: no token stream to migrate
+    migration_paths: tuple[str, ...] = ()
 
     def plan_kv(self, request: KvRequest) -> tuple[KvPlan | None, list[str]]:
         """The KV stage's `engine.kv_cache_bytes` (with its `mem_fraction_static` cleared:

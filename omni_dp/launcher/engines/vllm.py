@@ -65,6 +65,8 @@ class VllmEngine:
     cuda_processes_per_replica = 2  # EngineCore and its Worker (upper estimate for TP 1)
     start_timeout_s = 600.0  # 38-114 s measured on a 2-core CPU machine; a GPU loads more
     example = "completions"
+    # `return_token_ids` gives every streamed chunk its token ids on both
+    migration_paths: tuple[str, ...] = ("/v1/completions", "/v1/chat/completions")
 
     def plan_kv(self, request: KvRequest) -> tuple[KvPlan | None, list[str]]:
         model = request.model

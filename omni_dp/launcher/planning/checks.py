@@ -84,6 +84,23 @@ def router_worker_problems(o: LaunchOptions) -> list[str]:
     return [] if o.router_workers >= 1 else ["--router-workers must be at least 1"]
 
 
+def migration_problems(o: LaunchOptions) -> list[str]:
+    """--migration-limit and --migration-max-seq-len, passed to the router: in range, and for
+    an engine whose streams carry token ids."""
+    problems = []
+    if o.migration_limit is not None and o.migration_limit < 0:
+        problems.append(f"--migration-limit must be 0 or more, got {o.migration_limit}")
+    if o.migration_max_seq_len is not None and o.migration_max_seq_len < 1:
+        problems.append(f"--migration-max-seq-len must be at least 1, got "
+                        f"{o.migration_max_seq_len}")
+    engine = ENGINES.get(o.engine)
+    if (o.migration_limit or 0) > 0 and engine is not None and not engine.migration_paths:
+        problems.append(f"--migration-limit: engine {o.engine} streams no token ids to go on "
+                        "from; migration is for vllm and sglang (the built-in engine's audio "
+                        "streams are resumed by byte: the router's --resumes)")
+    return problems
+
+
 def _engine(o: LaunchOptions) -> list[str]:
     engine = ENGINES.get(o.engine)
     if engine is None:
@@ -269,7 +286,7 @@ OPTION_CHECKS: tuple[Callable[[LaunchOptions], list[str]], ...] = (
     router_worker_problems, _engine, run_id_problems, _seconds, _restart_counts,
     memory_headroom_problems, _api_key, _no_gpu_check, replica_port_problems,
     router_port_problems, _share_weights, gpu_option_problems, _register, _router_faults,
-    mps_limit_problems,
+    mps_limit_problems, migration_problems,
 )
 
 

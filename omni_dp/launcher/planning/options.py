@@ -184,6 +184,17 @@ class LaunchOptions:
         "metavar": "URL",
         "help": "With --register-as router: the URL the gateway reaches this host's router "
                 "at.  [default: the router's own URL]"})
+    # The router's LLM stream migration (vllm; sglang: completions). None: not passed, the
+    # router's default (off; no limit), written there only.
+    migration_limit: int | None = field(default=None, metadata={
+        "metavar": "N",
+        "help": "The router continues a streamed completion or chat cut by its replica's "
+                "failure on another replica, token for token, up to N times (vllm; sglang: "
+                "completions only).  [default: the router's, 0: off]"})
+    migration_max_seq_len: int | None = field(default=None, metadata={
+        "metavar": "TOKENS",
+        "help": "Streams longer than this (prompt plus generated tokens) are not migrated.  "
+                "[default: the router's, no limit]"})
     # text | json, for the launcher, supervisor, replicas and router; help: the CLI's
     log_format: str = field(default="text", metadata={"help": None})
 

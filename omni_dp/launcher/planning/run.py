@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omni_dp.files import private_dir_problem
+from omni_dp.launcher.engines import ENGINES
 from omni_dp.launcher.planning.checks import (
+    migration_problems,
     replica_count_problems,
     replica_port_problems,
     router_fault_args,
@@ -83,13 +85,28 @@ def plan_router(o: LaunchOptions, facts: LaunchFacts) -> tuple[RouterPart | None
     if o.router_workers > cpus:  # a typo here would fork that many routers
         problems.append(f"--router-workers {o.router_workers}: more router processes than the "
                         f"{cpus} CPU(s) this process may use gain nothing; use at most {cpus}")
-    if problems or router_port_problems(o) or router_worker_problems(o):
+    if problems or router_port_problems(o) or router_worker_problems(o) \
+            or migration_problems(o):
         return None, problems
     argv = (sys.executable, "-m", "omni_dp", "router", "--host", o.host,
             "--port", str(o.router_port), "--policy", o.policy,
             "--workers", str(o.router_workers), "--drain-timeout", str(o.drain_timeout),
             "--log-format", o.log_format, *router_fault_args(o))
+    argv += migration_argv(o)
     return RouterPart(f"http://{url_host(o.host)}:{o.router_port}", argv), []
+
+
+def migration_argv(o: LaunchOptions) -> tuple[str, ...]:
+    """The router's migration flags, only those given (each default lives in the router), and
+    the endpoints whose streams the engine gives token ids for."""
+    argv: tuple[str, ...] = ()
+    if o.migration_limit is not None:
+        argv += ("--migration-limit", str(o.migration_limit))
+        for path in ENGINES[o.engine].migration_paths:
+            argv += ("--migration-path", path)
+    if o.migration_max_seq_len is not None:
+        argv += ("--migration-max-seq-len", str(o.migration_max_seq_len))
+    return argv
 
 
 def url_host(host: str) -> str:
