@@ -214,13 +214,17 @@ class Router:
         self.session = aiohttp.ClientSession(
             connector=connector,
             auto_decompress=False,  # relay bytes exactly as the replica sent them
+            # A replica's cookies are its client's: a jar would send them with every other
+            # client's requests (and filtering it costs time on each request).
+            cookie_jar=aiohttp.DummyCookieJar(),
             timeout=aiohttp.ClientTimeout(
                 total=self.config.request_timeout_s, connect=self.config.connect_timeout_s,
             ),
         )
         # Probes get a session of their own: a replica busy at its in-flight cap must still
         # be checkable, or being busy would look like being dead.
-        self.probe_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self.probe_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                                   cookie_jar=aiohttp.DummyCookieJar())
         self.health = HealthChecker(
             self.probe_session, lambda: self.replicas, self.config.health,
             rng=random.Random(self.config.seed),
