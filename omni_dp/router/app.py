@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
 import random
 import signal
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
@@ -42,6 +41,35 @@ OPS_METHODS = frozenset({"GET", "HEAD"})
 _CUT_GRACE_S = 1.0
 ROUTER_KEY: web.AppKey[Router] = web.AppKey("router")
 ADMIN_PREFIX = "/workers"
+
+
+class _Slot:
+    """One of a Router's counted slots (`num_reading` or `num_admitted`) held by the current
+    task: a class, not a generator context manager, as it is taken on every request."""
+
+    __slots__ = ("_count", "_router", "_task")
+
+    def __init__(self, router: Router, count: str) -> None:
+        self._router, self._count = router, count
+        self._task: asyncio.Task | None = None
+
+    def __enter__(self) -> None:
+        router = self._router
+        self._task = asyncio.current_task()
+        setattr(router, self._count, getattr(router, self._count) + 1)
+        router._active.add(self._task)
+
+    def __exit__(self, kind, exc, tb) -> None:
+        router, count = self._router, self._count
+        if (count == "num_admitted" and router.cutting_off and kind is not None
+                and issubclass(kind, asyncio.CancelledError)):
+            router.num_cut_off += 1
+        left = getattr(router, count) - 1
+        setattr(router, count, left)
+        lowest = "lowest_" + count[4:]
+        setattr(router, lowest, min(getattr(router, lowest), left))
+        released(count, left)
+        router._active.discard(self._task)
 
 
 class Router:
@@ -91,36 +119,13 @@ class Router:
             return "replicas_full", f"every replica has {cap} requests in flight; retry shortly"
         return None
 
-    @contextlib.contextmanager
-    def reading(self) -> Iterator[None]:
+    def reading(self) -> _Slot:
         """Counts a request whose body is being read; the drain cut cancels it too."""
-        task = asyncio.current_task()
-        self.num_reading += 1
-        self._active.add(task)
-        try:
-            yield
-        finally:
-            self.num_reading -= 1
-            self.lowest_reading = min(self.lowest_reading, self.num_reading)
-            released("num_reading", self.num_reading)
-            self._active.discard(task)
+        return _Slot(self, "num_reading")
 
-    @contextlib.contextmanager
-    def admitted(self) -> Iterator[None]:
-        task = asyncio.current_task()
-        self.num_admitted += 1
-        self._active.add(task)
-        try:
-            yield
-        except asyncio.CancelledError:
-            if self.cutting_off:
-                self.num_cut_off += 1
-            raise
-        finally:
-            self.num_admitted -= 1
-            self.lowest_admitted = min(self.lowest_admitted, self.num_admitted)
-            released("num_admitted", self.num_admitted)
-            self._active.discard(task)
+    def admitted(self) -> _Slot:
+        """Counts a request past admission until it is answered; the drain cut cancels it."""
+        return _Slot(self, "num_admitted")
 
     def begin_drain(self, drain_s: float) -> None:
         """Refuse new requests now; cut off whatever is still in flight after `drain_s`.

@@ -86,8 +86,20 @@ class RouterMetrics:
             "omni_dp_router_ttfb_seconds", "Request start to the first response body byte.",
             buckets=_BUCKETS, registry=self.registry)
 
+        self._requests: dict[tuple[str, int], Counter] = {}
+
+    def count_request(self, replica_id: str, status: int) -> None:
+        """One answer from a replica; its labelled child is looked up once per (replica,
+        status), not on every request (`labels()` validates and locks each time)."""
+        child = self._requests.get((replica_id, status))
+        if child is None:
+            child = self._requests[(replica_id, status)] = self.requests.labels(
+                replica_id, str(status))
+        child.inc()
+
     def forget(self, replica_id: str) -> None:
         """Drop the labelled series of a removed replica."""
+        self._requests = {k: v for k, v in self._requests.items() if k[0] != replica_id}
         for metric in (self.requests, self.upstream_errors):
             for labels in list(metric._metrics):  # prometheus_client keeps no public index
                 if labels[0] == replica_id:
