@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from omni_dp.router.config import RouterConfig, is_loopback_address
 from omni_dp.router.hangs import HangWatch
@@ -41,6 +41,8 @@ OPS_METHODS = frozenset({"GET", "HEAD"})
 _CUT_GRACE_S = 1.0
 ROUTER_KEY: web.AppKey[Router] = web.AppKey("router")
 ADMIN_PREFIX = "/workers"
+# With several workers, how often each writes its replica gauges for its siblings' scrapes.
+_SHARED_METRICS_S = 1.0
 
 
 class _Slot:
@@ -75,11 +77,14 @@ class _Slot:
 class Router:
     """Owns the backends, the policy, the upstream session and the counters."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, metrics_dir: str | None = None) -> None:
+        """`metrics_dir`: this is one of several worker processes sharing their metrics there
+        (metrics.py)."""
         self.config = config
         self.replicas = Backends([Replica(rid, url) for rid, url in config.replicas])
         self.policy = make_policy(config.policy, config.seed)
-        self.metrics = RouterMetrics(lambda: self.replicas)
+        self.metrics = RouterMetrics(lambda: self.replicas, metrics_dir)
+        self._metrics_writer: asyncio.Task | None = None
         self.num_admitted = 0  # requests past admission and not yet answered
         self.num_reading = 0  # requests whose body is being read (before admission)
         # The lowest each count ever reached: below 0 means a slot was released twice (a bug,
@@ -242,10 +247,23 @@ class Router:
         self.hangs = HangWatch(check_one, health.timeout_s, record_hang)
         await self.health.check_all()  # route as soon as the first probes pass
         self.health.start()
+        if self.metrics.multiprocess_dir is not None:
+            self._metrics_writer = asyncio.create_task(self._write_metrics(),
+                                                       name="metrics-writer")
+
+    async def _write_metrics(self) -> None:
+        """With several workers: keep this one's replica gauges fresh for its siblings'
+        scrapes (a scrape this worker answers writes them first anyway)."""
+        while True:
+            self.metrics.write_shared()
+            await asyncio.sleep(_SHARED_METRICS_S)
 
     async def stop(self) -> None:
         if self._cut_timer is not None:
             self._cut_timer.cancel()
+        if self._metrics_writer is not None:
+            self._metrics_writer.cancel()
+            await asyncio.gather(self._metrics_writer, return_exceptions=True)
         if self.health is not None:
             await self.health.stop()
         if self.hangs is not None:
@@ -314,8 +332,7 @@ async def _live(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    registry = request.app[ROUTER_KEY].metrics.registry
-    return web.Response(body=generate_latest(registry),
+    return web.Response(body=request.app[ROUTER_KEY].metrics.exposition(),
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -433,12 +450,14 @@ async def serve_router(
     sock: socket.socket,
     drain_s: float = 30.0,
     attach: Callable[[Router], None] | None = None,
+    metrics_dir: str | None = None,
 ) -> None:
     """Serve on `sock` until SIGTERM/SIGINT, then drain in-flight requests (bounded).
 
-    `attach` connects the router to its siblings when several processes share the port.
+    `attach` connects the router to its siblings when several processes share the port, and
+    `metrics_dir` is where they share their metrics.
     """
-    router = Router(config)
+    router = Router(config, metrics_dir)
     if attach is not None:
         attach(router)
     stop = asyncio.Event()
