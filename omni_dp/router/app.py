@@ -19,7 +19,7 @@ from omni_dp.router.hangs import HangWatch
 from omni_dp.router.health import HealthChecker, check, mark_healthy, probe, record_hang
 from omni_dp.router.metrics import RouterMetrics
 from omni_dp.router.policies import RequestContext, make_policy
-from omni_dp.router.proxy import Forwarder, json_error
+from omni_dp.router.proxy import CLIENT_AUTO_HEADERS, Forwarder, json_error
 from omni_dp.router.replicas import (
     Backends,
     DuplicateReplica,
@@ -227,6 +227,7 @@ class Router:
             # A replica's cookies are its client's: a jar would send them with every other
             # client's requests (and filtering it costs time on each request).
             cookie_jar=aiohttp.DummyCookieJar(),
+            skip_auto_headers=CLIENT_AUTO_HEADERS,  # only what the client sent goes upstream
             timeout=aiohttp.ClientTimeout(
                 total=self.config.request_timeout_s, connect=self.config.connect_timeout_s,
             ),

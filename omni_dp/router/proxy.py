@@ -61,8 +61,10 @@ _HOP_BY_HOP = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer",
     "Transfer-Encoding", "Upgrade", "Proxy-Connection", "Host", "Content-Length",
 ))
-# Headers aiohttp's client adds on its own; skipped unless the client sent them.
-_CLIENT_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
+# Headers aiohttp's client adds on its own: the upstream session skips them (its
+# skip_auto_headers), so only those the client sent go upstream. Set once on the session, not
+# per request: a per-request skip list costs aiohttp a set and a header copy every time.
+CLIENT_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 _UPSTREAM_FAILURE_STATUSES = (502, 504)
 # Bodies of known length up to this size are read whole and sent with the headers in one
 # write (one syscall fewer per small JSON answer); anything else is streamed as it arrives.
@@ -210,7 +212,6 @@ class Forwarder:
             headers[REQUEST_ID] = record.request_id
             ex = Exchange(
                 request, body, headers,
-                skip=[h for h in _CLIENT_AUTO_HEADERS if h not in request.headers],
                 record=record,
                 ctx=RequestContext(path=request.path, request_id=record.request_id),
                 started=started,
@@ -364,7 +365,7 @@ class Forwarder:
         # requoting, no dot-segment resolution).
         sending = router.session.request(
             ex.request.method, URL(replica.url + path, encoded=True),
-            data=body, headers=headers, skip_auto_headers=ex.skip, allow_redirects=False,
+            data=body, headers=headers, allow_redirects=False,
             **({"timeout": timeout} if timeout is not None else {}),
         )
         try:
