@@ -23,6 +23,29 @@ def omni_dp(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     )
 
 
+NOTHING_THERE = [
+    (["status"], 1), (["status", "nope"], 1), (["status", "nope", "--json"], 1),
+    (["logs"], 1), (["logs", "nope"], 1),
+    (["verify-mps"], 1), (["verify-mps", "nope"], 1), (["verify-mps", "--overlap"], 1),
+    (["restart", "nope"], 1), (["scale", "nope", "-n", "2"], 1),
+    (["down"], 0), (["down", "nope"], 0), (["list"], 0),
+    (["status", "../etc"], 2),  # not "nothing there": not a run id at all
+]
+
+
+@pytest.mark.parametrize(("args", "code"), NOTHING_THERE)
+def test_nothing_there_is_1_where_a_run_is_read_and_0_for_down(tmp_path, monkeypatch, args,
+                                                               code):
+    """No run at all, or none of that id: the question has an answer (exit 1 where a run is
+    read, 0 for `down`: nothing to stop); 2 stays for input wrong in itself."""
+    monkeypatch.setenv("OMNI_DP_STATE_DIR", str(tmp_path))
+    result = omni_dp(*args)
+    assert result.returncode == code, result.stderr
+    assert "Traceback" not in result.stderr
+    if code == 1:
+        assert len(result.stderr.strip().splitlines()) == 1  # one line saying what is not there
+
+
 def test_help_lists_commands():
     result = omni_dp("--help")
     assert result.returncode == 0

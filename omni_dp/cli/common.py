@@ -59,6 +59,12 @@ def fail(command: str, message: str, code: int = ExitCode.USAGE) -> NoReturn:
     sys.exit(code)
 
 
+def nothing_there(command: str, message: str) -> NoReturn:
+    """No run of that id, or none at all: the question has an answer, so exit 1 (not 2, which
+    says the input itself is wrong); docs/contracts.md's exit codes."""
+    fail(command, message, ExitCode.CHECK_FAILED)
+
+
 def exit_with_problems(command: str, problems: Iterable[str]) -> NoReturn:
     """Every problem of a plan, one per line, then exit 2: nothing was started."""
     for problem in problems:

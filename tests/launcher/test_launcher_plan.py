@@ -381,6 +381,17 @@ def test_mps_without_a_gpu_is_a_problem(cpu_facts):
     assert "run without --mps" in problem
 
 
+def test_mps_without_a_gpu_is_one_line_wherever_its_binaries_were_looked_for(cpu_facts):
+    facts = dataclasses.replace(cpu_facts, mps_problems=(
+        "--mps: nvidia-cuda-mps-control not found on PATH (searched /usr/bin, …)",))
+    problem = only_problem(opts(mps=True), facts)
+    assert problem == ("--mps needs a GPU, and there is none to use (no NVIDIA driver on this "
+                       "machine (libnvidia-ml not found)); run without --mps to use the CPU")
+    # with --no-gpu-check the daemon does run: where its binary is matters again
+    assert any("not found on PATH" in p for p in problems_of(
+        opts(mps=True, no_gpu_check=True), facts))
+
+
 def test_mps_without_a_gpu_but_no_gpu_check_plans_on_cpu_with_a_warning(cpu_facts):
     p = plan(opts(mps=True, no_gpu_check=True), cpu_facts)
     assert p.device == "cpu"

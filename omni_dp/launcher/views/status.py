@@ -18,6 +18,7 @@ from omni_dp.runfile import (
     ReplicaRecord,
     ReplicaState,
     RunFileError,
+    RunNotFound,
     RunPhase,
     RunRecord,
     find_run_dir,
@@ -40,6 +41,8 @@ def pick(run_id: str | None, command: str) -> RunState:
         chosen = runfile.pick_run(live or readable, what="run",
                                   none=f"no runs under {runs_dir(state_dir())}",
                                   example=f"{invoked_as()} {command}")
+    except RunNotFound:
+        raise
     except RunFileError as exc:
         raise NoSuchRun(str(exc)) from None
     assert chosen.record is not None and chosen.token is not None
@@ -53,6 +56,8 @@ def scrape_runs(run_id: str | None) -> list[RunRecord]:
     if run_id is not None:
         try:
             return [RunState.load(find_run_dir(run_id)).record]
+        except RunNotFound:
+            raise
         except RunFileError as exc:
             raise NoSuchRun(str(exc)) from None
     return [run.record for run in stored_runs() if run.live and run.record is not None]
