@@ -272,6 +272,21 @@ def test_launch_config_file_old_key_still_works_with_a_warning(launch_options, t
     assert flag_wins.start_timeout == 11.0
 
 
+def test_launch_json_in_the_foreground_is_refused_with_what_to_use(monkeypatch):
+    from click.testing import CliRunner
+
+    from omni_dp.cli import cli
+
+    seen = []
+    monkeypatch.setattr("omni_dp.cli.commands.launch._plan",
+                        lambda options, problems: (seen.append(problems), sys.exit(2)))
+    CliRunner().invoke(cli, ["launch", "--json"], prog_name="omni-dp")
+    assert any(p.startswith("--json needs --dry-run (the plan) or --detach") for p in seen[-1])
+    for args in (["--json", "--detach"], ["--json", "--dry-run"]):
+        CliRunner().invoke(cli, ["launch", *args], prog_name="omni-dp")
+        assert not [p for p in seen[-1] if p.startswith("--json needs")], args
+
+
 def test_launch_config_file_new_and_old_key_together_are_set_twice(tmp_path):
     from omni_dp.launcher.planning.options import load_config_file
 
