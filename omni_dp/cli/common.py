@@ -81,6 +81,24 @@ def json_option(what: str):
     return click.option("--json", "as_json", is_flag=True, help=f"Print {what} as JSON.")
 
 
+def format_options(what: str):
+    """`--format table|markdown|json` and `--json` (the same as `--format json`)."""
+    from omni_dp.tables import FORMATS
+
+    def decorate(f):
+        f = json_option(what)(f)
+        return click.option(
+            "--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
+            help=f"How to print {what}: table (rich at the terminal's width on a terminal, "
+                 "plain fixed-width columns anywhere else, never wrapped), markdown, or "
+                 "json.")(f)
+    return decorate
+
+
+def chosen_format(fmt: str, as_json: bool) -> str:
+    return "json" if as_json else fmt
+
+
 def log_format_attrs(envvar: str | None = None, more: str = "") -> dict[str, Any]:
     """`--log-format` as the commands that log show it; from the environment where they read
     it."""
