@@ -133,7 +133,9 @@ class StartBoard:
             if self._live is not None:
                 from rich.text import Text
 
-                self._live.update(Text("\n".join(self.lines())))
+                # one row per replica: cut at the terminal's width, never wrapped
+                self._live.update(Text("\n".join(self.lines()), no_wrap=True,
+                                       overflow="ellipsis"))
             else:
                 for line in self.due(time.monotonic()):
                     self.say(line)
