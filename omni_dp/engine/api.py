@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from omni_dp.contract import RESUME_FROM_HEADER, SEED_HEADER
 from omni_dp.engine.audio import RESPONSE_FORMATS
-from omni_dp.engine.preprocess import DEFAULT_VOICE
+from omni_dp.engine.preprocess import DEFAULT_VOICE, VOICES, unknown_voice_message
 
 STREAM_FORMATS = ("audio", "sse")
 # The formats whose bytes are a function of the request and its seed alone, so that an answer
@@ -101,7 +101,7 @@ def parse_speech_body(raw: bytes, *, max_new_tokens_limit: int) -> SpeechParams:
     # them anyway; dropped here, before the preprocess stage, whichever process it runs in
     # (UTF-8, the wire between processes, cannot carry them).
     text = _LONE_SURROGATES.sub("", text)
-    voice = _choice(body, "voice", None, DEFAULT_VOICE)
+    voice = _voice(body)
     if body.get("response_format") in UNSUPPORTED_FORMATS:
         raise ApiError(
             400, f"response_format {body['response_format']!r} is not supported by this "
@@ -131,6 +131,19 @@ def _choice(body: dict, name: str, allowed: tuple[str, ...] | None, default: str
     if allowed is not None and value not in allowed:
         raise ApiError(400, f"{name} {value!r} is not supported; use one of {', '.join(allowed)}",
                        name)
+    return value
+
+
+def _voice(body: dict) -> str:
+    """One of OpenAI's built-in voice names; its custom voices (`{"id": "voice_…"}`) are made
+    from audio samples this engine has not got, so they are a 400 that says so."""
+    value = body.get("voice", DEFAULT_VOICE)
+    if isinstance(value, dict):
+        raise ApiError(400, "voice: custom voices ({\"id\": ...}) are not supported here; use "
+                       f"one of the built-in voices: {', '.join(VOICES)}", "voice")
+    value = _choice(body, "voice", None, DEFAULT_VOICE)
+    if value not in VOICES:
+        raise ApiError(400, unknown_voice_message(value), "voice")
     return value
 
 

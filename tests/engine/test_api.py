@@ -1,8 +1,16 @@
+import dataclasses
 import json
+from typing import get_args
 
 import pytest
 
-from omni_dp.engine.api import MAX_SEED, ApiError, model_not_found, parse_speech_body
+from omni_dp.engine.api import (
+    MAX_SEED,
+    OPENAI_MODEL_ALIASES,
+    ApiError,
+    model_not_found,
+    parse_speech_body,
+)
 from omni_dp.engine.config import PRESETS
 from omni_dp.engine.preprocess import (
     VOICES,
@@ -10,6 +18,7 @@ from omni_dp.engine.preprocess import (
     build_prompt,
     default_max_new_tokens,
     normalize_text,
+    speaker_of,
 )
 
 CFG = PRESETS["tiny"]
@@ -196,9 +205,37 @@ def test_build_prompt_rejects_unknown_voice(voice):
     assert "alloy" in str(info.value)
 
 
-def test_every_voice_is_a_distinct_speaker():
-    ids = {build_prompt(CFG, "hi", voice, 100).token_ids[0] for voice in VOICES}
-    assert len(ids) == len(VOICES)
+def test_each_voice_is_a_fixed_speaker_of_the_model():
+    speakers = [build_prompt(CFG, "hi", voice, 100).speaker_id for voice in VOICES]
+    # The first eight keep the speakers they always had (the same audio as before 13 voices);
+    # the rest wrap around the model's speakers, so every one of them is a valid token.
+    assert speakers == [i % CFG.num_speakers for i in range(len(VOICES))]
+    assert len(set(speakers[:CFG.num_speakers])) == CFG.num_speakers
+    few = dataclasses.replace(CFG, num_speakers=3)
+    assert [speaker_of(few, v) for v in ("alloy", "ash", "coral", "echo", "cedar")] == \
+        [0, 1, 2, 0, 12 % 3]
+
+
+def test_every_openai_voice_and_model_is_accepted():
+    """What OpenAI's SDK names (its `Voice` and `SpeechModel` literals) is what a replica takes:
+    an SDK that adds one fails here until the tables follow."""
+    from openai.types.audio import speech_create_params, speech_model
+
+    sdk_voices = {a for arg in get_args(speech_create_params.Voice)
+                  for a in get_args(arg) if isinstance(a, str)}
+    assert {"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage",
+            "shimmer", "verse"} <= sdk_voices
+    assert sdk_voices <= set(VOICES)
+    for voice in sdk_voices:
+        assert parse({"input": "a", "voice": voice}).voice == voice
+    assert set(get_args(speech_model.SpeechModel)) <= set(OPENAI_MODEL_ALIASES)
+
+
+def test_unknown_or_custom_voice_is_a_400_naming_the_accepted_ones():
+    for voice in ("verses", "Alloy", {"id": "voice_1234"}):
+        error = rejected({"input": "a", "voice": voice})
+        assert error.field == "voice"
+        assert "alloy, ash, coral" in error.message and "cedar" in error.message
 
 
 @pytest.mark.parametrize(

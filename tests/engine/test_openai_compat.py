@@ -10,13 +10,16 @@ import json
 import signal
 import socket
 import time
+from typing import get_args
 from urllib.parse import urlsplit
 
 import openai
 import pytest
 import soundfile
 
+from omni_dp.engine.api import OPENAI_MODEL_ALIASES
 from omni_dp.engine.config import PRESETS
+from omni_dp.engine.preprocess import VOICES
 
 from support.http_client import get, post_json
 from support.router import make_config, serve
@@ -206,10 +209,14 @@ def test_aac_stays_a_clear_400(replica):
 def test_models_served_aliased_absent_and_unknown(start_replica):
     replica = start_replica("--served-model-name", "house-voice")
     models = json.loads(get(replica.url + "/v1/models")[2])["data"]
-    assert [m["id"] for m in models] == ["house-voice"]
+    # The served model first (a client taking the first entry gets it), then every alias the
+    # endpoint accepts, from the one table of them: what is listed is what is accepted.
+    assert [m["id"] for m in models] == ["house-voice", *OPENAI_MODEL_ALIASES]
+    assert {m["root"] for m in models} == {"house-voice"}
     reference = speak(replica, response_format="pcm")[2]
-    for model in ("house-voice", "tts-1", "tts-1-hd", "gpt-4o-mini-tts"):
+    for model in [m["id"] for m in models]:
         assert speak(replica, response_format="pcm", model=model)[2] == reference
+    assert [m.id for m in sdk(replica.url).models.list()] == [m["id"] for m in models]
 
     status, _, body = speak(replica, model="omni-dp-tiny")  # the default name, not served here
     assert status == 404
@@ -219,6 +226,23 @@ def test_models_served_aliased_absent_and_unknown(start_replica):
     with pytest.raises(openai.NotFoundError):
         sdk(replica.url).audio.speech.create(model="whisper-1", voice="alloy", input=TEXT)
     assert replica.metric('omni_dp_speech_requests_total{outcome="bad_request"}') == 2
+
+
+def test_every_openai_voice_speaks_on_a_replica(replica):
+    """All of OpenAI's voices through the SDK; with no seed, each sounds different, also the
+    ones that share a speaker of the 8-speaker model (their names seed them apart)."""
+    from openai.types.audio.speech_create_params import Voice
+
+    named = {a for arg in get_args(Voice) for a in get_args(arg) if isinstance(a, str)}
+    assert {"ballad", "sage", "verse"} <= named
+    client = sdk(replica.url)
+    audio = {voice: client.audio.speech.create(model="tts-1", voice=voice, input="Hi.",
+                                               response_format="pcm").content
+             for voice in sorted(named | set(VOICES))}
+    assert len(set(audio.values())) == len(audio)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.audio.speech.create(model="tts-1", voice="verses", input=TEXT)
+    assert info.value.body["param"] == "voice" and "verse" in info.value.body["message"]
 
 
 # --- HTTP/1.0 --------------------------------------------------------------------------------
