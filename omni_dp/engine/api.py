@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 
 from omni_dp.contract import RESUME_FROM_HEADER, SEED_HEADER
-from omni_dp.engine.audio import RESPONSE_FORMATS
+from omni_dp.engine.audio import RESPONSE_FORMATS, aac_unavailable
 from omni_dp.engine.preprocess import DEFAULT_VOICE, VOICES, unknown_voice_message
 
 STREAM_FORMATS = ("audio", "sse")
@@ -16,8 +16,6 @@ STREAM_FORMATS = ("audio", "sse")
 # cut off can be sent again from any byte (the router's resume). An Ogg stream's serial number
 # is random, and flac and mp3 are encoded whole: none of those.
 RESUMABLE_FORMATS = ("wav", "pcm")
-# Named by OpenAI's API, answered with a 400 that says so rather than "unknown format".
-UNSUPPORTED_FORMATS = ("aac",)
 MAX_SEED = 2**63 - 1
 SPEED_RANGE = (0.25, 4.0)  # OpenAI's bounds
 # OpenAI's TTS model names, accepted as aliases of the served model: the OpenAI SDK requires a
@@ -102,12 +100,10 @@ def parse_speech_body(raw: bytes, *, max_new_tokens_limit: int) -> SpeechParams:
     # (UTF-8, the wire between processes, cannot carry them).
     text = _LONE_SURROGATES.sub("", text)
     voice = _voice(body)
-    if body.get("response_format") in UNSUPPORTED_FORMATS:
-        raise ApiError(
-            400, f"response_format {body['response_format']!r} is not supported by this "
-            f"replica; use one of {', '.join(RESPONSE_FORMATS)}", "response_format",
-        )
     response_format = _choice(body, "response_format", RESPONSE_FORMATS, "wav")
+    if response_format == "aac" and (why := aac_unavailable()) is not None:
+        raise ApiError(400, f"response_format aac cannot be encoded by this replica: {why}",
+                       "response_format")
     stream_format = _choice(body, "stream_format", STREAM_FORMATS, "audio")
     stream = body.get("stream", True)
     if not isinstance(stream, bool):

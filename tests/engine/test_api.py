@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import sys
 from typing import get_args
 
 import pytest
@@ -11,6 +12,7 @@ from omni_dp.engine.api import (
     model_not_found,
     parse_speech_body,
 )
+from omni_dp.engine.audio import aac_unavailable
 from omni_dp.engine.config import PRESETS
 from omni_dp.engine.preprocess import (
     VOICES,
@@ -113,7 +115,7 @@ def test_non_object_body_is_400(body):
         ({"input": "a", "voice": 3}, "voice"),
         ({"input": "a", "model": 1}, "model"),
         ({"input": "a", "instructions": None}, "instructions"),
-        ({"input": "a", "response_format": "aac"}, "response_format"),
+        ({"input": "a", "response_format": "m4a"}, "response_format"),
         ({"input": "a", "response_format": "WAV"}, "response_format"),
         ({"input": "a", "stream_format": "chunked"}, "stream_format"),
         ({"input": "a", "stream": "true"}, "stream"),
@@ -143,7 +145,7 @@ def test_unknown_field_message_lists_accepted_fields():
 
 def test_bad_choice_message_lists_allowed_values():
     message = rejected({"input": "a", "response_format": "ogg"}).message
-    for name in ("wav", "pcm", "flac", "opus", "mp3"):
+    for name in ("wav", "pcm", "flac", "opus", "mp3", "aac"):
         assert name in message
 
 
@@ -305,9 +307,21 @@ def test_model_not_found_is_vllm_shaped():
     }}
 
 
-def test_aac_is_named_as_unsupported():
-    error = rejected({"input": "a", "response_format": "aac"})
-    assert "not supported" in error.message and "flac" in error.message
+def test_every_openai_format_is_accepted():
+    for name in ("mp3", "opus", "aac", "flac", "wav", "pcm"):  # OpenAI's list, in its order
+        assert parse({"input": "a", "response_format": name}).response_format == name
+
+
+def test_aac_without_pyav_is_a_400_that_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "av", None)  # `import av` raises ImportError
+    aac_unavailable.cache_clear()
+    try:
+        error = rejected({"input": "a", "response_format": "aac"})
+        assert parse({"input": "a", "response_format": "opus"}).response_format == "opus"
+    finally:
+        aac_unavailable.cache_clear()
+    assert error.field == "response_format"
+    assert "omni-dp[aac]" in error.message and "PyAV" in error.message
 
 
 def test_sse_alone_asks_for_a_stream():

@@ -13,6 +13,7 @@ import time
 from typing import get_args
 from urllib.parse import urlsplit
 
+import av
 import openai
 import pytest
 import soundfile
@@ -195,12 +196,26 @@ def test_sdk_gets_flac(replica):
     assert rate == TINY.sample_rate and samples.tobytes() == pcm_of(replica)
 
 
-def test_aac_stays_a_clear_400(replica):
-    with pytest.raises(openai.BadRequestError) as info:
-        sdk(replica.url).audio.speech.create(
-            model="tts-1", voice="alloy", input=TEXT, response_format="aac")
-    assert info.value.body["param"] == "response_format"
-    assert "aac" in info.value.body["message"]
+def aac_samples(aac: bytes) -> int:
+    """Samples an AAC (ADTS) body decodes to, by FFmpeg's decoder (PyAV)."""
+    with av.open(io.BytesIO(aac), format="adts") as container:
+        stream = container.streams.audio[0]
+        assert (stream.codec_context.name, stream.sample_rate) == ("aac", TINY.sample_rate)
+        return sum(frame.samples for frame in container.decode(stream))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["buffered", "streamed"])
+def test_sdk_gets_aac_at_the_audio_duration(replica, stream):
+    n = len(pcm_of(replica, voice="verse")) // 2
+    with sdk(replica.url).audio.speech.with_streaming_response.create(
+            model="tts-1", voice="verse", input=TEXT, response_format="aac",
+            extra_body={"stream": stream}) as response:
+        assert response.headers["Content-Type"] == "audio/aac"
+        assert ("Content-Length" in response.headers) == (not stream)
+        aac = response.read()
+    # The encoder's 1024 samples of priming, then the audio, padded to a whole 1024-sample frame
+    # (ADTS has no field to trim either).
+    assert aac_samples(aac) == -(-(1024 + n) // 1024) * 1024
 
 
 # --- model -----------------------------------------------------------------------------------
