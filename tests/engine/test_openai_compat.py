@@ -7,9 +7,12 @@ import asyncio
 import base64
 import io
 import json
+import shutil
 import signal
 import socket
+import subprocess
 import time
+import wave
 from typing import get_args
 from urllib.parse import urlsplit
 
@@ -128,6 +131,36 @@ def test_sdk_streams_sse_through_the_router(replica):
     audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
     assert audio == pcm_of(replica)
     assert events[-1]["type"] == "speech.audio.done"
+
+
+def test_python_wave_reads_a_streamed_wav_to_its_end_and_a_buffered_one_exactly(
+        replica, tmp_path):
+    """What docs/contracts.md promises a WAV reader: a streamed WAV's sizes are 0xFFFFFFFF (its
+    length is unknown when the header goes out; OpenAI's streamed WAV has the same), so Python's
+    `wave` reads every frame to the end of the body while reporting 2**31 - 1 frames; a
+    buffered one (`stream: false`) has the exact sizes, for `wave` and for soxi."""
+    pcm = pcm_of(replica)
+    with sdk(replica.url).audio.speech.with_streaming_response.create(
+            model="tts-1", voice="alloy", input=TEXT, response_format="wav") as resp:
+        assert resp.headers.get("transfer-encoding") == "chunked"
+        streamed = resp.read()
+    with wave.open(io.BytesIO(streamed)) as reader:
+        assert (reader.getnchannels(), reader.getsampwidth(), reader.getframerate()) == (
+            1, 2, TINY.sample_rate)
+        assert reader.getnframes() == 0xFFFFFFFF // 2  # the size field says "unknown"
+        assert reader.readframes(reader.getnframes()) == pcm  # every frame, and no more
+    _, _, whole = speak(replica, response_format="wav", stream=False)
+    with wave.open(io.BytesIO(whole)) as reader:
+        assert reader.getnframes() == len(pcm) // 2
+        assert reader.readframes(reader.getnframes()) == pcm
+    assert whole[44:] == streamed[44:]  # the same samples; only the two size fields differ
+    soxi = shutil.which("soxi")
+    if soxi is not None:  # where sox is installed (it is not a dependency): the same reading
+        path = tmp_path / "whole.wav"
+        path.write_bytes(whole)
+        samples = subprocess.run([soxi, "-s", str(path)], capture_output=True, text=True,
+                                 check=True, timeout=30).stdout
+        assert int(samples) == len(pcm) // 2
 
 
 # --- speed -----------------------------------------------------------------------------------
