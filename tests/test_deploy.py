@@ -5,14 +5,18 @@ checked against omni-dp's own code where it has one (the --config reader, the CL
 teardown bound, the state directory and MPS socket checks).
 
 kubernetes-validate is in the test extra (scripts/setup --test installs it), so a missing one
-fails the import here, in CI as anywhere: these tests never skip.
+fails the import here, in CI as anywhere: these tests never skip (but the check of the render
+against `kubectl kustomize`, where kubectl is not installed).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
 import stat
+import subprocess
 import types
 from pathlib import Path, PurePosixPath
 
@@ -55,20 +59,106 @@ def _documents() -> list[tuple[Path, int, dict]]:
 
 DOCUMENTS = _documents()
 OBJECTS = [(p, i, d) for p, i, d in DOCUMENTS if p.name != KUSTOMIZATION]
+LOCAL_CONFIG = "config.kubernetes.io/local-config"  # kustomize's: an input, never applied
 
 
-def _only(kinds: tuple[str, ...]) -> dict:
-    matches = [d for p, _, d in OBJECTS if p.parent == RECIPE and d.get("kind") in kinds]
+# --- what `kubectl apply -k` applies ----------------------------------------------------------
+
+
+def _path(field_path: str) -> list[str]:
+    """A kustomize fieldPath's segments: `a.b`, `[key.with.dots]`, `[name=value]` (a list item)."""
+    segments, current, depth = [], "", 0
+    for char in field_path:
+        depth += (char == "[") - (char == "]")
+        if char == "." and depth == 0:
+            segments.append(current)
+            current = ""
+        else:
+            current += char
+    return [*segments, current]
+
+
+def _step(node, segment: str):
+    if segment.startswith("[") and "=" in segment:
+        key, _, value = segment[1:-1].partition("=")
+        items = [item for item in node if item.get(key) == value]
+        assert len(items) == 1, f"{segment}: {len(items)} list items match"
+        return items[0]
+    key = segment[1:-1] if segment.startswith("[") else segment
+    assert key in node, f"no field {key!r}: kustomize would refuse the path"
+    return node[key]
+
+
+def _field(doc: dict, field_path: str):
+    node = doc
+    for segment in _path(field_path):
+        node = _step(node, segment)
+    return node
+
+
+def _set_field(doc: dict, field_path: str, value) -> None:
+    *parents, last = _path(field_path)
+    node = doc
+    for segment in parents:
+        node = _step(node, segment)
+    _step(node, last)  # the field exists (no `create` option here)
+    node[last[1:-1] if last.startswith("[") else last] = value
+
+
+def _selects(select: dict, doc: dict) -> bool:
+    return all((doc.get("metadata", {}).get(k) if k in ("name", "namespace") else doc.get(k))
+               == v for k, v in select.items())
+
+
+def _render(recipe: Path = RECIPE) -> list[tuple[Path, int, dict]]:
+    """The objects of the kustomization in `recipe` as kustomize builds them, for what of
+    kustomize the recipe uses: its `resources`, `replacements` (from one object's field into
+    others') and local-config objects left out. tests below check it against `kubectl
+    kustomize` where kubectl is installed."""
+    kustomization = yaml.safe_load((recipe / KUSTOMIZATION).read_text(encoding="utf-8"))
+    known = {"apiVersion", "kind", "resources", "replacements"}
+    assert set(kustomization) <= known, f"kustomize features the test does not render: " \
+        f"{sorted(set(kustomization) - known)}"
+    found = []
+    for name in kustomization["resources"]:
+        with (recipe / name).open(encoding="utf-8") as f:
+            found += [(recipe / name, i, d) for i, d in enumerate(yaml.safe_load_all(f))]
+    for replacement in kustomization.get("replacements", []):
+        source = replacement["source"]
+        origins = [d for _, _, d in found if _selects(
+            {k: v for k, v in source.items() if k != "fieldPath"}, d)]
+        assert len(origins) == 1, f"replacement source {source}: {len(origins)} objects"
+        value = _field(origins[0], source["fieldPath"])
+        for target in replacement["targets"]:
+            docs = [d for _, _, d in found if _selects(target["select"], d)]
+            assert docs, f"replacement target {target['select']} selects nothing"
+            for doc in docs:
+                for field_path in target["fieldPaths"]:
+                    _set_field(doc, field_path, value)
+    return [(p, i, d) for p, i, d in found
+            if d.get("metadata", {}).get("annotations", {}).get(LOCAL_CONFIG) != "true"]
+
+
+RENDERED = _render()
+
+
+def _only(kinds: tuple[str, ...], rendered=None) -> dict:
+    matches = [d for p, _, d in rendered or RENDERED
+               if p.parent.name == RECIPE.name and d.get("kind") in kinds]
     assert len(matches) == 1, f"deploy/kubernetes/ must hold exactly one of {kinds}, has " \
         f"{len(matches)}"
     return matches[0]
 
 
-def _named(kind: str, name: str) -> dict:
-    matches = [d for _, _, d in OBJECTS if d.get("kind") == kind
+def _named_in(documents, kind: str, name: str) -> dict:
+    matches = [d for _, _, d in documents if d.get("kind") == kind
                and d.get("metadata", {}).get("name") == name]
     assert len(matches) == 1, f"no single {kind} named {name!r} in deploy/"
     return matches[0]
+
+
+def _named(kind: str, name: str) -> dict:
+    return _named_in(RENDERED, kind, name)
 
 
 # --- the recipe, read the way the kubelet and omni-dp will --------------------------------
@@ -211,6 +301,65 @@ def test_kustomization_applies_every_manifest():
     manifests = {p.name for p in _yaml_files(RECIPE) if p.name != KUSTOMIZATION}
     assert set(listed) == manifests, \
         f"kustomization.yaml lists {sorted(listed)}; the manifests are {sorted(manifests)}"
+
+
+PARAMS = "params.yaml"
+
+
+def _gpu_fields(node, where: str = "") -> dict[str, object]:
+    """Every field of `node` that counts GPUs (nvidia.com/gpu requests and limits, the
+    nvidia.com/gpu.count node label), by where it is."""
+    found: dict[str, object] = {}
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("nvidia.com/gpu", "nvidia.com/gpu.count") and not isinstance(value, dict):
+                found[f"{where}.{key}"] = value
+            else:
+                found.update(_gpu_fields(value, f"{where}.{key}"))
+    elif isinstance(node, list):
+        for index, item in enumerate(node):
+            found.update(_gpu_fields(item, f"{where}[{index}]"))
+    return found
+
+
+def test_the_gpu_count_cpus_and_memory_are_parameters(tmp_path):
+    """params.yaml is the one place for the pod's shape: set there, every GPU count in the
+    DaemonSet (requests, limits, the node label selected) and its CPUs and memory follow."""
+    copy = tmp_path / "kubernetes"
+    shutil.copytree(RECIPE, copy)
+    params = yaml.safe_load((copy / PARAMS).read_text(encoding="utf-8"))
+    params["data"].update(gpus="3", cpus="24", memory="96Gi")
+    (copy / PARAMS).write_text(yaml.safe_dump(params), encoding="utf-8")
+    rendered = _render(copy)
+    workload = _only(("DaemonSet", "Deployment"), rendered)
+    counts = _gpu_fields(workload)
+    assert len(counts) == 3 and set(counts.values()) == {"3"}, counts
+    container, _ = _launch_container(workload["spec"]["template"]["spec"])
+    for kind in ("requests", "limits"):
+        assert container["resources"][kind]["cpu"] == "24"
+        assert container["resources"][kind]["memory"] == "96Gi"
+    assert "omni-dp-params" not in {d["metadata"]["name"] for _, _, d in rendered}
+
+
+def test_daemonset_yaml_alone_holds_the_params_values():
+    """`kubectl apply -f daemonset.yaml` (no kustomize) gets the same pod as the recipe."""
+    raw = _only(("DaemonSet", "Deployment"), OBJECTS)
+    assert raw == _only(("DaemonSet", "Deployment"))
+    params = _named_in(OBJECTS, "ConfigMap", "omni-dp-params")["data"]
+    assert set(_gpu_fields(raw).values()) == {params["gpus"]}
+
+
+def test_the_render_is_kustomizes_own():
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: the render is checked against kustomize's "
+                    "where it is")
+    done = subprocess.run([kubectl, "kustomize", str(RECIPE)], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    theirs = sorted(json.dumps(d, sort_keys=True) for d in yaml.safe_load_all(done.stdout))
+    ours = sorted(json.dumps(d, sort_keys=True) for _, _, d in RENDERED)
+    assert ours == theirs
 
 
 # --- omni-dp's promises ------------------------------------------------------------------
@@ -414,7 +563,7 @@ def test_selectors_reach_the_pod_and_the_router(tmp_path):
     labels = recipe.workload["spec"]["template"]["metadata"]["labels"]
     match = recipe.workload["spec"]["selector"]["matchLabels"]
     assert match.items() <= labels.items(), "the workload's selector misses its own pods"
-    services = [d for p, _, d in OBJECTS if p.parent == RECIPE and d["kind"] == "Service"]
+    services = [d for p, _, d in RENDERED if p.parent == RECIPE and d["kind"] == "Service"]
     assert services
     router_port = int(recipe.setting("router_port", tmp_path))
     for service in services:
@@ -424,3 +573,4 @@ def test_selectors_reach_the_pod_and_the_router(tmp_path):
             target = port.get("targetPort", port["port"])
             assert recipe.port(target) == router_port, \
                 f"Service port {port['port']} goes to {target}, not the router's {router_port}"
+
