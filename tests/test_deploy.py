@@ -4,14 +4,20 @@ misspelt field fails), and the Kubernetes recipe keeps the promises omni-dp need
 checked against omni-dp's own code where it has one (the --config reader, the CLI, the
 teardown bound, the state directory and MPS socket checks).
 
-kubernetes-validate is in the test extra (scripts/setup --test installs it), so a missing one
-fails the import here, in CI as anywhere: these tests never skip (but the check of the render
-against `kubectl kustomize`, where kubectl is not installed).
+deploy/Dockerfile, which no docker engine here can build, is parsed with BuildKit's own parser
+(the `dockerfile` package) and held to what it and deploy/README.md say: the CUDA runtime base
+a build argument, the repository copied in and installed by scripts/setup, numactl, no driver
+programs, the pod's user, omni-dp as the entrypoint; and a few of hadolint's rules.
+
+kubernetes-validate and dockerfile are in the test extra (scripts/setup --test installs them),
+so a missing one fails the import here, in CI as anywhere: these tests never skip (but the
+check of the render against `kubectl kustomize`, where kubectl is not installed).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 import os
 import shutil
@@ -20,6 +26,7 @@ import subprocess
 import types
 from pathlib import Path, PurePosixPath
 
+import dockerfile
 import kubernetes_validate
 import pytest
 import yaml
@@ -574,3 +581,138 @@ def test_selectors_reach_the_pod_and_the_router(tmp_path):
             assert recipe.port(target) == router_port, \
                 f"Service port {port['port']} goes to {target}, not the router's {router_port}"
 
+
+# --- the image (deploy/Dockerfile) ---------------------------------------------------------
+
+DOCKERFILE = DEPLOY / "Dockerfile"
+# What scripts/setup reads to install omni-dp: the build context must carry them.
+SETUP_NEEDS = ("pyproject.toml", "README.md", "omni_dp/__init__.py", "omni_dp/engine/audio.py",
+               "scripts/setup", "scripts/torch_setup.py")
+# What must stay out of the build context: local venvs (GBs), caches, weights, history.
+CONTEXT_LEAVES_OUT = (".git/HEAD", ".venv/bin/python", ".venv-vllm/bin/python",
+                      ".cache/mps/usr/bin/nvidia-cuda-mps-control", ".whl/x.whl", "weights/x",
+                      "omni_dp/__pycache__/cli.cpython-311.pyc", "omni_dp.egg-info/PKG-INFO")
+# Driver packages: the container toolkit mounts the node's own (Dockerfile's header says why).
+DRIVER_PACKAGES = ("nvidia-cuda-mps", "nvidia-utils", "nvidia-compute-utils", "cuda-drivers",
+                   "libnvidia-compute", "nvidia-driver")
+
+
+@dataclasses.dataclass
+class Image:
+    commands: tuple
+
+    def all(self, cmd: str) -> list:
+        return [c for c in self.commands if c.cmd.upper() == cmd]
+
+    def one(self, cmd: str):
+        found = self.all(cmd)
+        assert len(found) == 1, f"deploy/Dockerfile has {len(found)} {cmd} instructions, not 1"
+        return found[0]
+
+    def args(self, before_from: bool) -> dict[str, str]:
+        first_from = self.commands.index(self.all("FROM")[0])
+        chosen = self.commands[:first_from] if before_from else self.commands[first_from:]
+        return dict(v.partition("=")[::2] for c in chosen if c.cmd.upper() == "ARG"
+                    for v in c.value)
+
+    @property
+    def env(self) -> dict[str, str]:
+        found: dict[str, str] = {}
+        for command in self.all("ENV"):
+            found.update(zip(command.value[::2], command.value[1::2], strict=True))
+        return found
+
+    def runs(self) -> list[str]:
+        return [" ".join(c.value) for c in self.all("RUN")]
+
+
+def _image() -> Image:
+    try:
+        return Image(dockerfile.parse_file(str(DOCKERFILE)))
+    except dockerfile.GoParseError as exc:
+        pytest.fail(f"deploy/Dockerfile does not parse: {exc}")
+
+
+def test_the_base_is_a_cuda_runtime_image_given_as_a_build_argument():
+    image = _image()
+    assert image.commands[0].cmd.upper() == "ARG", "the base's ARG must come before FROM"
+    (base,) = image.one("FROM").value[:1]
+    assert base.startswith("${") and base.endswith("}"), f"FROM {base}: not a build argument"
+    default = image.args(before_from=True)[base[2:-1]]
+    repository, _, tag = default.partition(":")
+    # NVIDIA's CUDA images: the runtime flavour (base has no CUDA libraries, devel a compiler).
+    assert repository == "nvidia/cuda", default
+    assert "-runtime-" in tag, f"{default}: not a CUDA runtime image"
+    assert tag and tag != "latest", "a pinned tag (hadolint DL3007)"
+
+
+def test_omni_dp_is_installed_from_the_repository_by_its_own_setup():
+    image = _image()
+    copies = image.all("COPY")
+    assert any(c.value[:-1] == (".",) for c in copies), "the repository is not copied in"
+    setup = [r for r in image.runs() if "scripts/setup" in r]
+    assert len(setup) == 1, "scripts/setup must install omni-dp (one RUN)"
+    assert "OMNI_DP_TORCH=cuda" in setup[0], "no driver at build time: the CUDA build is asked"
+    # The image's torch is the one scripts/setup would pick, and setup installs the aac extra.
+    script = (ROOT / "scripts" / "setup").read_text()
+    assert f"OMNI_DP_TORCH_VERSION:-{image.args(before_from=False)['TORCH_VERSION']}}}" \
+        in script, "TORCH_VERSION differs from scripts/setup's default"
+    assert 'EXTRAS="fast,aac"' in script
+    venv = setup[0].split("OMNI_DP_VENV=")[1].split()[0]
+    assert image.env["PATH"].startswith(f"{venv}/bin:"), "omni-dp is not on PATH"
+
+
+def _ignored(path: str, patterns: list[str]) -> bool:
+    """Whether .dockerignore keeps `path` out: a pattern matching it or a folder above it
+    (Docker's matching, for the patterns used: `*`, `**/`, no `!`)."""
+    parts = path.split("/")
+    prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    for pattern in patterns:
+        candidates = {pattern, pattern.removeprefix("**/")}
+        if any(fnmatch.fnmatchcase(p, c) for p in prefixes for c in candidates):
+            return True
+    return False
+
+
+def test_the_build_context_carries_what_setup_needs_and_no_venv():
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    patterns = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    assert not [p for p in patterns if p.startswith("!")], "negations: the check cannot read them"
+    carried = [p for p in CONTEXT_LEAVES_OUT if not _ignored(p, patterns)]
+    assert not carried, f"the build context would carry {carried}"
+    missing = [p for p in SETUP_NEEDS if _ignored(p, patterns) or not (ROOT / p).exists()]
+    assert not missing, f"scripts/setup needs {missing}, kept out of the build context"
+
+
+def test_numactl_and_python_in_the_image_and_no_driver_programs():
+    image = _image()
+    installs = [r for r in image.runs() if "apt-get install" in r]
+    assert len(installs) == 1, installs
+    packages = set(installs[0].split("apt-get install", 1)[1].split("&&")[0].split())
+    assert {"numactl", "python3", "python3-venv"} <= packages, packages
+    driver = [p for p in packages if p.startswith(DRIVER_PACKAGES)]
+    assert not driver, f"driver programs {driver} in the image: the toolkit mounts the node's"
+    # The toolkit mounts nvidia-cuda-mps-control and -server for `compute`, nvidia-smi for
+    # `utility`: the image asks both, as the DaemonSet does.
+    capabilities = set(image.env["NVIDIA_DRIVER_CAPABILITIES"].split(","))
+    assert {"compute", "utility"} <= capabilities
+    assert capabilities == set(_recipe().env("NVIDIA_DRIVER_CAPABILITIES").split(","))
+    # hadolint DL3015 and DL3009: no recommended packages, no apt lists left in the layer.
+    assert "--no-install-recommends" in installs[0] and "rm -rf /var/lib/apt/lists" in installs[0]
+
+
+def test_the_image_runs_as_the_pods_user_with_omni_dp_as_its_entrypoint(tmp_path):
+    image = _image()
+    recipe = _recipe()
+    security = {**recipe.pod.get("securityContext", {}),
+                **recipe.container.get("securityContext", {})}
+    user = image.all("USER")[-1].value[0]
+    assert user == f"{security['runAsUser']}:{security['runAsGroup']}", \
+        f"USER {user} is not the pod's runAsUser:runAsGroup"  # and not root (hadolint DL3002)
+    # Exec form (hadolint DL3025): omni-dp itself gets the SIGTERM, no shell in front.
+    entrypoint = image.one("ENTRYPOINT")
+    assert entrypoint.json and list(entrypoint.value) == ["omni-dp"]
+    assert image.one("CMD").json
+    assert PurePosixPath(recipe.container["command"][0]).name == entrypoint.value[0]
+    assert image.one("EXPOSE").value == (str(recipe.setting("router_port", tmp_path)),)
+    assert all(PurePosixPath(w.value[0]).is_absolute() for w in image.all("WORKDIR"))  # DL3000
