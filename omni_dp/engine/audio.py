@@ -37,7 +37,7 @@ _LIBSNDFILE = {  # response_format -> (libsndfile format, subtype)
     "flac": ("FLAC", "PCM_16"), "opus": ("OGG", "OPUS"), "mp3": ("MP3", "MPEG_LAYER_III"),
 }
 _ENCODED = frozenset({*_LIBSNDFILE, "aac"})  # a real encoder: CPU time, off the event loop
-AAC_BIT_RATE = 64_000  # mono speech at 24 kHz; FFmpeg's AAC encoder would take 128 kbit/s
+AAC_BIT_RATE = 64_000  # set, not FFmpeg's default (which depends on the rate and channels)
 AAC_EXTRA = "pip install 'omni-dp[aac]'"
 _UNKNOWN_SIZE = 0xFFFFFFFF  # streamed WAV: the length is not known when the header is sent
 
