@@ -223,8 +223,9 @@ class ReplicaServer:
         self.metrics = ReplicaMetrics(
             lambda: self.pipeline.stats() if self.pipeline else None, plan.served_model_name
         )
-        # A request's `model` may name the served model or one of OpenAI's TTS models.
-        self.model_names = frozenset({plan.served_model_name, *OPENAI_MODEL_ALIASES})
+        # What a request's `model` may name, in /v1/models' order: the served model, then
+        # OpenAI's TTS models (once each, should the served model be named like one).
+        self.model_names = tuple(dict.fromkeys((plan.served_model_name, *OPENAI_MODEL_ALIASES)))
         # Another replica regenerates a wav/pcm answer byte for byte only where sampling does
         # not depend on batching: a float64 talker (README, Determinism). In float32 or
         # bfloat16 a batch can flip a sample, so a resumed answer could go on differently.
@@ -457,10 +458,13 @@ class ReplicaServer:
         return web.json_response(self.pipeline.gpu_busy(since))
 
     async def list_models(self, request: web.Request) -> web.Response:
+        """Every name `model` may take: the served model first (clients that take the first
+        entry get it), then OpenAI's aliases of it, each with `root` the served model."""
+        served = self.plan.served_model_name
         return web.json_response({"object": "list", "data": [{
-            "id": self.plan.served_model_name, "object": "model",
-            "created": int(self._started_at), "owned_by": "omni-dp",
-        }]})
+            "id": name, "object": "model", "created": int(self._started_at),
+            "owned_by": "omni-dp", "root": served,
+        } for name in self.model_names]})
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(
