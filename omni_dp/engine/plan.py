@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -17,7 +17,7 @@ import torch
 from omni_dp.contract import Problems
 from omni_dp.engine.config import ModelConfig, ModelConfigError, resolve_model
 from omni_dp.engine.kv_cache import KVCacheSpec, KVSizingError, plan_kv_cache
-from omni_dp.engine.options import DTYPE_NAMES, ServeOptions
+from omni_dp.engine.options import AUTO_MODEL, DEFAULT_MODEL_ENV, DTYPE_NAMES, ServeOptions
 from omni_dp.engine.placement_plan import (
     budget_check,
     kv_bytes_from_budget,
@@ -156,6 +156,28 @@ def plan_summary(plan: ServePlan) -> dict:
     return summary
 
 
+def resolve_default_model(spec: str) -> tuple[str, str | None]:
+    """`auto` → (the model it stands for, a line to say when that is the seeded fallback);
+    any other spec as given. Planned once, so that stage processes get the resolved name."""
+    if spec != AUTO_MODEL:
+        return spec, None
+    pinned = os.environ.get(DEFAULT_MODEL_ENV)
+    if pinned:
+        return pinned, None
+    from omni_dp.engine.voice.model import DEFAULT_VOICE_NAME, find_voice, runtime_problem
+    from omni_dp.engine.voice.phonemes import espeak_problem
+
+    try:
+        find_voice(DEFAULT_VOICE_NAME)
+        missing = espeak_problem() or runtime_problem("cpu")
+    except ValueError as exc:
+        missing = str(exc)
+    if missing is None:
+        return DEFAULT_VOICE_NAME, None
+    return "tiny", (f"no trained voice here ({missing}): serving the seeded preset tiny, whose "
+                    "audio is noise; scripts/setup installs the voice joe")
+
+
 def available_cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -166,6 +188,7 @@ def available_cpus() -> int:
 def plan_serve(options: ServeOptions) -> ServePlan:
     """The replica's plan from its options, or ServePlanError with every problem at once."""
     problems: list[str] = []
+    options = replace(options, model=resolve_default_model(options.model)[0])
     if is_voice_spec(options.model):
         device = _resolve_device(options.device, problems)
         threads = options.threads if options.threads is not None else available_cpus()

@@ -142,3 +142,21 @@ def _streamed_opus(pcm: bytes, rate: int) -> bytes:
             + encoder.finish()
     finally:
         encoder.close()
+
+
+def test_auto_is_the_voice_where_it_runs_else_tiny_saying_its_audio_is_noise(monkeypatch):
+    from omni_dp.engine import plan
+    from omni_dp.engine.voice import model
+
+    monkeypatch.delenv(plan.DEFAULT_MODEL_ENV, raising=False)
+    monkeypatch.setattr(model, "find_voice", lambda name: None)
+    monkeypatch.setattr(model, "runtime_problem", lambda device: None)
+    monkeypatch.setattr("omni_dp.engine.voice.phonemes.espeak_problem", lambda: None)
+    assert plan.resolve_default_model("auto") == ("joe", None)
+    monkeypatch.setattr("omni_dp.engine.voice.phonemes.espeak_problem", lambda: "no espeak-ng")
+    chosen, said = plan.resolve_default_model("auto")
+    assert chosen == "tiny" and "no espeak-ng" in said and "noise" in said
+    assert "scripts/setup" in said
+    monkeypatch.setenv(plan.DEFAULT_MODEL_ENV, "small")  # the tests' and benchmarks' pin
+    assert plan.resolve_default_model("auto") == ("small", None)
+    assert plan.resolve_default_model("tiny") == ("tiny", None)

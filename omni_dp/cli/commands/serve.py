@@ -60,6 +60,11 @@ def serve(ctx: click.Context, log_level: str, log_format: str, dry_run: bool,
         exit_with_problems("serve", exc.problems)
     if unknown:
         exit_with_problems("serve", [unknown_option_problem(unknown, ctx.command)])
+    from omni_dp.engine.plan import resolve_default_model
+
+    _, fallback = resolve_default_model(kwargs["model"])
+    if fallback:  # said first, on stderr (a replica's log): the audio will be noise
+        click.echo(f"omni-dp serve: {fallback}", err=True)
     try:
         plan = plan_serve(ServeOptions(**kwargs, placement_overrides=tuple(overrides)))
     except ServePlanError as exc:
@@ -93,7 +98,7 @@ def unknown_option_problem(args: list[str], command: click.Command) -> str:
 
 @click.command("save-weights")
 @click.argument("directory", type=click.Path(file_okay=False))
-@click.option("--model", default=DEFAULTS.model, show_default=True,
+@click.option("--model", default="tiny", show_default=True,
               type=click.Choice(["tiny", "small"]), help="Preset whose seeded weights to write.")
 @click.option("--weight-seed", default=DEFAULTS.weight_seed, show_default=True, type=int,
               help="Seed of the weights.")
