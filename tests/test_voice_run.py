@@ -81,8 +81,8 @@ def _replica_urls(run: Run) -> list[str]:
 
 def _heard(url: str, text: str) -> tuple[int, int, str]:
     status, _, body = post_json(url + "/v1/audio/speech",
-                                      {"input": text, "response_format": "wav",
-                                       "stream": False})
+                                {"input": text, "response_format": "wav",
+                                 "stream": False})
     assert status == 200, body[:300]
     heard = transcribe(body)
     return (*word_recall(text, heard), heard)
@@ -136,7 +136,7 @@ def test_every_format_and_sse_stream_sentence_by_sentence(voice_run):
     text = "Hello there. How are you today? I am fine."
     for fmt in RESPONSE_FORMATS:
         status, _, body = post_json(run.router_url + "/v1/audio/speech",
-                                          {"input": text, "response_format": fmt})
+                                    {"input": text, "response_format": fmt})
         assert status == 200, (fmt, body[:200])
         if fmt != "pcm":
             samples, rate = soundfile.read(io.BytesIO(body))
