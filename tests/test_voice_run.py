@@ -18,11 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import soundfile
 
-from omni_dp.contract import RESUMABLE_HEADER
+from omni_dp.contract import RESUMABLE_HEADER, RESUME_FROM_HEADER, SEED_HEADER
 from omni_dp.engine.audio import RESPONSE_FORMATS
 from omni_dp.engine.options import DEFAULT_MODEL_ENV
 
-from support.http_client import get, post_json
+from support.http_client import get, post_json, request
 from support.launcher import OMNI_DP, Run, describe
 from support.recognizer import require_voice, transcribe, word_recall
 from support.replica import Replica
@@ -160,3 +160,7 @@ def test_a_seed_does_not_reproduce_the_voice_so_no_answer_is_resumable(voice_run
     assert first[2] != second[2]  # the graph's noise: drawn anew, whatever the seed
     for headers in (first[1], second[1]):
         assert "X-Seed" not in headers and RESUMABLE_HEADER not in headers
+    # and a resume asked anyway is refused, naming the header
+    status, _, raw = request("POST", url + "/v1/audio/speech", body,
+                             headers={RESUME_FROM_HEADER: "100", SEED_HEADER: "7"})
+    assert status == 400 and json.loads(raw)["error"]["param"] == RESUME_FROM_HEADER

@@ -31,6 +31,7 @@ from omni_dp.contract import (
     GOING_AWAY_HEADER,
     RESUMABLE_BY_BYTES,
     RESUMABLE_HEADER,
+    RESUME_FROM_HEADER,
     RESUMED_FROM_HEADER,
     ExitCode,
 )
@@ -553,6 +554,12 @@ class ReplicaServer:
         if params.model is not None and params.model not in self.model_names:
             raise model_not_found(params.model)
         resume = parse_resume_headers(request.headers, params)
+        if resume.offset is not None and self.plan.voice is not None:
+            # By design: the voice's noise is drawn in its graph, so no replica can regenerate
+            # the bytes another one sent (engine/voice/pipeline.py); the router never asks.
+            raise ApiError(400, f"{RESUME_FROM_HEADER}: a Piper voice's answers cannot be "
+                           "resumed (their noise is drawn inside the voice's graph, whatever "
+                           "the seed)", RESUME_FROM_HEADER)
         seed = params.seed if params.seed is not None else resume.seed
         ask = SpeechAsk(params.input, params.voice, params.speed, seed, params.max_new_tokens)
         try:

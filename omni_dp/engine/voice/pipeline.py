@@ -1,10 +1,11 @@
 """The voice's pipeline, as the HTTP front sees it: the same calls as engine/pipeline.py's.
 
 preprocess (text → sentences → phoneme ids; espeak-ng in a worker thread, so the event loop
-never waits on a process) → voice (one sentence per call of the ONNX graph, on one worker
-thread) → the request's chunks. A request submits its next sentence only when the previous one
-is spoken, so concurrent requests take turns sentence by sentence on the worker: a short request
-is not stuck behind a long one, and each sentence streams as soon as it is spoken.
+never waits on a process) → voice (one sentence per call of the ONNX graph, on one of the
+replica's `threads` worker threads) → the request's chunks. A request submits its next sentence
+only when the previous one is spoken, so concurrent requests take turns sentence by sentence on
+the workers: a short request is not stuck behind a long one, and each sentence streams as soon
+as it is spoken.
 
 Reproducibility: a Piper graph draws its noise (noise_scale, noise_w) inside itself from
 onnxruntime's RandomNormalLike, whose generator is seeded once per session and shared by every
@@ -18,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -69,17 +71,18 @@ class VoicePipeline:
         self._on_fatal = on_fatal
         self._cut_reason: str | None = None
         self._session: VoiceSession | None = None
-        # The voice stage: one thread, so sentences of different requests take turns.
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="voice")
+        # The voice stage: a worker per thread; sentences of different requests take turns.
+        self._worker = ThreadPoolExecutor(threads, thread_name_prefix="voice")
         self._phonemizers = ThreadPoolExecutor(2, thread_name_prefix="phonemes")
         self._in_flight = 0
-        self._speaking = 0
+        self._speaking = 0  # sentences on the workers now (a gauge, under its lock)
+        self._speaking_lock = threading.Lock()
         self.recorder = NotRecording(NOT_TIMED_ON_GPU if device.startswith("cuda") else ON_CPU)
 
     # --- lifecycle ---------------------------------------------------------------------
     def load(self) -> None:
         """Make the ONNX session (from a worker thread: it takes a fraction of a second)."""
-        self._session = VoiceSession(self.voice, self.device, self.threads["main"])
+        self._session = VoiceSession(self.voice, self.device)
 
     def start(self) -> None: ...
 
@@ -153,12 +156,14 @@ class VoicePipeline:
 
     def _speak(self, ids: list[int], speech: VoiceSpeech) -> bytes:
         assert self._session is not None
-        self._speaking += 1
+        with self._speaking_lock:
+            self._speaking += 1
         try:
             samples = self._session.run(ids, length_scale=speech.length_scale,
                                         speaker=speech.prompt.speaker_id)
         finally:
-            self._speaking -= 1
+            with self._speaking_lock:
+                self._speaking -= 1
         return pcm16(samples)
 
     async def synthesize(self, speech: VoiceSpeech) -> AsyncIterator[bytes]:
