@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import re
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -164,3 +165,19 @@ def test_a_seed_does_not_reproduce_the_voice_so_no_answer_is_resumable(voice_run
     status, _, raw = request("POST", url + "/v1/audio/speech", body,
                              headers={RESUME_FROM_HEADER: "100", SEED_HEADER: "7"})
     assert status == 400 and json.loads(raw)["error"]["param"] == RESUME_FROM_HEADER
+
+
+def test_plan_and_the_dry_run_size_the_voice_without_kv():
+    require_voice()
+    env = {k: v for k, v in os.environ.items() if k != DEFAULT_MODEL_ENV}
+    dry = subprocess.run([*OMNI_DP, "serve", "--dry-run", "--device", "cpu"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    summary = json.loads(dry.stdout)
+    assert summary["model"] == "joe" and summary["weights_bytes"] > 50 * 2**20
+    assert (summary["max_total_num_tokens"], summary["kv_cache_bytes"]) == (0, 0)
+    planned = subprocess.run([*OMNI_DP, "plan", "--gpu", "none"], env=env, capture_output=True,
+                             text=True, timeout=120)
+    assert planned.returncode == 0, describe(planned)
+    assert "no KV: the engine's model keeps none" in planned.stdout
+    confirm = next(line for line in planned.stdout.splitlines() if "confirm with" in line)
+    assert "--max-total-tokens" not in confirm
