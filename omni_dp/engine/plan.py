@@ -17,7 +17,7 @@ import torch
 from omni_dp.contract import Problems
 from omni_dp.engine.config import ModelConfig, ModelConfigError, resolve_model
 from omni_dp.engine.kv_cache import KVCacheSpec, KVSizingError, plan_kv_cache
-from omni_dp.engine.options import AUTO_MODEL, DEFAULT_MODEL_ENV, DTYPE_NAMES, ServeOptions
+from omni_dp.engine.options import DTYPE_NAMES, ServeOptions
 from omni_dp.engine.placement_plan import (
     budget_check,
     kv_bytes_from_budget,
@@ -28,6 +28,7 @@ from omni_dp.engine.placement_plan import (
     talker_process,
     tp_problems,
 )
+from omni_dp.engine.voice.default import resolve_default_model
 from omni_dp.engine.voice.model import VoiceModel, is_voice_spec
 from omni_dp.engine.voice.plan import plan_voice, voice_summary
 from omni_dp.files import private_dir_problem
@@ -154,28 +155,6 @@ def plan_summary(plan: ServePlan) -> dict:
     if plan.placement is not None:
         summary["placement"] = placement_json(plan.placement)
     return summary
-
-
-def resolve_default_model(spec: str) -> tuple[str, str | None]:
-    """`auto` → (the model it stands for, a line to say when that is the seeded fallback);
-    any other spec as given. Planned once, so that stage processes get the resolved name."""
-    if spec != AUTO_MODEL:
-        return spec, None
-    pinned = os.environ.get(DEFAULT_MODEL_ENV)
-    if pinned:
-        return pinned, None
-    from omni_dp.engine.voice.model import DEFAULT_VOICE_NAME, find_voice, runtime_problem
-    from omni_dp.engine.voice.phonemes import espeak_problem
-
-    try:
-        find_voice(DEFAULT_VOICE_NAME)
-        missing = espeak_problem() or runtime_problem("cpu")
-    except ValueError as exc:
-        missing = str(exc)
-    if missing is None:
-        return DEFAULT_VOICE_NAME, None
-    return "tiny", (f"no trained voice here ({missing}): serving the seeded preset tiny, whose "
-                    "audio is noise; scripts/setup installs the voice joe")
 
 
 def available_cpus() -> int:

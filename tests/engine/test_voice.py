@@ -145,7 +145,7 @@ def _streamed_opus(pcm: bytes, rate: int) -> bytes:
 
 
 def test_auto_is_the_voice_where_it_runs_else_tiny_saying_its_audio_is_noise(monkeypatch):
-    from omni_dp.engine import plan
+    from omni_dp.engine.voice import default as plan
     from omni_dp.engine.voice import model
 
     monkeypatch.delenv(plan.DEFAULT_MODEL_ENV, raising=False)
@@ -157,6 +157,9 @@ def test_auto_is_the_voice_where_it_runs_else_tiny_saying_its_audio_is_noise(mon
     chosen, said = plan.resolve_default_model("auto")
     assert chosen == "tiny" and "no espeak-ng" in said and "noise" in said
     assert "scripts/setup" in said
+    assert plan.launch_note("builtin", ()) == said  # launch says it too, before it starts
+    assert plan.launch_note("builtin", ("--model", "tiny")) is None
+    assert plan.launch_note("vllm", ()) is None
     monkeypatch.setenv(plan.DEFAULT_MODEL_ENV, "small")  # the tests' and benchmarks' pin
     assert plan.resolve_default_model("auto") == ("small", None)
     assert plan.resolve_default_model("tiny") == ("tiny", None)

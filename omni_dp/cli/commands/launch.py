@@ -46,6 +46,11 @@ def launch(ctx, dry_run, as_json, engine_args, **flags) -> None:
     notes = take_deprecated(ctx, flags)
     options = _options(ctx, flags, tuple(engine_args), problems, notes)
     say = _launch_say(options.log_format)
+    from omni_dp.engine.voice.default import launch_note
+
+    fallback = launch_note(options.engine, options.engine_args)
+    if fallback:  # serve's default model will be the seeded preset: its audio is noise
+        notes.append(fallback)
     for note in notes:
         _note(options.log_format, note)
     _note(options.log_format, "preflight (CPU topology, GPU, ports, "

@@ -60,7 +60,7 @@ def serve(ctx: click.Context, log_level: str, log_format: str, dry_run: bool,
         exit_with_problems("serve", exc.problems)
     if unknown:
         exit_with_problems("serve", [unknown_option_problem(unknown, ctx.command)])
-    from omni_dp.engine.plan import resolve_default_model
+    from omni_dp.engine.voice.default import resolve_default_model
 
     _, fallback = resolve_default_model(kwargs["model"])
     if fallback:  # said first, on stderr (a replica's log): the audio will be noise
