@@ -152,6 +152,25 @@ def test_every_format_and_sse_stream_sentence_by_sentence(voice_run):
     assert all(base64.b64decode(d["audio"]) for d in deltas)
 
 
+def test_speed_changes_the_speaking_rate_and_the_usage_counts_the_audio(voice_run):
+    run, _ = voice_run
+    seconds = {}
+    for speed in (0.5, 2.0):
+        status, headers, body = post_json(
+            run.router_url + "/v1/audio/speech",
+            {"input": "Thank you very much for your help.", "response_format": "wav",
+             "stream": False, "speed": speed})
+        assert status == 200 and headers["X-Sample-Rate"] == "22050"
+        samples, rate = soundfile.read(io.BytesIO(body))
+        seconds[speed] = len(samples) / rate
+    assert seconds[0.5] > 3 * seconds[2.0]  # 4× the length_scale: about 4× as long
+    status, _, body = post_json(run.router_url + "/v1/audio/speech",
+                                {"input": "Hello there.", "stream_format": "sse"})
+    usage = json.loads(body.decode().strip().splitlines()[-1][6:])["usage"]
+    assert usage["input_tokens"] > 10 and usage["output_tokens"] == 0
+    assert 0.3 < usage["audio_seconds"] < 3
+
+
 def test_a_seed_does_not_reproduce_the_voice_so_no_answer_is_resumable(voice_run):
     run, _ = voice_run
     url = _replica_urls(run)[0]
