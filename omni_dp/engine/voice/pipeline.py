@@ -140,9 +140,10 @@ class VoicePipeline:
             sentences = await asyncio.gather(*(
                 loop.run_in_executor(self._phonemizers, self._ids_of, sentence)
                 for sentence in split_sentences(text)))
-        except PhonemizeError as exc:
-            self._fail(f"the phonemizer failed: {exc}")
-            raise EngineFailed(str(exc)) from None
+        except PhonemizeError as exc:  # this request's (a 503: another replica may try); the
+            # program's presence was checked by the plan, so the replica itself stays up
+            log.error("the phonemizer failed: %s", exc)
+            raise EngineFailed(f"the phonemizer failed: {exc}") from None
         sentences = [ids for ids in sentences if len(ids) > 3]  # more than BOS, pad, EOS
         if not sentences:
             raise PreprocessError("input", "input has nothing to speak (no phonemes)")
