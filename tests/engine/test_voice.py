@@ -163,3 +163,27 @@ def test_auto_is_the_voice_where_it_runs_else_tiny_saying_its_audio_is_noise(mon
     monkeypatch.setenv(plan.DEFAULT_MODEL_ENV, "small")  # the tests' and benchmarks' pin
     assert plan.resolve_default_model("auto") == ("small", None)
     assert plan.resolve_default_model("tiny") == ("tiny", None)
+
+
+GPL_MODULES = {"piper", "piper_phonemize", "espeakng", "espeak", "phonemizer", "py_espeak_ng"}
+
+
+def test_the_apache_core_imports_nothing_gpl_and_runs_espeak_as_a_program():
+    """piper-tts and the espeak-ng bindings are GPL: omni_dp imports none of them and declares
+    none; phonemes come from the espeak-ng program in a separate process (docs/voice.md)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    imported = set()
+    for path in (root / "omni_dp").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                imported.add(node.module.split(".")[0])
+    assert not imported & GPL_MODULES
+    declared = (root / "pyproject.toml").read_text().lower()
+    assert not [name for name in ('"piper-tts', '"espeak', '"phonemizer') if name in declared]
+    source = (root / "omni_dp" / "engine" / "voice" / "phonemes.py").read_text()
+    assert "subprocess.run(" in source and "ctypes" not in source
