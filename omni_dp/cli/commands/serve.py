@@ -38,9 +38,12 @@ def serve(ctx: click.Context, log_level: str, log_format: str, dry_run: bool,
           **kwargs) -> None:
     """Serve ONE replica of the built-in TTS pipeline over HTTP.
 
-    The pipeline is preprocess → talker (a decoder-only transformer over a paged KV cache,
-    continuous batching) → vocoder (streaming, 24 kHz 16-bit PCM). Endpoints: POST
-    /v1/audio/speech, GET /health, /get_server_info, /v1/models, /metrics.
+    By default (--model auto) a trained Piper voice, joe: preprocess (sentences, espeak-ng
+    phonemes) → voice (its ONNX graph on onnxruntime, streamed per sentence, 22,050 Hz, no KV
+    cache); docs/voice.md. The seeded presets (--model tiny|small, noise) are preprocess →
+    talker (a decoder-only transformer over a paged KV cache, continuous batching) → vocoder
+    (streaming, 24 kHz 16-bit PCM). Endpoints: POST /v1/audio/speech, GET /health,
+    /get_server_info, /v1/models, /metrics.
 
     Placement: every stage runs in this process unless --placement-config or a dotted
     option (--<stage>.<field> VALUE: process, device, gpu_memory_fraction, tp_size, devices,
