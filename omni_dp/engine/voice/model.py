@@ -177,9 +177,19 @@ class VoiceSession:
         if device.startswith("cuda"):
             index = int(device.partition(":")[2] or 0)
             providers = [(CUDA_PROVIDER, {"device_id": index}), CPU_PROVIDER]
+            # onnxruntime-gpu ≥ 1.21 loads CUDA and cuDNN from the nvidia-* wheels that a CUDA
+            # torch brought, where the system has none of its own
+            preload = getattr(onnxruntime, "preload_dlls", None)
+            if preload is not None:
+                preload()
         self.voice = voice
         self.session = onnxruntime.InferenceSession(
             str(voice.onnx_path), sess_options=options, providers=providers)
+        if device.startswith("cuda") and CUDA_PROVIDER not in self.session.get_providers():
+            # onnxruntime falls back to the CPU with only a warning: a replica planned on the
+            # GPU (an MPS client, its memory counted there) must not quietly run elsewhere
+            raise RuntimeError(f"onnxruntime could not start {CUDA_PROVIDER} on {device} "
+                               "(its CUDA/cuDNN libraries?): the voice would run on the CPU")
         self.input_names = {i.name for i in self.session.get_inputs()}
 
     def run(self, ids: list[int], *, length_scale: float, speaker: int) -> np.ndarray:
