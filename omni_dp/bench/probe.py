@@ -125,7 +125,7 @@ def _bench_args(o: LaunchOptions, gpu: GpuFacts | None, sizing: EngineSizing) ->
         args += ["--engine", o.engine]
     if o.kv_cache_bytes is not None:
         args += ["--kv-cache-bytes", str(o.kv_cache_bytes)]
-    elif o.max_total_tokens is not None or sizing.kv_tokens is not None:
+    elif o.max_total_tokens is not None or sizing.kv_tokens:  # 0: a model with no KV, no pin
         args += ["--max-total-tokens", str(o.max_total_tokens or sizing.kv_tokens)]
     for name in ("engine_python", "engine_overhead", "engine_stage", "memory_headroom"):
         value = getattr(o, name)
@@ -163,7 +163,10 @@ def probe_capacity(options: LaunchOptions, *, cores_per_replica: int = 1) -> Cap
     gpu = _tightest(gpus, o.memory_headroom)
     pinned = o.kv_cache_bytes is not None or o.max_total_tokens is not None
     notes = []
-    if not pinned:
+    if not pinned and sizing.kv_tokens == 0 and sizing.kv_cache_bytes == 0:
+        notes.append("no KV: the engine's model keeps none (a Piper voice), so there is no "
+                     "pin to give")
+    elif not pinned:
         notes.append(f"KV not pinned: planned with the engine's default ({sizing.kv_tokens} "
                      "tokens); pin it with --max-total-tokens N or --kv-cache-bytes SIZE to plan "
                      "the size you will run")

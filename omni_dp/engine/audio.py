@@ -40,6 +40,10 @@ _ENCODED = frozenset({*_LIBSNDFILE, "aac"})  # a real encoder: CPU time, off the
 AAC_BIT_RATE = 64_000  # set, not FFmpeg's default (which depends on the rate and channels)
 AAC_EXTRA = "pip install 'omni-dp[aac]'"
 _UNKNOWN_SIZE = 0xFFFFFFFF  # streamed WAV: the length is not known when the header is sent
+# The only rates Opus encodes; other PCM (a Piper voice's 22,050 Hz) is resampled to the rate
+# below for Ogg Opus alone. Every other format keeps the model's own rate.
+OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
+OPUS_FALLBACK_RATE = 24000
 
 
 def wav_header(sample_rate: int, num_data_bytes: int | None) -> bytes:
@@ -125,12 +129,43 @@ def _open_encoder(fmt: str, sink, sample_rate: int):
                                subtype=subtype)
 
 
+class Resampler:
+    """Linear interpolation from one rate to another, chunk by chunk with no seam: the
+    position and the last input sample carry over, so chunked output is the whole output's
+    (within one LSB of rounding) — for Ogg Opus, lossy anyway."""
+
+    def __init__(self, rate_in: int, rate_out: int) -> None:
+        self.step = rate_in / rate_out
+        self._pos = 0.0  # of the next output sample, in input samples from `_last`
+        self._last: np.ndarray = np.zeros(0, dtype=np.float64)
+
+    def __call__(self, samples: np.ndarray) -> np.ndarray:
+        data = np.concatenate([self._last, samples.astype(np.float64)])
+        if len(data) < 2:
+            self._last = data
+            return np.zeros(0, dtype="<i2")
+        count = int(np.floor((len(data) - 1 - self._pos) / self.step)) + 1
+        at = self._pos + self.step * np.arange(max(0, count))
+        out = np.interp(at, np.arange(len(data)), data)
+        self._pos = (self._pos + self.step * max(0, count)) - (len(data) - 1)
+        self._last = data[-1:]
+        return np.round(out).astype("<i2")
+
+
+def opus_rate(sample_rate: int) -> int:
+    return sample_rate if sample_rate in OPUS_RATES else OPUS_FALLBACK_RATE
+
+
 def encode_whole(fmt: str, pcm: bytes, sample_rate: int) -> bytes:
     """One complete file of `fmt`; the encoded formats take CPU: call off the event loop."""
     if fmt == "pcm":
         return pcm
     if fmt == "wav":
         return wav_header(sample_rate, len(pcm)) + pcm
+    if fmt == "opus" and opus_rate(sample_rate) != sample_rate:
+        rate = opus_rate(sample_rate)
+        pcm = Resampler(sample_rate, rate)(_samples(pcm)).tobytes()
+        sample_rate = rate
     out = io.BytesIO()
     with _open_encoder(fmt, out, sample_rate) as sink:
         sink.write(_samples(pcm))
@@ -193,9 +228,13 @@ class StreamEncoder:
         self._pcm = bytearray()  # flac, mp3: the whole request, encoded at the end
         self._sink: _AppendOnly | None = None
         self._file: soundfile.SoundFile | AdtsFile | None = None
+        self._resample: Resampler | None = None
         if fmt in ("opus", "aac"):
             self._sink = _AppendOnly()
-            self._file = _open_encoder(fmt, self._sink, sample_rate)
+            rate = opus_rate(sample_rate) if fmt == "opus" else sample_rate
+            if rate != sample_rate:
+                self._resample = Resampler(sample_rate, rate)
+            self._file = _open_encoder(fmt, self._sink, rate)
 
     def header(self) -> bytes:
         return wav_header(self.sample_rate, None) if self.fmt == "wav" else b""
@@ -207,7 +246,8 @@ class StreamEncoder:
             if self._file is None:
                 self._pcm += pcm
                 return b""
-            self._file.write(_samples(pcm))
+            samples = _samples(pcm)
+            self._file.write(self._resample(samples) if self._resample else samples)
             assert self._sink is not None
             return self._sink.take()
 

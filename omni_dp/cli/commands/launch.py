@@ -51,6 +51,11 @@ def launch(ctx, dry_run, as_json, engine_args, **flags) -> None:
         problems.append("--json needs --dry-run (the plan) or --detach (the run's summary): "
                         "a foreground launch's output is its log; for JSON lines use "
                         "--log-format json")
+    from omni_dp.engine.voice.default import launch_note
+
+    fallback = launch_note(options.engine, options.engine_args)
+    if fallback:  # serve's default model will be the seeded preset: its audio is noise
+        notes.append(fallback)
     for note in notes:
         _note(options.log_format, note)
     _note(options.log_format, "preflight (CPU topology, GPU, ports, "
