@@ -36,7 +36,11 @@ DEPENDENCIES = {
     "msgpack": "msgpack", "rich": "rich", "matplotlib": "matplotlib",
     "uvloop": "uvloop",  # the `fast` extra
     "cffi": "cffi",  # soundfile's: not in the image, carried with it
+    "av": "av",  # the `aac` extra
 }
+# Not on the serving path: imported only to answer response_format aac (a 400 without it), which
+# no step asks for. Reported when absent, never MISSING.
+OPTIONAL = {"av": "response_format aac only (a 400 without it)"}
 MPS_NAMES = ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
 # Where a driver's programs may lie on a lent machine when PATH does not name them.
 MPS_SEARCH_ROOTS = ("/usr/local/nvidia", "/usr/bin", "/usr/sbin", "/usr/local/bin", "/opt",
@@ -78,7 +82,10 @@ def print_imports() -> list[dict]:
             continue
         found = imported(dist, module)
         results.append(found)
-        if "error" in found:
+        if "error" in found and dist in OPTIONAL:
+            found["optional"] = True
+            print(f"ABSENT {dist} (import {module}): {OPTIONAL[dist]}", flush=True)
+        elif "error" in found:
             print(f"MISSING {dist} (import {module}): {found['error']}", flush=True)
         else:
             extra = (f" CUDA {found['cuda'] or 'none (CPU build)'}, available "
@@ -193,7 +200,7 @@ def mps_programs() -> dict:
 
 def main() -> int:
     results = print_imports()
-    missing = [r for r in results if "error" in r]
+    missing = [r for r in results if "error" in r and not r.get("optional")]
     facts: dict = {"python": sys.executable, "python_version": platform.python_version(),
                    "imports": results, "wheels": os.environ.get("GPU_RUN_WHEELS", "none")}
     if missing:

@@ -255,7 +255,8 @@ def run_scenario(args, scenario: str) -> dict:
     run_id = f"faults-{scenario}-{os.getpid()}"
     launch = omni_dp("launch", "--replicas", "2", "--detach", "--run-id", run_id, "--gpu", "none",
                      "--base-port", str(base), "--router-port", str(base + 2),
-                     *args.launch_args.split(), env=env, timeout=300)
+                     *args.launch_args.split(), "--", "--model", "tiny",  # the seeded preset
+                     env=env, timeout=300)
     row: dict = {"scenario": scenario, "run_id": run_id}
     try:
         if launch.returncode != 0:

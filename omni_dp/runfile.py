@@ -33,6 +33,11 @@ class RunFileError(Exception):
     """A run directory cannot be read, or its run.json is not one this omni-dp reads."""
 
 
+class RunNotFound(RunFileError):
+    """Nothing there: no run of that id, or no run at all. Not bad input — the question has an
+    answer — so the commands that read a run exit 1 on it, and `down` 0 (nothing to stop)."""
+
+
 class IllegalTransition(RuntimeError):
     """A state change the lifecycle does not allow: a bug in whoever asked for it."""
 
@@ -748,7 +753,7 @@ def find_run_dir(run_id: str, root: Path | None = None) -> Path:
     directory = run_dir(root, run_id)
     if not directory.is_dir():
         known = ", ".join(d.name for d in run_dirs(root)) or "none"
-        raise RunFileError(f"no run {run_id!r} under {runs_dir(root)} (runs: {known})")
+        raise RunNotFound(f"no run {run_id!r} under {runs_dir(root)} (runs: {known})")
     return directory
 
 
@@ -761,7 +766,7 @@ def pick_run(candidates: list[StoredRun], *, what: str, example: str,
     if len(candidates) == 1:
         return candidates[0]
     if not candidates:
-        raise RunFileError(none or f"no {what}")
+        raise RunNotFound(none or f"no {what}")
     names = ", ".join(run.run_id for run in candidates)
     raise RunFileError(f"{len(candidates)} {plural or what + 's'} ({names}): name one, e.g. "
                        f"{example} {candidates[0].run_id}")

@@ -4,13 +4,21 @@ the fixtures only its own tests use; plain helpers live in the `support` package
 
 from __future__ import annotations
 
+import os
 import signal
 
 import psutil
 import pytest
 
+from omni_dp.engine.options import DEFAULT_MODEL_ENV
+
 from support.mps import daemons_under
 from support.replica import Replica
+
+# `omni-dp serve`'s default model is the trained voice where it is installed; the tests of the
+# seeded engine rely on the preset `tiny` (deterministic, resumable, KV-sized), so every server
+# a test starts without --model serves tiny. The voice's tests name it (tests/test_voice_run.py).
+os.environ.setdefault(DEFAULT_MODEL_ENV, "tiny")
 
 
 @pytest.fixture(autouse=True)

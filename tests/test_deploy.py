@@ -4,18 +4,29 @@ misspelt field fails), and the Kubernetes recipe keeps the promises omni-dp need
 checked against omni-dp's own code where it has one (the --config reader, the CLI, the
 teardown bound, the state directory and MPS socket checks).
 
-kubernetes-validate is in the test extra (scripts/setup --test installs it), so a missing one
-fails the import here, in CI as anywhere: these tests never skip.
+deploy/Dockerfile, which no docker engine here can build, is parsed with BuildKit's own parser
+(the `dockerfile` package) and held to what it and deploy/README.md say: the CUDA runtime base
+a build argument, the repository copied in and installed by scripts/setup, numactl, no driver
+programs, the pod's user, omni-dp as the entrypoint; and a few of hadolint's rules.
+
+kubernetes-validate and dockerfile are in the test extra (scripts/setup --test installs them),
+so a missing one fails the import here, in CI as anywhere: these tests never skip (but the
+check of the render against `kubectl kustomize`, where kubectl is not installed).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
+import json
 import os
+import shutil
 import stat
+import subprocess
 import types
 from pathlib import Path, PurePosixPath
 
+import dockerfile
 import kubernetes_validate
 import pytest
 import yaml
@@ -55,20 +66,106 @@ def _documents() -> list[tuple[Path, int, dict]]:
 
 DOCUMENTS = _documents()
 OBJECTS = [(p, i, d) for p, i, d in DOCUMENTS if p.name != KUSTOMIZATION]
+LOCAL_CONFIG = "config.kubernetes.io/local-config"  # kustomize's: an input, never applied
 
 
-def _only(kinds: tuple[str, ...]) -> dict:
-    matches = [d for p, _, d in OBJECTS if p.parent == RECIPE and d.get("kind") in kinds]
+# --- what `kubectl apply -k` applies ----------------------------------------------------------
+
+
+def _path(field_path: str) -> list[str]:
+    """A kustomize fieldPath's segments: `a.b`, `[key.with.dots]`, `[name=value]` (a list item)."""
+    segments, current, depth = [], "", 0
+    for char in field_path:
+        depth += (char == "[") - (char == "]")
+        if char == "." and depth == 0:
+            segments.append(current)
+            current = ""
+        else:
+            current += char
+    return [*segments, current]
+
+
+def _step(node, segment: str):
+    if segment.startswith("[") and "=" in segment:
+        key, _, value = segment[1:-1].partition("=")
+        items = [item for item in node if item.get(key) == value]
+        assert len(items) == 1, f"{segment}: {len(items)} list items match"
+        return items[0]
+    key = segment[1:-1] if segment.startswith("[") else segment
+    assert key in node, f"no field {key!r}: kustomize would refuse the path"
+    return node[key]
+
+
+def _field(doc: dict, field_path: str):
+    node = doc
+    for segment in _path(field_path):
+        node = _step(node, segment)
+    return node
+
+
+def _set_field(doc: dict, field_path: str, value) -> None:
+    *parents, last = _path(field_path)
+    node = doc
+    for segment in parents:
+        node = _step(node, segment)
+    _step(node, last)  # the field exists (no `create` option here)
+    node[last[1:-1] if last.startswith("[") else last] = value
+
+
+def _selects(select: dict, doc: dict) -> bool:
+    return all((doc.get("metadata", {}).get(k) if k in ("name", "namespace") else doc.get(k))
+               == v for k, v in select.items())
+
+
+def _render(recipe: Path = RECIPE) -> list[tuple[Path, int, dict]]:
+    """The objects of the kustomization in `recipe` as kustomize builds them, for what of
+    kustomize the recipe uses: its `resources`, `replacements` (from one object's field into
+    others') and local-config objects left out. tests below check it against `kubectl
+    kustomize` where kubectl is installed."""
+    kustomization = yaml.safe_load((recipe / KUSTOMIZATION).read_text(encoding="utf-8"))
+    known = {"apiVersion", "kind", "resources", "replacements"}
+    assert set(kustomization) <= known, f"kustomize features the test does not render: " \
+        f"{sorted(set(kustomization) - known)}"
+    found = []
+    for name in kustomization["resources"]:
+        with (recipe / name).open(encoding="utf-8") as f:
+            found += [(recipe / name, i, d) for i, d in enumerate(yaml.safe_load_all(f))]
+    for replacement in kustomization.get("replacements", []):
+        source = replacement["source"]
+        origins = [d for _, _, d in found if _selects(
+            {k: v for k, v in source.items() if k != "fieldPath"}, d)]
+        assert len(origins) == 1, f"replacement source {source}: {len(origins)} objects"
+        value = _field(origins[0], source["fieldPath"])
+        for target in replacement["targets"]:
+            docs = [d for _, _, d in found if _selects(target["select"], d)]
+            assert docs, f"replacement target {target['select']} selects nothing"
+            for doc in docs:
+                for field_path in target["fieldPaths"]:
+                    _set_field(doc, field_path, value)
+    return [(p, i, d) for p, i, d in found
+            if d.get("metadata", {}).get("annotations", {}).get(LOCAL_CONFIG) != "true"]
+
+
+RENDERED = _render()
+
+
+def _only(kinds: tuple[str, ...], rendered=None) -> dict:
+    matches = [d for p, _, d in rendered or RENDERED
+               if p.parent.name == RECIPE.name and d.get("kind") in kinds]
     assert len(matches) == 1, f"deploy/kubernetes/ must hold exactly one of {kinds}, has " \
         f"{len(matches)}"
     return matches[0]
 
 
-def _named(kind: str, name: str) -> dict:
-    matches = [d for _, _, d in OBJECTS if d.get("kind") == kind
+def _named_in(documents, kind: str, name: str) -> dict:
+    matches = [d for _, _, d in documents if d.get("kind") == kind
                and d.get("metadata", {}).get("name") == name]
     assert len(matches) == 1, f"no single {kind} named {name!r} in deploy/"
     return matches[0]
+
+
+def _named(kind: str, name: str) -> dict:
+    return _named_in(RENDERED, kind, name)
 
 
 # --- the recipe, read the way the kubelet and omni-dp will --------------------------------
@@ -211,6 +308,65 @@ def test_kustomization_applies_every_manifest():
     manifests = {p.name for p in _yaml_files(RECIPE) if p.name != KUSTOMIZATION}
     assert set(listed) == manifests, \
         f"kustomization.yaml lists {sorted(listed)}; the manifests are {sorted(manifests)}"
+
+
+PARAMS = "params.yaml"
+
+
+def _gpu_fields(node, where: str = "") -> dict[str, object]:
+    """Every field of `node` that counts GPUs (nvidia.com/gpu requests and limits, the
+    nvidia.com/gpu.count node label), by where it is."""
+    found: dict[str, object] = {}
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("nvidia.com/gpu", "nvidia.com/gpu.count") and not isinstance(value, dict):
+                found[f"{where}.{key}"] = value
+            else:
+                found.update(_gpu_fields(value, f"{where}.{key}"))
+    elif isinstance(node, list):
+        for index, item in enumerate(node):
+            found.update(_gpu_fields(item, f"{where}[{index}]"))
+    return found
+
+
+def test_the_gpu_count_cpus_and_memory_are_parameters(tmp_path):
+    """params.yaml is the one place for the pod's shape: set there, every GPU count in the
+    DaemonSet (requests, limits, the node label selected) and its CPUs and memory follow."""
+    copy = tmp_path / "kubernetes"
+    shutil.copytree(RECIPE, copy)
+    params = yaml.safe_load((copy / PARAMS).read_text(encoding="utf-8"))
+    params["data"].update(gpus="3", cpus="24", memory="96Gi")
+    (copy / PARAMS).write_text(yaml.safe_dump(params), encoding="utf-8")
+    rendered = _render(copy)
+    workload = _only(("DaemonSet", "Deployment"), rendered)
+    counts = _gpu_fields(workload)
+    assert len(counts) == 3 and set(counts.values()) == {"3"}, counts
+    container, _ = _launch_container(workload["spec"]["template"]["spec"])
+    for kind in ("requests", "limits"):
+        assert container["resources"][kind]["cpu"] == "24"
+        assert container["resources"][kind]["memory"] == "96Gi"
+    assert "omni-dp-params" not in {d["metadata"]["name"] for _, _, d in rendered}
+
+
+def test_daemonset_yaml_alone_holds_the_params_values():
+    """`kubectl apply -f daemonset.yaml` (no kustomize) gets the same pod as the recipe."""
+    raw = _only(("DaemonSet", "Deployment"), OBJECTS)
+    assert raw == _only(("DaemonSet", "Deployment"))
+    params = _named_in(OBJECTS, "ConfigMap", "omni-dp-params")["data"]
+    assert set(_gpu_fields(raw).values()) == {params["gpus"]}
+
+
+def test_the_render_is_kustomizes_own():
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: the render is checked against kustomize's "
+                    "where it is")
+    done = subprocess.run([kubectl, "kustomize", str(RECIPE)], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    theirs = sorted(json.dumps(d, sort_keys=True) for d in yaml.safe_load_all(done.stdout))
+    ours = sorted(json.dumps(d, sort_keys=True) for _, _, d in RENDERED)
+    assert ours == theirs
 
 
 # --- omni-dp's promises ------------------------------------------------------------------
@@ -414,7 +570,7 @@ def test_selectors_reach_the_pod_and_the_router(tmp_path):
     labels = recipe.workload["spec"]["template"]["metadata"]["labels"]
     match = recipe.workload["spec"]["selector"]["matchLabels"]
     assert match.items() <= labels.items(), "the workload's selector misses its own pods"
-    services = [d for p, _, d in OBJECTS if p.parent == RECIPE and d["kind"] == "Service"]
+    services = [d for p, _, d in RENDERED if p.parent == RECIPE and d["kind"] == "Service"]
     assert services
     router_port = int(recipe.setting("router_port", tmp_path))
     for service in services:
@@ -424,3 +580,139 @@ def test_selectors_reach_the_pod_and_the_router(tmp_path):
             target = port.get("targetPort", port["port"])
             assert recipe.port(target) == router_port, \
                 f"Service port {port['port']} goes to {target}, not the router's {router_port}"
+
+
+# --- the image (deploy/Dockerfile) ---------------------------------------------------------
+
+DOCKERFILE = DEPLOY / "Dockerfile"
+# What scripts/setup reads to install omni-dp: the build context must carry them.
+SETUP_NEEDS = ("pyproject.toml", "README.md", "omni_dp/__init__.py", "omni_dp/engine/audio.py",
+               "scripts/setup", "scripts/torch_setup.py")
+# What must stay out of the build context: local venvs (GBs), caches, weights, history.
+CONTEXT_LEAVES_OUT = (".git/HEAD", ".venv/bin/python", ".venv-vllm/bin/python",
+                      ".cache/mps/usr/bin/nvidia-cuda-mps-control", ".whl/x.whl", "weights/x",
+                      "omni_dp/__pycache__/cli.cpython-311.pyc", "omni_dp.egg-info/PKG-INFO")
+# Driver packages: the container toolkit mounts the node's own (Dockerfile's header says why).
+DRIVER_PACKAGES = ("nvidia-cuda-mps", "nvidia-utils", "nvidia-compute-utils", "cuda-drivers",
+                   "libnvidia-compute", "nvidia-driver")
+
+
+@dataclasses.dataclass
+class Image:
+    commands: tuple
+
+    def all(self, cmd: str) -> list:
+        return [c for c in self.commands if c.cmd.upper() == cmd]
+
+    def one(self, cmd: str):
+        found = self.all(cmd)
+        assert len(found) == 1, f"deploy/Dockerfile has {len(found)} {cmd} instructions, not 1"
+        return found[0]
+
+    def args(self, before_from: bool) -> dict[str, str]:
+        first_from = self.commands.index(self.all("FROM")[0])
+        chosen = self.commands[:first_from] if before_from else self.commands[first_from:]
+        return dict(v.partition("=")[::2] for c in chosen if c.cmd.upper() == "ARG"
+                    for v in c.value)
+
+    @property
+    def env(self) -> dict[str, str]:
+        found: dict[str, str] = {}
+        for command in self.all("ENV"):
+            found.update(zip(command.value[::2], command.value[1::2], strict=True))
+        return found
+
+    def runs(self) -> list[str]:
+        return [" ".join(c.value) for c in self.all("RUN")]
+
+
+def _image() -> Image:
+    try:
+        return Image(dockerfile.parse_file(str(DOCKERFILE)))
+    except dockerfile.GoParseError as exc:
+        pytest.fail(f"deploy/Dockerfile does not parse: {exc}")
+
+
+def test_the_base_is_a_cuda_runtime_image_given_as_a_build_argument():
+    image = _image()
+    assert image.commands[0].cmd.upper() == "ARG", "the base's ARG must come before FROM"
+    (base,) = image.one("FROM").value[:1]
+    assert base.startswith("${") and base.endswith("}"), f"FROM {base}: not a build argument"
+    default = image.args(before_from=True)[base[2:-1]]
+    repository, _, tag = default.partition(":")
+    # NVIDIA's CUDA images: the runtime flavour (base has no CUDA libraries, devel a compiler).
+    assert repository == "nvidia/cuda", default
+    assert "-runtime-" in tag, f"{default}: not a CUDA runtime image"
+    assert tag and tag != "latest", "a pinned tag (hadolint DL3007)"
+
+
+def test_omni_dp_is_installed_from_the_repository_by_its_own_setup():
+    image = _image()
+    copies = image.all("COPY")
+    assert any(c.value[:-1] == (".",) for c in copies), "the repository is not copied in"
+    setup = [r for r in image.runs() if "scripts/setup" in r]
+    assert len(setup) == 1, "scripts/setup must install omni-dp (one RUN)"
+    assert "OMNI_DP_TORCH=cuda" in setup[0], "no driver at build time: the CUDA build is asked"
+    # The image's torch is the one scripts/setup would pick, and setup installs the aac extra.
+    script = (ROOT / "scripts" / "setup").read_text()
+    assert f"OMNI_DP_TORCH_VERSION:-{image.args(before_from=False)['TORCH_VERSION']}}}" \
+        in script, "TORCH_VERSION differs from scripts/setup's default"
+    assert 'EXTRAS="fast,aac"' in script
+    venv = setup[0].split("OMNI_DP_VENV=")[1].split()[0]
+    assert image.env["PATH"].startswith(f"{venv}/bin:"), "omni-dp is not on PATH"
+
+
+def _ignored(path: str, patterns: list[str]) -> bool:
+    """Whether .dockerignore keeps `path` out: a pattern matching it or a folder above it
+    (Docker's matching, for the patterns used: `*`, `**/`, no `!`)."""
+    parts = path.split("/")
+    prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    for pattern in patterns:
+        candidates = {pattern, pattern.removeprefix("**/")}
+        if any(fnmatch.fnmatchcase(p, c) for p in prefixes for c in candidates):
+            return True
+    return False
+
+
+def test_the_build_context_carries_what_setup_needs_and_no_venv():
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    patterns = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    assert not [p for p in patterns if p.startswith("!")], "negations: the check cannot read them"
+    carried = [p for p in CONTEXT_LEAVES_OUT if not _ignored(p, patterns)]
+    assert not carried, f"the build context would carry {carried}"
+    missing = [p for p in SETUP_NEEDS if _ignored(p, patterns) or not (ROOT / p).exists()]
+    assert not missing, f"scripts/setup needs {missing}, kept out of the build context"
+
+
+def test_numactl_and_python_in_the_image_and_no_driver_programs():
+    image = _image()
+    installs = [r for r in image.runs() if "apt-get install" in r]
+    assert len(installs) == 1, installs
+    packages = set(installs[0].split("apt-get install", 1)[1].split("&&")[0].split())
+    assert {"numactl", "python3", "python3-venv"} <= packages, packages
+    driver = [p for p in packages if p.startswith(DRIVER_PACKAGES)]
+    assert not driver, f"driver programs {driver} in the image: the toolkit mounts the node's"
+    # The toolkit mounts nvidia-cuda-mps-control and -server for `compute`, nvidia-smi for
+    # `utility`: the image asks both, as the DaemonSet does.
+    capabilities = set(image.env["NVIDIA_DRIVER_CAPABILITIES"].split(","))
+    assert {"compute", "utility"} <= capabilities
+    assert capabilities == set(_recipe().env("NVIDIA_DRIVER_CAPABILITIES").split(","))
+    # hadolint DL3015 and DL3009: no recommended packages, no apt lists left in the layer.
+    assert "--no-install-recommends" in installs[0] and "rm -rf /var/lib/apt/lists" in installs[0]
+
+
+def test_the_image_runs_as_the_pods_user_with_omni_dp_as_its_entrypoint(tmp_path):
+    image = _image()
+    recipe = _recipe()
+    security = {**recipe.pod.get("securityContext", {}),
+                **recipe.container.get("securityContext", {})}
+    user = image.all("USER")[-1].value[0]
+    assert user == f"{security['runAsUser']}:{security['runAsGroup']}", \
+        f"USER {user} is not the pod's runAsUser:runAsGroup"  # and not root (hadolint DL3002)
+    # Exec form (hadolint DL3025): omni-dp itself gets the SIGTERM, no shell in front.
+    entrypoint = image.one("ENTRYPOINT")
+    assert entrypoint.json and list(entrypoint.value) == ["omni-dp"]
+    assert image.one("CMD").json
+    assert PurePosixPath(recipe.container["command"][0]).name == entrypoint.value[0]
+    assert image.one("EXPOSE").value == (str(recipe.setting("router_port", tmp_path)),)
+    assert all(PurePosixPath(w.value[0]).is_absolute() for w in image.all("WORKDIR"))  # DL3000

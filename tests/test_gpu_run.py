@@ -283,18 +283,30 @@ def carried() -> set[str]:
 
 
 def test_every_dependency_is_in_the_device_image_or_carried_and_probed():
-    from gpu_probe import DEPENDENCIES
+    from gpu_probe import DEPENDENCIES, OPTIONAL
 
     image = {line.strip().lower() for line in (BENCH / "device_image.txt").read_text()
              .splitlines() if line.strip() and not line.startswith("#")}
     wheels = carried()
     for name, needed in dependencies().items():
-        if needed:
+        if needed and name not in OPTIONAL:
             assert name in image or name in wheels, f"{name}: neither in the image nor carried"
         assert name in DEPENDENCIES, f"{name}: the probe does not import it"
     # soundfile's cffi (and cffi's pycparser) are not in the image: carried with it
     assert {"cffi", "pycparser", "pyzmq", "soundfile", "python-json-logger"} <= wheels
     assert not wheels & image, "a carried wheel shadows the image's own copy"
+
+
+def test_an_optional_package_absent_is_reported_and_not_missing(tmp_path):
+    """PyAV (the `aac` extra) is not in the device image and not carried: the probe says so
+    and exits 0, where a package the serving path imports would be MISSING and exit 1."""
+    shadow = tmp_path / "av"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError(\"No module named 'av' (stand-in)\")\n")
+    done = subprocess.run([sys.executable, str(BENCH / "gpu_probe.py")], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert "ABSENT av (import av): response_format aac only" in done.stdout, done.stdout
+    assert "MISSING" not in done.stdout and done.returncode == 0, done.stdout
 
 
 def test_each_carried_wheel_is_one_pinned_version():

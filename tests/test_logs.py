@@ -187,6 +187,15 @@ def test_launch_json_reaches_launcher_supervisor_replicas_and_router(tmp_path):
             "preflight (CPU topology, GPU, ports, engine dry run)…"], preflight
         assert any(r["message"].startswith("detached: supervisor pid")
                    for r in launch_records), launch_records
+        # The summary and the ready line as fields a collector reads, not text with newlines
+        assert not [r for r in launch_records if "\n" in r["message"]], launch_records
+        assert any("replica 0" in line for line in launch_records[0]["lines"])  # the plan
+        summary = next(r for r in launch_records if r["message"] == "run_summary")
+        assert summary["endpoint"] == run.router_url and summary["run_id"] == run.run_id
+        assert [r["health"] for r in summary["replicas"]] == ["healthy"]
+        ready = launch_records[-1]
+        assert (ready["message"], ready["replicas"], ready["endpoint"]) == (
+            "ready", 1, run.router_url), launch_records
         data = run.run_json()
         assert data["plan"]["log_format"] == "json"
         argv = data["replicas"][0]["argv"]

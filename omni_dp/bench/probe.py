@@ -25,6 +25,7 @@ from omni_dp.launcher.planning.options import LaunchOptions
 from omni_dp.launcher.planning.plan import NO_DRY_RUN
 from omni_dp.launcher.planning.topology import CpuTopology
 from omni_dp.sizes import format_size
+from omni_dp.tables import Grid
 
 DEFAULTS = LaunchOptions()
 
@@ -66,38 +67,49 @@ class CapacityPlan:
             "notes": [*self.notes, *self.capacity.notes],
         }
 
-    def describe(self) -> list[str]:
-        c = self.capacity
+    def title(self) -> str:
         where = ", ".join(g.label for g in self.gpus) or "the CPU"
-        lines = [f"omni-dp plan: engine {self.engine} on {where}; one replica probed, "
-                 f"{len(self.topology.cores)} physical cores "
-                 f"({format_cpu_list(self.topology.allowed)})",
-                 f"  per replica    {c.footprint}"]
+        return (f"omni-dp plan: engine {self.engine} on {where}; one replica probed, "
+                f"{len(self.topology.cores)} physical cores "
+                f"({format_cpu_list(self.topology.allowed)})")
+
+    def rows(self) -> list[tuple[str, str]]:
+        """(what, its value): each limit on N with its formula, the verdict, the notes."""
+        c = self.capacity
+        rows = [("per replica", c.footprint)]
         if self.shares_weights and not self.sizing.shared_weights_bytes:
-            lines.append("  sharing        the engine can share weights, but this replica has "
-                         "none to share (its dry run reports 0 B shareable)")
+            rows.append(("sharing", "the engine can share weights, but this replica has none "
+                                    "to share (its dry run reports 0 B shareable)"))
         elif self.shares_weights:
             once = "once per GPU" if self.gpus else "once (a shared segment)"
-            lines.append(f"  sharing        weights can be shared (--share-weights): "
-                         f"{format_size(self.sizing.shared_weights_bytes)} held {once}")
+            rows.append(("sharing", f"weights can be shared (--share-weights): "
+                                    f"{format_size(self.sizing.shared_weights_bytes)} held "
+                                    f"{once}"))
         else:
-            lines.append(f"  sharing        engine {self.engine} cannot share weights")
+            rows.append(("sharing", f"engine {self.engine} cannot share weights"))
         for limit in c.limits:
             n = "—" if limit.n is None else str(limit.n)
-            lines.append(f"  {limit.name:<14} N ≤ {n}: {limit.formula}")
+            rows.append((limit.name, f"N ≤ {n}: {limit.formula}"))
         if c.n_mps_clients is None and not self.gpus:
-            lines.append("  mps clients    no GPU: MPS does not apply")
+            rows.append(("mps clients", "no GPU: MPS does not apply"))
         named = ", ".join(f"{limit.name} {limit.n}" for limit in c.limits
                           if limit.n is not None and limit.name != "memory (shared)")
         per_gpu = " per GPU" if c.gpu_count > 1 else ""
-        lines.append(f"  fits           N = min({named}) = {c.n_fits}{per_gpu} (set by "
-                     f"{', '.join(c.limiting)})"
-                     + (f"; {c.n_fits_total} in all" if c.gpu_count > 1 else ""))
+        rows.append(("fits", f"N = min({named}) = {c.n_fits}{per_gpu} (set by "
+                             f"{', '.join(c.limiting)})"
+                             + (f"; {c.n_fits_total} in all" if c.gpu_count > 1 else "")))
         if c.candidates:
-            lines.append(f"  candidates     {', '.join(c.candidates)}")
-            lines.append(f"  confirm with   {c.bench_command}")
-        lines += [f"  note           {note}" for note in (*self.notes, *c.notes)]
-        return lines
+            rows.append(("candidates", ", ".join(c.candidates)))
+            rows.append(("confirm with", c.bench_command))
+        rows += [("note", note) for note in (*self.notes, *c.notes)]
+        return rows
+
+    def grid(self) -> Grid:
+        return Grid(self.title(), ("what", "value"), self.rows(), show_headers=False,
+                    indent="  ")
+
+    def describe(self) -> list[str]:
+        return [self.title(), *(f"  {what:<14} {value}" for what, value in self.rows())]
 
 
 def _bench_args(o: LaunchOptions, gpu: GpuFacts | None, sizing: EngineSizing) -> list[str]:
@@ -113,7 +125,7 @@ def _bench_args(o: LaunchOptions, gpu: GpuFacts | None, sizing: EngineSizing) ->
         args += ["--engine", o.engine]
     if o.kv_cache_bytes is not None:
         args += ["--kv-cache-bytes", str(o.kv_cache_bytes)]
-    elif o.max_total_tokens is not None or sizing.kv_tokens is not None:
+    elif o.max_total_tokens is not None or sizing.kv_tokens:  # 0: a model with no KV, no pin
         args += ["--max-total-tokens", str(o.max_total_tokens or sizing.kv_tokens)]
     for name in ("engine_python", "engine_overhead", "engine_stage", "memory_headroom"):
         value = getattr(o, name)
@@ -151,7 +163,10 @@ def probe_capacity(options: LaunchOptions, *, cores_per_replica: int = 1) -> Cap
     gpu = _tightest(gpus, o.memory_headroom)
     pinned = o.kv_cache_bytes is not None or o.max_total_tokens is not None
     notes = []
-    if not pinned:
+    if not pinned and sizing.kv_tokens == 0 and sizing.kv_cache_bytes == 0:
+        notes.append("no KV: the engine's model keeps none (a Piper voice), so there is no "
+                     "pin to give")
+    elif not pinned:
         notes.append(f"KV not pinned: planned with the engine's default ({sizing.kv_tokens} "
                      "tokens); pin it with --max-total-tokens N or --kv-cache-bytes SIZE to plan "
                      "the size you will run")

@@ -1,5 +1,6 @@
-"""A bench run as people and scripts read it: the terminal tables (rich), the JSON, and the
-figure (omni_dp/bench/figure.py, behind render_png).
+"""A bench run as people and scripts read it: the tables (omni_dp/tables.py grids: rich on a
+terminal, plain or markdown elsewhere), the JSON, and the figure (omni_dp/bench/figure.py,
+behind render_png).
 
 Every number the tables show is in the JSON: the results' own fields, plus what is derived
 from them here (each configuration's per-replica balance at the level it is compared at, and
@@ -15,10 +16,6 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
-
 from omni_dp.bench.results import (
     BenchResult,
     ConfigResult,
@@ -33,6 +30,7 @@ from omni_dp.bench.text import (
     range_text,
     settings_text,
 )
+from omni_dp.tables import Grid, render
 
 SCHEMA = 1  # of to_json's output; raised when a key changes meaning
 
@@ -130,36 +128,20 @@ def from_json(data: dict) -> BenchResult:
     return BenchResult(**values)
 
 
-# --- the tables --------------------------------------------------------------------------------
-# Every cell is a Text: a reason or a range such as `[low–high]` is shown as written, never read
-# as rich markup.
+# --- the tables ---------------------------------------------------------------------------------
 
 
-def _table(title: str, headers: list[str], caption: str | None = None) -> Table:
-    table = Table(title=Text(title), caption=Text(caption) if caption else None,
-                  title_justify="left", caption_justify="left")
-    for header in headers:
-        table.add_column(Text(header), overflow="fold")
-    return table
-
-
-def _row(table: Table, *cells: str, style: str | None = None) -> None:
-    table.add_row(*(Text(cell) for cell in cells), style=style)
-
-
-def configs_table(result: BenchResult) -> Table:
+def configs_table(result: BenchResult) -> Grid:
     """One row per configuration: how it ended (ok, degraded, FAILED and why), where it
     saturated and why the sweep stopped there, the verdict."""
-    table = _table(f"omni-dp bench: {result.workload} on {machine_text(result.machine)}",
-                   ["config", "replicas", "MPS", "status", "saturated at", "stopped because",
-                    "verdict", "why"], settings_text(result.settings))
-    for c in result.configs:
-        _row(table, c.name, str(c.replicas) if c.replicas is not None else "—",
+    rows = [(c.name, str(c.replicas) if c.replicas is not None else "—",
              "yes" if c.mps else "no", "FAILED" if c.status == "failed" else c.status,
              f"c={c.saturation}" if c.saturation is not None else "—", c.stop_reason or "—",
-             c.verdict or "—", c.reason or "—",
-             style="bold red" if c.status == "failed" else None)
-    return table
+             c.verdict or "—", c.reason or "—") for c in result.configs]
+    return Grid(f"omni-dp bench: {result.workload} on {machine_text(result.machine)}",
+                ("config", "replicas", "MPS", "status", "saturated at", "stopped because",
+                 "verdict", "why"), rows, caption=settings_text(result.settings),
+                warn=frozenset(n for n, c in enumerate(result.configs) if c.status == "failed"))
 
 
 def _level_cells(c: ConfigResult, level: LevelSummary, throughput: list[tuple[str, str]]
@@ -176,23 +158,25 @@ def _level_cells(c: ConfigResult, level: LevelSummary, throughput: list[tuple[st
             balance_text(balance(c)) if here else "", mark]
 
 
-def levels_table(result: BenchResult) -> Table:
+def levels_table(result: BenchResult) -> Grid:
     """Per configuration and concurrency: the trials' ranges, the failures by kind, and at the
     compared level the per-replica balance and the saturation mark."""
     throughput = throughput_columns(result)
-    headers = ["config", "c", "trials", "req/s", *(h for _, h in throughput), "p99 latency s",
-               "TTFB p50 s", "failed/sent", "balance", "mark"]
-    table = _table("per concurrency level: median [low–high] over the trials", headers)
+    headers = ("config", "c", "trials", "req/s", *(h for _, h in throughput), "p99 latency s",
+               "TTFB p50 s", "failed/sent", "balance", "mark")
+    rows: list[tuple[str, ...]] = []
+    sections, warn = set(), set()
     for c in result.configs:
-        for level in c.levels:
-            _row(table, *_level_cells(c, level, throughput))
+        sections.add(len(rows))
+        rows += [tuple(_level_cells(c, level, throughput)) for level in c.levels]
         if c.status == "failed":
-            rest = [""] * (len(headers) - 5)
-            _row(table, c.name, "—", "—", "FAILED", *rest, c.reason or "", style="red")
+            warn.add(len(rows))
+            rows.append((c.name, "—", "—", "FAILED", *[""] * (len(headers) - 5),
+                         c.reason or ""))
         elif not c.levels:
-            _row(table, c.name, "—", "—", "no level ran", *([""] * (len(headers) - 4)))
-        table.add_section()
-    return table
+            rows.append((c.name, "—", "—", "no level ran", *[""] * (len(headers) - 4)))
+    return Grid("per concurrency level: median [low–high] over the trials", headers, rows,
+                sections=frozenset(sections), warn=frozenset(warn))
 
 
 def _ratio_cells(result: BenchResult, c: ConfigResult, ranges: dict[str, Range]) -> list[str]:
@@ -213,32 +197,32 @@ def _ratio_cells(result: BenchResult, c: ConfigResult, ranges: dict[str, Range])
             spread, each]
 
 
-def scaling_table(result: BenchResult) -> Table:
+def scaling_table(result: BenchResult) -> Grid:
     """Each configuration against the single replica, each at its own saturation; the premise
     is the table's caption, so the ratio is never shown without it."""
-    table = _table(f"scaling against configuration {BASELINE}",
-                   ["config", "replicas", "at", "req/s there", "ratio vs 1", "ratio range",
-                    "per replica"], f"premise: {result.premise}")
     ranges = scaling_range(result.configs)
+    rows, warn = [], set()
     for c in result.configs:
         if compared_level(c) is None:
             why = "FAILED: no ratio" if c.status == "failed" else "no level ran: no ratio"
-            _row(table, c.name, str(c.replicas or "—"), "—", "—", why, "—", "—", style="red")
+            warn.add(len(rows))
+            rows.append((c.name, str(c.replicas or "—"), "—", "—", why, "—", "—"))
         else:
-            _row(table, *_ratio_cells(result, c, ranges))
-    return table
+            rows.append(tuple(_ratio_cells(result, c, ranges)))
+    return Grid(f"scaling against configuration {BASELINE}",
+                ("config", "replicas", "at", "req/s there", "ratio vs 1", "ratio range",
+                 "per replica"), rows, caption=f"premise: {result.premise}",
+                warn=frozenset(warn))
 
 
-def render_table(result: BenchResult) -> list[Table]:
+def render_table(result: BenchResult) -> list[Grid]:
     """The configurations, the levels, the scaling with its premise: in that order."""
     return [configs_table(result), levels_table(result), scaling_table(result)]
 
 
-def print_report(result: BenchResult, console: Console | None = None) -> None:
-    console = console or Console()
-    for table in render_table(result):
-        console.print(table)
-        console.print()
+def print_report(result: BenchResult, fmt: str = "table", stream=None) -> None:
+    """The tables to `stream` (stdout): rich on a terminal, plain or markdown elsewhere."""
+    render(render_table(result), fmt, stream)
 
 
 def render_png(result: BenchResult, path: str | Path) -> Path:

@@ -59,6 +59,12 @@ def fail(command: str, message: str, code: int = ExitCode.USAGE) -> NoReturn:
     sys.exit(code)
 
 
+def nothing_there(command: str, message: str) -> NoReturn:
+    """No run of that id, or none at all: the question has an answer, so exit 1 (not 2, which
+    says the input itself is wrong); docs/contracts.md's exit codes."""
+    fail(command, message, ExitCode.CHECK_FAILED)
+
+
 def exit_with_problems(command: str, problems: Iterable[str]) -> NoReturn:
     """Every problem of a plan, one per line, then exit 2: nothing was started."""
     for problem in problems:
@@ -73,6 +79,24 @@ def emit(data: dict, text: str, as_json: bool) -> None:
 
 def json_option(what: str):
     return click.option("--json", "as_json", is_flag=True, help=f"Print {what} as JSON.")
+
+
+def format_options(what: str):
+    """`--format table|markdown|json` and `--json` (the same as `--format json`)."""
+    from omni_dp.tables import FORMATS
+
+    def decorate(f):
+        f = json_option(what)(f)
+        return click.option(
+            "--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
+            help=f"How to print {what}: table (rich at the terminal's width on a terminal, "
+                 "plain fixed-width columns anywhere else, never wrapped), markdown, or "
+                 "json.")(f)
+    return decorate
+
+
+def chosen_format(fmt: str, as_json: bool) -> str:
+    return "json" if as_json else fmt
 
 
 def log_format_attrs(envvar: str | None = None, more: str = "") -> dict[str, Any]:

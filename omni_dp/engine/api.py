@@ -8,16 +8,14 @@ import re
 from dataclasses import dataclass
 
 from omni_dp.contract import RESUME_FROM_HEADER, SEED_HEADER
-from omni_dp.engine.audio import RESPONSE_FORMATS
-from omni_dp.engine.preprocess import DEFAULT_VOICE
+from omni_dp.engine.audio import RESPONSE_FORMATS, aac_unavailable
+from omni_dp.engine.preprocess import DEFAULT_VOICE, VOICES, unknown_voice_message
 
 STREAM_FORMATS = ("audio", "sse")
 # The formats whose bytes are a function of the request and its seed alone, so that an answer
 # cut off can be sent again from any byte (the router's resume). An Ogg stream's serial number
 # is random, and flac and mp3 are encoded whole: none of those.
 RESUMABLE_FORMATS = ("wav", "pcm")
-# Named by OpenAI's API, answered with a 400 that says so rather than "unknown format".
-UNSUPPORTED_FORMATS = ("aac",)
 MAX_SEED = 2**63 - 1
 SPEED_RANGE = (0.25, 4.0)  # OpenAI's bounds
 # OpenAI's TTS model names, accepted as aliases of the served model: the OpenAI SDK requires a
@@ -101,13 +99,11 @@ def parse_speech_body(raw: bytes, *, max_new_tokens_limit: int) -> SpeechParams:
     # them anyway; dropped here, before the preprocess stage, whichever process it runs in
     # (UTF-8, the wire between processes, cannot carry them).
     text = _LONE_SURROGATES.sub("", text)
-    voice = _choice(body, "voice", None, DEFAULT_VOICE)
-    if body.get("response_format") in UNSUPPORTED_FORMATS:
-        raise ApiError(
-            400, f"response_format {body['response_format']!r} is not supported by this "
-            f"replica; use one of {', '.join(RESPONSE_FORMATS)}", "response_format",
-        )
+    voice = _voice(body)
     response_format = _choice(body, "response_format", RESPONSE_FORMATS, "wav")
+    if response_format == "aac" and (why := aac_unavailable()) is not None:
+        raise ApiError(400, f"response_format aac cannot be encoded by this replica: {why}",
+                       "response_format")
     stream_format = _choice(body, "stream_format", STREAM_FORMATS, "audio")
     stream = body.get("stream", True)
     if not isinstance(stream, bool):
@@ -131,6 +127,19 @@ def _choice(body: dict, name: str, allowed: tuple[str, ...] | None, default: str
     if allowed is not None and value not in allowed:
         raise ApiError(400, f"{name} {value!r} is not supported; use one of {', '.join(allowed)}",
                        name)
+    return value
+
+
+def _voice(body: dict) -> str:
+    """One of OpenAI's built-in voice names; its custom voices (`{"id": "voice_…"}`) are made
+    from audio samples this engine has not got, so they are a 400 that says so."""
+    value = body.get("voice", DEFAULT_VOICE)
+    if isinstance(value, dict):
+        raise ApiError(400, "voice: custom voices ({\"id\": ...}) are not supported here; use "
+                       f"one of the built-in voices: {', '.join(VOICES)}", "voice")
+    value = _choice(body, "voice", None, DEFAULT_VOICE)
+    if value not in VOICES:
+        raise ApiError(400, unknown_voice_message(value), "voice")
     return value
 
 

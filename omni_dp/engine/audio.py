@@ -1,13 +1,18 @@
-"""Audio on the wire: WAV headers, compressed containers (libsndfile), SSE events.
+"""Audio on the wire: WAV headers, compressed containers (libsndfile, FFmpeg), SSE events.
 
 The pipeline produces 16-bit little-endian mono PCM; everything here wraps or encodes it.
 FLAC, Ogg Opus and MP3 come from libsndfile through soundfile (its wheels bundle libsndfile
-with FLAC, Opus and LAME).
+with FLAC, Opus and LAME); AAC from FFmpeg's native encoder through PyAV (its wheels bundle
+FFmpeg), in ADTS frames, the raw AAC stream OpenAI's `aac` is. PyAV is the `aac` extra
+(scripts/setup installs it): imported when an aac answer is made, so a replica without it
+serves every other format and answers aac with a 400 that says what to install.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
+import importlib
 import io
 import json
 import struct
@@ -16,21 +21,29 @@ import threading
 import numpy as np
 import soundfile
 
-RESPONSE_FORMATS = ("wav", "pcm", "flac", "opus", "mp3")
+RESPONSE_FORMATS = ("wav", "pcm", "flac", "opus", "mp3", "aac")
 CONTENT_TYPES = {
     "wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "opus": "audio/ogg",
-    "mp3": "audio/mpeg",
+    "mp3": "audio/mpeg", "aac": "audio/aac",
 }
 # Which formats go out as they are decoded. wav (sizes 0xFFFFFFFF) and pcm trivially; Ogg Opus
-# because an Ogg stream is a sequence of pages libsndfile never revisits. flac and mp3 are sent
+# because an Ogg stream is a sequence of pages libsndfile never revisits; AAC because every ADTS
+# frame carries its own header and nothing is written after the last. flac and mp3 are sent
 # whole, even when streaming: libsndfile writes their length into the header after the last
 # sample (FLAC's STREAMINFO, MP3's LAME/Info frame), and without it libsndfile itself fails at
 # the end of a streamed FLAC and decodes a streamed MP3 to the wrong length.
-STREAMED_FORMATS = frozenset({"wav", "pcm", "opus"})
+STREAMED_FORMATS = frozenset({"wav", "pcm", "opus", "aac"})
 _LIBSNDFILE = {  # response_format -> (libsndfile format, subtype)
     "flac": ("FLAC", "PCM_16"), "opus": ("OGG", "OPUS"), "mp3": ("MP3", "MPEG_LAYER_III"),
 }
+_ENCODED = frozenset({*_LIBSNDFILE, "aac"})  # a real encoder: CPU time, off the event loop
+AAC_BIT_RATE = 64_000  # set, not FFmpeg's default (which depends on the rate and channels)
+AAC_EXTRA = "pip install 'omni-dp[aac]'"
 _UNKNOWN_SIZE = 0xFFFFFFFF  # streamed WAV: the length is not known when the header is sent
+# The only rates Opus encodes; other PCM (a Piper voice's 22,050 Hz) is resampled to the rate
+# below for Ogg Opus alone. Every other format keeps the model's own rate.
+OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
+OPUS_FALLBACK_RATE = 24000
 
 
 def wav_header(sample_rate: int, num_data_bytes: int | None) -> bytes:
@@ -55,16 +68,106 @@ def _samples(pcm: bytes) -> np.ndarray:
     return np.frombuffer(pcm, dtype="<i2")
 
 
+@functools.cache
+def aac_unavailable() -> str | None:
+    """Why this process cannot encode aac (PyAV, the `aac` extra, does not import), or None."""
+    try:
+        importlib.import_module("av")
+    except ImportError as exc:
+        return f"PyAV is not installed here ({exc}); {AAC_EXTRA}"
+    return None
+
+
+class AdtsFile:
+    """AAC in ADTS frames written into `sink` (an object with `write`), used like a soundfile
+    SoundFile: `write(samples)` as they come, `close()` at the end (it flushes the encoder's
+    last frames). A decoder gets the samples back after the encoder's priming (1024 samples)
+    and padded to whole frames of 1024: ADTS has no field for either."""
+
+    def __init__(self, sink, sample_rate: int) -> None:
+        import av  # the `aac` extra: only where an aac answer is made
+
+        self._av = av
+        self._rate = sample_rate
+        self._container = av.open(sink, "w", format="adts")
+        self._stream = self._container.add_stream("aac", rate=sample_rate, layout="mono")
+        self._stream.bit_rate = AAC_BIT_RATE
+        self.closed = False
+
+    def write(self, samples: np.ndarray) -> None:
+        if len(samples):
+            frame = self._av.AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16",
+                                                     layout="mono")
+            frame.sample_rate = self._rate
+            self._mux(frame)
+
+    def _mux(self, frame) -> None:  # an av.AudioFrame; None: flush
+        for packet in self._stream.encode(frame):
+            self._container.mux(packet)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._mux(None)  # the frames the encoder still holds
+        finally:
+            self._container.close()
+
+    def __enter__(self) -> AdtsFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _open_encoder(fmt: str, sink, sample_rate: int):
+    if fmt == "aac":
+        return AdtsFile(sink, sample_rate)
+    container, subtype = _LIBSNDFILE[fmt]
+    return soundfile.SoundFile(sink, "w", samplerate=sample_rate, channels=1, format=container,
+                               subtype=subtype)
+
+
+class Resampler:
+    """Linear interpolation from one rate to another, chunk by chunk with no seam: the
+    position and the last input sample carry over, so chunked output is the whole output's
+    (within one LSB of rounding) — for Ogg Opus, lossy anyway."""
+
+    def __init__(self, rate_in: int, rate_out: int) -> None:
+        self.step = rate_in / rate_out
+        self._pos = 0.0  # of the next output sample, in input samples from `_last`
+        self._last: np.ndarray = np.zeros(0, dtype=np.float64)
+
+    def __call__(self, samples: np.ndarray) -> np.ndarray:
+        data = np.concatenate([self._last, samples.astype(np.float64)])
+        if len(data) < 2:
+            self._last = data
+            return np.zeros(0, dtype="<i2")
+        count = int(np.floor((len(data) - 1 - self._pos) / self.step)) + 1
+        at = self._pos + self.step * np.arange(max(0, count))
+        out = np.interp(at, np.arange(len(data)), data)
+        self._pos = (self._pos + self.step * max(0, count)) - (len(data) - 1)
+        self._last = data[-1:]
+        return np.round(out).astype("<i2")
+
+
+def opus_rate(sample_rate: int) -> int:
+    return sample_rate if sample_rate in OPUS_RATES else OPUS_FALLBACK_RATE
+
+
 def encode_whole(fmt: str, pcm: bytes, sample_rate: int) -> bytes:
-    """One complete file of `fmt`; the libsndfile formats take CPU: call off the event loop."""
+    """One complete file of `fmt`; the encoded formats take CPU: call off the event loop."""
     if fmt == "pcm":
         return pcm
     if fmt == "wav":
         return wav_header(sample_rate, len(pcm)) + pcm
-    container, subtype = _LIBSNDFILE[fmt]
+    if fmt == "opus" and opus_rate(sample_rate) != sample_rate:
+        rate = opus_rate(sample_rate)
+        pcm = Resampler(sample_rate, rate)(_samples(pcm)).tobytes()
+        sample_rate = rate
     out = io.BytesIO()
-    with soundfile.SoundFile(out, "w", samplerate=sample_rate, channels=1, format=container,
-                             subtype=subtype) as sink:
+    with _open_encoder(fmt, out, sample_rate) as sink:
         sink.write(_samples(pcm))
     return out.getvalue()
 
@@ -120,16 +223,18 @@ class StreamEncoder:
     def __init__(self, fmt: str, sample_rate: int) -> None:
         self.fmt = fmt
         self.sample_rate = sample_rate
-        self.blocking = fmt in _LIBSNDFILE
+        self.blocking = fmt in _ENCODED
         self._lock = threading.Lock()
         self._pcm = bytearray()  # flac, mp3: the whole request, encoded at the end
         self._sink: _AppendOnly | None = None
-        self._file: soundfile.SoundFile | None = None
-        if fmt == "opus":
-            container, subtype = _LIBSNDFILE[fmt]
+        self._file: soundfile.SoundFile | AdtsFile | None = None
+        self._resample: Resampler | None = None
+        if fmt in ("opus", "aac"):
             self._sink = _AppendOnly()
-            self._file = soundfile.SoundFile(self._sink, "w", samplerate=sample_rate,
-                                             channels=1, format=container, subtype=subtype)
+            rate = opus_rate(sample_rate) if fmt == "opus" else sample_rate
+            if rate != sample_rate:
+                self._resample = Resampler(sample_rate, rate)
+            self._file = _open_encoder(fmt, self._sink, rate)
 
     def header(self) -> bytes:
         return wav_header(self.sample_rate, None) if self.fmt == "wav" else b""
@@ -141,7 +246,8 @@ class StreamEncoder:
             if self._file is None:
                 self._pcm += pcm
                 return b""
-            self._file.write(_samples(pcm))
+            samples = _samples(pcm)
+            self._file.write(self._resample(samples) if self._resample else samples)
             assert self._sink is not None
             return self._sink.take()
 

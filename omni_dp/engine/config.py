@@ -195,7 +195,8 @@ def resolve_model(spec: str) -> tuple[ModelConfig, Path | None]:
     path = Path(spec)
     if not path.is_dir():
         raise ModelConfigError(
-            f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a directory"
+            f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}), the voice joe, "
+            "nor a directory"
         )
     config_path = path / CONFIG_FILE
     if not (config_path.is_file() and (path / WEIGHTS_FILE).is_file()):

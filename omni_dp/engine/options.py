@@ -14,6 +14,11 @@ DEFAULT_PAGE_SIZE = 16  # tokens per KV page
 # pages): room for 16 requests of the longest generation (1024 tokens), 128 MiB for `tiny`.
 DEFAULT_MAX_TOTAL_TOKENS = 16384
 SHARE_ROLES = ("leader", "follower")  # --share-weights (engine/share/)
+# `--model auto` (the default): the bundled voice where it can run here, else the seeded preset
+# `tiny` (with a line saying its audio is noise). This variable names auto's choice instead:
+# the tests and benchmarks of the seeded presets set it to `tiny` (tests/conftest.py).
+DEFAULT_MODEL_ENV = "OMNI_DP_DEFAULT_MODEL"
+AUTO_MODEL = "auto"
 
 
 @dataclass(frozen=True)
@@ -21,10 +26,14 @@ class ServeOptions:
     host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on."})
     port: int = field(default=8100, metadata={
         "help": "TCP port to listen on (0 picks a free one and logs it)."})
-    model: str = field(default="tiny", metadata={
-        "metavar": "tiny|small|DIR",
-        "help": "A preset with seeded weights (tiny: ~3M params, for CPU and tests; small: "
-                "~80M, for GPU demos), or a directory written by `omni-dp save-weights`."})
+    model: str = field(default=AUTO_MODEL, metadata={
+        "metavar": "auto|joe|tiny|small|DIR",
+        "help": "joe: a trained Piper voice (scripts/setup installs it); a Piper voice "
+                "directory (NAME.onnx + NAME.onnx.json); a preset with seeded weights, whose "
+                "audio is noise (tiny: ~3M params, for CPU and tests; small: ~80M, for GPU "
+                "demos); or a directory written by `omni-dp save-weights`. auto: joe where it "
+                f"is installed, else tiny, saying so (${DEFAULT_MODEL_ENV} names auto's "
+                "choice instead)."})
     weight_seed: int = field(default=0, metadata={
         "help": "Seed of a preset's weights; replicas with equal seeds sound the same."})
     device: str = field(default="auto", metadata={

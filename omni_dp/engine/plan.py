@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -28,6 +28,9 @@ from omni_dp.engine.placement_plan import (
     talker_process,
     tp_problems,
 )
+from omni_dp.engine.voice.default import resolve_default_model
+from omni_dp.engine.voice.model import VoiceModel, is_voice_spec
+from omni_dp.engine.voice.plan import plan_voice, voice_summary
 from omni_dp.files import private_dir_problem
 from omni_dp.placement.model import Placement
 from omni_dp.placement.table import placement_json
@@ -87,6 +90,17 @@ class ServePlan:
     # The stages on processes and devices (omni_dp/placement); None only in plans built by
     # hand in tests, which run form ① (every stage in this process).
     placement: Placement | None = None
+    # A Piper voice (engine/voice/): then `cfg` is None, `kv` holds no page and `dtype` is the
+    # graph's float32; the talker's fields above do not apply.
+    voice: VoiceModel | None = None
+
+    @property
+    def sample_rate(self) -> int:
+        return self.voice.sample_rate if self.voice is not None else self.cfg.sample_rate
+
+    @property
+    def model_name(self) -> str:
+        return self.voice.name if self.voice is not None else self.cfg.name
 
 
 def weight_sizes(cfg: ModelConfig, dtype: torch.dtype) -> WeightSizes:
@@ -111,6 +125,8 @@ def weight_sizes(cfg: ModelConfig, dtype: torch.dtype) -> WeightSizes:
 
 def plan_summary(plan: ServePlan) -> dict:
     """What `serve --dry-run --json` prints: the numbers a launcher needs before starting."""
+    if plan.voice is not None:
+        return voice_summary(plan, overhead_bytes(plan.device))
     sizes = plan.weights or weight_sizes(plan.cfg, plan.dtype)
     weights_bytes, shared_bytes = sizes.weights_bytes, sizes.shared_bytes
     processes = plan.placement.processes if plan.placement else ()
@@ -151,6 +167,15 @@ def available_cpus() -> int:
 def plan_serve(options: ServeOptions) -> ServePlan:
     """The replica's plan from its options, or ServePlanError with every problem at once."""
     problems: list[str] = []
+    options = replace(options, model=resolve_default_model(options.model)[0])
+    if is_voice_spec(options.model):
+        device = _resolve_device(options.device, problems)
+        threads = options.threads if options.threads is not None else available_cpus()
+        problems += _limit_problems(options, threads)
+        plan = plan_voice(options, device, threads, problems, overhead_bytes)
+        if problems or plan is None:
+            raise ServePlanError(problems)
+        return ServePlan(**plan)
     cfg: ModelConfig | None = None
     model_dir = None
     try:

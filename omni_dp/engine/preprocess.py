@@ -13,8 +13,15 @@ from dataclasses import dataclass
 from omni_dp.engine.config import ModelConfig
 from omni_dp.engine.sampling import derive_seed
 
-# OpenAI's voice names, so that existing clients work unchanged; each is one speaker id.
-VOICES: tuple[str, ...] = ("alloy", "ash", "coral", "echo", "fable", "nova", "onyx", "shimmer")
+# Every built-in voice OpenAI's speech API names (its SDK's `Voice`), so that existing clients
+# work unchanged. The i-th voice is speaker i mod the model's num_speakers: the first eight keep
+# the speakers they always had, and on a model with fewer speakers than voices some share one
+# (they still sound different with no `seed`: the voice's name goes into the default seed).
+# docs/contracts.md lists the mapping.
+VOICES: tuple[str, ...] = (
+    "alloy", "ash", "coral", "echo", "fable", "nova", "onyx", "shimmer",
+    "ballad", "sage", "verse", "marin", "cedar",
+)
 DEFAULT_VOICE = "alloy"
 
 _WHITESPACE = re.compile(r"\s+")
@@ -43,11 +50,19 @@ def normalize_text(text: str) -> str:
     return _WHITESPACE.sub(" ", text).strip()
 
 
+def unknown_voice_message(voice: object) -> str:
+    """The 400's text for a voice that is not one of VOICES (the API and this stage say it)."""
+    return f"unknown voice {voice!r}; choose one of {', '.join(VOICES)}"
+
+
+def speaker_of(cfg: ModelConfig, voice: str) -> int:
+    """The model's speaker for `voice` (one of VOICES): the same on every replica of a model."""
+    return VOICES.index(voice) % cfg.num_speakers
+
+
 def build_prompt(cfg: ModelConfig, text: str, voice: str, max_input_chars: int) -> TalkerPrompt:
-    voices = VOICES[: cfg.num_speakers]
-    if voice not in voices:
-        choices = ", ".join(voices)
-        raise PreprocessError("voice", f"unknown voice {voice!r}; choose one of {choices}")
+    if voice not in VOICES:
+        raise PreprocessError("voice", unknown_voice_message(voice))
     normalized = normalize_text(text)
     if not normalized:
         raise PreprocessError("input", "input is empty after normalisation; send some text")
@@ -55,7 +70,7 @@ def build_prompt(cfg: ModelConfig, text: str, voice: str, max_input_chars: int) 
         raise PreprocessError(
             "input", f"input has {len(normalized)} characters; the limit is {max_input_chars}"
         )
-    speaker_id = VOICES.index(voice)
+    speaker_id = speaker_of(cfg, voice)
     ids = [cfg.first_speaker_id + speaker_id, cfg.bos_text_id]
     ids += list(normalized.encode("utf-8"))
     ids += [cfg.eos_text_id, cfg.bos_audio_id]

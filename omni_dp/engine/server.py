@@ -31,6 +31,7 @@ from omni_dp.contract import (
     GOING_AWAY_HEADER,
     RESUMABLE_BY_BYTES,
     RESUMABLE_HEADER,
+    RESUME_FROM_HEADER,
     RESUMED_FROM_HEADER,
     ExitCode,
 )
@@ -223,12 +224,14 @@ class ReplicaServer:
         self.metrics = ReplicaMetrics(
             lambda: self.pipeline.stats() if self.pipeline else None, plan.served_model_name
         )
-        # A request's `model` may name the served model or one of OpenAI's TTS models.
-        self.model_names = frozenset({plan.served_model_name, *OPENAI_MODEL_ALIASES})
+        # What a request's `model` may name, in /v1/models' order: the served model, then
+        # OpenAI's TTS models (once each, should the served model be named like one).
+        self.model_names = tuple(dict.fromkeys((plan.served_model_name, *OPENAI_MODEL_ALIASES)))
         # Another replica regenerates a wav/pcm answer byte for byte only where sampling does
         # not depend on batching: a float64 talker (README, Determinism). In float32 or
         # bfloat16 a batch can flip a sample, so a resumed answer could go on differently.
-        self.resumable = plan.dtype == torch.float64
+        # A Piper voice never: its noise is drawn inside its graph (engine/voice/pipeline.py).
+        self.resumable = plan.dtype == torch.float64 and plan.voice is None
         self.app = web.Application(
             client_max_size=self.options.max_body_bytes, middlewares=[json_errors]
         )
@@ -272,6 +275,9 @@ class ReplicaServer:
         return self.exit_code
 
     async def _load(self) -> None:
+        if self.plan.voice is not None:
+            await self._load_voice()
+            return
         plan = self.plan
         main = main_of(self.placement)
         role, share_dir = self.options.share_weights, Path(self.options.share_dir or ".")
@@ -327,7 +333,30 @@ class ReplicaServer:
             self._watch = LeaderWatch(self.share.leader, self._on_leader_gone)
             self._watch.start()
 
+    async def _load_voice(self) -> None:
+        """A Piper voice: its ONNX session, made off the event loop; no KV pool."""
+        from omni_dp.engine.voice.pipeline import VoicePipeline
+
+        plan = self.plan
+        pipeline = VoicePipeline(plan.voice, str(plan.device), threads=plan.threads,
+                                 max_input_chars=self.options.max_input_chars,
+                                 on_fatal=self._on_fatal)
+        try:
+            await asyncio.to_thread(pipeline.load)
+        except Exception as exc:  # onnxruntime could not make the session: report, exit 3
+            log.error("start-up failed: the voice %s: %s", plan.voice.onnx_path, exc)
+            self.state = State.FAILED
+            self.exit_code = ExitCode.RUNTIME
+            self._stop.set()
+            return
+        self.pipeline = pipeline
+
     def _summary(self) -> str:
+        if self.plan.voice is not None:
+            voice = self.plan.voice
+            return (f"voice {voice.name} ({voice.source}) on {self.plan.device} with "
+                    f"onnxruntime, {voice.sample_rate} Hz, no KV cache, "
+                    f"{self.plan.threads} threads")
         kv = self.plan.kv
         return (
             f"model {self.plan.cfg.name} on {self.plan.device} "
@@ -412,10 +441,16 @@ class ReplicaServer:
         return web.json_response({"status": self.state.value}, status=status)
 
     async def server_info(self, request: web.Request) -> web.Response:
-        if self.pipeline is None or self.models is None:
+        if self.pipeline is None or (self.models is None and self.plan.voice is None):
             return web.json_response({"status": self.state.value}, status=503)
+        return web.json_response({**self._info_common(), "model": self._model_info(),
+                                  "weight_share": self.share.to_json() if self.share else None})
+
+    def _info_common(self) -> dict:
+        """/get_server_info's fields every model has (a voice's KV figures are all 0)."""
         plan, kv = self.plan, self.plan.kv
-        return web.json_response({
+        assert self.pipeline is not None
+        return {
             "version": __version__,
             "state": self.state.value,
             "max_total_num_tokens": kv.max_total_tokens,
@@ -429,18 +464,28 @@ class ReplicaServer:
             "dtype": dtype_name(plan.dtype),
             "threads": torch.get_num_threads(),
             "processes": self.pipeline.processes(),
-            "model": {
-                "name": plan.cfg.name,
-                "served_name": plan.served_model_name,
-                "source": self.models.source,
-                "parameters": self.models.num_parameters,
-                "sample_rate": plan.cfg.sample_rate,
-                "frame_rate_hz": plan.cfg.frame_rate_hz,
-                "max_new_tokens": plan.cfg.max_new_tokens,
-            },
             "started_at": self._started_at,
-            "weight_share": self.share.to_json() if self.share else None,
-        })
+        }
+
+    def _model_info(self) -> dict:
+        plan = self.plan
+        if plan.voice is not None:
+            from omni_dp.engine.voice.plan import NO_KV
+
+            return {"name": plan.voice.name, "served_name": plan.served_model_name,
+                    "kind": "piper-voice", "source": plan.voice.source,
+                    "weights_bytes": plan.voice.weights_bytes,
+                    "sample_rate": plan.voice.sample_rate, "kv": NO_KV, "reproducible": False}
+        assert self.models is not None
+        return {
+            "name": plan.cfg.name,
+            "served_name": plan.served_model_name,
+            "source": self.models.source,
+            "parameters": self.models.num_parameters,
+            "sample_rate": plan.cfg.sample_rate,
+            "frame_rate_hz": plan.cfg.frame_rate_hz,
+            "max_new_tokens": plan.cfg.max_new_tokens,
+        }
 
     async def gpu_busy(self, request: web.Request) -> web.Response:
         """Each timed stage's GPU busy intervals since `?since=` (Unix seconds; default 0)."""
@@ -457,10 +502,13 @@ class ReplicaServer:
         return web.json_response(self.pipeline.gpu_busy(since))
 
     async def list_models(self, request: web.Request) -> web.Response:
+        """Every name `model` may take: the served model first (clients that take the first
+        entry get it), then OpenAI's aliases of it, each with `root` the served model."""
+        served = self.plan.served_model_name
         return web.json_response({"object": "list", "data": [{
-            "id": self.plan.served_model_name, "object": "model",
-            "created": int(self._started_at), "owned_by": "omni-dp",
-        }]})
+            "id": name, "object": "model", "created": int(self._started_at),
+            "owned_by": "omni-dp", "root": served,
+        } for name in self.model_names]})
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(
@@ -504,10 +552,18 @@ class ReplicaServer:
         except web.HTTPRequestEntityTooLarge:
             raise ApiError(413, f"body exceeds the limit of {limit} bytes") from None
         cfg = self.plan.cfg
-        params = parse_speech_body(raw, max_new_tokens_limit=cfg.max_new_tokens)
+        # A voice refuses max_new_tokens in its preprocess stage, by field: any bound parses.
+        limit = cfg.max_new_tokens if cfg is not None else 2**31 - 1
+        params = parse_speech_body(raw, max_new_tokens_limit=limit)
         if params.model is not None and params.model not in self.model_names:
             raise model_not_found(params.model)
         resume = parse_resume_headers(request.headers, params)
+        if resume.offset is not None and self.plan.voice is not None:
+            # By design: the voice's noise is drawn in its graph, so no replica can regenerate
+            # the bytes another one sent (engine/voice/pipeline.py); the router never asks.
+            raise ApiError(400, f"{RESUME_FROM_HEADER}: a Piper voice's answers cannot be "
+                           "resumed (their noise is drawn inside the voice's graph, whatever "
+                           "the seed)", RESUME_FROM_HEADER)
         seed = params.seed if params.seed is not None else resume.seed
         ask = SpeechAsk(params.input, params.voice, params.speed, seed, params.max_new_tokens)
         try:
@@ -542,7 +598,7 @@ class ReplicaServer:
         except asyncio.CancelledError:
             self.metrics.count("client_disconnected")
             raise
-        rate = self.plan.cfg.sample_rate
+        rate = self.plan.sample_rate
         if params.response_format in ("wav", "pcm"):
             body = encode_whole(params.response_format, bytes(pcm), rate)
         else:  # a real encoder: tens of ms per second of audio, kept off the event loop
@@ -561,7 +617,7 @@ class ReplicaServer:
         # No Content-Length: aiohttp sends HTTP/1.1 chunked and HTTP/1.0 close-delimited
         # (chunked encoding does not exist in 1.0; forcing it there was a 500).
         await response.prepare(request)
-        encoder = StreamEncoder(params.response_format, self.plan.cfg.sample_rate)
+        encoder = StreamEncoder(params.response_format, self.plan.sample_rate)
         first = None
         num_pcm_bytes = 0
         skip = ByteSkip(job.resume.offset or 0)  # a resumed answer: from the router's offset on
@@ -620,9 +676,10 @@ class ReplicaServer:
         params = job.params
         headers = {
             "Content-Type": CONTENT_TYPES[params.response_format],
-            "X-Sample-Rate": str(self.plan.cfg.sample_rate),
-            "X-Seed": str(job.seed),  # send it back as `seed` to reproduce this audio anywhere
+            "X-Sample-Rate": str(self.plan.sample_rate),
         }
+        if self.plan.voice is None:  # a voice's seed reproduces nothing: none is sent back
+            headers["X-Seed"] = str(job.seed)  # send it back as `seed` to reproduce this audio
         if self.resumable and params.response_format in RESUMABLE_FORMATS:
             # Its bytes are a function of the request and X-Seed: the router may resume it.
             headers[RESUMABLE_HEADER] = RESUMABLE_BY_BYTES
@@ -634,18 +691,19 @@ class ReplicaServer:
         """OpenAI's usage shape (prompt tokens, codec tokens spoken), then audio_seconds."""
         cfg = self.plan.cfg
         samples = num_pcm_bytes // 2
-        input_tokens = len(job.speech.prompt.token_ids)
-        output_tokens = samples // cfg.vocoder.samples_per_token
+        input_tokens = len(job.speech.prompt.token_ids)  # a voice's: its phoneme ids
+        # A voice samples no codec tokens: its output is counted in audio_seconds alone.
+        output_tokens = samples // cfg.vocoder.samples_per_token if cfg is not None else 0
         return {
             "input_tokens": input_tokens, "output_tokens": output_tokens,
             "total_tokens": input_tokens + output_tokens,
-            "audio_seconds": samples / cfg.sample_rate,
+            "audio_seconds": samples / self.plan.sample_rate,
         }
 
     def _record(self, started: float, first: float | None, num_bytes: int) -> None:
         now = time.perf_counter()
         self.metrics.count("ok")
-        self.metrics.audio_seconds.inc(num_bytes / 2 / self.plan.cfg.sample_rate)
+        self.metrics.audio_seconds.inc(num_bytes / 2 / self.plan.sample_rate)
         self.metrics.latency.observe(now - started)
         if first is not None:
             self.metrics.first_audio.observe(first - started)

@@ -7,33 +7,28 @@ Exit codes: 0 stopped cleanly (foreground) or up and handed to a detached superv
 
 from __future__ import annotations
 
-import json
 import os
-import shlex
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from omni_dp.contract import API_KEY_ENV, RUN_ID_ENV, ExitCode
 from omni_dp.launcher.bringup.gates import describe_exit, log_tail
 from omni_dp.launcher.bringup.replicas import ReplicaControl
-from omni_dp.launcher.bringup.steps import BringUpFailed, bring_up
-from omni_dp.launcher.engines import ENGINES
-from omni_dp.launcher.engines.base import flag_value, split_model
+from omni_dp.launcher.bringup.steps import BringUpFailed, StartProgress, bring_up
 from omni_dp.launcher.engines.replica_api import GateFailed
 from omni_dp.launcher.planning.options import GATEWAY_KEY_ENV
 from omni_dp.launcher.planning.plan import LaunchPlan
-from omni_dp.launcher.planning.share_group import attachment_basis
 from omni_dp.launcher.processes.ours import child_env, spawn
 from omni_dp.launcher.record.state import RunState
 from omni_dp.launcher.supervision.supervisor import Supervisor
 from omni_dp.launcher.teardown import teardown
-from omni_dp.launcher.views.status import collect, replica_table
+from omni_dp.launcher.views.summary import RunSummary, run_summary
 from omni_dp.mps.daemon import MpsDaemonError
 from omni_dp.runfile import RunFileError, RunPhase
-from omni_dp.sizes import format_size
 
 SUPERVISOR_HANDOFF_S = 30.0  # start, record itself, one sweep (health of every replica)
 INTERRUPTED = 130  # the shell's 128 + SIGINT: interrupted during bring-up, and cleaned up
@@ -43,7 +38,31 @@ class _Interrupted(Exception):
     pass
 
 
-def launch(plan: LaunchPlan, say: Callable[[str], None]) -> int:
+class TickingProgress(StartProgress, Protocol):
+    """A StartProgress that shows itself on its own while bring-up waits."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class LaunchOutput(Protocol):
+    """Where launch reports, chosen by the CLI (text, JSON log lines, `--detach --json`)."""
+
+    progress: TickingProgress | None  # started and stopped around bring-up
+
+    def say(self, line: str) -> None:
+        """A line of what is happening (also the supervisor's, in the foreground)."""
+
+    def summary(self, summary: RunSummary) -> None:
+        """The run as it stands once bring-up passed."""
+
+    def ready(self, summary: RunSummary) -> None:
+        """The run is verified and supervised: the last thing a detached launch says."""
+
+
+def launch(plan: LaunchPlan, out: LaunchOutput) -> int:
+    say = out.say
     state = RunState.create(plan)
     state.api_key = plan.options.api_key  # in memory: for the router's env and admin calls
     state.event("run_created", plan=plan.to_json())
@@ -62,7 +81,7 @@ def launch(plan: LaunchPlan, say: Callable[[str], None]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     try:
-        router = bring_up(plan, state, replicas, say)
+        router = _bring_up(plan, state, replicas, out)
         bringing_up = False
         reap = [router.popen, *replicas.popens.values()]
     except (BringUpFailed, GateFailed, MpsDaemonError, _Interrupted, OSError) as exc:
@@ -87,65 +106,29 @@ def launch(plan: LaunchPlan, say: Callable[[str], None]) -> int:
                 f"events.jsonl); remove it with `{plan.command} down {state.run_id}`")
         return INTERRUPTED if interrupted and result.clean else ExitCode.RUNTIME
 
-    say(summary(plan, state))
+    summary = run_summary(plan, state)
+    out.summary(summary)
     if plan.options.detach:
-        return _hand_off(state, reap, stop, say)
+        code = _hand_off(state, reap, stop, say)
+        if code == ExitCode.OK:
+            out.ready(summary)
+        return code
     say("supervising in the foreground; Ctrl-C (or SIGTERM) tears the run down")
+    out.ready(summary)
     return Supervisor(state, replicas, detached=False, say=say, reap=reap,
                       stop_requested=stop).run()
 
 
-def summary(plan: LaunchPlan, state: RunState) -> str:
-    status = collect(state)  # health probed again: the table shows what is, not what was
-    # The key itself is never printed: the header names the variable that holds it.
-    auth = (f" -H \"Authorization: Bearer ${API_KEY_ENV}\"" if plan.options.api_key else "")
-    lines = [
-        "",
-        replica_table(status["replicas"]),
-        "",
-        f"endpoint   {plan.router_url}",
-        f"try        {example_request(plan, auth)}",
-        f"status     {plan.command} status {plan.run_id}",
-        f"teardown   {plan.command} down {plan.run_id}",
-    ]
-    if plan.options.api_key:
-        lines.insert(-2, f"auth       the router wants the API key: export {API_KEY_ENV}=KEY "
-                         "for the command above")
-    if plan.options.mps:
-        proof = ("mps_attach.txt" if len(plan.gpus) <= 1 else
-                 "mps_attach.gpu*.txt: one per GPU")
-        lines.insert(-2, f"mps        {plan.command} verify-mps {plan.run_id}   "
-                         f"({state.directory / proof})")
-    share = state.record.share
-    if share is not None:
-        lines.insert(2, f"share      replica {share.leader}'s {format_size(share.shared_bytes)} "
-                        f"of weights held once, mapped by replica(s) "
-                        f"{', '.join(map(str, share.followers)) or 'none'}, "
-                        f"{attachment_basis(plan.device)} ({share.directory})")
-    return "\n".join(lines)
-
-
-def example_request(plan: LaunchPlan, auth: str) -> str:
-    """A request that fits the engine: speech for the TTS pipelines, a completion for LLMs."""
-    url = plan.router_url
-    if ENGINES[plan.options.engine].example == "completions":
-        body = json.dumps({"model": served_model(plan), "prompt": "Hello, my name is",
-                           "max_tokens": 16})
-        return (f"curl -s {url}/v1/completions{auth} -H 'Content-Type: application/json' "
-                f"-d {shlex.quote(body)}")
-    return (f"curl -s {url}/v1/audio/speech{auth} -H 'Content-Type: application/json' "
-            "-d '{\"input\": \"Hello there.\"}' -o hello.wav")
-
-
-def served_model(plan: LaunchPlan) -> str | None:
-    """The name the engine serves the model under: --served-model-name if the user gave one,
-    else the model as the replicas are started with it (vLLM's and sglang's default)."""
-    argv = plan.replicas[0].argv
-    for flag in ("--served-model-name", "--model", "--model-path"):
-        name = flag_value(argv, flag)
-        if name is not None:
-            return name
-    return split_model(plan.options.engine_args)[0]
+def _bring_up(plan: LaunchPlan, state: RunState, replicas: ReplicaControl, out: LaunchOutput):
+    """bring_up with the progress board (if any) ticking while it waits."""
+    board = out.progress
+    if board is None:
+        return bring_up(plan, state, replicas, out.say)
+    board.start()
+    try:
+        return bring_up(plan, state, replicas, out.say, board)
+    finally:
+        board.stop()
 
 
 def _hand_off(state: RunState, reap: list, stop: threading.Event,

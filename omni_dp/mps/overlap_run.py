@@ -24,6 +24,7 @@ from omni_dp.runfile import (
     GpuRecord,
     ReplicaRecord,
     RunFileError,
+    RunNotFound,
     RunRecord,
     StoredRun,
     find_run_dir,
@@ -103,6 +104,8 @@ def pick_live_run(run_id: str | None, root: Path | None = None) -> StoredRun:
         return pick_run([run for run in stored_runs(root) if run.live], what="live run",
                         none=f"no live run under {runs_dir(root)}",
                         example="omni-dp verify-mps --overlap")
+    except RunNotFound:
+        raise  # nothing there: not a verdict of any kind (the command exits 1 on it)
     except RunFileError as exc:
         raise CannotCheck(str(exc)) from None
 

@@ -27,7 +27,15 @@ from omni_dp.mps.attach import (
 from omni_dp.mps.daemon import DaemonRecord
 from omni_dp.procs import is_alive
 from omni_dp.rundir import attach_stem, runs_dir, state_dir
-from omni_dp.runfile import GpuRecord, RunFileError, RunRecord, StoredRun, find_run_dir, stored_runs
+from omni_dp.runfile import (
+    GpuRecord,
+    RunFileError,
+    RunNotFound,
+    RunRecord,
+    StoredRun,
+    find_run_dir,
+    stored_runs,
+)
 from omni_dp.runfile import pick_run as pick_one
 
 PASS, FAIL, CANNOT_CHECK = "PASS", "FAIL", "CANNOT_CHECK"
@@ -153,6 +161,8 @@ def pick_mps_run(run_id: str | None, root: Path | None = None) -> StoredRun:
         return pick_one(candidates, what="live run with an MPS daemon", plural="live runs",
                         none=f"no live run with an MPS daemon under {runs_dir(root)}",
                         example="omni-dp verify-mps")
+    except RunNotFound:
+        raise  # nothing there: not a verdict of any kind (the command exits 1 on it)
     except RunFileError as exc:
         raise CannotCheck(str(exc)) from None
 

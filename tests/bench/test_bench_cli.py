@@ -17,6 +17,8 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
+from omni_dp.engine.options import DEFAULT_MODEL_ENV
+
 from support.http_client import get
 from support.ports import LOOPBACK, free_port
 from support.replica import Replica
@@ -27,7 +29,8 @@ SHORT = ("--trials", "2", "--duration", "2", "--warmup", "0.5")
 
 def bench(*args: str, state: Path | None = None, timeout: float = 240
           ) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_DP_")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("OMNI_DP_") or k == DEFAULT_MODEL_ENV}  # the seeded default
     if state is not None:
         env["OMNI_DP_STATE_DIR"] = str(state)
     return subprocess.run([sys.executable, "-m", "omni_dp", "bench", *args], env=env,

@@ -4,6 +4,7 @@ run, the real CPU topology): the JSON's numbers, the text's wording, bad input e
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -45,12 +46,26 @@ def test_plan_on_this_machine_with_the_builtin_engine():
 def test_plan_text_says_fits_with_its_formulas_never_faster():
     result = omni_dp(*PLAN, "--", "--model", "tiny")
     assert result.returncode == 0, result.stderr
-    text = result.stdout
-    for words in ("per replica    weights ", "memory         N ≤ ", "cpu cores      N ≤ ",
-                  "no GPU: MPS does not apply", "fits           N = min(", "confirm with   ",
+    text = re.sub(" {2,}", "  ", result.stdout)  # the columns' width is the widest label's
+    for words in ("per replica  weights ", "memory  N ≤ ", "cpu cores  N ≤ ",
+                  "no GPU: MPS does not apply", "fits  N = min(", "confirm with  ",
                   "bench --configs 1,"):
         assert words in text, words
     assert "faster" not in text.replace("not faster", "")
+
+
+def test_plan_to_a_pipe_is_one_line_per_row_and_markdown_on_request():
+    """Printed to a pipe (a file, a CI log) no row is wrapped, however long; markdown is a
+    table with every row of the text."""
+    text = omni_dp(*PLAN, "--", "--model", "tiny").stdout.splitlines()
+    assert text[0].startswith("omni-dp plan: engine builtin on the CPU")
+    rows = text[1:]
+    assert all(line.startswith("  ") and line[2] != " " for line in rows), text
+    assert max(map(len, rows)) > 120  # the memory formula: one line, not squeezed to 80
+    labels = [line.split("  ")[1] for line in rows]
+    md = omni_dp(*PLAN, "--format", "markdown", "--", "--model", "tiny").stdout.splitlines()
+    assert md[0] == f"**{text[0]}**" and md[2:4] == ["| what | value |", "|---|---|"]
+    assert [line.split(" | ")[0].lstrip("| ") for line in md[4:]] == labels
 
 
 def test_plan_unpinned_says_it_took_the_engines_default():

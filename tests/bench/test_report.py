@@ -4,12 +4,12 @@ figure is a real PNG; with one configuration, and with every one failed."""
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import replace
 
 import pytest
 from matplotlib.image import imread
-from rich.console import Console
 
 from omni_dp.bench.report import from_json, print_report, render_png, to_json
 from omni_dp.bench.scaling import compared_level, premise_text, scaling, scaling_range
@@ -17,10 +17,17 @@ from omni_dp.bench.scaling import compared_level, premise_text, scaling, scaling
 from support.bench_results import bench, config, failed, single, two_mps, typical
 
 
-def table_text(result) -> str:
-    console = Console(record=True, width=200)
-    print_report(result, console)
-    return console.export_text()
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal, as a person's shell is."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def table_text(result, fmt: str = "table", stream: io.StringIO | None = None) -> str:
+    stream = stream if stream is not None else io.StringIO()  # a pipe: not a terminal
+    print_report(result, fmt, stream)
+    return stream.getvalue()
 
 
 def test_scaling_is_each_configuration_at_its_own_saturation():
@@ -82,6 +89,30 @@ def test_the_table_shows_ranges_failures_and_the_failed_configuration():
     assert "1.80×" in text and "1.71–1.90×" in text  # the ratio and its range
     assert "premise: each configuration at its own saturating concurrency" in text
     assert "NVIDIA H200 141 GiB" in text and "trials 3" in text
+
+
+def test_to_a_pipe_every_row_is_one_line_however_long():
+    """A file or CI log gets fixed-width columns: no cell wrapped over lines (rich squeezed
+    every table to 80 columns there, five lines to a cell)."""
+    text = table_text(typical())
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("config  c "))
+    assert "◀ compared (not saturated)" in text or "◀ saturation" in text
+    for cell in ("median req/s rose < 5% from c=64", "6/6486 (http 503: 5, timeout: 1)",
+                 "host-bound: replica CPU 0.98"):
+        assert any(cell in line for line in lines), cell  # whole, on one line
+    assert len(header) > 80 and "│" not in text  # as wide as it is, no box drawing
+    level_rows = [line for line in lines if line.startswith("2mps ")]
+    assert len(level_rows) == len(typical().configs[1].levels) + 2  # + its config, its ratio
+
+
+def test_on_a_terminal_rich_folds_at_its_width_and_markdown_is_a_table():
+    terminal = table_text(typical(), stream=Terminal())
+    assert "┃" in terminal or "│" in terminal  # rich's table, at the terminal's width
+    md = table_text(typical(), "markdown")
+    assert "| config | replicas | MPS | status |" in md and "|---|" in md
+    assert "| 2mps | 64 | 3 | 72.0 [70.0–74.0] |" in md
+    assert "**scaling against configuration 1**" in md
 
 
 def test_text_in_brackets_is_shown_not_read_as_markup():

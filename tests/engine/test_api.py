@@ -1,8 +1,18 @@
+import dataclasses
 import json
+import sys
+from typing import get_args
 
 import pytest
 
-from omni_dp.engine.api import MAX_SEED, ApiError, model_not_found, parse_speech_body
+from omni_dp.engine.api import (
+    MAX_SEED,
+    OPENAI_MODEL_ALIASES,
+    ApiError,
+    model_not_found,
+    parse_speech_body,
+)
+from omni_dp.engine.audio import aac_unavailable
 from omni_dp.engine.config import PRESETS
 from omni_dp.engine.preprocess import (
     VOICES,
@@ -10,6 +20,7 @@ from omni_dp.engine.preprocess import (
     build_prompt,
     default_max_new_tokens,
     normalize_text,
+    speaker_of,
 )
 
 CFG = PRESETS["tiny"]
@@ -104,7 +115,7 @@ def test_non_object_body_is_400(body):
         ({"input": "a", "voice": 3}, "voice"),
         ({"input": "a", "model": 1}, "model"),
         ({"input": "a", "instructions": None}, "instructions"),
-        ({"input": "a", "response_format": "aac"}, "response_format"),
+        ({"input": "a", "response_format": "m4a"}, "response_format"),
         ({"input": "a", "response_format": "WAV"}, "response_format"),
         ({"input": "a", "stream_format": "chunked"}, "stream_format"),
         ({"input": "a", "stream": "true"}, "stream"),
@@ -134,7 +145,7 @@ def test_unknown_field_message_lists_accepted_fields():
 
 def test_bad_choice_message_lists_allowed_values():
     message = rejected({"input": "a", "response_format": "ogg"}).message
-    for name in ("wav", "pcm", "flac", "opus", "mp3"):
+    for name in ("wav", "pcm", "flac", "opus", "mp3", "aac"):
         assert name in message
 
 
@@ -196,9 +207,37 @@ def test_build_prompt_rejects_unknown_voice(voice):
     assert "alloy" in str(info.value)
 
 
-def test_every_voice_is_a_distinct_speaker():
-    ids = {build_prompt(CFG, "hi", voice, 100).token_ids[0] for voice in VOICES}
-    assert len(ids) == len(VOICES)
+def test_each_voice_is_a_fixed_speaker_of_the_model():
+    speakers = [build_prompt(CFG, "hi", voice, 100).speaker_id for voice in VOICES]
+    # The first eight keep the speakers they always had (the same audio as before 13 voices);
+    # the rest wrap around the model's speakers, so every one of them is a valid token.
+    assert speakers == [i % CFG.num_speakers for i in range(len(VOICES))]
+    assert len(set(speakers[:CFG.num_speakers])) == CFG.num_speakers
+    few = dataclasses.replace(CFG, num_speakers=3)
+    assert [speaker_of(few, v) for v in ("alloy", "ash", "coral", "echo", "cedar")] == \
+        [0, 1, 2, 0, 12 % 3]
+
+
+def test_every_openai_voice_and_model_is_accepted():
+    """What OpenAI's SDK names (its `Voice` and `SpeechModel` literals) is what a replica takes:
+    an SDK that adds one fails here until the tables follow."""
+    from openai.types.audio import speech_create_params, speech_model
+
+    sdk_voices = {a for arg in get_args(speech_create_params.Voice)
+                  for a in get_args(arg) if isinstance(a, str)}
+    assert {"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage",
+            "shimmer", "verse"} <= sdk_voices
+    assert sdk_voices <= set(VOICES)
+    for voice in sdk_voices:
+        assert parse({"input": "a", "voice": voice}).voice == voice
+    assert set(get_args(speech_model.SpeechModel)) <= set(OPENAI_MODEL_ALIASES)
+
+
+def test_unknown_or_custom_voice_is_a_400_naming_the_accepted_ones():
+    for voice in ("verses", "Alloy", {"id": "voice_1234"}):
+        error = rejected({"input": "a", "voice": voice})
+        assert error.field == "voice"
+        assert "alloy, ash, coral" in error.message and "cedar" in error.message
 
 
 @pytest.mark.parametrize(
@@ -268,9 +307,21 @@ def test_model_not_found_is_vllm_shaped():
     }}
 
 
-def test_aac_is_named_as_unsupported():
-    error = rejected({"input": "a", "response_format": "aac"})
-    assert "not supported" in error.message and "flac" in error.message
+def test_every_openai_format_is_accepted():
+    for name in ("mp3", "opus", "aac", "flac", "wav", "pcm"):  # OpenAI's list, in its order
+        assert parse({"input": "a", "response_format": name}).response_format == name
+
+
+def test_aac_without_pyav_is_a_400_that_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "av", None)  # `import av` raises ImportError
+    aac_unavailable.cache_clear()
+    try:
+        error = rejected({"input": "a", "response_format": "aac"})
+        assert parse({"input": "a", "response_format": "opus"}).response_format == "opus"
+    finally:
+        aac_unavailable.cache_clear()
+    assert error.field == "response_format"
+    assert "omni-dp[aac]" in error.message and "PyAV" in error.message
 
 
 def test_sse_alone_asks_for_a_stream():

@@ -7,16 +7,23 @@ import asyncio
 import base64
 import io
 import json
+import shutil
 import signal
 import socket
+import subprocess
 import time
+import wave
+from typing import get_args
 from urllib.parse import urlsplit
 
+import av
 import openai
 import pytest
 import soundfile
 
+from omni_dp.engine.api import OPENAI_MODEL_ALIASES
 from omni_dp.engine.config import PRESETS
+from omni_dp.engine.preprocess import VOICES
 
 from support.http_client import get, post_json
 from support.router import make_config, serve
@@ -126,6 +133,36 @@ def test_sdk_streams_sse_through_the_router(replica):
     assert events[-1]["type"] == "speech.audio.done"
 
 
+def test_python_wave_reads_a_streamed_wav_to_its_end_and_a_buffered_one_exactly(
+        replica, tmp_path):
+    """What docs/contracts.md promises a WAV reader: a streamed WAV's sizes are 0xFFFFFFFF (its
+    length is unknown when the header goes out; OpenAI's streamed WAV has the same), so Python's
+    `wave` reads every frame to the end of the body while reporting 2**31 - 1 frames; a
+    buffered one (`stream: false`) has the exact sizes, for `wave` and for soxi."""
+    pcm = pcm_of(replica)
+    with sdk(replica.url).audio.speech.with_streaming_response.create(
+            model="tts-1", voice="alloy", input=TEXT, response_format="wav") as resp:
+        assert resp.headers.get("transfer-encoding") == "chunked"
+        streamed = resp.read()
+    with wave.open(io.BytesIO(streamed)) as reader:
+        assert (reader.getnchannels(), reader.getsampwidth(), reader.getframerate()) == (
+            1, 2, TINY.sample_rate)
+        assert reader.getnframes() == 0xFFFFFFFF // 2  # the size field says "unknown"
+        assert reader.readframes(reader.getnframes()) == pcm  # every frame, and no more
+    _, _, whole = speak(replica, response_format="wav", stream=False)
+    with wave.open(io.BytesIO(whole)) as reader:
+        assert reader.getnframes() == len(pcm) // 2
+        assert reader.readframes(reader.getnframes()) == pcm
+    assert whole[44:] == streamed[44:]  # the same samples; only the two size fields differ
+    soxi = shutil.which("soxi")
+    if soxi is not None:  # where sox is installed (it is not a dependency): the same reading
+        path = tmp_path / "whole.wav"
+        path.write_bytes(whole)
+        samples = subprocess.run([soxi, "-s", str(path)], capture_output=True, text=True,
+                                 check=True, timeout=30).stdout
+        assert int(samples) == len(pcm) // 2
+
+
 # --- speed -----------------------------------------------------------------------------------
 
 
@@ -192,12 +229,26 @@ def test_sdk_gets_flac(replica):
     assert rate == TINY.sample_rate and samples.tobytes() == pcm_of(replica)
 
 
-def test_aac_stays_a_clear_400(replica):
-    with pytest.raises(openai.BadRequestError) as info:
-        sdk(replica.url).audio.speech.create(
-            model="tts-1", voice="alloy", input=TEXT, response_format="aac")
-    assert info.value.body["param"] == "response_format"
-    assert "aac" in info.value.body["message"]
+def aac_samples(aac: bytes) -> int:
+    """Samples an AAC (ADTS) body decodes to, by FFmpeg's decoder (PyAV)."""
+    with av.open(io.BytesIO(aac), format="adts") as container:
+        stream = container.streams.audio[0]
+        assert (stream.codec_context.name, stream.sample_rate) == ("aac", TINY.sample_rate)
+        return sum(frame.samples for frame in container.decode(stream))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["buffered", "streamed"])
+def test_sdk_gets_aac_at_the_audio_duration(replica, stream):
+    n = len(pcm_of(replica, voice="verse")) // 2
+    with sdk(replica.url).audio.speech.with_streaming_response.create(
+            model="tts-1", voice="verse", input=TEXT, response_format="aac",
+            extra_body={"stream": stream}) as response:
+        assert response.headers["Content-Type"] == "audio/aac"
+        assert ("Content-Length" in response.headers) == (not stream)
+        aac = response.read()
+    # The encoder's 1024 samples of priming, then the audio, padded to a whole 1024-sample frame
+    # (ADTS has no field to trim either).
+    assert aac_samples(aac) == -(-(1024 + n) // 1024) * 1024
 
 
 # --- model -----------------------------------------------------------------------------------
@@ -206,10 +257,14 @@ def test_aac_stays_a_clear_400(replica):
 def test_models_served_aliased_absent_and_unknown(start_replica):
     replica = start_replica("--served-model-name", "house-voice")
     models = json.loads(get(replica.url + "/v1/models")[2])["data"]
-    assert [m["id"] for m in models] == ["house-voice"]
+    # The served model first (a client taking the first entry gets it), then every alias the
+    # endpoint accepts, from the one table of them: what is listed is what is accepted.
+    assert [m["id"] for m in models] == ["house-voice", *OPENAI_MODEL_ALIASES]
+    assert {m["root"] for m in models} == {"house-voice"}
     reference = speak(replica, response_format="pcm")[2]
-    for model in ("house-voice", "tts-1", "tts-1-hd", "gpt-4o-mini-tts"):
+    for model in [m["id"] for m in models]:
         assert speak(replica, response_format="pcm", model=model)[2] == reference
+    assert [m.id for m in sdk(replica.url).models.list()] == [m["id"] for m in models]
 
     status, _, body = speak(replica, model="omni-dp-tiny")  # the default name, not served here
     assert status == 404
@@ -219,6 +274,23 @@ def test_models_served_aliased_absent_and_unknown(start_replica):
     with pytest.raises(openai.NotFoundError):
         sdk(replica.url).audio.speech.create(model="whisper-1", voice="alloy", input=TEXT)
     assert replica.metric('omni_dp_speech_requests_total{outcome="bad_request"}') == 2
+
+
+def test_every_openai_voice_speaks_on_a_replica(replica):
+    """All of OpenAI's voices through the SDK; with no seed, each sounds different, also the
+    ones that share a speaker of the 8-speaker model (their names seed them apart)."""
+    from openai.types.audio.speech_create_params import Voice
+
+    named = {a for arg in get_args(Voice) for a in get_args(arg) if isinstance(a, str)}
+    assert {"ballad", "sage", "verse"} <= named
+    client = sdk(replica.url)
+    audio = {voice: client.audio.speech.create(model="tts-1", voice=voice, input="Hi.",
+                                               response_format="pcm").content
+             for voice in sorted(named | set(VOICES))}
+    assert len(set(audio.values())) == len(audio)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.audio.speech.create(model="tts-1", voice="verses", input=TEXT)
+    assert info.value.body["param"] == "voice" and "verse" in info.value.body["message"]
 
 
 # --- HTTP/1.0 --------------------------------------------------------------------------------

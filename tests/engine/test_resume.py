@@ -92,7 +92,7 @@ def test_a_resume_that_cannot_be_served_is_a_400_naming_the_header(replica, head
     assert json.loads(body)["error"]["param"] == param
 
 
-@pytest.mark.parametrize("fmt", ["opus", "flac", "mp3"])
+@pytest.mark.parametrize("fmt", ["opus", "flac", "mp3", "aac"])
 def test_compressed_answers_do_not_say_they_are_resumable(replica, fmt):
     status, headers, _ = post_json(replica.url + SPEECH, {**BODY, "response_format": fmt})
     assert status == 200

@@ -240,7 +240,7 @@ BAD_REQUESTS = [
     ({"input": "   \n\t "}, 400, "input"),
     ({"input": "x" * 2001}, 400, "input"),
     ({"input": "hi", "voice": "darth"}, 400, "voice"),
-    ({"input": "hi", "response_format": "aac"}, 400, "response_format"),
+    ({"input": "hi", "response_format": "m4a"}, 400, "response_format"),
     ({"input": "hi", "stream_format": "websocket"}, 400, "stream_format"),
     ({"input": "hi", "stream": "yes"}, 400, "stream"),
     ({"input": "hi", "seed": -1}, 400, "seed"),

@@ -173,6 +173,13 @@ def test_detached_launch_status_requests_and_down(runs):
     run = runs(2)
     result = run.launch()
     assert "detached: supervisor pid" in result.stdout
+    # The summary is a block of its own (no `omni-dp: ` line before it), and the last line is
+    # the one a script waits for.
+    lines = result.stdout.splitlines()
+    assert "omni-dp: " not in lines and "omni-dp:" not in lines, result.stdout
+    assert f"endpoint   {run.router_url}" in lines, result.stdout
+    assert lines[-1] == (f"omni-dp: ready: 2 replicas verified behind {run.router_url} "
+                         f"(run {run.run_id}; checked: health, equal KV)"), result.stdout
 
     status = run.status()  # a separate process: "another shell"
     assert status["run_id"] == run.run_id
@@ -548,7 +555,15 @@ def test_every_state_file_is_private(runs):
 
 def test_list_and_logs(runs):
     run = runs(2)
-    run.launch()
+    launched = run.launch("--json", "--api-key", "e2e-key")
+    # --detach --json: stdout is one JSON object, the summary; what launch said is on stderr
+    summary = json.loads(launched.stdout)
+    assert summary["run_id"] == run.run_id and summary["endpoint"] == run.router_url
+    assert [r["health"] for r in summary["replicas"]] == ["healthy", "healthy"]
+    assert summary["checks"] == ["health", "equal KV"]
+    assert "e2e-key" not in launched.stdout + launched.stderr  # named, never printed
+    assert f"ports {run.base_port}-{run.base_port + 1}" in summary["replicas_unauthenticated"]
+    assert launched.stderr.splitlines()[-1] == f"omni-dp: {summary['ready']}", launched.stderr
 
     listed = run.cli("list")
     assert listed.returncode == 0, describe(listed)

@@ -164,7 +164,7 @@ def fuzz_env(tmp_path, monkeypatch):
 
     monkeypatch.setattr(BuiltinEngine, "dry_run", dry_run)
 
-    def accepted(plan, say) -> int:  # should bad input get through, start nothing anyway
+    def accepted(plan, out) -> int:  # should bad input get through, start nothing anyway
         raise AssertionError(f"launch accepted the input and would start run {plan.run_id}")
 
     monkeypatch.setattr("omni_dp.launcher.launch.launch", accepted)

@@ -381,6 +381,17 @@ def test_mps_without_a_gpu_is_a_problem(cpu_facts):
     assert "run without --mps" in problem
 
 
+def test_mps_without_a_gpu_is_one_line_wherever_its_binaries_were_looked_for(cpu_facts):
+    facts = dataclasses.replace(cpu_facts, mps_problems=(
+        "--mps: nvidia-cuda-mps-control not found on PATH (searched /usr/bin, …)",))
+    problem = only_problem(opts(mps=True), facts)
+    assert problem == ("--mps needs a GPU, and there is none to use (no NVIDIA driver on this "
+                       "machine (libnvidia-ml not found)); run without --mps to use the CPU")
+    # with --no-gpu-check the daemon does run: where its binary is matters again
+    assert any("not found on PATH" in p for p in problems_of(
+        opts(mps=True, no_gpu_check=True), facts))
+
+
 def test_mps_without_a_gpu_but_no_gpu_check_plans_on_cpu_with_a_warning(cpu_facts):
     p = plan(opts(mps=True, no_gpu_check=True), cpu_facts)
     assert p.device == "cpu"
@@ -604,8 +615,7 @@ def test_every_problem_is_reported_at_once(cpu_facts, profiling):
     for needles in [
         ("--replicas 3 needs a pinned KV size",),
         ("is not a run id",),
-        ("--mps needs a GPU",),
-        ("nvidia-cuda-mps-control was not found",),
+        ("--mps needs a GPU",),  # and no word on where its binaries were looked for
         ("port 8100 (replica 0) is in use",),
         ("--router-port 8101 falls in the replica port range",),
         ("CPU 0 is in block 0 and block 1",),
@@ -613,7 +623,8 @@ def test_every_problem_is_reported_at_once(cpu_facts, profiling):
         ("engine: bad model",),
     ]:
         find(problems, *needles)
-    assert len(problems) == 9, problems
+    assert not [p for p in problems if "nvidia-cuda-mps-control" in p], problems
+    assert len(problems) == 8, problems
 
 
 # --- the sub-planners: a part that failed is never built on -----------------------------------

@@ -128,6 +128,23 @@ def test_the_one_gpu_text_is_as_before_runs_spanned_gpus(tmp_path, alive):
         "  last_error",
         "  0        10   0-3   1     unknown  1024       attached  -      -       0         ",
         "  1        11   -     2     unknown  1024       -         -      -       0         boom"]
+    md = format_status(report, fmt="markdown").splitlines()
+    assert md[0] == f"**{text.splitlines()[0]}**"
+    assert "- mps daemon  pid 50 alive  attached=None" in md
+    assert "| replica | pid | cpus | port | health | kv_tokens | mps | share | memory | " \
+           "restarts | last_error |" in md
+    assert "| 1 | 11 | - | 2 | unknown | 1024 | - | - | - | 0 | boom |" in md
+
+
+def test_the_markdown_of_a_run_over_gpus_has_a_gpu_column(tmp_path, alive):
+    report = collect(state_of(tmp_path, two_gpu_record()), probe=False)
+    md = format_status(report, fmt="markdown").splitlines()
+    header = next(line for line in md if line.startswith("| gpu | replica |"))
+    rows = md[md.index(header) + 2:]
+    # replica 0 on GPU 0, 1 on GPU 1, 2 on GPU 0
+    assert [row.split(" | ")[:2] for row in rows if row.startswith("|")] == [
+        ["| 0", "0"], ["| 1", "1"], ["| 0", "2"]]
+    assert any(line.startswith(f"- GPU 1 (NVIDIA H200)  {UUID1}") for line in md)
 
 
 # --- Prometheus file-based service discovery ------------------------------------------------
@@ -228,13 +245,14 @@ def test_status_prometheus_sd_with_no_live_run_writes_an_empty_list(tmp_path):
     assert json.loads(out.read_text()) == [] and "no live run" in done.stdout
 
 
-@pytest.mark.parametrize(("args", "why"), [
-    (["--prometheus-sd", "/nonexistent-dir/x.json"], "cannot write the Prometheus target list"),
-    (["no-such-run", "--prometheus-sd", "-"], "no run 'no-such-run'"),
+@pytest.mark.parametrize(("args", "why", "code"), [
+    (["--prometheus-sd", "/nonexistent-dir/x.json"], "cannot write the Prometheus target list",
+     2),
+    (["no-such-run", "--prometheus-sd", "-"], "no run 'no-such-run'", 1),  # nothing there
 ])
-def test_status_prometheus_sd_bad_input_exits_2(runs, args, why):
+def test_status_prometheus_sd_bad_input_exits_2(runs, args, why, code):
     done = omni_dp("status", *args, root=runs)
-    assert done.returncode == 2 and why in done.stderr, done.stderr
+    assert done.returncode == code and why in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and done.stdout == ""
 
 

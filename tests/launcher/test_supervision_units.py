@@ -712,6 +712,46 @@ def test_bring_up_starts_the_leader_alone_before_its_followers(tmp_path):
     assert [r.state for r in state.replicas] == [H, H, H]
 
 
+class RecordedProgress:
+    """bringup.steps.StartProgress, kept as a list."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def begin(self, index, log, phase):
+        self.calls.append(("begin", index, log.name, phase))
+
+    def phase(self, index, phase):
+        self.calls.append(("phase", index, phase))
+
+    def end(self, index):
+        self.calls.append(("end", index))
+
+
+def test_bring_up_tells_its_progress_what_it_waits_on_and_ends_it_on_failure(tmp_path):
+    from omni_dp.launcher.bringup.steps import start_replicas
+
+    state = make_state(tmp_path, replicas=2)
+    for i in range(2):
+        state.update_replica(i, state=R)
+    progress = RecordedProgress()
+    start_replicas(state, FakeReplicas(state, FakeWorld(set())), [0, 1], sequential=False,
+                   timeout_s=5.0, say=lambda _: None, progress=progress)
+    starting, healthy = "starting, waiting for /health", "healthy, waiting for the KV read-back"
+    assert progress.calls == [
+        ("begin", 0, state.replica(0).log, starting), ("begin", 1, state.replica(1).log, starting),
+        ("phase", 0, healthy), ("phase", 1, healthy), ("end", 0), ("end", 1)]
+
+    state = make_state(tmp_path / "failing", replicas=2)
+    for i in range(2):
+        state.update_replica(i, state=R)
+    progress = RecordedProgress()
+    with pytest.raises(BringUpFailed):
+        start_replicas(state, FakeReplicas(state, FakeWorld(set()), healthy=False), [0, 1],
+                       sequential=False, timeout_s=5.0, say=lambda _: None, progress=progress)
+    assert progress.calls[-2:] == [("end", 0), ("end", 1)]  # no board left ticking
+
+
 def test_bring_up_says_published_and_attached_only_for_what_passed_its_share_gate(tmp_path):
     from omni_dp.launcher.bringup.steps import BringUpFailed, start_replicas
 

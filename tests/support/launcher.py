@@ -29,6 +29,7 @@ from pathlib import Path
 
 import psutil
 
+from omni_dp.engine.options import DEFAULT_MODEL_ENV  # the seeded default's pin: kept
 from omni_dp.procs import read_environ as environ
 
 from support.mps import real_control_binary
@@ -119,7 +120,7 @@ class Run:
     @property
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()
-               if not k.startswith("OMNI_DP_") and k != TOKEN_ENV}
+               if (not k.startswith("OMNI_DP_") or k == DEFAULT_MODEL_ENV) and k != TOKEN_ENV}
         env["OMNI_DP_STATE_DIR"] = str(self.state_root)
         env["PYTHONUNBUFFERED"] = "1"
         return env
@@ -375,7 +376,8 @@ class MpsRun:
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("OMNI_DP_", "CUDA_MPS_", "MPS_HYBRID_"))}
+               if not k.startswith(("OMNI_DP_", "CUDA_MPS_", "MPS_HYBRID_"))
+               or k == DEFAULT_MODEL_ENV}
         env.update(self.hybrid.env(declare_cuda=self.declare_cuda))
         env[STATE_ENV] = str(self.state_dir)
         return env

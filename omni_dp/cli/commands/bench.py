@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from omni_dp.cli.common import fail, finite
+from omni_dp.cli.common import chosen_format, fail, finite, format_options
 from omni_dp.contract import API_KEY_ENV, ExitCode
 
 WORKLOADS = ("auto", "speech", "speech-stream", "completions")
@@ -71,11 +71,11 @@ def _levels(ctx: click.Context, param: click.Parameter, value: str | None
                    "replicas' CPU and GPU use is sampled.")
 @click.option("--out", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="Write bench.json and bench.png there.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@format_options("the result")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED,
                 metavar="[URL] [-- LAUNCH OPTIONS [-- ENGINE ARGS]]")
 def bench(configs, trials, duration, warmup, concurrency, max_concurrency, max_p99, min_gain,
-          timeout, workload, texts, model, seed, run_dir, out, as_json, args) -> None:
+          timeout, workload, texts, model, seed, run_dir, out, fmt, as_json, args) -> None:
     """Find the right N: a sweep per configuration, ranges over trials, failures kept.
 
     Either against a running endpoint (`omni-dp bench http://127.0.0.1:8000`) or by
@@ -110,7 +110,7 @@ def bench(configs, trials, duration, warmup, concurrency, max_concurrency, max_p
         _report((done, None), settings), Path(out), complete=False))
     results = _run(BenchRunner, settings, url, run_dir, specs, launch_args, partial)
     report = _report(results, settings)
-    _show(report, out, as_json, complete=results[1] is None)
+    _show(report, out, chosen_format(fmt, as_json), complete=results[1] is None)
     sys.exit(_exit_code(report, results[1]))
 
 
@@ -203,20 +203,18 @@ def _machine() -> dict:
                     "count": len(inventory.gpus)} if gpu else None}
 
 
-def _show(report, out: str | None, as_json: bool, complete: bool) -> None:
-    from rich.console import Console
-
+def _show(report, out: str | None, fmt: str, complete: bool) -> None:
     from omni_dp.bench.report import print_report, render_png, to_json
 
     data = {**to_json(report), "complete": complete}
     if out is not None:
         _write_json(report, Path(out), complete=complete)
         render_png(report, Path(out) / "bench.png")
-    if as_json:
-        print_report(report, Console(stderr=True))
+    if fmt == "json":  # the tables for the person watching, on stderr
+        print_report(report, "table", sys.stderr)
         click.echo(json.dumps(data, indent=2))
     else:
-        print_report(report, Console())
+        print_report(report, fmt)
     if out is not None:
         click.echo(f"omni-dp bench: wrote {Path(out) / 'bench.json'} and "
                    f"{Path(out) / 'bench.png'}", err=True)

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from omni_dp.cli.common import emit, exit_with_problems, fail, finite, json_option
+from omni_dp.cli.common import emit, exit_with_problems, fail, finite, json_option, nothing_there
 from omni_dp.contract import ExitCode
 
 
@@ -26,10 +26,12 @@ def _live(run_id: str | None, command: str):
     """The run, live, with a supervisor to make the change."""
     from omni_dp.launcher.views.status import pick
     from omni_dp.procs import is_alive
-    from omni_dp.runfile import RunFileError
+    from omni_dp.runfile import RunFileError, RunNotFound
 
     try:
         state = pick(run_id, command)
+    except RunNotFound as exc:
+        nothing_there(command, str(exc))
     except RunFileError as exc:
         fail(command, str(exc))
     supervisor = state.record.supervisor
@@ -87,8 +89,8 @@ def restart(ctx: click.Context, run_id: str | None, replicas: tuple[int, ...],
     restarts with its followers. Refused when no other replica would serve meanwhile, unless
     --allow-downtime.
 
-    Exit codes: 0 every replica passed its gates, 2 refused (nothing changed), 3 a step
-    failed (said; what passed stays).
+    Exit codes: 0 every replica passed its gates, 1 no such run, 2 refused (nothing changed),
+    3 a step failed (said; what passed stays).
     """
     from omni_dp.launcher.changes.plan import ChangePlanError, plan_restart
 
@@ -122,7 +124,8 @@ def scale(run_id: str | None, replicas: int | None, replicas_per_gpu: int | None
     the others other CPU blocks (--cpu-blocks auto), they restart into them one at a time.
     run.json, `status`, the gateway and Prometheus discovery follow.
 
-    Exit codes: 0 done (or nothing to change), 2 refused (nothing changed), 3 a step failed.
+    Exit codes: 0 done (or nothing to change), 1 no such run, 2 refused (nothing changed), 3 a
+    step failed.
     """
     from omni_dp.launcher.changes.plan import ChangePlanError, plan_scale
 

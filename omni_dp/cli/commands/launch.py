@@ -24,7 +24,9 @@ from omni_dp.launcher.planning.options import LaunchOptions, load_config_file, m
               log_format=log_format_attrs("OMNI_DP_LOG_FORMAT",
                                           " Passed on to the supervisor, replicas and router."))
 @click.option("--dry-run", is_flag=True, help="Print the plan and exit; start nothing.")
-@click.option("--json", "as_json", is_flag=True, help="With --dry-run: the plan as JSON.")
+@click.option("--json", "as_json", is_flag=True,
+              help="With --dry-run: the plan as JSON. With --detach: once the run is up and "
+                   "supervised, its summary as one JSON object on stdout (all else on stderr).")
 @click.argument("engine_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- ENGINE ARGS]")
 @click.pass_context
 def launch(ctx, dry_run, as_json, engine_args, **flags) -> None:
@@ -45,7 +47,15 @@ def launch(ctx, dry_run, as_json, engine_args, **flags) -> None:
     problems: list[str] = []
     notes = take_deprecated(ctx, flags)
     options = _options(ctx, flags, tuple(engine_args), problems, notes)
-    say = _launch_say(options.log_format)
+    if as_json and not (dry_run or options.detach):
+        problems.append("--json needs --dry-run (the plan) or --detach (the run's summary): "
+                        "a foreground launch's output is its log; for JSON lines use "
+                        "--log-format json")
+    from omni_dp.engine.voice.default import launch_note
+
+    fallback = launch_note(options.engine, options.engine_args)
+    if fallback:  # serve's default model will be the seeded preset: its audio is noise
+        notes.append(fallback)
     for note in notes:
         _note(options.log_format, note)
     _note(options.log_format, "preflight (CPU topology, GPU, ports, "
@@ -58,13 +68,16 @@ def launch(ctx, dry_run, as_json, engine_args, **flags) -> None:
                                  "gpu": r.gpu, "argv": list(r.argv)} for r in plan.replicas]},
              "\n".join(plan.describe()), as_json)
         return
-    if options.log_format == "json":
-        say("\n".join(plan.describe()))
-    else:
-        click.echo("\n".join(plan.describe()))
     from omni_dp.launcher.launch import launch as run_launch
+    from omni_dp.launcher.views.launch_output import launch_output
 
-    sys.exit(run_launch(plan, say=say))
+    out = launch_output(options.log_format, summary_json=as_json)
+    described = "\n".join(plan.describe())
+    if options.log_format == "json":
+        out.say(described)
+    else:
+        click.echo(described, err=as_json)  # --detach --json: stdout is the summary's
+    sys.exit(run_launch(plan, out))
 
 
 def _options(ctx: click.Context, flags: dict, engine_args: tuple[str, ...],
@@ -101,16 +114,3 @@ def _note(log_format: str, message: str) -> None:
         click.echo(json_line("omni_dp.launch", message), err=True)
     else:
         click.echo(f"omni-dp launch: {message}", err=True)
-
-
-def _launch_say(log_format: str):
-    """How launch and its foreground supervisor report: `omni-dp: …` lines, or with json one
-    JSON log line each; both on stdout."""
-    if log_format != "json":
-        return lambda line: click.echo(f"omni-dp: {line}")
-    import logging
-
-    from omni_dp.logs import setup_logging
-
-    setup_logging("info", "json", stream=sys.stdout)
-    return logging.getLogger("omni_dp.launch").info

@@ -50,8 +50,9 @@ def verify_mps(run_id: str | None, gpu: str | None, as_json: bool, no_nvml: bool
     for a one-GPU run, mps_attach.gpuINDEX.txt/.json per GPU). Prints the map, GPU by GPU.
     With no RUN_ID it takes the only live run with an MPS daemon.
 
-    Exit codes: 0 PASS on every GPU checked, 1 FAIL on some GPU, 2 cannot check (a GPU whose
-    daemon is not running, a GPU not in the run, no such run: the message says which).
+    Exit codes: 0 PASS on every GPU checked, 1 FAIL on some GPU, or no such run (none live),
+    2 cannot check (a GPU whose daemon is not running, a GPU not in the run, several runs and
+    none named: the message says which).
 
     --overlap: attachment does not prove concurrency. Drives CONCURRENCY streamed speech
     requests through the run's router for DURATION seconds, reads each replica's GPU busy
@@ -75,12 +76,15 @@ def verify_mps(run_id: str | None, gpu: str | None, as_json: bool, no_nvml: bool
         pick_mps_run,
         verify_run,
     )
+    from omni_dp.runfile import RunNotFound
 
     try:
         run = pick_mps_run(run_id)
         verdict = verify_run(run, gpu=gpu, use_nvml=not no_nvml)
     except CannotCheck as exc:
         _cannot_check(str(exc), as_json)
+    except RunNotFound as exc:
+        _no_run(str(exc), as_json)
     checked = len(verdict.unchecked) < len(verdict.gpus)
     if as_json or checked:
         emit(verdict.to_json(), format_verdict(verdict), as_json)
@@ -103,6 +107,7 @@ def _verify_overlap(run_id: str | None, gpu: str | None, as_json: bool,
         format_overlap,
         pick_live_run,
     )
+    from omni_dp.runfile import RunNotFound
 
     try:
         result = check_overlap(
@@ -112,9 +117,20 @@ def _verify_overlap(run_id: str | None, gpu: str | None, as_json: bool,
             api_key=os.environ.get(API_KEY_ENV))
     except CannotCheck as exc:
         _cannot_check(str(exc), as_json)
+    except RunNotFound as exc:
+        _no_run(str(exc), as_json)
     emit(result.to_json(), format_overlap(result), as_json)
     sys.exit({PASS: ExitCode.OK, FAIL: ExitCode.CHECK_FAILED}.get(result.result,
                                                                   ExitCode.USAGE))
+
+
+def _no_run(reason: str, as_json: bool) -> NoReturn:
+    """Nothing to check: no such run, or none live. Exit 1, as `status` and `logs` do."""
+    if as_json:
+        click.echo(json.dumps({"result": "NO_RUN", "reason": reason}, indent=2))
+    else:
+        click.echo(f"omni-dp verify-mps: {reason}", err=True)
+    sys.exit(ExitCode.CHECK_FAILED)
 
 
 def _cannot_check(reason: str, as_json: bool) -> NoReturn:

@@ -3,9 +3,11 @@ fields (omni_dp/launcher/options.py); the probe and the counting are omni_dp/ben
 
 from __future__ import annotations
 
+import json
+
 import click
 
-from omni_dp.cli.common import emit, exit_with_problems, json_option, options_from
+from omni_dp.cli.common import chosen_format, exit_with_problems, format_options, options_from
 from omni_dp.launcher.planning.options import LaunchOptions
 
 # The settings of `launch` that decide one replica's footprint and where it runs.
@@ -23,9 +25,10 @@ PLAN_FIELDS = ("gpu", "gpus", "kv_cache_bytes", "max_total_tokens", "memory_head
 @click.option("--cores-per-replica", type=click.IntRange(min=1), default=1, show_default=True,
               metavar="N", help="Whole physical cores each replica's CPU block must have at "
                                 "least.")
-@json_option("the plan")
+@format_options("the plan")
 @click.argument("engine_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- ENGINE ARGS]")
-def plan(cores_per_replica: int, as_json: bool, engine_args: tuple[str, ...], **flags) -> None:
+def plan(cores_per_replica: int, fmt: str, as_json: bool, engine_args: tuple[str, ...],
+         **flags) -> None:
     """How many replicas FIT this machine (not whether they are faster: `omni-dp bench`).
 
     Probes one replica as `launch` would (the built-in engine's dry run, or an external
@@ -44,4 +47,10 @@ def plan(cores_per_replica: int, as_json: bool, engine_args: tuple[str, ...], **
         planned = probe_capacity(options, cores_per_replica=cores_per_replica)
     except CapacityPlanError as exc:
         exit_with_problems("plan", exc.problems)
-    emit(planned.to_json(), "\n".join(planned.describe()), as_json)
+    fmt = chosen_format(fmt, as_json)
+    if fmt == "json":
+        click.echo(json.dumps(planned.to_json(), indent=2))
+    else:
+        from omni_dp.tables import render
+
+        render([planned.grid()], fmt)

@@ -7,43 +7,54 @@ from pathlib import Path
 
 import click
 
-from omni_dp.cli.common import emit, fail, finite, json_option
+from omni_dp.cli.common import (
+    chosen_format,
+    emit,
+    fail,
+    finite,
+    format_options,
+    json_option,
+    nothing_there,
+)
 from omni_dp.contract import ExitCode
 
 
 def _pick_run(run_id: str | None, command: str):
     from omni_dp.launcher.views.status import pick
-    from omni_dp.runfile import RunFileError
+    from omni_dp.runfile import RunFileError, RunNotFound
 
     try:
         return pick(run_id, command)
-    except RunFileError as exc:  # NoSuchRun is one
+    except RunNotFound as exc:
+        nothing_there(command, str(exc))
+    except RunFileError as exc:  # several runs and none named, an unreadable one
         fail(command, str(exc))
 
 
 @click.command()
 @click.argument("run_id", required=False)
-@json_option("the status")
+@format_options("the status")
 @click.option("--prometheus-sd", "sd_file", default=None, metavar="FILE",
               help="Instead of the status, write a Prometheus file_sd target list (the router "
                    "and every replica, labelled by run, role, replica and GPU) to FILE, "
                    "atomically; '-' prints it. With no RUN_ID: every live run on this host.")
-def status(run_id: str | None, as_json: bool, sd_file: str | None) -> None:
+def status(run_id: str | None, fmt: str, as_json: bool, sd_file: str | None) -> None:
     """A run's replicas (pid, CPU block, port, health, KV, MPS, restarts), router, daemon.
 
     With no RUN_ID: the only live run. A run over several GPUs is shown GPU by GPU, each with
     its MPS daemon. Exit codes: 0 every replica healthy, 1 not (or the run is abandoned:
-    nothing owns it), 2 no such run. With --prometheus-sd: 0 once the file is written, 2 when
-    it cannot be (the message says why).
+    nothing owns it, or there is no such run), 2 several runs and none named. With
+    --prometheus-sd: 0 once the file is written, 2 when it cannot be (the message says why).
     """
     from omni_dp.launcher.planning.facts import invoked_as
     from omni_dp.launcher.views.status import collect, format_status
 
     if sd_file is not None:
-        _write_prometheus_sd(run_id, sd_file, as_json)
+        _write_prometheus_sd(run_id, sd_file, chosen_format(fmt, as_json) == "json")
         return
     report = collect(_pick_run(run_id, "status"))
-    emit(report, format_status(report, invoked_as()), as_json)
+    fmt = chosen_format(fmt, as_json)
+    emit(report, format_status(report, invoked_as(), fmt), fmt == "json")
     healthy = report["replicas"] and all(r["health"] == "healthy" for r in report["replicas"])
     sys.exit(ExitCode.OK if healthy and report["state"] != "abandoned" else ExitCode.CHECK_FAILED)
 
@@ -52,10 +63,13 @@ def _write_prometheus_sd(run_id: str | None, sd_file: str, as_json: bool) -> Non
     """`status --prometheus-sd`: the target list of the run(s), to FILE or stdout ('-')."""
     from omni_dp.launcher.views.scrape_targets import TargetError, render, run_groups, write_file_sd
     from omni_dp.launcher.views.status import NoSuchRun, scrape_runs
+    from omni_dp.runfile import RunNotFound
 
     try:
         records = scrape_runs(run_id)
         groups = [group for record in records for group in run_groups(record)]
+    except RunNotFound as exc:
+        nothing_there("status", str(exc))
     except (NoSuchRun, TargetError) as exc:
         fail("status", str(exc))
     if sd_file == "-":
@@ -106,6 +120,8 @@ def logs(run_id, replica, router_log, supervisor_log, follow, lines) -> None:
 
     With several logs each line is prefixed with its log's name. Following prints whole lines
     only, and goes on in a log the supervisor replaced (after an MPS fault) from its start.
+    Exit codes: 0 printed, 1 no such run (or none at all), 2 several runs and none named, or
+    no such log.
     """
     from omni_dp.launcher.views.logview import LogError, select_logs, show_logs
 

@@ -38,9 +38,12 @@ def serve(ctx: click.Context, log_level: str, log_format: str, dry_run: bool,
           **kwargs) -> None:
     """Serve ONE replica of the built-in TTS pipeline over HTTP.
 
-    The pipeline is preprocess → talker (a decoder-only transformer over a paged KV cache,
-    continuous batching) → vocoder (streaming, 24 kHz 16-bit PCM). Endpoints: POST
-    /v1/audio/speech, GET /health, /get_server_info, /v1/models, /metrics.
+    By default (--model auto) a trained Piper voice, joe: preprocess (sentences, espeak-ng
+    phonemes) → voice (its ONNX graph on onnxruntime, streamed per sentence, 22,050 Hz, no KV
+    cache); docs/voice.md. The seeded presets (--model tiny|small, noise) are preprocess →
+    talker (a decoder-only transformer over a paged KV cache, continuous batching) → vocoder
+    (streaming, 24 kHz 16-bit PCM). Endpoints: POST /v1/audio/speech, GET /health,
+    /get_server_info, /v1/models, /metrics.
 
     Placement: every stage runs in this process unless --placement-config or a dotted
     option (--<stage>.<field> VALUE: process, device, gpu_memory_fraction, tp_size, devices,
@@ -60,6 +63,11 @@ def serve(ctx: click.Context, log_level: str, log_format: str, dry_run: bool,
         exit_with_problems("serve", exc.problems)
     if unknown:
         exit_with_problems("serve", [unknown_option_problem(unknown, ctx.command)])
+    from omni_dp.engine.voice.default import resolve_default_model
+
+    _, fallback = resolve_default_model(kwargs["model"])
+    if fallback:  # said first, on stderr (a replica's log): the audio will be noise
+        click.echo(f"omni-dp serve: {fallback}", err=True)
     try:
         plan = plan_serve(ServeOptions(**kwargs, placement_overrides=tuple(overrides)))
     except ServePlanError as exc:
@@ -93,7 +101,7 @@ def unknown_option_problem(args: list[str], command: click.Command) -> str:
 
 @click.command("save-weights")
 @click.argument("directory", type=click.Path(file_okay=False))
-@click.option("--model", default=DEFAULTS.model, show_default=True,
+@click.option("--model", default="tiny", show_default=True,
               type=click.Choice(["tiny", "small"]), help="Preset whose seeded weights to write.")
 @click.option("--weight-seed", default=DEFAULTS.weight_seed, show_default=True, type=int,
               help="Seed of the weights.")

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
 
 from omni_dp.blocking_http import http_json
 from omni_dp.contract import API_KEY_ENV, RUN_ID_ENV
@@ -37,6 +39,28 @@ ROUTER_READY_TIMEOUT_S = 30.0
 
 class BringUpFailed(Exception):
     """A step failed after something was created; the message says which and why."""
+
+
+class StartProgress(Protocol):
+    """Told what each replica bring-up waits on is doing, so a long wait is never silent
+    (views/progress.py's StartBoard shows it)."""
+
+    def begin(self, index: int, log: Path, phase: str) -> None: ...
+
+    def phase(self, index: int, phase: str) -> None: ...
+
+    def end(self, index: int) -> None: ...
+
+
+class NoProgress:
+    def begin(self, index: int, log: Path, phase: str) -> None:
+        pass
+
+    def phase(self, index: int, phase: str) -> None:
+        pass
+
+    def end(self, index: int) -> None:
+        pass
 
 
 def start_daemon(state: RunState, slot: int, binary: str,
@@ -100,17 +124,28 @@ def start_router(state: RunState) -> Started:
 
 
 def start_replicas(state: RunState, replicas: ReplicaControl, indices: list[int], *,
-                   sequential: bool, timeout_s: float, say: Callable[[str], None]) -> None:
+                   sequential: bool, timeout_s: float, say: Callable[[str], None],
+                   progress: StartProgress | None = None) -> None:
     """Start these replicas wave by wave (share_group.start_waves: a weight-sharing leader
     before its followers) and pass each wave through health, KV and the share checks before
     the next starts (not attachment); then measure what each holds."""
+    progress = progress or NoProgress()
     for wave in start_waves(state.record, indices):
-        _start_wave(state, replicas, wave, sequential=sequential, timeout_s=timeout_s, say=say)
+        try:
+            _start_wave(state, replicas, wave, sequential=sequential, timeout_s=timeout_s,
+                        say=say, progress=progress)
+        finally:
+            for i in wave:
+                progress.end(i)
     replicas.measure_memory(sorted(indices))
 
 
 def _start_wave(state: RunState, replicas: ReplicaControl, wave: list[int], *, sequential: bool,
-                timeout_s: float, say: Callable[[str], None]) -> None:
+                timeout_s: float, say: Callable[[str], None], progress: StartProgress) -> None:
+    def start(i: int) -> None:
+        replicas.start(i)
+        progress.begin(i, state.logs / state.replica(i).log, "starting, waiting for /health")
+
     def healthy(i: int) -> None:
         try:
             check = replicas.wait_healthy(i, timeout_s)
@@ -119,23 +154,26 @@ def _start_wave(state: RunState, replicas: ReplicaControl, wave: list[int], *, s
             state.update_replica(i, state=ReplicaState.FAILED,
                                  last_error=str(exc).splitlines()[0])
             raise BringUpFailed(f"replica {i} {exc}") from None
+        progress.phase(i, "healthy, waiting for the KV read-back")
         say(f"replica {i} healthy on {replicas.url(i)}" + (
             f"; its BF16 GEMM check passed under its MPS caps (relative error "
             f"{check['relative_error']:.4f})" if check else ""))
 
     if sequential or len(wave) == 1:
         for i in wave:
-            replicas.start(i)
+            start(i)
             healthy(i)
     else:
         for i in wave:
-            replicas.start(i)
+            start(i)
         say(f"started {len(wave)} replica(s) in parallel; waiting for /health")
         for i in wave:
             healthy(i)
     try:
         replicas.check_kv(wave)
         for i in wave:
+            if replicas.sharing:
+                progress.phase(i, "checking its weight sharing")
             replicas.share_gate(i)
     except GateFailed as exc:
         raise BringUpFailed(str(exc)) from None
@@ -153,11 +191,20 @@ def _start_wave(state: RunState, replicas: ReplicaControl, wave: list[int], *, s
 
 
 def verify_attachment(state: RunState, replicas: ReplicaControl,
-                      say: Callable[[str], None] = lambda line: None) -> None:
+                      say: Callable[[str], None] = lambda line: None,
+                      progress: StartProgress | None = None) -> None:
     """Every GPU's replicas against that GPU's daemon; the first GPU that fails stops it."""
     record = state.record
+    progress = progress or NoProgress()
     for daemon in record.daemons:
-        report = replicas.verify_attachment(daemon.gpu)
+        on_gpu = [r.index for r in record.replicas if r.gpu == daemon.gpu]
+        for i in on_gpu:
+            progress.begin(i, state.logs / state.replica(i).log, "checking its MPS attachment")
+        try:
+            report = replicas.verify_attachment(daemon.gpu)
+        finally:
+            for i in on_gpu:
+                progress.end(i)
         stem = attach_stem(record.gpu_key(daemon.gpu))
         title = record.gpu_record(daemon.gpu).title
         if not report.passed:
@@ -169,7 +216,7 @@ def verify_attachment(state: RunState, replicas: ReplicaControl,
 
 
 def bring_up(plan: LaunchPlan, state: RunState, replicas: ReplicaControl,
-             say: Callable[[str], None]) -> Started:
+             say: Callable[[str], None], progress: StartProgress | None = None) -> Started:
     """Returns the router process (a child of this process, to reap)."""
     o = plan.options
     if o.mps:
@@ -186,12 +233,13 @@ def bring_up(plan: LaunchPlan, state: RunState, replicas: ReplicaControl,
         + (f" (--share-weights: replica {LEADER} leads, the others follow once it published)"
            if o.share_weights else ""))
     start_replicas(state, replicas, [r.index for r in plan.replicas],
-                   sequential=plan.start == "sequential", timeout_s=plan.start_timeout, say=say)
+                   sequential=plan.start == "sequential", timeout_s=plan.start_timeout, say=say,
+                   progress=progress)
     tokens = state.record.replicas[0].kv_tokens
     say(f"KV capacity equal: {tokens} tokens on every replica (read back from each"
         + (")" if plan.expected_kv_tokens is not None else "; the engine derives the count)"))
     if o.mps:
-        verify_attachment(state, replicas, say)
+        verify_attachment(state, replicas, say, progress)
         say("MPS: every CUDA process of every replica is a client of the run's one server"
             if len(plan.gpus) == 1 else
             f"MPS: on each of the {len(plan.gpus)} GPUs, every CUDA process of its replicas "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omni_dp.gpus import GpuFacts
+from omni_dp.gpus import NO_DRIVER, GpuFacts
 from omni_dp.launcher.engines import ENGINES
 from omni_dp.launcher.planning.checks import (
     replica_count_problems,
@@ -15,6 +15,7 @@ from omni_dp.launcher.planning.facts import LaunchFacts, visible_id
 from omni_dp.launcher.planning.gpus import GpuGroup, gpu_groups, gpu_option_problems
 from omni_dp.launcher.planning.options import LaunchOptions
 from omni_dp.mps.binaries import MpsBinaries
+from omni_dp.mps.preflight import NO_DRIVER_MESSAGE
 
 
 @dataclass(frozen=True)
@@ -108,9 +109,9 @@ def _mps_gpu_problems(o: LaunchOptions, facts: LaunchFacts) -> list[str]:
     if not o.mps:
         return []
     if gpu is None and not o.no_gpu_check:
-        why = "; ".join(facts.gpu_problems) or "NVML sees no GPU here"
-        return [f"--mps needs a GPU, and there is none to use ({why}); run without --mps to "
-                "use the CPU"]
+        why = "; ".join(p.replace(NO_DRIVER_MESSAGE, NO_DRIVER) for p in facts.gpu_problems)
+        return [f"--mps needs a GPU, and there is none to use ({why or 'NVML sees no GPU here'})"
+                "; run without --mps to use the CPU"]
     if gpu is not None and not gpu.uuid:
         return [f"--mps: NVML could not read the UUID of GPU {gpu.index}; the MPS daemon and "
                 "its clients must name the GPU by UUID (a client's CUDA_VISIBLE_DEVICES index "
@@ -120,7 +121,11 @@ def _mps_gpu_problems(o: LaunchOptions, facts: LaunchFacts) -> list[str]:
 
 
 def plan_mps(o: LaunchOptions, facts: LaunchFacts) -> tuple[MpsPart | None, list[str]]:
-    """The MPS binaries the run uses, and the MPS preflight's word (read with the facts)."""
+    """The MPS binaries the run uses, and the MPS preflight's word (read with the facts).
+    Where there is no GPU at all (and no --no-gpu-check), --mps is refused by plan_gpu in one
+    line: where its binaries were looked for is beside the point there."""
+    if o.mps and not o.no_gpu_check and facts.gpu is None and not facts.gpus:
+        return None, []
     if facts.mps_problems:
         return None, list(facts.mps_problems)
     return MpsPart(facts.mps_binary, facts.mps_binaries), []

@@ -18,12 +18,14 @@ from omni_dp.runfile import (
     ReplicaRecord,
     ReplicaState,
     RunFileError,
+    RunNotFound,
     RunPhase,
     RunRecord,
     find_run_dir,
     stored_runs,
 )
 from omni_dp.sizes import format_size
+from omni_dp.tables import Grid, markdown
 
 
 class NoSuchRun(RunFileError):
@@ -40,6 +42,8 @@ def pick(run_id: str | None, command: str) -> RunState:
         chosen = runfile.pick_run(live or readable, what="run",
                                   none=f"no runs under {runs_dir(state_dir())}",
                                   example=f"{invoked_as()} {command}")
+    except RunNotFound:
+        raise
     except RunFileError as exc:
         raise NoSuchRun(str(exc)) from None
     assert chosen.record is not None and chosen.token is not None
@@ -53,6 +57,8 @@ def scrape_runs(run_id: str | None) -> list[RunRecord]:
     if run_id is not None:
         try:
             return [RunState.load(find_run_dir(run_id)).record]
+        except RunNotFound:
+            raise
         except RunFileError as exc:
             raise NoSuchRun(str(exc)) from None
     return [run.record for run in stored_runs() if run.live and run.record is not None]
@@ -161,30 +167,46 @@ def _replica_row(r: ReplicaRecord, probe: bool, role: str | None) -> dict:
     }
 
 
-def format_status(s: dict, command: str = "omni-dp") -> str:
-    lines = [f"run {s['run_id']}: {s['state']}   ({s['directory']})",
-             f"  supervisor  pid {s['supervisor']['pid']} "
-             f"{'alive' if s['supervisor']['alive'] else 'NOT running'}",
-             f"  router      {s['router']['url']}  pid {s['router']['pid']}  "
-             f"ready={s['router']['ready']}"]
+def format_status(s: dict, command: str = "omni-dp", fmt: str = "table") -> str:
+    """The status as text (`table`: fixed-width, never wrapped) or `markdown`."""
     gpus = s.get("gpus") or []
+    head = [f"run {s['run_id']}: {s['state']}   ({s['directory']})",
+            f"  supervisor  pid {s['supervisor']['pid']} "
+            f"{'alive' if s['supervisor']['alive'] else 'NOT running'}",
+            f"  router      {s['router']['url']}  pid {s['router']['pid']}  "
+            f"ready={s['router']['ready']}"]
     if s["mps"] and len(gpus) <= 1:
-        lines.append(f"  mps daemon  {_daemon_text(s['mps'])}")
+        head.append(f"  mps daemon  {_daemon_text(s['mps'])}")
     share = s.get("share")
     if share:
-        lines.append("  share       " + share_line(share, s["replicas"], s["gpu"]))
-    if len(gpus) <= 1:
-        lines.append(replica_table(s["replicas"]))
-    else:
-        lines += gpu_tables(gpus, s["replicas"])
+        head.append("  share       " + share_line(share, s["replicas"], s["gpu"]))
+    tail = []
     if s["state"] == "abandoned":
-        lines.append(f"nothing owns this run: its `launch` is gone and no supervisor took it "
-                     f"over (killed during bring-up?); `{command} down {s['run_id']}` stops "
-                     "what it started")
+        tail.append(f"nothing owns this run: its `launch` is gone and no supervisor took it "
+                    f"over (killed during bring-up?); `{command} down {s['run_id']}` stops "
+                    "what it started")
     elif s["state"] == "unsupervised":
-        lines.append(f"its supervisor is gone: nothing restarts a replica that fails; "
-                     f"`{command} down {s['run_id']}` stops the run")
-    return "\n".join(lines)
+        tail.append(f"its supervisor is gone: nothing restarts a replica that fails; "
+                    f"`{command} down {s['run_id']}` stops the run")
+    if fmt == "markdown":
+        return _markdown_status(s, head, tail)
+    tables = [replica_table(s["replicas"])] if len(gpus) <= 1 else gpu_tables(gpus,
+                                                                                s["replicas"])
+    return "\n".join(head + tables + tail)
+
+
+def _markdown_status(s: dict, head: list[str], tail: list[str]) -> str:
+    """The heading lines as a list, the replicas as one table (with a GPU column over
+    several GPUs), the notes after it."""
+    gpus = s.get("gpus") or []
+    bullets = [f"- {line.strip()}" for line in head[1:]]
+    bullets += [f"- {gpu_heading(g).strip()}" for g in gpus] if len(gpus) > 1 else []
+    several = len(gpus) > 1
+    grid = Grid("", (("gpu",) if several else ()) + _TABLE_HEADER,
+                [((str(r.get("gpu", 0)),) if several else ()) + _table_row(r)
+                 for r in s["replicas"]])
+    return "\n".join([f"**{head[0]}**", "", *bullets, "", markdown(grid),
+                      *(["", *tail] if tail else [])])
 
 
 def _daemon_text(mps: dict) -> str:

@@ -1,0 +1,202 @@
+"""The README's commands end in speech: `omni-dp launch --replicas 2` with serve's default model
+(the trained voice, which scripts/setup installs) answers through the router with audio an
+offline recognizer understands, where the seeded preset's audio is noise to it.
+
+One launch (two voice replicas behind the router) and one seeded replica serve every test here:
+the voice's checks add seconds, not a launch each, to the suite.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import re
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import soundfile
+
+from omni_dp.contract import RESUMABLE_HEADER, RESUME_FROM_HEADER, SEED_HEADER
+from omni_dp.engine.audio import RESPONSE_FORMATS
+from omni_dp.engine.options import DEFAULT_MODEL_ENV
+
+from support.http_client import get, post_json, request
+from support.launcher import OMNI_DP, Run, describe
+from support.recognizer import require_voice, transcribe, word_recall
+from support.replica import Replica
+
+pytestmark = pytest.mark.slow
+
+# Everyday sentences, none of them in the recognizer's way (no acronyms, no numbers).
+SENTENCES = (
+    "Please call me back in the morning.",
+    "The weather is very nice today.",
+    "I would like a cup of coffee.",
+    "Thank you very much for your help.",
+)
+MIN_VOICE_RECALL = 0.6
+MAX_SEEDED_RECALL = 0.2
+# Bodies each engine must refuse alike: (status, the field named).
+BAD_BODIES = (
+    b"not json",
+    json.dumps({"input": ""}).encode(),
+    json.dumps({"input": "hi", "voice": "nobody"}).encode(),
+    json.dumps({"input": "hi", "response_format": "aac"}).encode(),
+    json.dumps({"input": "hi", "response_format": "ogg"}).encode(),
+    json.dumps({"input": "hi", "speed": 9}).encode(),
+    json.dumps({"input": "hi", "model": "no-such-model"}).encode(),
+    json.dumps({"input": "x " * 1500}).encode(),
+    json.dumps({"voice": "alloy"}).encode(),
+)
+
+
+@pytest.fixture(scope="module")
+def voice_run(tmp_path_factory):
+    """The README's launch (no model named: serve's default, the voice) on fresh ports, and a
+    seeded `tiny` replica beside it."""
+    require_voice()
+    tmp = tmp_path_factory.mktemp("voice")
+    run = Run(tmp, replicas=2)
+    env = {k: v for k, v in run.env.items() if k != DEFAULT_MODEL_ENV}
+    tiny = None
+    try:
+        launched = subprocess.run(
+            [*OMNI_DP, "launch", "--replicas", "2", "--detach", "--run-id", run.run_id,
+             "--router-port", str(run.router_port), "--base-port", str(run.base_port)],
+            env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        assert launched.returncode == 0, describe(launched)
+        tiny = Replica(tmp / "tiny.log", "--model", "tiny").wait_ready()
+        yield run, tiny
+    finally:
+        run.cleanup()
+        if tiny is not None:
+            tiny.stop()
+
+
+def _replica_urls(run: Run) -> list[str]:
+    return [f"http://127.0.0.1:{run.base_port + i}" for i in range(run.replicas)]
+
+
+def _heard(url: str, text: str) -> tuple[int, int, str]:
+    status, _, body = post_json(url + "/v1/audio/speech",
+                                {"input": text, "response_format": "wav",
+                                 "stream": False})
+    assert status == 200, body[:300]
+    heard = transcribe(body)
+    return (*word_recall(text, heard), heard)
+
+
+def test_the_voice_is_understood_and_the_seeded_preset_is_not(voice_run):
+    run, tiny = voice_run
+    for url, name in ((run.router_url, "voice"), (tiny.url, "seeded tiny")):
+        results = [_heard(url, text) for text in SENTENCES]
+        got, total = sum(r[0] for r in results), sum(r[1] for r in results)
+        recall = got / total
+        print(f"{name}: {got}/{total} words ({recall:.0%}) heard: {[r[2] for r in results]}")
+        if name == "voice":
+            assert recall >= MIN_VOICE_RECALL, results
+        else:
+            assert recall < MAX_SEEDED_RECALL, results
+
+
+def test_both_voice_replicas_answer_behind_the_router(voice_run):
+    run, _ = voice_run
+    for url in _replica_urls(run):
+        info = json.loads(get(url + "/get_server_info")[2])
+        assert info["model"]["kind"] == "piper-voice" and info["max_total_num_tokens"] == 0
+        assert info["processes"][0]["stages"] == ["preprocess", "voice"]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda text: post_json(
+            run.router_url + "/v1/audio/speech", {"input": text, "stream": False}),
+            SENTENCES * 2))
+    assert [a[0] for a in answers] == [200] * len(answers)
+    for url in _replica_urls(run):
+        metrics = get(url + "/metrics")[2].decode()
+        ok = re.search(r'omni_dp_speech_requests_total\{[^}]*outcome="ok"[^}]*\} (\S+)', metrics)
+        assert ok and float(ok.group(1)) >= 1, f"{url} answered no request"
+        assert re.search(r"omni_dp_audio_seconds_total\{[^}]*\} [1-9]", metrics)
+
+
+def test_bad_input_gets_the_same_4xx_as_the_seeded_engine(voice_run):
+    run, tiny = voice_run
+
+    def answer(url: str, body: bytes) -> tuple[int, str | None]:
+        status, _, raw = post_json(url + "/v1/audio/speech", body)
+        return status, json.loads(raw)["error"]["param"]
+
+    for body in BAD_BODIES:
+        voice, seeded = answer(run.router_url, body), answer(tiny.url, body)
+        assert voice == seeded and 400 <= voice[0] < 500, (body[:60], voice, seeded)
+
+
+def test_every_format_and_sse_stream_sentence_by_sentence(voice_run):
+    run, _ = voice_run
+    text = "Hello there. How are you today? I am fine."
+    for fmt in RESPONSE_FORMATS:
+        status, _, body = post_json(run.router_url + "/v1/audio/speech",
+                                    {"input": text, "response_format": fmt})
+        assert status == 200, (fmt, body[:200])
+        if fmt != "pcm":
+            samples, rate = soundfile.read(io.BytesIO(body))
+            assert len(samples) / rate > 1.0, fmt
+    status, _, body = post_json(run.router_url + "/v1/audio/speech",
+                                {"input": text, "stream_format": "sse"})
+    events = [json.loads(line[6:]) for line in body.decode().splitlines()
+              if line.startswith("data: ")]
+    deltas = [e for e in events if e["type"] == "speech.audio.delta"]
+    assert status == 200 and events[-1]["type"] == "speech.audio.done"
+    assert len(deltas) >= 1 + 3  # the WAV header, then one chunk per sentence
+    assert all(base64.b64decode(d["audio"]) for d in deltas)
+
+
+def test_speed_changes_the_speaking_rate_and_the_usage_counts_the_audio(voice_run):
+    run, _ = voice_run
+    seconds = {}
+    for speed in (0.5, 2.0):
+        status, headers, body = post_json(
+            run.router_url + "/v1/audio/speech",
+            {"input": "Thank you very much for your help.", "response_format": "wav",
+             "stream": False, "speed": speed})
+        assert status == 200 and headers["X-Sample-Rate"] == "22050"
+        samples, rate = soundfile.read(io.BytesIO(body))
+        seconds[speed] = len(samples) / rate
+    assert seconds[0.5] > 2 * seconds[2.0]  # 4× the length_scale: 2.5× as long here
+    status, _, body = post_json(run.router_url + "/v1/audio/speech",
+                                {"input": "Hello there.", "stream_format": "sse"})
+    usage = json.loads(body.decode().strip().splitlines()[-1][6:])["usage"]
+    assert usage["input_tokens"] > 10 and usage["output_tokens"] == 0
+    assert 0.3 < usage["audio_seconds"] < 3
+
+
+def test_a_seed_does_not_reproduce_the_voice_so_no_answer_is_resumable(voice_run):
+    run, _ = voice_run
+    url = _replica_urls(run)[0]
+    body = {"input": "Please call me back.", "response_format": "wav", "seed": 7}
+    first, second = (post_json(url + "/v1/audio/speech", body) for _ in range(2))
+    assert first[0] == second[0] == 200
+    assert first[2] != second[2]  # the graph's noise: drawn anew, whatever the seed
+    for headers in (first[1], second[1]):
+        assert "X-Seed" not in headers and RESUMABLE_HEADER not in headers
+    # and a resume asked anyway is refused, naming the header
+    status, _, raw = request("POST", url + "/v1/audio/speech", body,
+                             headers={RESUME_FROM_HEADER: "100", SEED_HEADER: "7"})
+    assert status == 400 and json.loads(raw)["error"]["param"] == RESUME_FROM_HEADER
+
+
+def test_plan_and_the_dry_run_size_the_voice_without_kv():
+    require_voice()
+    env = {k: v for k, v in os.environ.items() if k != DEFAULT_MODEL_ENV}
+    dry = subprocess.run([*OMNI_DP, "serve", "--dry-run", "--device", "cpu"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    summary = json.loads(dry.stdout)
+    assert summary["model"] == "joe" and summary["weights_bytes"] > 50 * 2**20
+    assert (summary["max_total_num_tokens"], summary["kv_cache_bytes"]) == (0, 0)
+    planned = subprocess.run([*OMNI_DP, "plan", "--gpu", "none"], env=env, capture_output=True,
+                             text=True, timeout=120)
+    assert planned.returncode == 0, describe(planned)
+    assert "no KV: the engine's model keeps none" in planned.stdout
+    confirm = next(line for line in planned.stdout.splitlines() if "confirm with" in line)
+    assert "--max-total-tokens" not in confirm
