@@ -1,10 +1,17 @@
-"""Router overhead: what one hop through `omni-dp router` costs, next to direct and sglang-router.
+"""Router overhead: what one hop through `omni-dp router` costs, next to direct and Rust gateways.
 
 Starts two trivial aiohttp backends on 127.0.0.1 (bench/router_targets.py), then the
-targets: direct (one backend), `omni-dp router --workers 1`, `--workers 2`, `--workers 1` with
-`--log-level info` (the per-request route line on), and sglang-router when a throwaway venv holds
-it (`--sglang-python`, never a project dependency). Drives every target with the same load,
-interleaved, for a fixed duration per run:
+targets: direct (one backend), `omni-dp router --workers 1`, `--workers 2`, optionally
+`--workers 1` with `--log-level info` (the per-request route line on), a bare aiohttp relay (the
+floor an aiohttp hop cannot go under), and the Rust gateways sglang-router 0.3.2 and smg 1.13,
+each from a throwaway venv that is never a project dependency:
+
+    python3 -m venv /tmp/sgl-venv && /tmp/sgl-venv/bin/pip install sglang-router==0.3.2
+    python3 -m venv /tmp/smg-venv && /tmp/smg-venv/bin/pip install smg==1.13.0
+
+(`--print-setup` prints these; `--sglang-python` / `--smg` point elsewhere). Drives every
+target with the same load, interleaved (target order rotated per scenario and repetition, so
+background load on a shared machine hits all alike), for a fixed duration per run:
 
     json c=1 / c=32     POST /generate answered with ~200 bytes of JSON at once
     sse  c=1 / c=32     20 SSE `data:` events + `data: [DONE]`, unpaced
@@ -47,10 +54,16 @@ from router_targets import (
     run_wrk,
     sched_cpu_seconds,
     sglang_version,
+    smg_version,
     start_backend,
     start_omni,
+    start_relay,
     start_sglang,
+    start_smg,
 )
+
+SETUP = """python3 -m venv /tmp/sgl-venv && /tmp/sgl-venv/bin/pip install sglang-router==0.3.2
+python3 -m venv /tmp/smg-venv && /tmp/smg-venv/bin/pip install smg==1.13.0"""
 
 
 def run_one(target: Target, scenario: Scenario, rep: int, args, tmp: Path) -> RunResult:
@@ -86,10 +99,10 @@ def run_one(target: Target, scenario: Scenario, rep: int, args, tmp: Path) -> Ru
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=8.0, help="seconds per wrk run")
-    parser.add_argument("--repetitions", type=int, default=2)
+    parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--ttfb-requests", type=int, default=20,
                         help="paced requests per TTFB measurement (after 3 warm-up)")
-    parser.add_argument("--targets", default="direct,omni-w1,omni-w2,omni-w1-info,sglang",
+    parser.add_argument("--targets", default="direct,omni-w1,omni-w2,relay,sglang,smg",
                         help="comma-separated subset of: " + ", ".join(LABELS))
     parser.add_argument("--scenarios", default=",".join(s.key.replace(" c=", ":")
                                                         for s in SCENARIOS),
@@ -97,11 +110,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sglang-python", default="/tmp/sgl-venv/bin/python",
                         help="python of a throwaway venv holding sglang-router (not a project "
                              "dependency)")
+    parser.add_argument("--smg", default="/tmp/smg-venv/bin/smg",
+                        help="the smg executable of a throwaway venv (not a project dependency)")
+    parser.add_argument("--print-setup", action="store_true",
+                        help="print the commands that make the gateways' throwaway venvs, and exit")
     parser.add_argument("--loadgen", choices=["auto", "wrk", "python"], default="auto",
                         help="auto: wrk when on PATH, else an aiohttp client in its own process")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--record", type=Path, help="write the results into this markdown file")
     args = parser.parse_args(argv)
+    if args.print_setup:
+        print(SETUP)
+        raise SystemExit(0)
     if args.loadgen == "auto":
         args.loadgen = "wrk" if shutil.which("wrk") else "python"
     args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
@@ -135,15 +155,35 @@ def start_targets(procs: Processes, args: argparse.Namespace,
         elif name == "sglang":
             target = _start_sglang(procs, args.sglang_python, list(urls), skipped)
             targets += [target] if target else []
+        elif name == "smg":
+            target = _start_smg(procs, args.smg, list(urls), skipped)
+            targets += [target] if target else []
+        elif name == "relay":
+            targets.append(start_relay(procs, list(urls)))
     return targets
+
+
+def _start_smg(procs: Processes, smg: str, urls: list[str],
+               skipped: dict[str, str]) -> Target | None:
+    version = smg_version(smg)
+    if version is None:
+        skipped["smg"] = f"no smg executable at {smg} (--print-setup says how to install it)"
+        return None
+    try:
+        target = start_smg(procs, smg, urls)
+    except RuntimeError as exc:
+        skipped["smg"] = f"smg {version} did not start: {exc}"
+        return None
+    target.command += f"  (smg {version})"
+    return target
 
 
 def _start_sglang(procs: Processes, python: str, urls: list[str],
                   skipped: dict[str, str]) -> Target | None:
     version = sglang_version(python)
     if version is None:
-        skipped["sglang"] = (f"no sglang-router importable by {python} (pip install "
-                             "sglang-router into a throwaway venv)")
+        skipped["sglang"] = (f"no sglang-router importable by {python} (--print-setup says "
+                             "how to install it)")
         return None
     try:
         target = start_sglang(procs, python, urls)

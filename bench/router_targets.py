@@ -1,6 +1,7 @@
 """The router benchmark's parts that run things: two trivial aiohttp backends
 (`python router_targets.py --backend PORT`), the targets in front of them (direct, `omni-dp
-router`, sglang-router from a throwaway venv), the load generators (wrk, or an aiohttp client in
+router`, sglang-router and smg from throwaway venvs, and a bare aiohttp relay as the floor:
+`--relay PORT URL...`), the load generators (wrk, or an aiohttp client in
 its own process: `--loadgen-child SPEC`), the streamed time-to-first-byte probe, and the CPU
 that a target's process tree spends. Everything started is stopped by pid.
 """
@@ -80,11 +81,61 @@ def run_backend(port: int) -> None:
         return response
 
     info = {"model_path": "bench-backend", "served_model_name": "bench-backend"}
+    models = {"object": "list", "data": [{"id": "bench-backend", "object": "model",
+                                          "created": 0, "owned_by": "bench"}]}
     app = web.Application()
     app.router.add_post("/generate", generate)
     app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
-    for path in ("/get_server_info", "/get_model_info"):  # sglang-router's discovery calls
+    # The gateways' discovery calls: sglang-router 0.3.2 reads /get_server_info and
+    # /get_model_info; smg 1.13 detects the backend by /v1/models, /version or /server_info.
+    for path in ("/get_server_info", "/get_model_info", "/server_info", "/model_info"):
         app.router.add_get(path, lambda r: web.json_response(info))
+    app.router.add_get("/v1/models", lambda r: web.json_response(models))
+    web.run_app(app, host=HOST, port=port, access_log=None, print=None)
+
+
+def run_relay(port: int, backends: list[str]) -> None:
+    """The floor: the least an aiohttp + uvloop hop can do (round robin, one shared client
+    session, a small answer of known length read whole and sent in one write, anything else
+    relayed as it arrives), with none of the router's health, admission, retries or metrics.
+    What omni-dp's router costs above this is its own; what this costs is aiohttp's."""
+    from aiohttp import web
+
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    hop = {"connection", "keep-alive", "transfer-encoding", "host", "content-length"}
+    turn = 0
+
+    async def relay(request: web.Request) -> web.StreamResponse:
+        nonlocal turn
+        turn += 1
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in hop}
+        url = backends[turn % len(backends)] + request.raw_path
+        async with session.request(request.method, url, data=body, headers=headers) as up:
+            out = {k: v for k, v in up.headers.items() if k.lower() not in hop}
+            if up.content_length is not None and up.content_length <= 65536:
+                return web.Response(body=await up.read(), status=up.status, headers=out)
+            response = web.StreamResponse(status=up.status, headers=out)
+            await response.prepare(request)
+            async for chunk in up.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+    async def start(app: web.Application) -> None:
+        nonlocal session
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                        auto_decompress=False,
+                                        cookie_jar=aiohttp.DummyCookieJar())
+
+    session: aiohttp.ClientSession
+    app = web.Application()
+    app.on_startup.append(start)
+    app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
+    app.router.add_route("*", "/{tail:.*}", relay)
     web.run_app(app, host=HOST, port=port, access_log=None, print=None)
 
 
@@ -127,7 +178,7 @@ def run_loadgen_child(spec: dict) -> None:
 
 @dataclass
 class Target:
-    name: str  # short key: direct, omni-w1, omni-w2, omni-w1-info, sglang
+    name: str  # short key: direct, omni-w1, omni-w2, omni-w1-info, sglang, smg, relay
     url: str
     command: str  # how it was started, for the record
     procs: list[psutil.Process] = field(default_factory=list)  # the hop's CPU is theirs
@@ -341,6 +392,46 @@ def start_sglang(procs: Processes, python: str, backends: list[str]) -> Target:
                   "python -m sglang_router.launch_router " + " ".join(args), tree)
 
 
+def start_smg(procs: Processes, smg: str, backends: list[str]) -> Target:
+    """smg (the SGLang Model Gateway's own package) with the flags its `launch --help` lists,
+    set like sglang-router's: round robin, default retries, circuit breaker and health."""
+    port, metrics_port = free_port(), free_port()
+    args = ["launch", "--worker-urls", *backends, "--policy", "round_robin", "--host", HOST,
+            "--port", str(port), "--prometheus-host", HOST, "--prometheus-port",
+            str(metrics_port), "--log-level", "warn", "--shutdown-grace-period-secs", "2"]
+    proc, log = procs.spawn("smg", [smg, *args])
+    url = f"http://{HOST}:{port}"
+
+    def ready() -> bool:
+        status, body = http_get(url + "/readiness")
+        return status == 200 and json.loads(body).get("healthy_workers") == len(backends)
+
+    wait_until(ready, proc, log, "smg", timeout=90)
+    parent = psutil.Process(proc.pid)
+    tree = [parent, *parent.children(recursive=True)]
+    procs.descendants.extend(tree[1:])
+    return Target("smg", url + "/generate", "smg " + " ".join(args), tree)
+
+
+def smg_version(smg: str) -> str | None:
+    """`smg --version` ("smg 1.13.0"), or None when there is no such executable."""
+    try:
+        out = subprocess.run([smg, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    words = out.stdout.split()
+    return words[-1] if out.returncode == 0 and words else None
+
+
+def start_relay(procs: Processes, backends: list[str]) -> Target:
+    port = free_port()
+    proc, log = procs.spawn("relay", [sys.executable, __file__, "--relay", str(port), *backends])
+    url = f"http://{HOST}:{port}"
+    wait_until(lambda: http_get(url + "/health")[0] == 200, proc, log, "relay")
+    return Target("relay", url + "/generate", "router_targets.py --relay PORT BACKEND...",
+                  [psutil.Process(proc.pid)])
+
+
 def sglang_version(python: str) -> str | None:
     code = "import importlib.metadata as m; print(m.version('sglang-router'))"
     try:
@@ -359,7 +450,10 @@ def ms(values: list[float], q: float) -> float:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--backend"]:
         run_backend(int(sys.argv[2]))
+    elif sys.argv[1:2] == ["--relay"]:
+        run_relay(int(sys.argv[2]), sys.argv[3:])
     elif sys.argv[1:2] == ["--loadgen-child"]:
         run_loadgen_child(json.loads(sys.argv[2]))
     else:
-        sys.exit("usage: router_targets.py --backend PORT | --loadgen-child SPEC")
+        sys.exit("usage: router_targets.py --backend PORT | --relay PORT URL... | "
+                 "--loadgen-child SPEC")

@@ -3,24 +3,23 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
 import random
 import signal
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from omni_dp.router.config import RouterConfig, is_loopback_address
 from omni_dp.router.hangs import HangWatch
 from omni_dp.router.health import HealthChecker, check, mark_healthy, probe, record_hang
 from omni_dp.router.metrics import RouterMetrics
 from omni_dp.router.policies import RequestContext, make_policy
-from omni_dp.router.proxy import Forwarder, json_error
+from omni_dp.router.proxy import CLIENT_AUTO_HEADERS, Forwarder, json_error
 from omni_dp.router.replicas import (
     Backends,
     DuplicateReplica,
@@ -42,16 +41,50 @@ OPS_METHODS = frozenset({"GET", "HEAD"})
 _CUT_GRACE_S = 1.0
 ROUTER_KEY: web.AppKey[Router] = web.AppKey("router")
 ADMIN_PREFIX = "/workers"
+# With several workers, how often each writes its replica gauges for its siblings' scrapes.
+_SHARED_METRICS_S = 1.0
+
+
+class _Slot:
+    """One of a Router's counted slots (`num_reading` or `num_admitted`) held by the current
+    task: a class, not a generator context manager, as it is taken on every request."""
+
+    __slots__ = ("_count", "_router", "_task")
+
+    def __init__(self, router: Router, count: str) -> None:
+        self._router, self._count = router, count
+        self._task: asyncio.Task | None = None
+
+    def __enter__(self) -> None:
+        router = self._router
+        self._task = asyncio.current_task()
+        setattr(router, self._count, getattr(router, self._count) + 1)
+        router._active.add(self._task)
+
+    def __exit__(self, kind, exc, tb) -> None:
+        router, count = self._router, self._count
+        if (count == "num_admitted" and router.cutting_off and kind is not None
+                and issubclass(kind, asyncio.CancelledError)):
+            router.num_cut_off += 1
+        left = getattr(router, count) - 1
+        setattr(router, count, left)
+        lowest = "lowest_" + count[4:]
+        setattr(router, lowest, min(getattr(router, lowest), left))
+        released(count, left)
+        router._active.discard(self._task)
 
 
 class Router:
     """Owns the backends, the policy, the upstream session and the counters."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, metrics_dir: str | None = None) -> None:
+        """`metrics_dir`: this is one of several worker processes sharing their metrics there
+        (metrics.py)."""
         self.config = config
         self.replicas = Backends([Replica(rid, url) for rid, url in config.replicas])
         self.policy = make_policy(config.policy, config.seed)
-        self.metrics = RouterMetrics(lambda: self.replicas)
+        self.metrics = RouterMetrics(lambda: self.replicas, metrics_dir)
+        self._metrics_writer: asyncio.Task | None = None
         self.num_admitted = 0  # requests past admission and not yet answered
         self.num_reading = 0  # requests whose body is being read (before admission)
         # The lowest each count ever reached: below 0 means a slot was released twice (a bug,
@@ -91,36 +124,13 @@ class Router:
             return "replicas_full", f"every replica has {cap} requests in flight; retry shortly"
         return None
 
-    @contextlib.contextmanager
-    def reading(self) -> Iterator[None]:
+    def reading(self) -> _Slot:
         """Counts a request whose body is being read; the drain cut cancels it too."""
-        task = asyncio.current_task()
-        self.num_reading += 1
-        self._active.add(task)
-        try:
-            yield
-        finally:
-            self.num_reading -= 1
-            self.lowest_reading = min(self.lowest_reading, self.num_reading)
-            released("num_reading", self.num_reading)
-            self._active.discard(task)
+        return _Slot(self, "num_reading")
 
-    @contextlib.contextmanager
-    def admitted(self) -> Iterator[None]:
-        task = asyncio.current_task()
-        self.num_admitted += 1
-        self._active.add(task)
-        try:
-            yield
-        except asyncio.CancelledError:
-            if self.cutting_off:
-                self.num_cut_off += 1
-            raise
-        finally:
-            self.num_admitted -= 1
-            self.lowest_admitted = min(self.lowest_admitted, self.num_admitted)
-            released("num_admitted", self.num_admitted)
-            self._active.discard(task)
+    def admitted(self) -> _Slot:
+        """Counts a request past admission until it is answered; the drain cut cancels it."""
+        return _Slot(self, "num_admitted")
 
     def begin_drain(self, drain_s: float) -> None:
         """Refuse new requests now; cut off whatever is still in flight after `drain_s`.
@@ -214,13 +224,18 @@ class Router:
         self.session = aiohttp.ClientSession(
             connector=connector,
             auto_decompress=False,  # relay bytes exactly as the replica sent them
+            # A replica's cookies are its client's: a jar would send them with every other
+            # client's requests (and filtering it costs time on each request).
+            cookie_jar=aiohttp.DummyCookieJar(),
+            skip_auto_headers=CLIENT_AUTO_HEADERS,  # only what the client sent goes upstream
             timeout=aiohttp.ClientTimeout(
                 total=self.config.request_timeout_s, connect=self.config.connect_timeout_s,
             ),
         )
         # Probes get a session of their own: a replica busy at its in-flight cap must still
         # be checkable, or being busy would look like being dead.
-        self.probe_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self.probe_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                                   cookie_jar=aiohttp.DummyCookieJar())
         self.health = HealthChecker(
             self.probe_session, lambda: self.replicas, self.config.health,
             rng=random.Random(self.config.seed),
@@ -233,10 +248,23 @@ class Router:
         self.hangs = HangWatch(check_one, health.timeout_s, record_hang)
         await self.health.check_all()  # route as soon as the first probes pass
         self.health.start()
+        if self.metrics.multiprocess_dir is not None:
+            self._metrics_writer = asyncio.create_task(self._write_metrics(),
+                                                       name="metrics-writer")
+
+    async def _write_metrics(self) -> None:
+        """With several workers: keep this one's replica gauges fresh for its siblings'
+        scrapes (a scrape this worker answers writes them first anyway)."""
+        while True:
+            self.metrics.write_shared()
+            await asyncio.sleep(_SHARED_METRICS_S)
 
     async def stop(self) -> None:
         if self._cut_timer is not None:
             self._cut_timer.cancel()
+        if self._metrics_writer is not None:
+            self._metrics_writer.cancel()
+            await asyncio.gather(self._metrics_writer, return_exceptions=True)
         if self.health is not None:
             await self.health.stop()
         if self.hangs is not None:
@@ -305,8 +333,7 @@ async def _live(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    registry = request.app[ROUTER_KEY].metrics.registry
-    return web.Response(body=generate_latest(registry),
+    return web.Response(body=request.app[ROUTER_KEY].metrics.exposition(),
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -424,12 +451,14 @@ async def serve_router(
     sock: socket.socket,
     drain_s: float = 30.0,
     attach: Callable[[Router], None] | None = None,
+    metrics_dir: str | None = None,
 ) -> None:
     """Serve on `sock` until SIGTERM/SIGINT, then drain in-flight requests (bounded).
 
-    `attach` connects the router to its siblings when several processes share the port.
+    `attach` connects the router to its siblings when several processes share the port, and
+    `metrics_dir` is where they share their metrics.
     """
-    router = Router(config)
+    router = Router(config, metrics_dir)
     if attach is not None:
         attach(router)
     stop = asyncio.Event()

@@ -82,7 +82,6 @@ class Exchange:
     request: web.Request
     body: bytes
     headers: CIMultiDict  # what goes upstream
-    skip: list[str]
     record: RouteRecord
     ctx: RequestContext
     started: float  # perf_counter, for the route log

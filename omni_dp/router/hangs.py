@@ -37,21 +37,27 @@ class HangTimeout(Exception):
     """The replica waited on is hung (found so now, or earlier): stop waiting on it."""
 
 
-@dataclass(eq=False)
 class _Waiter:
     """One request waiting on one replica: since when (its last byte), and how it is let go.
 
     `expire` is called once the replica is found hung: the head wait's timeout scope is ended
-    (HangTimeout), or the stream's connection closed (its read fails, `expired` says why).
+    (HangTimeout), or the stream's connection closed (`expire_now`; its read fails, `expired`
+    says why). A slotted class: one is made per request.
     """
 
-    timeout_s: float
-    what: str  # "status line", "byte": for the messages
-    last: float  # loop time the wait began, or of the stream's last byte
-    expire_now: Callable[[], None] = lambda: None
-    timer: asyncio.TimerHandle | None = None
-    expired: bool = False
-    message: str = ""
+    __slots__ = ("expire_now", "expired", "last", "message", "scope", "timeout_s", "timer",
+                 "what")
+
+    def __init__(self, timeout_s: float, what: str, last: float,
+                 expire_now: Callable[[], None] | None = None) -> None:
+        self.timeout_s = timeout_s
+        self.what = what  # "status line", "byte": for the messages
+        self.last = last  # loop time the wait began, or of the stream's last byte
+        self.expire_now = expire_now
+        self.scope = None  # the head wait's timeout scope
+        self.timer: asyncio.TimerHandle | None = None
+        self.expired = False
+        self.message = ""
 
     def touch(self, now: float) -> None:
         """A byte arrived: the next check is due a whole period from now."""
@@ -66,7 +72,13 @@ class _Waiter:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        self.expire_now()
+        if self.scope is not None:
+            # async-timeout's scope (Python 3.10) has update() where asyncio's has
+            # reschedule(): either ends the scope now.
+            end = getattr(self.scope, "reschedule", None) or self.scope.update
+            end(asyncio.get_running_loop().time())
+        if self.expire_now is not None:
+            self.expire_now()
 
 
 class _NoWatch:
@@ -103,12 +115,12 @@ class HangWatch:
         waiter = _Waiter(timeout_s, what, loop.time())
         try:
             async with _timeout(None) as scope:
-                # async-timeout's scope (Python 3.10) has update() where asyncio's has
-                # reschedule(): either ends the scope now.
-                end = getattr(scope, "reschedule", None) or scope.update
-                waiter.expire_now = lambda: end(loop.time())
-                with self._registered(loop, replica, waiter):
+                waiter.scope = scope
+                self._register(loop, replica, waiter)
+                try:
                     return await awaitable
+                finally:
+                    self._unregister(replica, waiter)
         except asyncio.TimeoutError:  # TimeoutError from 3.11 on; async-timeout's before
             if waiter.expired:
                 raise HangTimeout(waiter.message) from None
@@ -126,8 +138,11 @@ class HangWatch:
             return
         loop = asyncio.get_running_loop()
         waiter = _Waiter(timeout_s, what, loop.time(), expire_now=cut)
-        with self._registered(loop, replica, waiter):
+        self._register(loop, replica, waiter)
+        try:
             yield waiter
+        finally:
+            self._unregister(replica, waiter)
 
     async def stop(self) -> None:
         checks = list(self._checks.values())
@@ -136,19 +151,23 @@ class HangWatch:
         await asyncio.gather(*checks, return_exceptions=True)
 
     # --- inside the loop ----------------------------------------------------------------
-    @contextlib.contextmanager
-    def _registered(self, loop: asyncio.AbstractEventLoop, replica: Replica,
-                    waiter: _Waiter) -> Iterator[None]:
-        waiters = self._waiting.setdefault(replica, set())
+    # Register and unregister are plain calls around a try/finally, not a generator context
+    # manager: every request's head wait takes them.
+    def _register(self, loop: asyncio.AbstractEventLoop, replica: Replica,
+                  waiter: _Waiter) -> None:
+        waiters = self._waiting.get(replica)
+        if waiters is None:
+            waiters = self._waiting[replica] = set()
         waiters.add(waiter)
         self._arm(loop, replica, waiter)
-        try:
-            yield
-        finally:
-            if waiter.timer is not None:
-                waiter.timer.cancel()
+
+    def _unregister(self, replica: Replica, waiter: _Waiter) -> None:
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+        waiters = self._waiting.get(replica)
+        if waiters is not None:
             waiters.discard(waiter)
-            if not waiters and self._waiting.get(replica) is waiters:
+            if not waiters:
                 del self._waiting[replica]
 
     def _arm(self, loop: asyncio.AbstractEventLoop, replica: Replica, waiter: _Waiter) -> None:

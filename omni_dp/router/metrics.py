@@ -1,11 +1,31 @@
-"""Prometheus metrics of one router process; per-replica labels are the replica ids (bounded),
-and every `reason` / `why` label takes one of a few fixed values (the proxy's failure kinds)."""
+"""Prometheus metrics of the router; per-replica labels are the replica ids (bounded), and
+every `reason` / `why` label takes one of a few fixed values (the proxy's failure kinds).
+
+With `--workers K` (K > 1) the worker processes share one view through prometheus-client's
+multiprocess mode: the parent sets PROMETHEUS_MULTIPROC_DIR before it spawns them, so every
+counter and histogram lives in a memory-mapped file there, and whichever worker a scrape lands
+on reads the sums over all of them. Custom collectors do not work in that mode, so each worker
+writes its view of the replicas (in flight, routable, healthy, ejections, hangs) into
+multiprocess gauges and counters: at every scrape it answers, and every second otherwise (a
+sibling's part of a gauge can be a second old). In flight sums over the workers; routable and
+healthy take the lowest (1 only while every worker routes to the replica); ejections and hangs
+sum (each worker ejects on its own). A removed replica's series stay, gauges at 0, until the
+router restarts: the mode cannot delete a series from its files.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+    multiprocess,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from omni_dp.router.replicas import Backends
@@ -46,11 +66,61 @@ class _ReplicaCollector:
         yield from (in_flight, routable, healthy, ejections, hangs)
 
 
+class _SharedReplicaMetrics:
+    """What _ReplicaCollector reads at scrape time, written into multiprocess files instead."""
+
+    def __init__(self, replicas: Callable[[], Backends], registry: CollectorRegistry) -> None:
+        self._replicas = replicas
+        self.in_flight = Gauge(
+            "omni_dp_router_in_flight", "Requests in flight per replica.", ["replica"],
+            registry=registry, multiprocess_mode="livesum")
+        self.routable = Gauge(
+            "omni_dp_router_replica_routable", "1 if the replica receives traffic.",
+            ["replica"], registry=registry, multiprocess_mode="livemin")
+        self.healthy = Gauge(
+            "omni_dp_router_replica_healthy", "1 healthy, 0 ejected or not yet checked.",
+            ["replica"], registry=registry, multiprocess_mode="livemin")
+        self.ejections = Counter(
+            "omni_dp_router_ejections", "Times a replica was ejected for failures or a hang.",
+            ["replica"], registry=registry)
+        self.hangs = Counter(
+            "omni_dp_router_hangs",
+            "Times a replica was found hung (no answer in time, and a failed health check).",
+            ["replica"], registry=registry)
+        self._counted: dict[tuple[str, str], int] = {}  # what the counters hold already
+        self._known: set[str] = set()
+
+    def write(self) -> None:
+        current = {replica.id: replica for replica in self._replicas()}
+        for gone in self._known - current.keys():
+            for gauge in (self.in_flight, self.routable, self.healthy):
+                gauge.labels(gone).set(0)
+        self._known = set(current)
+        for rid, replica in current.items():
+            self.in_flight.labels(rid).set(replica.in_flight)
+            self.routable.labels(rid).set(int(replica.routable))
+            self.healthy.labels(rid).set(int(replica.health.value == "healthy"))
+            for counter, name, value in ((self.ejections, "ejections", replica.num_ejections),
+                                         (self.hangs, "hangs", replica.num_hangs)):
+                delta = value - self._counted.get((rid, name), 0)
+                if delta > 0:
+                    counter.labels(rid).inc(delta)
+                    self._counted[(rid, name)] = value
+
+
 class RouterMetrics:
-    def __init__(self, replicas: Callable[[], Backends]) -> None:
+    def __init__(self, replicas: Callable[[], Backends],
+                 multiprocess_dir: str | None = None) -> None:
+        """`multiprocess_dir`: this process is one of several router workers sharing it
+        (PROMETHEUS_MULTIPROC_DIR was set before prometheus-client was imported here)."""
         disable_created_metrics()
+        self.multiprocess_dir = multiprocess_dir
         self.registry = CollectorRegistry()
-        self.registry.register(_ReplicaCollector(replicas))
+        self._shared: _SharedReplicaMetrics | None = None
+        if multiprocess_dir is None:
+            self.registry.register(_ReplicaCollector(replicas))
+        else:
+            self._shared = _SharedReplicaMetrics(replicas, self.registry)
         self.requests = Counter(
             "omni_dp_router_requests", "Proxied requests by replica and status.",
             ["replica", "status"], registry=self.registry)
@@ -86,8 +156,35 @@ class RouterMetrics:
             "omni_dp_router_ttfb_seconds", "Request start to the first response body byte.",
             buckets=_BUCKETS, registry=self.registry)
 
+        self._requests: dict[tuple[str, int], Counter] = {}
+
+    def write_shared(self) -> None:
+        """With several workers: this worker's view of the replicas, into the shared files."""
+        if self._shared is not None:
+            self._shared.write()
+
+    def exposition(self) -> bytes:
+        """The text a scrape of /metrics gets: this process's registry, or with several
+        workers the sums over all of them."""
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        self.write_shared()
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=self.multiprocess_dir)
+        return generate_latest(registry)
+
+    def count_request(self, replica_id: str, status: int) -> None:
+        """One answer from a replica; its labelled child is looked up once per (replica,
+        status), not on every request (`labels()` validates and locks each time)."""
+        child = self._requests.get((replica_id, status))
+        if child is None:
+            child = self._requests[(replica_id, status)] = self.requests.labels(
+                replica_id, str(status))
+        child.inc()
+
     def forget(self, replica_id: str) -> None:
         """Drop the labelled series of a removed replica."""
+        self._requests = {k: v for k, v in self._requests.items() if k[0] != replica_id}
         for metric in (self.requests, self.upstream_errors):
             for labels in list(metric._metrics):  # prometheus_client keeps no public index
                 if labels[0] == replica_id:

@@ -7,7 +7,6 @@ request (finished, failed, streamed, cancelled).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
 from collections.abc import Iterator
@@ -101,16 +100,9 @@ class Replica:
     def routable(self) -> bool:
         return self.health == Health.HEALTHY and not self.disabled and not self.removed
 
-    @contextlib.contextmanager
-    def dispatched(self) -> Iterator[None]:
-        self.in_flight += 1
-        self.num_requests += 1
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
-            self.lowest_in_flight = min(self.lowest_in_flight, self.in_flight)
-            released(f"replica {self.id} in_flight", self.in_flight)
+    def dispatched(self) -> _Dispatched:
+        """Counts one request in flight to this replica until the `with` block is left."""
+        return _Dispatched(self)
 
     def describe(self) -> dict:
         return {
@@ -128,6 +120,27 @@ class Replica:
             "consecutive_failures": self.consecutive_failures,
             "last_error": self.last_error,
         }
+
+
+class _Dispatched:
+    """`Replica.dispatched()`: a class, not a generator context manager, as every attempt
+    takes one."""
+
+    __slots__ = ("_replica",)
+
+    def __init__(self, replica: Replica) -> None:
+        self._replica = replica
+
+    def __enter__(self) -> None:
+        replica = self._replica
+        replica.in_flight += 1
+        replica.num_requests += 1
+
+    def __exit__(self, kind, exc, tb) -> None:
+        replica = self._replica
+        replica.in_flight -= 1
+        replica.lowest_in_flight = min(replica.lowest_in_flight, replica.in_flight)
+        released(f"replica {replica.id} in_flight", replica.in_flight)
 
 
 class Backends:

@@ -4,7 +4,9 @@ With K > 1 a small parent owns the children (gunicorn-style: it only spawns, rel
 and relays admin changes: a `/workers` change lands on whichever child accepted the
 connection; that child applies it, answers, and tells the parent, which passes it to every
 other child over their pipes (milliseconds). Each child checks health and counts its own
-in-flight requests; the in-flight bounds are split evenly between the children.
+in-flight requests; the in-flight bounds are split evenly between the children. Their metrics
+are one view: prometheus-client's multiprocess mode over a directory the parent makes and
+removes (metrics.py), so a scrape answered by any child reads the sums over all.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import logging
 import math
 import multiprocessing
 import os
+import shutil
 import signal
+import tempfile
 from multiprocessing.connection import Connection, wait
 
 from omni_dp.contract import ExitCode
@@ -27,6 +31,7 @@ from omni_dp.router.app import Router, serve_router
 from omni_dp.router.config import RouterConfig
 
 log = logging.getLogger("omni_dp.router")
+_MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 
@@ -67,7 +72,7 @@ def child_config(config: RouterConfig) -> RouterConfig:
 
 
 def _child_main(config: RouterConfig, conn: Connection, index: int, drain_s: float,
-                logs: LogSetup) -> None:
+                logs: LogSetup, metrics_dir: str) -> None:
     setup_logging(logs.level, logs.fmt, worker=index)  # the parent's, each line naming index
     use_uvloop()
     sock = bind_listening(config.host, config.port, backlog=4096, reuse_port=True)
@@ -90,22 +95,33 @@ def _child_main(config: RouterConfig, conn: Connection, index: int, drain_s: flo
 
         loop.add_reader(conn.fileno(), receive)
 
-    asyncio.run(serve_router(config, sock, drain_s, attach=attach))
+    asyncio.run(serve_router(config, sock, drain_s, attach=attach, metrics_dir=metrics_dir))
 
 
 def _run_children(config: RouterConfig, drain_s: float) -> int:
     ctx = multiprocessing.get_context("spawn")
     share = child_config(config)
     children: list[tuple[multiprocessing.process.BaseProcess, Connection]] = []
-    for index in range(config.workers):
-        parent_end, child_end = ctx.Pipe()
-        process = ctx.Process(
-            target=_child_main, name=f"omni-dp-router-{index}",
-            args=(share, child_end, index, drain_s, current_logs()),
-        )
-        process.start()
-        child_end.close()
-        children.append((process, parent_end))
+    metrics_dir = tempfile.mkdtemp(prefix="omni-dp-router-metrics-")
+    # prometheus-client picks its value class when a process imports it: the children see
+    # this in the environment they are spawned with (the parent's own metrics stay as they are).
+    previous_env = os.environ.get(_MULTIPROC_ENV)
+    os.environ[_MULTIPROC_ENV] = metrics_dir
+    try:
+        for index in range(config.workers):
+            parent_end, child_end = ctx.Pipe()
+            process = ctx.Process(
+                target=_child_main, name=f"omni-dp-router-{index}",
+                args=(share, child_end, index, drain_s, current_logs(), metrics_dir),
+            )
+            process.start()
+            child_end.close()
+            children.append((process, parent_end))
+    finally:
+        if previous_env is None:
+            os.environ.pop(_MULTIPROC_ENV, None)
+        else:
+            os.environ[_MULTIPROC_ENV] = previous_env
     log.info("router: %d worker processes on %s:%d (pids %s)", config.workers, config.host,
              config.port, ", ".join(str(p.pid) for p, _ in children))
 
@@ -140,6 +156,7 @@ def _run_children(config: RouterConfig, drain_s: float) -> int:
             conn.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        shutil.rmtree(metrics_dir, ignore_errors=True)
     return exit_code
 
 

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ import aiohttp
 import psutil
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from support.http_client import fetch
 from support.ports import LOOPBACK
@@ -225,6 +227,67 @@ def test_two_workers_share_one_port_and_the_admin_state(tmp_path):
     assert code == 0, log
     assert len(children) >= 2
     assert alive == [], f"children left running: {[p.pid for p in alive]}"
+    assert "Traceback" not in log
+
+
+def _promtool_problems(text: str) -> str | None:
+    """promtool's complaints about an exposition (empty when clean); None without promtool."""
+    tool = os.environ.get("OMNI_DP_PROMTOOL") or shutil.which("promtool")
+    if tool is None:
+        return None
+    done = subprocess.run([tool, "check", "metrics"], input=text, capture_output=True,
+                          text=True, timeout=60)
+    return (done.stdout + done.stderr).strip() if done.returncode else ""
+
+
+def test_two_workers_expose_one_coherent_metrics_view(tmp_path):
+    """With --workers 2 each request is counted by the worker that served it, yet every
+    scrape, whichever worker answers it, reads the sums over both."""
+    requests = 40
+
+    async def main():
+        async with backends("a", "b") as (a, b):
+            router = RouterProcess(tmp_path / "router.log", "--workers", "2",
+                                   "--replica", f"a={a.url}", "--replica", f"b={b.url}")
+            try:
+                await router.start()
+                await router.wait_listening(workers=2)
+                async with fresh_session() as session:
+                    for _ in range(requests):
+                        status, _, _ = await fetch(session, "POST", router.url + "/generate",
+                                                   data=b"{}")
+                        assert status == 200
+                    await until(lambda: len(_ROUTE.findall(router.log_text())) >= requests, 3,
+                                "the route lines")
+                    served_by = set(_ROUTE.findall(router.log_text()))
+                    scrapes = []
+                    for _ in range(12):  # fresh connections: both workers answer some
+                        status, headers, body = await fetch(session, "GET",
+                                                            router.url + "/metrics")
+                        assert status == 200 and headers["Content-Type"].startswith(
+                            "text/plain")
+                        scrapes.append(body.decode())
+                code = await router.stop()
+                return served_by, scrapes, code, router.log_text()
+            finally:
+                router.kill()
+
+    served_by, scrapes, code, log = run(main())
+    assert served_by == {"0", "1"}, f"only worker(s) {served_by} served fresh connections"
+    for text in scrapes:
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        counted = families["omni_dp_router_requests"].samples
+        assert sum(s.value for s in counted) == requests, text
+        assert {s.labels["replica"] for s in counted} == {"a", "b"}
+        durations = [s for s in families["omni_dp_router_request_duration_seconds"].samples
+                     if s.name.endswith("_count")]
+        assert [s.value for s in durations] == [requests]
+        in_flight = families["omni_dp_router_in_flight"].samples
+        assert {s.labels["replica"]: s.value for s in in_flight} == {"a": 0, "b": 0}
+        healthy = families["omni_dp_router_replica_healthy"].samples
+        assert {s.labels["replica"]: s.value for s in healthy} == {"a": 1, "b": 1}
+    assert _promtool_problems(scrapes[0]) in ("", None)
+    assert code == 0, log
     assert "Traceback" not in log
 
 

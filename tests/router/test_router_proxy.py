@@ -96,6 +96,28 @@ def test_request_and_response_are_forwarded_byte_for_byte(method, path, body, co
     assert int(headers["Content-Length"]) == len(RESPONSE_BODY)
 
 
+def test_a_replicas_cookies_reach_its_client_and_no_other_request():
+    """The router's upstream session keeps no cookie jar: a Set-Cookie is the client's, never
+    sent by the router with later requests (a shared jar would hand one client's session to
+    every other). Addressed by host name: aiohttp's jar ignores cookies of IP addresses."""
+    async def main():
+        async with backends(Backend("alpha", mirror)) as (backend,):
+            url = backend.url.replace(LOOPBACK, "localhost")
+            async with serve(make_config([f"alpha={url}"])) as served:
+                got = []
+                for _ in range(2):
+                    async with client() as session:  # two clients, no cookies of their own
+                        _, headers, _ = await fetch(session, "POST", served.url + "/generate",
+                                                    data=b"{}")
+                        got.append(headers.getall("Set-Cookie"))
+                await served.wait_idle()
+                return got, [s.headers.get("Cookie") for s in backend.seen]
+
+    set_cookies, upstream_cookies = run(main())
+    assert set_cookies == [["a=1", "b=2"]] * 2
+    assert upstream_cookies == [None, None]
+
+
 def test_percent_encoding_in_path_and_query_is_forwarded_unchanged():
     path = "/v1/files/a%3Ab%2Ec%40d?sig=a%2Fb%7Ec%40&next=%2Fv1%2F"
 

@@ -126,20 +126,20 @@ def _verify_overlap(run_id: str | None, gpu: str | None, as_json: bool,
 
 def _no_run(reason: str, as_json: bool) -> NoReturn:
     """Nothing to check: no such run, or none live. Exit 1, as `status` and `logs` do."""
-    if as_json:
-        click.echo(json.dumps({"result": "NO_RUN", "reason": reason}, indent=2))
-    else:
-        click.echo(f"omni-dp verify-mps: {reason}", err=True)
-    sys.exit(ExitCode.CHECK_FAILED)
+    _no_verdict("NO_RUN", reason, "", ExitCode.CHECK_FAILED, as_json)
 
 
 def _cannot_check(reason: str, as_json: bool) -> NoReturn:
-    """No verdict on the run at all (no such run, not an --mps run, no GPU of that name)."""
+    """No verdict on the run at all (not an --mps run, no GPU of that name, …): exit 2."""
+    _no_verdict("CANNOT_CHECK", reason, "cannot check: ", ExitCode.USAGE, as_json)
+
+
+def _no_verdict(result: str, reason: str, words: str, code: int, as_json: bool) -> NoReturn:
     if as_json:
-        click.echo(json.dumps({"result": "CANNOT_CHECK", "reason": reason}, indent=2))
+        click.echo(json.dumps({"result": result, "reason": reason}, indent=2))
     else:
-        click.echo(f"omni-dp verify-mps: cannot check: {reason}", err=True)
-    sys.exit(ExitCode.USAGE)
+        click.echo(f"omni-dp verify-mps: {words}{reason}", err=True)
+    sys.exit(code)
 
 
 @click.group()
