@@ -138,6 +138,9 @@ def plan_summary(plan: ServePlan) -> dict:
                 else overhead_bytes(plan.device))
     summary = {
         "model": plan.cfg.name,
+        # a preset's weights are drawn from a seed (a test vehicle: its audio is noise); a
+        # model directory's are loaded (trained, or saved presets)
+        "weights": "loaded" if plan.model_dir else "seeded",
         "device": str(plan.device),
         "dtype": dtype_name(plan.dtype),
         "threads": plan.threads,

@@ -1147,3 +1147,20 @@ def test_the_launch_help_says_the_routers_own_defaults():
               "stall_timeout": router.stall_timeout_s}
     for name, default in quoted.items():
         assert f"[default: the router's, {default:g}]" in FIELDS[name].metadata["help"], name
+
+
+def test_the_plan_names_the_model_and_says_when_it_keeps_no_kv(facts):
+    from omni_dp.launcher.engines.builtin import model_words
+
+    seeded = plan(opts(replicas=2), dataclasses.replace(facts, sizing=sizing(
+        model=model_words({"model": "tiny", "weights": "seeded"}))))
+    assert find(seeded.describe(), "  model        ").endswith(
+        "tiny (seeded random weights: a test vehicle, its audio is noise)")
+    voice = plan(opts(replicas=2, max_total_tokens=None), dataclasses.replace(facts, sizing=sizing(
+        kv_tokens=0, kv_cache_bytes=0,
+        model=model_words({"model": "joe", "weights": "seeded", "voice": {}}))))
+    assert "  model        joe (a trained voice)" in voice.describe()
+    assert "KV 0 B (none: the model keeps no KV cache, so there is nothing to pin)" in find(
+        voice.describe(), "  per replica  ")
+    assert model_words({"model": "mine", "weights": "loaded"}) == "mine"
+    assert model_words({}) is None

@@ -236,8 +236,11 @@ def bring_up(plan: LaunchPlan, state: RunState, replicas: ReplicaControl,
                    sequential=plan.start == "sequential", timeout_s=plan.start_timeout, say=say,
                    progress=progress)
     tokens = state.record.replicas[0].kv_tokens
-    say(f"KV capacity equal: {tokens} tokens on every replica (read back from each"
-        + (")" if plan.expected_kv_tokens is not None else "; the engine derives the count)"))
+    if tokens == 0:
+        say("no KV cache on any replica: the model keeps none (read back from each: 0 tokens)")
+    else:
+        say(f"KV capacity equal: {tokens} tokens on every replica (read back from each"
+            + (")" if plan.expected_kv_tokens is not None else "; the engine derives the count)"))
     if o.mps:
         verify_attachment(state, replicas, say, progress)
         say("MPS: every CUDA process of every replica is a client of the run's one server"

@@ -45,6 +45,14 @@ class EngineSizing:
     # The replica's OS processes by its placement (the builtin engine's dry run): each CUDA
     # one is an MPS client; None where the engine does not say (its estimate is used).
     processes: tuple[tuple[str, str], ...] = ()  # (process name, device)
+    # What the replicas serve, in words a person reads before anything starts (the builtin
+    # engine's dry run: a trained voice, or a seeded preset whose audio is noise); None: unsaid
+    model: str | None = None
+
+    @property
+    def keeps_kv(self) -> bool:
+        """False for a model with no KV cache at all (a Piper voice): nothing to pin or compare."""
+        return not (self.kv_tokens == 0 and self.kv_cache_bytes == 0)
 
     @property
     def cuda_processes(self) -> int | None:

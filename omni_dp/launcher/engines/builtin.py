@@ -114,6 +114,7 @@ class BuiltinEngine:
                 shared_weights_bytes=int(plan.get("shared_weights_bytes", 0)),
                 processes=tuple((str(p["name"]), str(p["device"]))
                                 for p in plan.get("placement", {}).get("processes", ())),
+                model=model_words(plan),
             )
             role = plan.get("share_weights")
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -171,3 +172,16 @@ def share_problems(sizing: EngineSizing, asked: str | None, said: object) -> lis
         return [f"engine: the dry run's shared_weights_bytes {sizing.shared_weights_bytes} is "
                 f"not within its weights_bytes {sizing.weights_bytes}"]
     return []
+
+
+def model_words(plan: dict) -> str | None:
+    """`joe (a trained voice)`, `tiny (seeded random weights: a test vehicle, its audio is
+    noise)`, or a model directory as the dry run named it."""
+    model = plan.get("model")
+    if not isinstance(model, str):
+        return None
+    if isinstance(plan.get("voice"), dict):
+        return f"{model} (a trained voice)"
+    if plan.get("weights") == "seeded":
+        return f"{model} (seeded random weights: a test vehicle, its audio is noise)"
+    return model

@@ -124,6 +124,7 @@ class LaunchPlan:
             f"run {self.run_id}: {len(self.replicas)} replica(s) of engine {o.engine} on "
             f"{where}{daemon if o.mps else ''}",
             f"  state        {self.run_dir}",
+            *([f"  model        {s.model}"] if s.model else []),
             f"  per replica  weights {weights} + KV "
             f"{format_size(s.kv_cache_bytes)} ({self._kv_words()}) + overhead "
             f"{format_size(s.overhead_bytes)} on {s.device}",
@@ -184,6 +185,8 @@ class LaunchPlan:
         """What the KV line may claim: pinned (to what), or sized by the engine itself."""
         o, s = self.options, self.sizing
         pinned = o.kv_cache_bytes is not None or o.max_total_tokens is not None
+        if not s.keeps_kv:
+            return "none: the model keeps no KV cache, so there is nothing to pin"
         if not pinned and ENGINES[o.engine].fixed_default_kv:
             return f"{s.kv_tokens} tokens; pinned to the engine's fixed default"
         if not pinned:

@@ -63,7 +63,8 @@ def run_summary(plan: LaunchPlan, state: RunState) -> RunSummary:
     # The key itself is never printed: the header names the variable that holds it.
     auth = f" -H \"Authorization: Bearer ${API_KEY_ENV}\"" if o.api_key else ""
     share = state.record.share
-    checks = ["health", "equal KV"]
+    kept = [r["kv_tokens"] for r in status["replicas"]]
+    checks = ["health", "no KV cache" if kept and not any(kept) else "equal KV"]
     if share is not None:
         checks.append("weight sharing")
     if o.mps:
