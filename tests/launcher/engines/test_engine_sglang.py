@@ -56,9 +56,10 @@ def test_two_replicas_get_the_token_cap_and_a_fraction_sized_for_the_last_one():
     # the second starts with 141 GiB − 30.21 GiB = 110.79 GiB free; 30.21 / 110.79 = 0.27264
     assert pin.args == ("--max-total-tokens", "100000", "--mem-fraction-static", "0.273")
     assert pin.expected_tokens == 100000
-    # 0: nothing shared; (): the engine reports no placement of its own processes
+    # 0: nothing shared; (): the engine reports no placement of its own processes; None: the
+    # model is the directory the user named, not described further
     assert dataclasses.astuple(pin.sizing) == (16 * GiB, 100000 * PER_TOKEN, 100000,
-                                               OVERHEAD_BYTES, "cuda", 0, ())
+                                               OVERHEAD_BYTES, "cuda", 0, (), None)
     assert pin.sizing.total_bytes == FOOTPRINT
     assert any("the last of 2 replicas starts with 110.79 GiB free" in n for n in pin.notes)
 

@@ -54,9 +54,10 @@ def test_a_byte_pin_is_the_stages_kv_cache_bytes_with_its_fraction_cleared():
     assert pin.args == ("--tts_engine.engine.kv_cache_bytes", "2147483648",
                         "--tts_engine.engine.mem_fraction_static", "null")
     assert pin.expected_tokens is None  # the engine derives the count: equal is what is checked
-    # 0: nothing shared; (): the engine reports no placement of its own processes
+    # 0: nothing shared; (): the engine reports no placement of its own processes; None: the
+    # model is the directory the user named, not described further
     assert dataclasses.astuple(pin.sizing) == (12 * GiB, 2 * GiB, None, OVERHEAD_BYTES, "cuda",
-                                               0, ())
+                                               0, (), None)
 
 
 def test_a_token_pin_is_written_as_its_bytes_since_the_token_knob_is_only_a_cap():
