@@ -256,6 +256,9 @@ def main(argv: list[str] | None = None) -> None:
         procs = Processes(tmp)
         try:
             targets = start_targets(procs, args, skipped)
+            if not targets:
+                reasons = "; ".join(f"{name}: {why}" for name, why in skipped.items())
+                raise SystemExit(f"router_overhead.py: no target to measure ({reasons})")
             runs = len(targets) * len(args.scenarios) * args.repetitions
             print(f"{runs} runs, about {runs * (args.duration + 1) / 60:.1f} min "
                   f"(load generator: {args.loadgen})", file=sys.stderr)
