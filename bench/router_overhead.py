@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
@@ -165,32 +166,30 @@ def start_targets(procs: Processes, args: argparse.Namespace,
 
 def _start_smg(procs: Processes, smg: str, urls: list[str],
                skipped: dict[str, str]) -> Target | None:
-    version = smg_version(smg)
-    if version is None:
-        skipped["smg"] = f"no smg executable at {smg} (--print-setup says how to install it)"
-        return None
-    try:
-        target = start_smg(procs, smg, urls)
-    except RuntimeError as exc:
-        skipped["smg"] = f"smg {version} did not start: {exc}"
-        return None
-    target.command += f"  (smg {version})"
-    return target
+    return _start_gateway("smg", "smg", smg_version(smg),
+                          f"no smg executable at {smg}", lambda: start_smg(procs, smg, urls),
+                          skipped)
 
 
 def _start_sglang(procs: Processes, python: str, urls: list[str],
                   skipped: dict[str, str]) -> Target | None:
-    version = sglang_version(python)
+    return _start_gateway("sglang", "sglang-router", sglang_version(python),
+                          f"no sglang-router importable by {python}",
+                          lambda: start_sglang(procs, python, urls), skipped)
+
+
+def _start_gateway(key: str, name: str, version: str | None, absent: str,
+                   start: Callable[[], Target], skipped: dict[str, str]) -> Target | None:
+    """A Rust gateway if it is installed and starts; else why not, in `skipped`."""
     if version is None:
-        skipped["sglang"] = (f"no sglang-router importable by {python} (--print-setup says "
-                             "how to install it)")
+        skipped[key] = f"{absent} (--print-setup says how to install it)"
         return None
     try:
-        target = start_sglang(procs, python, urls)
+        target = start()
     except RuntimeError as exc:
-        skipped["sglang"] = f"sglang-router {version} did not start: {exc}"
+        skipped[key] = f"{name} {version} did not start: {exc}"
         return None
-    target.command += f"  (sglang-router {version})"
+    target.command += f"  ({name} {version})"
     return target
 
 
@@ -257,6 +256,9 @@ def main(argv: list[str] | None = None) -> None:
         procs = Processes(tmp)
         try:
             targets = start_targets(procs, args, skipped)
+            if not targets:
+                reasons = "; ".join(f"{name}: {why}" for name, why in skipped.items())
+                raise SystemExit(f"router_overhead.py: no target to measure ({reasons})")
             runs = len(targets) * len(args.scenarios) * args.repetitions
             print(f"{runs} runs, about {runs * (args.duration + 1) / 60:.1f} min "
                   f"(load generator: {args.loadgen})", file=sys.stderr)

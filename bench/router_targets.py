@@ -373,44 +373,37 @@ def start_omni(procs: Processes, name: str, backends: list[str], workers: int,
 
 
 def start_sglang(procs: Processes, python: str, backends: list[str]) -> Target:
-    port, metrics_port = free_port(), free_port()
-    args = ["--worker-urls", *backends, "--policy", "round_robin", "--host", HOST,
-            "--port", str(port), "--prometheus-host", HOST, "--prometheus-port",
-            str(metrics_port), "--log-level", "warn", "--shutdown-grace-period-secs", "2"]
-    proc, log = procs.spawn("sglang", [python, "-m", "sglang_router.launch_router", *args])
-    url = f"http://{HOST}:{port}"
-
-    def ready() -> bool:
-        status, body = http_get(url + "/readiness")
-        return status == 200 and json.loads(body).get("healthy_workers") == len(backends)
-
-    wait_until(ready, proc, log, "sglang-router", timeout=90)
-    parent = psutil.Process(proc.pid)
-    tree = [parent, *parent.children(recursive=True)]
-    procs.descendants.extend(tree[1:])
-    return Target("sglang", url + "/generate",
-                  "python -m sglang_router.launch_router " + " ".join(args), tree)
+    """sglang-router 0.3.2: round robin, its default retries, circuit breaker and health."""
+    return _start_rust_gateway(procs, "sglang", "sglang-router",
+                               [python, "-m", "sglang_router.launch_router"],
+                               "python -m sglang_router.launch_router", backends)
 
 
 def start_smg(procs: Processes, smg: str, backends: list[str]) -> Target:
     """smg (the SGLang Model Gateway's own package) with the flags its `launch --help` lists,
     set like sglang-router's: round robin, default retries, circuit breaker and health."""
+    return _start_rust_gateway(procs, "smg", "smg", [smg, "launch"], "smg launch", backends)
+
+
+def _start_rust_gateway(procs: Processes, name: str, label: str, program: list[str],
+                        shown: str, backends: list[str]) -> Target:
+    """The two Rust gateways take the same flags and answer the same readiness call."""
     port, metrics_port = free_port(), free_port()
-    args = ["launch", "--worker-urls", *backends, "--policy", "round_robin", "--host", HOST,
+    args = ["--worker-urls", *backends, "--policy", "round_robin", "--host", HOST,
             "--port", str(port), "--prometheus-host", HOST, "--prometheus-port",
             str(metrics_port), "--log-level", "warn", "--shutdown-grace-period-secs", "2"]
-    proc, log = procs.spawn("smg", [smg, *args])
+    proc, log = procs.spawn(name, [*program, *args])
     url = f"http://{HOST}:{port}"
 
     def ready() -> bool:
         status, body = http_get(url + "/readiness")
         return status == 200 and json.loads(body).get("healthy_workers") == len(backends)
 
-    wait_until(ready, proc, log, "smg", timeout=90)
+    wait_until(ready, proc, log, label, timeout=90)
     parent = psutil.Process(proc.pid)
     tree = [parent, *parent.children(recursive=True)]
     procs.descendants.extend(tree[1:])
-    return Target("smg", url + "/generate", "smg " + " ".join(args), tree)
+    return Target(name, url + "/generate", f"{shown} " + " ".join(args), tree)
 
 
 def smg_version(smg: str) -> str | None:
