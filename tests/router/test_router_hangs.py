@@ -12,7 +12,17 @@ import aiohttp
 from aiohttp import web
 
 from support.http_client import client, fetch
-from support.router import Backend, backends, make_config, run, sample, scrape, serve, total
+from support.router import (
+    Backend,
+    backends,
+    make_config,
+    read_all,
+    run,
+    sample,
+    scrape,
+    serve,
+    total,
+)
 
 # Short enough for a quick test; the check of a late replica may take min(0.3, T / 2).
 TIMEOUTS = {"first_byte_timeout_s": 0.6, "stall_timeout_s": 0.6, "health_timeout": 0.3}
@@ -151,13 +161,7 @@ def test_a_stream_that_stalls_and_cannot_be_resumed_ends_cut():
         async with backends(a, b), \
                 serve(make_config([f"a={a.url}", f"b={b.url}"], policy="round_robin",
                                   failures=100, **TIMEOUTS)) as served, client() as session:
-            got, broken = b"", None
-            async with session.post(served.url + "/x", data=b"{}") as resp:
-                try:
-                    async for chunk in resp.content.iter_any():
-                        got += chunk
-                except aiohttp.ClientPayloadError as exc:
-                    broken = exc
+            _, _, got, broken = await read_all(session, served.url + "/x", data=b"{}")
             await served.wait_idle()
             return got, broken, len(b.seen), await scrape(session, served.url)
 

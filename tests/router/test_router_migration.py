@@ -27,7 +27,17 @@ from support.llm_standin import (
     standin,
 )
 from support.openai_stream import post_stream
-from support.router import Backend, backends, make_config, run, sample, scrape, serve, total
+from support.router import (
+    Backend,
+    backends,
+    make_config,
+    routes,
+    run,
+    sample,
+    scrape,
+    serve,
+    total,
+)
 
 COMPLETION = {"model": MODEL, "prompt": "Tell me about omni", "max_tokens": 40,
               "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
@@ -57,11 +67,6 @@ async def uncut(path: str, body) -> object:
     async with backends(*bs), client() as session:
         read, _ = await post_stream(session, b.url + path, body)
     return read
-
-
-def routes(caplog) -> dict[str, dict]:
-    return {line["request_id"]: line for line in (
-        json.loads(r.getMessage()) for r in caplog.records if r.name == "omni_dp.router.access")}
 
 
 def pending_cut(body: dict, chat: bool, *, after: int = 5, per_chunk: int = 1) -> int:

@@ -22,7 +22,18 @@ from aiohttp import web
 from omni_dp.engine.audio import sse_audio_delta, sse_audio_done, sse_error
 
 from support.http_client import client
-from support.router import Backend, backends, make_config, run, sample, scrape, serve, total
+from support.router import (
+    Backend,
+    backends,
+    make_config,
+    read_all,
+    routes,
+    run,
+    sample,
+    scrape,
+    serve,
+    total,
+)
 
 ANSWER_BYTES = 80_000  # over the 64 KiB the router reads whole before it answers
 CHUNK = 1000
@@ -80,26 +91,9 @@ def events_of(body: bytes) -> list[dict]:
             if block.strip()]
 
 
-async def read_all(session, url: str, headers: dict | None = None):
-    """(status, headers, body, the error that broke it or None)."""
-    async with session.post(url, data=b'{"input": "x"}', headers=headers or {}) as resp:
-        body, broken = b"", None
-        try:
-            async for chunk in resp.content.iter_any():
-                body += chunk
-        except aiohttp.ClientPayloadError as exc:
-            broken = exc
-        return resp.status, resp.headers, body, broken
-
-
 def sse_audio(events: list[dict]) -> bytes:
     return b"".join(base64.b64decode(e["audio"]) for e in events
                     if e["type"] == "speech.audio.delta")
-
-
-def routes(caplog) -> dict[str, dict]:
-    return {line["request_id"]: line for line in (
-        json.loads(r.getMessage()) for r in caplog.records if r.name == "omni_dp.router.access")}
 
 
 async def through_router(first, second, **options):
@@ -109,7 +103,7 @@ async def through_router(first, second, **options):
             serve(make_config([f"a={a.url}", f"b={b.url}"], policy="round_robin",
                               **options)) as served, client() as session:
         result = await read_all(session, served.url + "/v1/audio/speech",
-                                {"X-Request-ID": "r"})
+                                headers={"X-Request-ID": "r"})
         await served.wait_idle()
         return (*result, [s.headers for s in b.seen], await scrape(session, served.url))
 

@@ -5,10 +5,8 @@ does (short of a resume, test_router_resume.py)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
-import aiohttp
 import pytest
 from aiohttp import web
 
@@ -18,17 +16,14 @@ from support.router import (
     backends,
     error_body,
     make_config,
+    read_all,
+    routes,
     run,
     sample,
     scrape,
     serve,
     total,
 )
-
-
-def routes(caplog) -> dict[str, dict]:
-    return {line["request_id"]: line for line in (
-        json.loads(r.getMessage()) for r in caplog.records if r.name == "omni_dp.router.access")}
 
 
 async def going_away(backend, request, seen):
@@ -168,13 +163,7 @@ def test_a_stream_cut_after_its_first_byte_is_never_sent_again():
         async with backends(a, b), \
                 serve(make_config([f"a={a.url}", f"b={b.url}"],
                                   policy="round_robin")) as served, client() as session:
-            got, broken = b"", None
-            async with session.post(served.url + "/x", data=b"{}") as resp:
-                try:
-                    async for chunk in resp.content.iter_any():
-                        got += chunk
-                except aiohttp.ClientPayloadError as exc:
-                    broken = exc
+            _, _, got, broken = await read_all(session, served.url + "/x", data=b"{}")
             await served.wait_idle()
             return got, broken, len(b.seen), await scrape(session, served.url)
 

@@ -253,3 +253,23 @@ def error_body(body: bytes) -> dict:
     assert set(parsed) == {"error"}, parsed
     assert {"message", "type", "code"} <= set(parsed["error"]), parsed
     return parsed["error"]
+
+
+async def read_all(session: aiohttp.ClientSession, url: str, *,
+                   data: bytes = b'{"input": "x"}', headers: dict | None = None) -> tuple:
+    """POST and read the answer as it comes: (status, headers, body, the error that broke it
+    or None) — a stream cut before its end shows as a ClientPayloadError, never a short 200."""
+    async with session.post(url, data=data, headers=headers or {}) as resp:
+        body, broken = b"", None
+        try:
+            async for chunk in resp.content.iter_any():
+                body += chunk
+        except aiohttp.ClientPayloadError as exc:
+            broken = exc
+        return resp.status, resp.headers, body, broken
+
+
+def routes(caplog) -> dict[str, dict]:
+    """The router's route lines a test captured, by request id."""
+    return {line["request_id"]: line for line in (
+        json.loads(r.getMessage()) for r in caplog.records if r.name == "omni_dp.router.access")}
