@@ -514,10 +514,13 @@ def test_restart_budget_exhausted_marks_the_replica_failed(runs):
 
 def test_failed_bringup_exits_3_and_keeps_only_the_state(runs):
     run = runs(2)
-    result = run.launch("--start-timeout", "0.05", check=False)
+    result = run.launch("--start-timeout", "0.05", "--json", check=False)
     output = result.stdout + result.stderr
     assert result.returncode == 3, describe(result)
     assert "FAILED" in output
+    # nothing claims the run: no summary JSON on stdout, no summary, no ready line
+    assert result.stdout == "", describe(result)
+    assert "ready: " not in output and "endpoint   " not in output, output
     assert str(run.run_dir) in output
     assert f"omni-dp down {run.run_id}" in output
 
