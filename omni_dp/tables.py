@@ -76,7 +76,7 @@ def render(grids: Sequence[Grid], fmt: str = "table", stream: TextIO | None = No
     """Write the grids to `stream` (stdout) in `fmt` (`table` or `markdown`), a blank line
     between two."""
     stream = stream or sys.stdout
-    if fmt == "table" and _terminal(stream):
+    if fmt == "table" and is_terminal(stream):
         from rich.console import Console
 
         console = Console(file=stream)
@@ -107,7 +107,7 @@ def rich_table(grid: Grid):
     return table
 
 
-def _terminal(stream: TextIO) -> bool:
+def is_terminal(stream: TextIO) -> bool:
     try:
         return stream.isatty()
     except (AttributeError, ValueError):

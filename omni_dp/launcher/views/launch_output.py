@@ -20,6 +20,7 @@ import click
 from omni_dp.launcher.views.progress import StartBoard
 from omni_dp.launcher.views.summary import RunSummary
 from omni_dp.logs import FIELDS
+from omni_dp.tables import is_terminal
 
 
 class TextOutput:
@@ -27,7 +28,7 @@ class TextOutput:
         self.err = err
         # Redrawn in place only where what is said lands on the same terminal: rich prints
         # those lines above the board then; anywhere else, plain lines every 10 s.
-        live = _terminal(sys.stderr) and (err or _terminal(sys.stdout))
+        live = is_terminal(sys.stderr) and (err or is_terminal(sys.stdout))
         self.progress = StartBoard(self.say, live=live)
 
     def say(self, line: str) -> None:
@@ -86,10 +87,3 @@ def launch_output(log_format: str, summary_json: bool):
     if summary_json:
         return SummaryJsonOutput(log_format)
     return JsonLogOutput() if log_format == "json" else TextOutput()
-
-
-def _terminal(stream) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False

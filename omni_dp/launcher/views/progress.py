@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_dp.launcher.engines.readback import is_start_banner
+from omni_dp.launcher.engines.readback import is_start_banner, read_tail
 
 TAIL_BYTES = 4096  # a log's last line is within its last few KB
 LINE_CHARS = 100  # of a log line shown: enough to say what it does
@@ -33,15 +33,10 @@ class _Waiting:
 def last_line(path: Path) -> str:
     """The log's last non-empty line, shortened; "" when there is none yet."""
     try:
-        with path.open("rb") as f:
-            f.seek(0, 2)
-            size = f.tell()
-            f.seek(max(0, size - TAIL_BYTES))
-            tail = f.read().decode(errors="replace")
+        lines = [line.strip() for line in read_tail(path, TAIL_BYTES)
+                 if line.strip() and not is_start_banner(line)]  # ours: says nothing new
     except OSError:
         return ""
-    lines = [line.strip() for line in tail.splitlines()
-             if line.strip() and not is_start_banner(line)]  # ours: says nothing new
     if not lines:
         return ""
     line = lines[-1]
