@@ -89,52 +89,44 @@ class Checks:
         return facts
 
     def form3(self) -> dict:
-        run_id = f"form3-{os.getpid()}"
-        facts: dict = {}
         serve = ["--talker.process", "talker", "--vocoder.process", "vocoder",
                  "--talker.gpu_memory_fraction", "0.2", "--vocoder.gpu_memory_fraction", "0.05"]
-        try:
-            router = self.launch(run_id, 2, ["--gpu", self.args.gpu, "--replicas", "2"],
-                                 ["--mps", "--on-mps-fault", "fail", "--max-total-tokens",
-                                  "4096"], serve, facts)
-            if router:
-                facts["verify_mps"] = self.verify(run_id)
-                facts["speech_status"] = speech(router)
-        finally:
-            finish_run(self.state, self.env, run_id, facts, None)
-        return facts
+        return self._mps_run("form3", 2, ["--gpu", self.args.gpu, "--replicas", "2"], [],
+                             serve, {})
 
     def gpus2(self) -> dict:
-        run_id = f"gpus2-{os.getpid()}"
-        facts: dict = {}
-        try:
-            router = self.launch(run_id, 4, ["--gpus", "0,1", "--replicas-per-gpu", "2"],
-                                 ["--mps", "--on-mps-fault", "fail", "--max-total-tokens",
-                                  "4096"], [], facts)
-            if router:
-                facts["verify_mps"] = self.verify(run_id)
-                facts["speech_status"] = speech(router)
-        finally:
-            finish_run(self.state, self.env, run_id, facts, None)
-        return facts
+        return self._mps_run("gpus2", 4, ["--gpus", "0,1", "--replicas-per-gpu", "2"], [], [],
+                             {})
 
     def caps(self) -> dict:
-        run_id = f"caps-{os.getpid()}"
         facts: dict = {"thread_percentage": self.args.cap_percentage,
                        "memory_limit": self.args.cap_memory}
+        caps = ["--mps-thread-percentage", str(self.args.cap_percentage),
+                "--mps-memory-limit", self.args.cap_memory]
+        return self._mps_run("caps", 2, ["--gpu", self.args.gpu, "--replicas", "2"], caps, [],
+                             facts, read_events=self._cap_events)
+
+    def _cap_events(self, run_id: str, facts: dict) -> None:
+        """What the daemons read back and each replica's numeric check, from the run's events."""
+        events = self.state / "runs" / run_id / "events.jsonl"
+        with contextlib.suppress(OSError, ValueError):
+            lines = [json.loads(line) for line in events.read_text().splitlines()]
+            facts["daemon_limits"] = [e.get("limits") for e in lines
+                                      if e["event"] == "mps_daemon_started"]
+            facts["numeric_checks"] = [e for e in lines
+                                       if e["event"] == "replica_numeric_check"]
+
+    def _mps_run(self, name: str, count: int, replicas: list[str], launch: list[str],
+                 serve: list[str], facts: dict, read_events=None) -> dict:
+        """A run under MPS: launched, (its events read), verify-mps, one speech request; downed
+        whatever happened."""
+        run_id = f"{name}-{os.getpid()}"
         try:
-            router = self.launch(run_id, 2, ["--gpu", self.args.gpu, "--replicas", "2"],
-                                 ["--mps", "--on-mps-fault", "fail", "--max-total-tokens",
-                                  "4096", "--mps-thread-percentage",
-                                  str(self.args.cap_percentage), "--mps-memory-limit",
-                                  self.args.cap_memory], [], facts)
-            events = self.state / "runs" / run_id / "events.jsonl"
-            with contextlib.suppress(OSError, ValueError):
-                lines = [json.loads(line) for line in events.read_text().splitlines()]
-                facts["daemon_limits"] = [e.get("limits") for e in lines
-                                          if e["event"] == "mps_daemon_started"]
-                facts["numeric_checks"] = [e for e in lines
-                                           if e["event"] == "replica_numeric_check"]
+            router = self.launch(run_id, count, replicas,
+                                 ["--mps", "--on-mps-fault", "fail", "--max-total-tokens", "4096",
+                                  *launch], serve, facts)
+            if read_events is not None:
+                read_events(run_id, facts)
             if router:
                 facts["verify_mps"] = self.verify(run_id)
                 facts["speech_status"] = speech(router)
