@@ -2,8 +2,9 @@
 (the trained voice, which scripts/setup installs) answers through the router with audio an
 offline recognizer understands, where the seeded preset's audio is noise to it.
 
-One launch (two voice replicas behind the router) and one seeded replica serve every test here:
-the voice's checks add seconds, not a launch each, to the suite.
+One launch (two voice replicas behind the router), one voice replica whose stages run in stage
+processes of their own (the placement rules), and one seeded replica serve every test here: the
+voice's checks add seconds, not a launch each, to the suite.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import pytest
 import soundfile
 
@@ -37,6 +40,8 @@ SENTENCES = (
     "I would like a cup of coffee.",
     "Thank you very much for your help.",
 )
+# The voice's stages on processes of their own: the preprocess in one, the voice in two replicas.
+PLACED = ("--preprocess.process", "pre", "--voice.process", "voice", "--voice.replicas", "2")
 MIN_VOICE_RECALL = 0.6
 MAX_SEEDED_RECALL = 0.2
 # Bodies each engine must refuse alike: (status, the field named).
@@ -55,13 +60,13 @@ BAD_BODIES = (
 
 @pytest.fixture(scope="module")
 def voice_run(tmp_path_factory):
-    """The README's launch (no model named: serve's default, the voice) on fresh ports, and a
-    seeded `tiny` replica beside it."""
+    """The README's launch (no model named: serve's default, the voice) on fresh ports, a
+    seeded `tiny` replica and a voice replica placed on stage processes beside it."""
     require_voice()
     tmp = tmp_path_factory.mktemp("voice")
     run = Run(tmp, replicas=2)
     env = {k: v for k, v in run.env.items() if k != DEFAULT_MODEL_ENV}
-    tiny = None
+    others: list[Replica] = []
     try:
         launched = subprocess.run(
             [*OMNI_DP, "launch", "--replicas", "2", "--detach", "--run-id", run.run_id,
@@ -69,12 +74,14 @@ def voice_run(tmp_path_factory):
             env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
         assert launched.returncode == 0, describe(launched)
         run.launched = launched  # what the launch printed, for the test of its words
-        tiny = Replica(tmp / "tiny.log", "--model", "tiny").wait_ready()
-        yield run, tiny
+        others.append(Replica(tmp / "tiny.log", "--model", "tiny"))
+        others.append(Replica(tmp / "placed.log", "--model", "joe", "--threads", "2", *PLACED))
+        run.tiny, run.placed = (replica.wait_ready() for replica in others)
+        yield run, run.tiny
     finally:
         run.cleanup()
-        if tiny is not None:
-            tiny.stop()
+        for replica in others:
+            replica.stop()
 
 
 def test_the_launch_says_it_serves_a_voice_with_no_kv(voice_run):
@@ -114,6 +121,49 @@ def test_the_voice_is_understood_and_the_seeded_preset_is_not(voice_run):
             assert recall >= MIN_VOICE_RECALL, results
         else:
             assert recall < MAX_SEEDED_RECALL, results
+
+
+def test_a_placed_voice_is_understood_and_refuses_alike(voice_run):
+    """The voice's stages in stage processes of their own (the preprocess in one, the voice
+    in two): its audio is understood as well, every process is the replica's own child and
+    both voice processes speak, and bad input gets the same 4xx, now from another process."""
+    run, tiny = voice_run
+    placed = run.placed
+    rows = {row["role"]: row for row in placed.info()["processes"]}
+    assert {role: row["stages"] for role, row in rows.items()} == {
+        "main": [], "pre": ["preprocess"], "voice-r0": ["voice"], "voice-r1": ["voice"]}
+    children = {child.pid for child in psutil.Process(placed.pid).children()}
+    assert {rows[r]["pid"] for r in ("pre", "voice-r0", "voice-r1")} <= children
+    voices = [psutil.Process(rows[r]["pid"]) for r in ("voice-r0", "voice-r1")]
+    before = [sum(p.cpu_times()[:2]) for p in voices]
+    results = [_heard(placed.url, text) for text in SENTENCES]
+    got, total = sum(r[0] for r in results), sum(r[1] for r in results)
+    print(f"placed voice: {got}/{total} words heard: {[r[2] for r in results]}")
+    assert got / total >= MIN_VOICE_RECALL, results
+    spent = [sum(p.cpu_times()[:2]) - b for p, b in zip(voices, before, strict=True)]
+    assert all(s > 0.05 for s in spent), f"a voice process spoke nothing: {spent} s of CPU"
+    for body in BAD_BODIES:
+        status, _, raw = post_json(placed.url + "/v1/audio/speech", body)
+        seeded = post_json(tiny.url + "/v1/audio/speech", body)
+        field = json.loads(raw)["error"]["param"]
+        assert (status, field) == (seeded[0], json.loads(seeded[2])["error"]["param"]), body
+
+
+def test_a_voice_stage_process_that_dies_fails_its_replica(tmp_path):
+    """kill -9 of the process that speaks: the replica turns unhealthy at once and exits 3
+    (its launcher restarts it), as a seeded stage process's death does."""
+    require_voice()
+    replica = Replica(tmp_path / "dies.log", "--model", "joe", "--voice.process", "voice")
+    try:
+        replica.wait_ready()
+        voice = next(row for row in replica.info()["processes"] if row["role"] == "voice")
+        os.kill(voice["pid"], signal.SIGKILL)
+        assert replica.proc.wait(30) == 3
+        assert "stage process voice" in replica.log_text()
+        assert not psutil.pid_exists(voice["pid"]) or \
+            psutil.Process(voice["pid"]).status() == psutil.STATUS_ZOMBIE
+    finally:
+        replica.stop()
 
 
 def test_both_voice_replicas_answer_behind_the_router(voice_run):

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -32,7 +31,7 @@ from omni_dp.engine.preprocess import (
     SpeechAsk,
 )
 from omni_dp.engine.scheduler import SchedulerStats, TalkerRequest
-from omni_dp.engine.stage_group import StageGroup, StageStartFailed
+from omni_dp.engine.stage_group import StageGroup, process_rows, wait_until_ready
 from omni_dp.engine.stage_set import LeastLoaded, StageModels, StageSet, VocoderRoute
 from omni_dp.engine.wire import WireError
 from omni_dp.placement.model import MAIN_PROCESS, Placement
@@ -119,20 +118,7 @@ class Pipeline:
     async def wait_ready(self, stopped: asyncio.Event) -> bool:
         """Until every stage process is ready (True), or `stopped` is set first (False: a
         signal during start-up stops at once rather than after the stages are up)."""
-        if self.group is None:
-            return True
-        ready = asyncio.ensure_future(
-            asyncio.to_thread(self.group.wait_ready, STAGE_START_TIMEOUT_S))
-        stop = asyncio.ensure_future(stopped.wait())
-        await asyncio.wait({ready, stop}, return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
-        if ready.done():
-            ready.result()  # StageStartFailed propagates
-            return True
-        self.group.abandon_start()  # its waiting thread returns now; stop() does the rest
-        with contextlib.suppress(StageStartFailed):
-            await ready
-        return False
+        return await wait_until_ready(self.group, stopped, STAGE_START_TIMEOUT_S)
 
     def stop(self) -> None:
         # This process's stages first: its talker thread sends on sockets of the group's
@@ -159,12 +145,7 @@ class Pipeline:
 
     def processes(self) -> list[dict]:
         """The `processes` of /get_server_info: every OS process of this replica."""
-        rows = []
-        for process in self.placement.processes:
-            pid = os.getpid() if process.name == MAIN_PROCESS else self.group.pid_of(process.name)
-            rows.append({"pid": pid, "role": process.name, "device": process.device,
-                         "stages": list(process.stages), "threads": self.threads[process.name]})
-        return rows
+        return process_rows(self.placement, self.threads, self.group)
 
     # --- requests ----------------------------------------------------------------------
     async def prepare(self, ask: SpeechAsk) -> PreparedSpeech:

@@ -23,12 +23,14 @@ from omni_dp.placement.builtin import BUILTIN_PIPELINE
 from omni_dp.placement.config import load_placement
 from omni_dp.placement.model import (
     MAIN_PROCESS,
+    PipelineSpec,
     Placement,
     PlacementError,
     PlacementRequest,
     ProcessPlan,
 )
 from omni_dp.placement.validate import budget_problems, resolve
+from omni_dp.sizes import format_size
 
 # The talker's projections tensor_parallel.shard_talker splits evenly across the ranks; every
 # other talker parameter (embeddings, norms, lm_head) a rank holds whole.
@@ -61,8 +63,8 @@ def held_weights(weights: dict[str, int], stage: str, tp_size: int) -> int:
     return replicated + (weights["talker"] - replicated) // tp_size
 
 
-def plan_placement(options: ServeOptions, device: torch.device,
-                   problems: list[str]) -> Placement | None:
+def plan_placement(options: ServeOptions, device: torch.device, problems: list[str],
+                   pipeline: PipelineSpec = BUILTIN_PIPELINE) -> Placement | None:
     """Defaults, then --placement-config, then the dotted overrides; resolved and validated."""
     if options.placement_config == "":
         problems.append("--placement-config needs a file (a YAML placement); leave it out for "
@@ -70,11 +72,11 @@ def plan_placement(options: ServeOptions, device: torch.device,
         return None
     file = Path(options.placement_config) if options.placement_config else None
     try:
-        request = load_placement(BUILTIN_PIPELINE, file, options.placement_overrides)
+        request = load_placement(pipeline, file, options.placement_overrides)
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if device.type == "cuda":  # the replica's own device: found by the plan already
             count = max(count, (device.index or 0) + 1)
-        placement = resolve(BUILTIN_PIPELINE, request, default_device=str(device),
+        placement = resolve(pipeline, request, default_device=str(device),
                             gpu_count=count, gpu_total_bytes=gpu_totals(request, count),
                             host_total_bytes=psutil.virtual_memory().total)
     except PlacementError as exc:
@@ -139,12 +141,26 @@ def main_of(placement: Placement) -> ProcessPlan:
     return next(p for p in placement.processes if p.name == MAIN_PROCESS)
 
 
-def default_placement(device: torch.device) -> Placement:
+def default_placement(device: torch.device,
+                      pipeline: PipelineSpec = BUILTIN_PIPELINE) -> Placement:
     """The pipeline's own placement (form ①, every stage in `main`) on `device`."""
-    request = load_placement(BUILTIN_PIPELINE, None, ())
+    request = load_placement(pipeline, None, ())
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return resolve(BUILTIN_PIPELINE, request, default_device=str(device), gpu_count=count,
+    return resolve(pipeline, request, default_device=str(device), gpu_count=count,
                    gpu_total_bytes={}, host_total_bytes=psutil.virtual_memory().total)
+
+
+def on_device(placement: Placement, device: torch.device) -> list[ProcessPlan]:
+    """The processes whose memory the launcher fits on the replica's device: those on a GPU
+    for a GPU replica, those on the CPU for a CPU one."""
+    on_cpu = device.type == "cpu"
+    return [p for p in placement.processes if (p.device == "cpu") == on_cpu]
+
+
+def runs_a_model(placement: Placement, process: ProcessPlan) -> bool:
+    """Whether a process runs one of its pipeline's model stages (those that may use a GPU:
+    the talker and vocoder, a voice), rather than only the front or a CPU preprocess."""
+    return any(placement.pipeline.stage(s).accelerator for s in process.stages)
 
 
 def process_threads(placement: Placement, threads: int) -> dict[str, int]:
@@ -154,13 +170,11 @@ def process_threads(placement: Placement, threads: int) -> dict[str, int]:
     process that runs its model on a GPU needs the CPU little: one thread where CPU model
     processes need the block, else the block (form ① on a GPU: unchanged). The others (the
     front without a model, a preprocess process) get one."""
-    def runs_a_model(p: ProcessPlan) -> bool:
-        return bool({"talker", "vocoder"} & set(p.stages))
-
-    on_cpu = [p.name for p in placement.processes if runs_a_model(p) and p.device == "cpu"]
+    models = {p.name for p in placement.processes if runs_a_model(placement, p)}
+    on_cpu = [p.name for p in placement.processes if p.name in models and p.device == "cpu"]
     share = max(1, threads // len(on_cpu)) if on_cpu else threads
     gpu_share = 1 if on_cpu else threads
-    return {p.name: (share if p.name in on_cpu else gpu_share if runs_a_model(p) else 1)
+    return {p.name: (share if p.name in on_cpu else gpu_share if p.name in models else 1)
             for p in placement.processes}
 
 
@@ -177,3 +191,45 @@ def tp_problems(placement: Placement, cfg: ModelConfig) -> list[str]:
     except ValueError as exc:
         return [f"talker.tp_size {size}: {exc}"]
     return []
+
+
+def _free_without_context(device: torch.device) -> int | None:
+    """Free memory on a GPU as NVML sees it (no CUDA context made); None if NVML cannot say."""
+    from omni_dp.engine.share.cuda_ipc import device_name
+    from omni_dp.gpus import query_gpu
+
+    gpu, _, _ = query_gpu(device_name(device))
+    if gpu is None or gpu.memory_total_bytes is None or gpu.memory_used_bytes is None:
+        return None
+    return gpu.memory_total_bytes - gpu.memory_used_bytes
+
+
+def split_memory_problems(placement: Placement, needs: dict[str, int], lower: str) -> list[str]:
+    """A split replica: what its processes on each device need together, against what is
+    free there now (`lower`: what the user may lower instead of moving a stage). A GPU is
+    asked through NVML, so that a front that runs no stage on it does not become a CUDA (and
+    MPS) client the placement does not declare; through torch only where NVML cannot say and
+    this process runs a stage on that GPU anyway."""
+    problems = []
+    main = main_of(placement)
+    for device in sorted({p.device for p in placement.processes}):
+        on_it = [p for p in placement.processes if p.device == device]
+        need = sum(needs[p.name] for p in on_it)
+        if device == "cpu":
+            free, where = psutil.virtual_memory().available, "available host memory"
+        else:
+            free = _free_without_context(torch.device(device))
+            if free is None and main.device == device:
+                free = torch.cuda.mem_get_info(torch.device(device))[0]
+            if free is None:
+                # Unchecked here (NVML cannot say, and asking torch would make this process
+                # a CUDA client): an allocation that does not fit fails its stage process's
+                # start, and so the replica's (exit 3, the reason in its log).
+                continue
+            where = f"free memory on {device}"
+        if need > free:
+            names = ", ".join(f"{p.name} ({', '.join(p.stages) or 'front'})" for p in on_it)
+            problems.append(f"the processes on {device} — {names} — need {format_size(need)} "
+                            f"together but {where} is {format_size(free)}; {lower}move a "
+                            "stage")
+    return problems

@@ -21,9 +21,10 @@ from omni_dp.engine.options import DTYPE_NAMES, ServeOptions
 from omni_dp.engine.placement_plan import (
     budget_check,
     kv_bytes_from_budget,
-    main_of,
+    on_device,
     plan_placement,
     process_needs,
+    split_memory_problems,
     stage_weight_bytes,
     talker_process,
     tp_problems,
@@ -126,16 +127,14 @@ def weight_sizes(cfg: ModelConfig, dtype: torch.dtype) -> WeightSizes:
 def plan_summary(plan: ServePlan) -> dict:
     """What `serve --dry-run --json` prints: the numbers a launcher needs before starting."""
     if plan.voice is not None:
-        return voice_summary(plan, overhead_bytes(plan.device))
+        return voice_summary(plan, _overhead_of)
     sizes = plan.weights or weight_sizes(plan.cfg, plan.dtype)
     weights_bytes, shared_bytes = sizes.weights_bytes, sizes.shared_bytes
-    processes = plan.placement.processes if plan.placement else ()
     # One overhead per OS process on the replica's device (a CUDA context each on a GPU):
     # what a split costs there. A CPU process of a GPU replica holds host memory, not the
     # GPU's that the launcher fits this figure into.
-    on_device = [p for p in processes if (p.device == "cpu") == (plan.device.type == "cpu")]
-    overhead = (sum(_overhead_of(p.device) for p in on_device) if processes
-                else overhead_bytes(plan.device))
+    overhead = (sum(_overhead_of(p.device) for p in on_device(plan.placement, plan.device))
+                if plan.placement else overhead_bytes(plan.device))
     summary = {
         "model": plan.cfg.name,
         # a preset's weights are drawn from a seed (a test vehicle: its audio is noise); a
@@ -175,7 +174,7 @@ def plan_serve(options: ServeOptions) -> ServePlan:
         device = _resolve_device(options.device, problems)
         threads = options.threads if options.threads is not None else available_cpus()
         problems += _limit_problems(options, threads)
-        plan = plan_voice(options, device, threads, problems, overhead_bytes)
+        plan = plan_voice(options, device, threads, problems, _overhead_of)
         if problems or plan is None:
             raise ServePlanError(problems)
         return ServePlan(**plan)
@@ -269,7 +268,8 @@ def _fit_problems(kv: KVCacheSpec, device: torch.device, placement: Placement | 
     assert cfg is not None and dtype is not None
     needs = process_needs(placement, stage_weight_bytes(cfg, dtype), kv.cache_bytes,
                           _overhead_of)
-    return _split_memory_problems(placement, needs)
+    return split_memory_problems(placement, needs,
+                                 "lower --kv-cache-bytes or --max-total-tokens, or ")
 
 
 def _check_share(options: ServeOptions, cfg: ModelConfig | None, device: torch.device | None,
@@ -343,47 +343,6 @@ def _resolve_dtype(
         problems.append(f"--dtype {name!r} is not supported; use auto, {', '.join(DTYPES)}")
         return None
     return DTYPES[name]
-
-
-def _free_without_context(device: torch.device) -> int | None:
-    """Free memory on a GPU as NVML sees it (no CUDA context made); None if NVML cannot say."""
-    from omni_dp.engine.share.cuda_ipc import device_name
-    from omni_dp.gpus import query_gpu
-
-    gpu, _, _ = query_gpu(device_name(device))
-    if gpu is None or gpu.memory_total_bytes is None or gpu.memory_used_bytes is None:
-        return None
-    return gpu.memory_total_bytes - gpu.memory_used_bytes
-
-
-def _split_memory_problems(placement: Placement, needs: dict[str, int]) -> list[str]:
-    """A split replica: what its processes on each device need together, against what is
-    free there now. A GPU is asked through NVML, so that a front that runs no stage on it does
-    not become a CUDA (and MPS) client the placement does not declare; through torch only where
-    NVML cannot say and this process runs a stage on that GPU anyway."""
-    problems = []
-    main = main_of(placement)
-    for device in sorted({p.device for p in placement.processes}):
-        on_it = [p for p in placement.processes if p.device == device]
-        need = sum(needs[p.name] for p in on_it)
-        if device == "cpu":
-            free, where = psutil.virtual_memory().available, "available host memory"
-        else:
-            free = _free_without_context(torch.device(device))
-            if free is None and main.device == device:
-                free = torch.cuda.mem_get_info(torch.device(device))[0]
-            if free is None:
-                # Unchecked here (NVML cannot say, and asking torch would make this process
-                # a CUDA client): an allocation that does not fit fails its stage process's
-                # start, and so the replica's (exit 3, the reason in its log).
-                continue
-            where = f"free memory on {device}"
-        if need > free:
-            names = ", ".join(f"{p.name} ({', '.join(p.stages) or 'front'})" for p in on_it)
-            problems.append(f"the processes on {device} — {names} — need {format_size(need)} "
-                            f"together but {where} is {format_size(free)}; lower "
-                            "--kv-cache-bytes or --max-total-tokens, or move a stage")
-    return problems
 
 
 def _check_memory(kv: KVCacheSpec, device: torch.device, problems: list[str]) -> None:

@@ -334,29 +334,37 @@ class ReplicaServer:
             self._watch.start()
 
     async def _load_voice(self) -> None:
-        """A Piper voice: its ONNX session, made off the event loop; no KV pool."""
+        """A Piper voice: its ONNX session where main speaks, its stage processes where the
+        placement puts stages; no KV pool."""
         from omni_dp.engine.voice.pipeline import VoicePipeline
 
         plan = self.plan
-        pipeline = VoicePipeline(plan.voice, str(plan.device), threads=plan.threads,
+        pipeline = VoicePipeline(plan.voice, self.placement, threads=plan.threads,
                                  max_input_chars=self.options.max_input_chars,
-                                 on_fatal=self._on_fatal)
+                                 on_fatal=self._on_fatal, launch_base=stage_launch_base(plan),
+                                 log_setup=current_log_setup())
+        self.pipeline = pipeline  # stopped by run() whatever happens next
         try:
             await asyncio.to_thread(pipeline.load)
-        except Exception as exc:  # onnxruntime could not make the session: report, exit 3
+            if self._stop.is_set():
+                return  # a signal while the session was made: start nothing more
+            pipeline.start()  # here, on the main thread: stage processes die with it
+            await pipeline.wait_ready(self._stop)
+        except Exception as exc:  # onnxruntime could not make the session, or a stage
+            # process failed to start: report, exit 3
             log.error("start-up failed: the voice %s: %s", plan.voice.onnx_path, exc)
             self.state = State.FAILED
             self.exit_code = ExitCode.RUNTIME
             self._stop.set()
-            return
-        self.pipeline = pipeline
 
     def _summary(self) -> str:
         if self.plan.voice is not None:
-            voice = self.plan.voice
+            voice, processes = self.plan.voice, self.placement.processes
+            where = ("" if len(processes) == 1 else ", stages on " + ", ".join(
+                f"{p.name} ({'+'.join(p.stages) or 'front'} on {p.device})" for p in processes))
             return (f"voice {voice.name} ({voice.source}) on {self.plan.device} with "
                     f"onnxruntime, {voice.sample_rate} Hz, no KV cache, "
-                    f"{self.plan.threads} threads")
+                    f"{self.plan.threads} threads{where}")
         kv = self.plan.kv
         return (
             f"model {self.plan.cfg.name} on {self.plan.device} "

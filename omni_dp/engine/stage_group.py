@@ -9,6 +9,7 @@ receiver thread reads main's inbox and hands every message to the front.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -27,7 +28,7 @@ import psutil
 
 from omni_dp.engine import messages
 from omni_dp.engine.links import Inbox, Outbox, endpoint, socket_dir
-from omni_dp.engine.stage_process import StageLaunch, TPRank
+from omni_dp.engine.stage_launch import StageLaunch, TPRank
 from omni_dp.placement.model import MAIN_PROCESS, Placement, ProcessPlan
 from omni_dp.procs import ProcessIdentity, identify
 
@@ -146,7 +147,8 @@ class StageGroup:
             stages=process.stages, device=process.device,
             inbox=self.endpoints[process.name], front=self.endpoints[MAIN_PROCESS],
             vocoders=tuple(self.endpoint_of("vocoder")), log_level=self._log[0],
-            log_format=self._log[1], budget_bytes=process.budget_bytes, tp=tp)
+            log_format=self._log[1], budget_bytes=process.budget_bytes, tp=tp,
+            pipeline=self.placement.pipeline.name)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until every stage process said Ready; StageStartFailed when one failed or
@@ -243,3 +245,36 @@ class StageGroup:
         self.outbox.close_all()
         shutil.rmtree(Path(self.directory), ignore_errors=True)
         self._store = None
+
+
+async def wait_until_ready(group: StageGroup | None, stopped: asyncio.Event,
+                           timeout_s: float) -> bool:
+    """A front's wait for its stage processes: True once every one said Ready (at once with
+    none), False when `stopped` is set first (a signal during start-up stops at once rather
+    than after the stages are up); StageStartFailed when one failed."""
+    if group is None:
+        return True
+    ready = asyncio.ensure_future(asyncio.to_thread(group.wait_ready, timeout_s))
+    stop = asyncio.ensure_future(stopped.wait())
+    await asyncio.wait({ready, stop}, return_when=asyncio.FIRST_COMPLETED)
+    stop.cancel()
+    if ready.done():
+        ready.result()  # StageStartFailed propagates
+        return True
+    group.abandon_start()  # its waiting thread returns now; stop() does the rest
+    with contextlib.suppress(StageStartFailed):
+        await ready
+    return False
+
+
+def process_rows(placement: Placement, threads: dict[str, int],
+                 group: StageGroup | None) -> list[dict]:
+    """The `processes` of /get_server_info: every OS process of the replica, the front's
+    own and its stage processes' pids, which the launcher's MPS attachment proof checks."""
+    rows = []
+    for process in placement.processes:
+        pid = (os.getpid() if process.name == MAIN_PROCESS
+               else group.pid_of(process.name) if group is not None else None)
+        rows.append({"pid": pid, "role": process.name, "device": process.device,
+                     "stages": list(process.stages), "threads": threads[process.name]})
+    return rows

@@ -12,62 +12,25 @@ scheduler decides each step and broadcasts it); ranks ≥ 1 only follow (engine/
 from __future__ import annotations
 
 import ctypes
-import dataclasses
-import json
 import logging
 import os
 import signal
 import sys
 import threading
 import traceback
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from omni_dp.engine.stage_launch import StageLaunch
+from omni_dp.placement.builtin import VOICE_PIPELINE
+
+if TYPE_CHECKING:
+    from omni_dp.engine.links import Outbox
 
 log = logging.getLogger("omni_dp.stage")
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-@dataclass(frozen=True)
-class TPRank:
-    rank: int
-    size: int
-    store_port: int  # the rendezvous the front opened (tensor_parallel.open_store)
-    backend: str  # gloo on the CPU, nccl on GPUs
-
-
-@dataclass(frozen=True)
-class StageLaunch:
-    """Everything a stage process needs, from its front's plan (argv: JSON)."""
-
-    process: str
-    stages: tuple[str, ...]
-    device: str  # cpu | cuda:N
-    dtype: str
-    threads: int
-    model: str
-    weight_seed: int
-    page_size: int
-    num_pages: int
-    max_running_requests: int
-    max_input_chars: int
-    inbox: str  # this process's endpoint
-    front: str  # main's endpoint: Ready, StageFailed, Audio, Prepared, Stats go there
-    vocoders: tuple[str, ...]  # the endpoints of the vocoder processes (a talker's downstream)
-    log_level: str
-    log_format: str
-    budget_bytes: int | None = None  # this process's memory budget (placement), if declared
-    tp: TPRank | None = None
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> StageLaunch:
-        data = json.loads(text)
-        tp = data.pop("tp")
-        data["stages"], data["vocoders"] = tuple(data["stages"]), tuple(data["vocoders"])
-        return cls(**data, tp=TPRank(**tp) if tp else None)
 
 
 def die_with_parent(front_pid: int) -> None:
@@ -155,20 +118,14 @@ def tell_front(front: str, message: object) -> None:
         context.destroy(linger=1000)  # closes the socket once sent, or after a second
 
 
-def run(spec: StageLaunch) -> int:
-    import torch
-
+def fatal_for(spec: StageLaunch) -> Callable[[str], None]:
+    """What a failed stage does, from whichever thread: say why to the front (StageFailed),
+    then exit 3 at once. Only the first failure speaks."""
     from omni_dp.engine import messages
-    from omni_dp.engine.links import Inbox, Outbox
-    from omni_dp.engine.preprocess import PreprocessError, PreprocessLimits
-    from omni_dp.engine.stage_set import StageSet, VocoderRoute
 
-    torch.set_num_threads(spec.threads)
-    sys.setswitchinterval(0.00005)  # as the front's (engine/server.py SWITCH_INTERVAL_S)
-    outbox = Outbox()
     failed = threading.Event()
 
-    def fatal(reason: str) -> None:  # from a worker thread: say why, then go (exit 3)
+    def fatal(reason: str) -> None:
         if failed.is_set():
             return
         failed.set()
@@ -180,6 +137,31 @@ def run(spec: StageLaunch) -> int:
             logging.shutdown()
             os._exit(3)
 
+    return fatal
+
+
+def run(spec: StageLaunch) -> int:
+    from omni_dp.engine.links import Outbox
+
+    fatal = fatal_for(spec)
+    if spec.pipeline == VOICE_PIPELINE.name:
+        from omni_dp.engine.voice.stages import serve_voice_stages
+
+        return serve_voice_stages(spec, Outbox(), fatal)
+    return serve_tts_stages(spec, Outbox(), fatal)
+
+
+def serve_tts_stages(spec: StageLaunch, outbox: Outbox, fatal: Callable[[str], None]) -> int:
+    """The seeded TTS pipeline's stages of this process, until the front says Stop."""
+    import torch
+
+    from omni_dp.engine import messages
+    from omni_dp.engine.links import Inbox
+    from omni_dp.engine.preprocess import PreprocessError, PreprocessLimits
+    from omni_dp.engine.stage_set import StageSet, VocoderRoute
+
+    torch.set_num_threads(spec.threads)
+    sys.setswitchinterval(0.00005)  # as the front's (engine/server.py SWITCH_INTERVAL_S)
     try:
         held = build_stage_models(spec)
     except Exception as exc:  # weights or pool that cannot be had: the front reports it
@@ -229,7 +211,7 @@ def run(spec: StageLaunch) -> int:
     return 0
 
 
-def follow_rank(spec: StageLaunch, held, outbox) -> int:
+def follow_rank(spec: StageLaunch, held, outbox: Outbox) -> int:
     """A TP rank ≥ 1: execute every step rank 0 broadcasts, until it broadcasts the end."""
     from omni_dp.engine import messages
     from omni_dp.engine import tensor_parallel as tp

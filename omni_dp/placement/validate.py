@@ -121,8 +121,9 @@ def _tp_problems(stage: _Stage, pipeline: PipelineSpec) -> list[str]:
     problems = []
     if not stage.spec.tp_capable:
         capable = [s.name for s in pipeline.stages if s.tp_capable]
+        who = f"only {_names(capable)} can" if capable else f"no stage of {pipeline.name} can"
         problems.append(f"{name}.tp_size is {config.tp_size}, but {name} cannot be split "
-                        f"across ranks; only {_names(capable) or 'no stage'} can")
+                        f"across ranks; {who}")
     if config.replicas > 1:
         problems.append(f"{name} has tp_size {config.tp_size} and replicas "
                         f"{config.replicas}; give a TP stage one set of ranks")

@@ -24,7 +24,7 @@ from omni_dp.engine.plan import (
     plan_serve,
     plan_summary,
 )
-from omni_dp.engine.stage_process import StageLaunch, TPRank
+from omni_dp.engine.stage_launch import StageLaunch, TPRank
 from omni_dp.sizes import GiB, format_size
 
 CFG = PRESETS["tiny"]
@@ -299,7 +299,7 @@ def test_an_empty_placement_config_is_a_problem_not_the_default():
 def test_each_gpu_of_a_split_replica_is_checked_against_its_own_free_memory(monkeypatch):
     """Form ④ over two GPUs: each rank's half of the pool on its own GPU, never the whole
     pool against cuda:0's free memory."""
-    from omni_dp.engine import plan as plan_module
+    from omni_dp.engine import placement_plan
     from omni_dp.placement.builtin import BUILTIN_PIPELINE
     from omni_dp.placement.config import load_placement
     from omni_dp.placement.validate import resolve
@@ -313,8 +313,9 @@ def test_each_gpu_of_a_split_replica_is_checked_against_its_own_free_memory(monk
     needs = {"main": 1 * GiB, "talker-tp0": 30 * GiB, "talker-tp1": 30 * GiB,
              "vocoder": 2 * GiB}
     free = {"cuda:0": 31 * GiB, "cuda:1": 31 * GiB}
-    monkeypatch.setattr(plan_module, "_free_without_context", lambda d: free[str(d)])
-    assert plan_module._split_memory_problems(placement, needs) == [
+    monkeypatch.setattr(placement_plan, "_free_without_context", lambda d: free[str(d)])
+    assert placement_plan.split_memory_problems(
+        placement, needs, "lower --kv-cache-bytes or --max-total-tokens, or ") == [
         "the processes on cuda:1 — talker-tp1 (talker), vocoder (vocoder) — need 32.00 GiB "
         "together but free memory on cuda:1 is 31.00 GiB; lower --kv-cache-bytes or "
         "--max-total-tokens, or move a stage"]

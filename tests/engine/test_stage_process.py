@@ -15,7 +15,7 @@ import zmq
 
 from omni_dp.engine import messages
 from omni_dp.engine.links import Inbox, Outbox, endpoint, socket_dir
-from omni_dp.engine.stage_process import StageLaunch
+from omni_dp.engine.stage_launch import StageLaunch
 
 pytestmark = pytest.mark.slow
 

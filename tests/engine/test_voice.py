@@ -104,12 +104,70 @@ def test_the_dry_run_of_a_voice_says_it_has_no_kv_and_sizes_its_graph(fake_voice
     ({"kv_cache_bytes": 10**6}, "--kv-cache-bytes"),
     ({"dtype": "bfloat16"}, "graph is float32"),
     ({"share_weights": "leader", "share_dir": "/nonexistent"}, "no share policy"),
-    ({"placement_overrides": (("vocoder.process", "v"),)}, "one process"),
+    # the voice pipeline's stages are placed; the seeded pipeline's are not its own
+    ({"placement_overrides": (("vocoder.process", "v"),)},
+     "unknown stage 'vocoder' in --vocoder.process; did you mean 'voice'?"),
+    ({"placement_overrides": (("voice.tp_size", "2"),)},
+     "voice cannot be split across ranks; no stage of omni-dp-voice can"),
+    ({"placement_overrides": (("voice.gpu_memory_fraction", "0.01"),
+                              ("placement.cpu_device_memory_bytes", "1GiB"))},
+     "process main (preprocess, voice) needs"),
 ])
 def test_the_seeded_presets_options_are_refused_for_a_voice(fake_voice, options, words):
     with pytest.raises(ServePlanError) as caught:
         plan_serve(ServeOptions(model=fake_voice, device="cpu", **options))
     assert any(words in problem for problem in caught.value.problems), caught.value.problems
+
+
+def test_the_voice_stages_are_placed_like_the_seeded_pipelines(fake_voice):
+    """`--voice.replicas 2` on a process of its own: two processes that each hold the graph
+    (the dry run counts both, with an overhead each), the front keeps the preprocess, and the
+    replica's threads are split between the two that run the model."""
+    from omni_dp.engine.placement_plan import process_threads
+
+    plan = plan_serve(ServeOptions(model=fake_voice, device="cpu", threads=4,
+                                   placement_overrides=(("voice.process", "voice"),
+                                                        ("voice.replicas", "2"))))
+    summary = plan_summary(plan)
+    processes = {p["name"]: p["stages"] for p in summary["placement"]["processes"]}
+    assert processes == {"main": ["preprocess"], "voice-r0": ["voice"],
+                         "voice-r1": ["voice"]}
+    assert summary["placement"]["pipeline"] == "omni-dp-voice"
+    assert summary["weights_bytes"] == 2 * 1000
+    single = plan_summary(plan_serve(ServeOptions(model=fake_voice, device="cpu", threads=4)))
+    assert summary["overhead_bytes"] == 3 * single["overhead_bytes"]
+    assert process_threads(plan.placement, 4) == {"main": 1, "voice-r0": 2, "voice-r1": 2}
+
+
+def test_the_voice_preprocess_refuses_by_field_and_drops_silent_sentences(fake_voice):
+    """The stage's checks are the same wherever it runs: a front or a stage process."""
+    from omni_dp.engine.preprocess import PreprocessError, SpeechAsk
+    from omni_dp.engine.voice.preprocess import VoicePreprocess
+
+    stage = VoicePreprocess(find_voice(fake_voice), max_input_chars=20)
+    for ask, field in ((SpeechAsk("hi", "nobody"), "voice"), (SpeechAsk(" \t", "alloy"), "input"),
+                       (SpeechAsk("x" * 21, "alloy"), "input"),
+                       (SpeechAsk("hi", "alloy", max_new_tokens=5), "max_new_tokens")):
+        with pytest.raises(PreprocessError) as caught:
+            stage.check(ask)
+        assert caught.value.field == field
+    checked = stage.check(SpeechAsk("Hi there. Oh!", "alloy", speed=2.0, seed=3))
+    assert checked.sentences == ["Hi there.", "Oh!"]
+    speech = stage.speech(checked, [[1, 0, 4, 0, 2], [1, 0, 2]])  # the second has no phoneme
+    assert speech.sentences == [[1, 0, 4, 0, 2]] and speech.length_scale == 0.5
+    with pytest.raises(PreprocessError, match="nothing to speak"):
+        stage.speech(checked, [[1, 0, 2]])
+
+
+def test_the_voice_messages_cross_a_process_boundary():
+    from omni_dp.engine import messages, wire
+    from omni_dp.engine.voice.messages import Speak, Spoken
+    from omni_dp.engine.voice.preprocess import VoicePrompt, VoiceSpeech
+
+    speech = VoiceSpeech(VoicePrompt("Hi.", 0, [1, 0, 2]), [[1, 0, 4, 0, 2]], 1.0, None)
+    for message in (Speak("s1", [1, 0, 4, 0, 2], 0.9, 0), Spoken("s1", b"\x01\x02" * 40000),
+                    messages.Prepared("p1", speech), messages.Prepared("p2", None, None, "why")):
+        assert wire.decode(wire.encode(message)) == message
 
 
 def test_a_bundled_voice_that_is_not_installed_says_how_to_get_it(monkeypatch):

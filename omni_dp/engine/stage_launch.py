@@ -1,0 +1,57 @@
+"""What a stage process is told when its front starts it: one JSON argument, these fields.
+
+Apart from engine/stage_process.py so that the code serving a pipeline's stages there (the
+seeded TTS stages, a voice's: engine/voice/stages.py) reads its launch without importing the
+process's entry point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from omni_dp.placement.builtin import BUILTIN_PIPELINE
+
+
+@dataclass(frozen=True)
+class TPRank:
+    rank: int
+    size: int
+    store_port: int  # the rendezvous the front opened (tensor_parallel.open_store)
+    backend: str  # gloo on the CPU, nccl on GPUs
+
+
+@dataclass(frozen=True)
+class StageLaunch:
+    """Everything a stage process needs, from its front's plan (argv: JSON)."""
+
+    process: str
+    stages: tuple[str, ...]
+    device: str  # cpu | cuda:N
+    dtype: str
+    threads: int
+    model: str
+    weight_seed: int
+    page_size: int
+    num_pages: int
+    max_running_requests: int
+    max_input_chars: int
+    inbox: str  # this process's endpoint
+    front: str  # main's endpoint: Ready, StageFailed, Audio, Prepared, Stats go there
+    vocoders: tuple[str, ...]  # the endpoints of the vocoder processes (a talker's downstream)
+    log_level: str
+    log_format: str
+    budget_bytes: int | None = None  # this process's memory budget (placement), if declared
+    tp: TPRank | None = None
+    pipeline: str = BUILTIN_PIPELINE.name  # which pipeline's stages (placement/builtin.py)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> StageLaunch:
+        data = json.loads(text)
+        tp = data.pop("tp")
+        data["stages"], data["vocoders"] = tuple(data["stages"]), tuple(data["vocoders"])
+        return cls(**data, tp=TPRank(**tp) if tp else None)
