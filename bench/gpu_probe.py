@@ -202,6 +202,25 @@ def mps_programs() -> dict:
     return facts
 
 
+def voice_problems(on_gpu: bool) -> list[str]:
+    """Why the trained voice cannot be measured here (by omni-dp's own checks: the voice's
+    package, the espeak-ng program, onnxruntime with the CUDA provider on a GPU), or []."""
+    try:
+        from omni_dp.engine.voice.model import DEFAULT_VOICE_NAME, find_voice, runtime_problem
+        from omni_dp.engine.voice.phonemes import espeak_problem
+    except Exception as exc:  # numpy missing, say: the voice step is skipped, said
+        return [f"omni-dp's voice code does not import: {exc!r}"]
+    problems = []
+    try:
+        find_voice(DEFAULT_VOICE_NAME)
+    except ValueError as exc:
+        problems.append(str(exc))
+    for problem in (espeak_problem(), runtime_problem("cuda" if on_gpu else "cpu")):
+        if problem:
+            problems.append(problem)
+    return problems
+
+
 def main() -> int:
     results = print_imports()
     missing = [r for r in results if "error" in r and not r.get("optional")]
@@ -216,6 +235,8 @@ def main() -> int:
     # the machine's facts either way: they need none of those packages
     facts["system"] = system()
     facts["mps"] = mps_programs()
+    facts["voice_problems"] = voice_problems(os.environ.get("GPU", "0") != "none")
+    print("voice: " + ("; ".join(facts["voice_problems"]) or "measurable"), flush=True)
     print("@@json " + json.dumps(facts), flush=True)
     return 1 if missing else 0
 

@@ -13,9 +13,9 @@
 # which runs the steps (bench/gpu_steps.py) and writes at most 8 files under $OUT, summary.md
 # first. Knobs (environment): OUT GPU MODEL PYTHON BUDGET TEARDOWN_RESERVE HEADLINE_CONFIGS
 # HEADLINE_CONCURRENCY HEADLINE_TRIALS HEADLINE_DURATION HEADLINE_WARMUP KV_TOKENS
-# SHARE_REPLICAS MORE_CONFIGS KERNEL_SECONDS OVERLAP_DURATION OVERLAP_CONCURRENCY WORK, and
-# LIMIT_<STEP> (seconds; PROBE MPS_SMOKE HEADLINE SHARE GPU_CHECK OVERLAP MORE_DP FORM3 TP2
-# GPUS2). Exit 0 every step ok, 1 a step failed, timed out or had no time, 3 a process of the
+# SHARE_REPLICAS MORE_CONFIGS VOICE_CONFIGS VOICE_CONCURRENCY KERNEL_SECONDS OVERLAP_DURATION
+# OVERLAP_CONCURRENCY WORK, and LIMIT_<STEP> (seconds; PROBE MPS_SMOKE HEADLINE SHARE GPU_CHECK
+# VOICE OVERLAP MORE_DP FORM3 TP2 GPUS2). Exit 0 every step ok, 1 a step failed, timed out or had no time, 3 a process of the
 # call is left running (named in summary.md).
 cd "$(dirname "$0")/.." || exit 3
 PY=${PYTHON:-python3}

@@ -9,8 +9,10 @@ printed, and the headline lines they make.
 3. headline: `omni-dp bench` of DP1, DP3 under MPS and DP3 without, saturated, 2 trials a level;
 4. share: `--share-weights` — device memory of 3 replicas with their own weights, then sharing;
 5. gpu_check: one replica's device path, its steps/s, syncs per step, measured overhead;
-6. overlap: `verify-mps --overlap` with and without MPS, recorded;
-7. while time is left: DP2 and DP5 under MPS, placement form ③ under MPS, TP2's refusal on
+6. voice: `omni-dp bench` of the trained voice (the default model), DP1 and DP3 under MPS,
+   where the probe found it measurable (its package, espeak-ng, onnxruntime's CUDA provider);
+7. overlap: `verify-mps --overlap` with and without MPS, recorded;
+8. while time is left: DP2 and DP5 under MPS, placement form ③ under MPS, TP2's refusal on
    one GPU, one run over two GPUs where there are two;
 then the teardown.
 """
@@ -52,6 +54,9 @@ class Settings:
     kv_tokens: int = 65536
     share_replicas: int = 3
     more_configs: str = "2mps,5mps"
+    voice_model: str = "joe"  # the trained voice (docs/voice.md)
+    voice_configs: str = "1,3mps"
+    voice_concurrency: str = "16,48"
     kernel_seconds: float = 1.0
     overlap_duration_s: float = 6.0
     overlap_concurrency: int = 32
@@ -73,7 +78,7 @@ class Settings:
             defaults = cls(Path("."), Path("."), model="tiny", headline_configs="1,2",
                            headline_concurrency="2,4", headline_duration_s=2.0,
                            headline_warmup_s=1.0, kv_tokens=4096, share_replicas=2,
-                           kernel_seconds=0.2)
+                           kernel_seconds=0.2, voice_configs="1", voice_concurrency="2")
         # short (an MPS socket path is at most 107 bytes) and private
         work = Path(env.get("WORK") or tempfile.mkdtemp(prefix="odp-gpu."))
         values = {}
@@ -101,7 +106,7 @@ class Step:
     cwd: Path = ROOT
     env: dict[str, str] = field(default_factory=dict)
     grace_s: float = 15.0  # SIGTERM to SIGKILL: a step that was launching downs its run
-    needs: tuple[str, ...] = ()  # "serving" (omni-dp's imports), "torch", "gpus2"
+    needs: tuple[str, ...] = ()  # "serving" (omni-dp's imports), "torch", "gpus2", "voice"
     exports: Callable[[dict], dict[str, str]] = lambda figures: {}  # into later steps' env
     not_here: str | None = None  # why it cannot run on this machine at all
 
@@ -115,6 +120,9 @@ class Step:
             return "torch does not import (see probe)"
         if "serving" in self.needs and missing:
             return f"{', '.join(missing)} missing (see probe)"
+        voice = probe.get("voice_problems")
+        if "voice" in self.needs and voice != []:
+            return "the voice cannot run here: " + ("; ".join(voice or ["the probe did not say"]))
         gpus = (probe.get("system") or {}).get("gpus")
         if "gpus2" in self.needs and (not isinstance(gpus, list) or len(gpus) < 2):
             return f"{len(gpus) if isinstance(gpus, list) else 0} GPU(s) here; needs two"
@@ -202,12 +210,15 @@ def steps(s: Settings) -> list[Step]:
     mps_fault = ["--on-mps-fault", "fail"] if s.on_gpu else []
     with_state = {"OMNI_DP_STATE_DIR": state}
 
-    def bench(configs: str, folder: str) -> list[str]:
+    def bench(configs: str, folder: str, model: str = s.model,
+              concurrency: str = s.headline_concurrency, kv: bool = True) -> list[str]:
+        # the seeded model's pool is pinned; a voice keeps no KV (a pin is refused)
+        pin = ["--max-total-tokens", str(s.kv_tokens)] if kv else []
         return [py, "-m", "omni_dp", "bench", "--configs", configs,
                 "--trials", str(s.headline_trials), "--duration", str(s.headline_duration_s),
-                "--warmup", str(s.headline_warmup_s), "--concurrency", s.headline_concurrency,
-                "--out", str(s.work / folder), "--", *launch_gpu, "--max-total-tokens",
-                str(s.kv_tokens), "--start-timeout", "90", *mps_fault, "--", "--model", s.model]
+                "--warmup", str(s.headline_warmup_s), "--concurrency", concurrency,
+                "--out", str(s.work / folder), "--", *launch_gpu, *pin, "--start-timeout",
+                "90", *mps_fault, "--", "--model", model]
 
     def limit(name: str, default: float) -> float:
         return s.limits.get(name.replace(" ", "_"), default)
@@ -236,6 +247,10 @@ def steps(s: Settings) -> list[Step]:
         Step("gpu_check", [py, "gpu_check.py", s.model, "--device",
                            "cuda" if s.on_gpu else "cpu"],
              limit("gpu_check", 90), 30, check_lines, cwd=BENCH, needs=("serving",)),
+        Step("voice", bench(s.voice_configs, "voice", s.voice_model, s.voice_concurrency,
+                            kv=False),
+             limit("voice", 100), 50, bench_reader("voice"), env=with_state, grace_s=30,
+             needs=("serving", "voice")),
         Step("overlap", [*runs, "overlap", *run_args, "--duration", str(s.overlap_duration_s),
                          "--concurrency", str(s.overlap_concurrency)],
              limit("overlap", 100), 40, marked_json, cwd=BENCH, env=with_state,
@@ -384,7 +399,9 @@ def caps_lines(f: dict) -> list[str]:
 
 HEADLINES: list[tuple[str, Callable[[dict], list[str]]]] = [
     ("probe", missing_lines), ("headline", dp_lines), ("mps smoke", smoke_lines),
-    ("share", share_lines), ("gpu_check", check_summary), ("overlap", overlap_lines),
+    ("share", share_lines), ("gpu_check", check_summary),
+    ("voice", lambda f: [f"the trained voice, {line}" for line in dp_lines(f)]),
+    ("overlap", overlap_lines),
     ("more DP", dp_lines),
     ("form3", lambda f: [f"form ③ under MPS: {json.dumps(f)[:300]}"]),
     ("tp2", lambda f: [f"TP2 on one GPU refused before start: {f.get('refused_as_expected')}"]),

@@ -21,6 +21,9 @@ else:  # Python 3.10
 ROOT = Path(__file__).resolve().parents[1]
 # Extras that are not part of what omni_dp runs with (the test tools).
 NOT_RUNTIME_EXTRAS = {"test"}
+# Builds of a declared distribution under another name, that scripts/setup installs in its
+# place: where torch is a CUDA build, the GPU onnxruntime (one module, two distributions).
+SAME_AS_DECLARED = {"onnxruntime-gpu": "onnxruntime"}
 
 
 def declared() -> dict[str, Requirement]:
@@ -62,7 +65,8 @@ def third_party(modules: dict[str, str]) -> dict[str, str]:
 def distributions(module: str) -> set[str]:
     """The installed distributions that provide a top-level module, by canonical name."""
     provided = importlib.metadata.packages_distributions().get(module, [])
-    return {canonicalize_name(d) for d in provided}
+    names = {canonicalize_name(d) for d in provided}
+    return {SAME_AS_DECLARED.get(name, name) for name in names}
 
 
 def test_every_declared_dependency_is_imported_by_omni_dp():
@@ -92,3 +96,4 @@ def test_the_checks_see_lazy_imports_and_map_distribution_names():
     assert "pynvml" in modules and "uvloop" in modules  # imported inside functions only
     assert distributions("pynvml") == {"nvidia-ml-py"}
     assert distributions("yaml") == {"pyyaml"}
+    assert set(SAME_AS_DECLARED.values()) <= set(declared())  # each stands for a declared one

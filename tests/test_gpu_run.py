@@ -26,6 +26,7 @@ import pytest
 from omni_dp.procs import read_environ
 
 from support.mps import real_control_binary
+from support.recognizer import voice_missing
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -95,6 +96,15 @@ def test_the_device_call_runs_on_cpu_and_brings_back_at_most_eight_files(tmp_pat
         assert row(summary, step) == "ok", summary
     for step in ("overlap", "more DP", "form3", "tp2", "gpus2", "caps"):
         assert row(summary, step) == "skipped: no GPU (GPU=none)"
+    # the trained voice, measured where the probe finds it (on the CPU here: DP1 only)
+    missing = voice_missing()
+    if missing and not os.environ.get("OMNI_DP_REQUIRE_VOICE"):
+        assert row(summary, "voice").startswith("skipped: the voice cannot run here: ")
+    else:
+        assert row(summary, "voice") == "ok", summary
+        voice = results(out)["voice"]["figures"]["configs"]
+        assert [(c["name"], c["status"]) for c in voice] == [("1", "ok")]
+        assert "- the trained voice, DP1: " in summary.split("## Steps")[0]
     # the headline figures lead, before the table of steps
     head = summary.split("## Steps")[0]
     assert re.search(r"^- DP2: [\d.]+ \[[\d.]+–[\d.]+\] req/s at c=\d+ .*x DP1", head, re.M), head
@@ -196,7 +206,7 @@ def test_steps_that_time_out_or_fail_are_rows_and_the_next_runs(tmp_path):
     weight-share step and gpu_check at 3 s; the teardown still finds nothing left."""
     real_control_binary()
     rc, summary = gpu_run(tmp_path / "out", LIMIT_HEADLINE="12", LIMIT_SHARE="3",
-                          LIMIT_GPU_CHECK="3")
+                          LIMIT_GPU_CHECK="3", LIMIT_VOICE="3")
     assert rc == 1, summary
     for step, limit in (("headline", 12), ("share", 3), ("gpu_check", 3)):
         assert row(summary, step) == f"timed out after {limit} s", summary
@@ -233,7 +243,7 @@ def test_a_package_missing_on_the_machine_is_named_first_and_its_steps_skipped(t
     assert "MISSING pyzmq (import zmq)" in probe
     assert "bench/fetch_wheels.sh" in probe and ".whl" in probe
     assert row(summary, "probe") == "exit 1" and row(summary, "mps smoke") == "ok"
-    for step in ("headline", "share", "gpu_check"):
+    for step in ("headline", "share", "gpu_check", "voice"):
         assert row(summary, step) == "skipped: pyzmq missing (see probe)", summary
     assert summary.split("## Headline")[1].lstrip().startswith("- MISSING on the machine")
 
