@@ -1,13 +1,15 @@
 """Requests/s and real-time factor of the trained voice: 1 vs 2 replicas behind the router.
 
 For each configuration: `omni-dp launch --replicas N --detach` with serve's default model (the
-voice joe; --cpu-blocks auto: one replica on every core, or one core each), a few warm-up
+voice joe; --cpu-blocks auto: one replica on every core, or one core each); `NvK` places each
+replica's voice stage in K stage processes of its own (`-- --voice.process voice
+--voice.replicas K`) instead of its front's worker threads; a few warm-up
 requests, then a fixed number of whole-WAV requests at a fixed concurrency through the router,
 then `omni-dp down`. Real-time factor (RTF) = seconds spent / seconds of audio made: for the run
 (wall time over all audio: below 1 is faster than real time) and per request (latency over its
 own audio, the median).
 
-    python bench/voice.py --configs 1,2,1,2 --requests 48 --concurrency 4 --out bench/results
+    python bench/voice.py --configs 1,1v2,2,1,1v2,2 --requests 48 --out bench/results
 """
 
 from __future__ import annotations
@@ -85,17 +87,27 @@ def free_ports(count: int, start: int) -> int:
     raise RuntimeError(f"no {count} free ports from {start}")
 
 
-def run_config(replicas: int, args: argparse.Namespace, state: str) -> dict:
+def parse_config(token: str) -> tuple[int, int]:
+    """`2` → 2 replicas, the voice in each front; `1v2` → 1 replica, its voice in 2 processes."""
+    replicas, _, processes = token.partition("v")
+    return int(replicas), int(processes or 0)
+
+
+def run_config(token: str, args: argparse.Namespace, state: str) -> dict:
+    replicas, processes = parse_config(token)
+    placed = (["--", "--voice.process", "voice", "--voice.replicas", str(processes)]
+              if processes else [])
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_DP_")}
     env["OMNI_DP_STATE_DIR"] = state
-    run_id = f"voice-{replicas}-{os.getpid()}-{int(time.time())}"
+    run_id = f"voice-{token}-{os.getpid()}-{int(time.time())}"
     base = free_ports(replicas + 1, args.base_port)
     router_port = base + replicas
     started = time.perf_counter()
     launched = omni_dp("launch", "--replicas", str(replicas), "--detach", "--run-id", run_id,
                        "--gpu", "none", "--base-port", str(base),
-                       "--router-port", str(router_port), env=env)
-    row: dict = {"replicas": replicas, "up_s": round(time.perf_counter() - started, 1)}
+                       "--router-port", str(router_port), *placed, env=env)
+    row: dict = {"config": token, "replicas": replicas, "voice_processes": processes,
+                 "up_s": round(time.perf_counter() - started, 1)}
     try:
         if launched.returncode != 0:
             return {**row, "error": launched.stderr[-400:]}
@@ -107,7 +119,8 @@ def run_config(replicas: int, args: argparse.Namespace, state: str) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", default="1,2", help="replica counts, in order")
+    parser.add_argument("--configs", default="1,2",
+                        help="replica counts, in order; NvK: the voice in K processes each")
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--base-port", type=int, default=18300)
@@ -115,8 +128,8 @@ def main() -> int:
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="odp-voice-") as state:
-        for count in (int(c) for c in args.configs.split(",")):
-            row = run_config(count, args, state)
+        for token in args.configs.split(","):
+            row = run_config(token, args, state)
             print(json.dumps(row), flush=True)
             rows.append(row)
     if args.out is not None:
