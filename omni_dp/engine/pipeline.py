@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from omni_dp.engine import messages
 from omni_dp.engine.core import Abort, Add, StepOutputs
 from omni_dp.engine.gpu_busy import busy_answer
-from omni_dp.engine.placement_plan import process_threads
 from omni_dp.engine.preprocess import (
     PreparedSpeech,
     PreprocessError,
@@ -31,7 +30,7 @@ from omni_dp.engine.preprocess import (
     SpeechAsk,
 )
 from omni_dp.engine.scheduler import SchedulerStats, TalkerRequest
-from omni_dp.engine.stage_group import StageGroup, process_rows, wait_until_ready
+from omni_dp.engine.stage_group import process_rows, start_group, wait_until_ready
 from omni_dp.engine.stage_set import LeastLoaded, StageModels, StageSet, VocoderRoute
 from omni_dp.engine.wire import WireError
 from omni_dp.placement.model import MAIN_PROCESS, Placement
@@ -83,14 +82,9 @@ class Pipeline:
         self._on_fatal = on_fatal
         self._remote_stats: SchedulerStats | None = None
         main = next(p for p in placement.processes if p.name == MAIN_PROCESS)
-        self.threads = process_threads(placement, threads)
-        self.group = None
-        if not placement.is_single_process:
-            assert launch_base is not None
-            self.group = StageGroup(placement, launch_base, on_message=self._from_stages,
-                                    on_fatal=self._fatal_threadsafe, log_level=log_setup[0],
-                                    log_format=log_setup[1])
-            self.threads = self.group.threads  # one split, the one the children run
+        self.group, self.threads = start_group(
+            placement, launch_base, threads, on_message=self._from_stages,
+            on_fatal=self._fatal_threadsafe, log_setup=log_setup)
         to_vocoder = None
         if "talker" in main.stages and "vocoder" not in main.stages:
             assert self.group is not None

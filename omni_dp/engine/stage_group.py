@@ -247,6 +247,21 @@ class StageGroup:
         self._store = None
 
 
+def start_group(placement: Placement, launch_base: dict | None, threads: int, *,
+                on_message: Callable[[object], None], on_fatal: Callable[[str], None],
+                log_setup: tuple[str, str]) -> tuple[StageGroup | None, dict[str, int]]:
+    """A front's stage group (None for a single-process placement) and the replica's threads
+    per process: one split, the one the children run."""
+    from omni_dp.engine.placement_plan import process_threads
+
+    if placement.is_single_process:
+        return None, process_threads(placement, threads)
+    assert launch_base is not None, "a split placement needs its stage processes' fields"
+    group = StageGroup(placement, {**launch_base, "threads": threads}, on_message=on_message,
+                       on_fatal=on_fatal, log_level=log_setup[0], log_format=log_setup[1])
+    return group, group.threads
+
+
 async def wait_until_ready(group: StageGroup | None, stopped: asyncio.Event,
                            timeout_s: float) -> bool:
     """A front's wait for its stage processes: True once every one said Ready (at once with

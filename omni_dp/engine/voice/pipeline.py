@@ -29,10 +29,10 @@ from concurrent.futures import ThreadPoolExecutor
 from omni_dp.engine import messages
 from omni_dp.engine.gpu_busy import ON_CPU, NotRecording, busy_answer
 from omni_dp.engine.pipeline import EngineFailed, RequestCutOff
-from omni_dp.engine.placement_plan import main_of, process_threads
+from omni_dp.engine.placement_plan import main_of
 from omni_dp.engine.preprocess import PreprocessError, SpeechAsk
 from omni_dp.engine.scheduler import SchedulerStats
-from omni_dp.engine.stage_group import StageGroup, process_rows, wait_until_ready
+from omni_dp.engine.stage_group import process_rows, start_group, wait_until_ready
 from omni_dp.engine.stage_set import LeastLoaded
 from omni_dp.engine.voice.messages import Speak, Spoken
 from omni_dp.engine.voice.model import VoiceModel, VoiceSession, pcm16
@@ -69,14 +69,9 @@ class VoicePipeline:
         self._in_flight = 0
         self._speaking = 0  # sentences being spoken now, here or elsewhere (under its lock)
         self._speaking_lock = threading.Lock()
-        self.group: StageGroup | None = None
-        self.threads = process_threads(placement, threads)
-        if not placement.is_single_process:
-            assert launch_base is not None
-            self.group = StageGroup(placement, launch_base, on_message=self._from_stages,
-                                    on_fatal=self._fatal_threadsafe, log_level=log_setup[0],
-                                    log_format=log_setup[1])
-            self.threads = self.group.threads  # one split, the one the children run
+        self.group, self.threads = start_group(
+            placement, launch_base, threads, on_message=self._from_stages,
+            on_fatal=self._fatal_threadsafe, log_setup=log_setup)
         self.speaks_here = "voice" in main.stages
         self.prepares_here = "preprocess" in main.stages
         # The local stages' workers: one per thread of main's share for the voice (its
