@@ -75,7 +75,8 @@ class ServeOptions:
     placement_config: str | None = field(default=None, metadata={
         "metavar": "FILE",
         "help": "A YAML file placing the stages on processes and devices (top-level keys: "
-                "preprocess, talker, vocoder, placement), applied over the pipeline's defaults "
+                "the stages, preprocess, talker, vocoder for the seeded presets, preprocess, "
+                "voice for a voice; and placement), applied over the pipeline's defaults "
                 "(every stage in one process); dotted options override it: --vocoder.process "
                 "vocoder, --talker.gpu_memory_fraction 0.85, --talker.tp_size 2, "
                 "--vocoder.replicas 2, --placement.max_total_gpu_memory_fraction_per_gpu 0.9, "

@@ -194,7 +194,7 @@ def _owner_problem(pipeline: PipelineSpec, owner: str, place: str) -> str | None
     if owner in _owners(pipeline):
         return None
     return (f"unknown stage {brief(owner)} in {place}"
-            + suggestion(owner, _owners(pipeline), "stages"))
+            + suggestion(owner, _owners(pipeline), f"keys of {pipeline.name}'s placement"))
 
 
 def _fields_of(owner: str) -> dict[str, Parser]:

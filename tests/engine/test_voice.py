@@ -107,6 +107,9 @@ def test_the_dry_run_of_a_voice_says_it_has_no_kv_and_sizes_its_graph(fake_voice
     # the voice pipeline's stages are placed; the seeded pipeline's are not its own
     ({"placement_overrides": (("vocoder.process", "v"),)},
      "unknown stage 'vocoder' in --vocoder.process; did you mean 'voice'?"),
+    ({"placement_overrides": (("talker.tp_size", "2"),)},
+     "unknown stage 'talker' in --talker.tp_size; the keys of omni-dp-voice's placement are "
+     "preprocess, voice, placement"),
     ({"placement_overrides": (("voice.tp_size", "2"),)},
      "voice cannot be split across ranks; no stage of omni-dp-voice can"),
     ({"placement_overrides": (("voice.gpu_memory_fraction", "0.01"),

@@ -47,7 +47,9 @@ def serve(ctx: click.Context, log_level: str, log_format: str, dry_run: bool,
 
     Placement: every stage runs in this process unless --placement-config or a dotted
     option (--<stage>.<field> VALUE: process, device, gpu_memory_fraction, tp_size, devices,
-    replicas; --placement.<field> VALUE) puts it elsewhere; see README.md, "Placement".
+    replicas; --placement.<field> VALUE) puts it elsewhere; the voice's stages are preprocess
+    and voice (--voice.process voice --voice.replicas 2), the seeded presets' preprocess,
+    talker and vocoder; see README.md, "Placement".
 
     Exit codes: 0 after SIGTERM/SIGINT and draining, 2 bad options (nothing started),
     3 start-up or engine failure (a follower that cannot attach, a stage process that
@@ -96,7 +98,7 @@ def unknown_option_problem(args: list[str], command: click.Command) -> str:
     close = difflib.get_close_matches(name, known, n=1)
     hint = f"; did you mean {close[0]}?" if close else ""
     return (f"no such option: {name}{hint} (a stage's placement is set with dotted options: "
-            "--vocoder.process NAME)")
+            "--vocoder.process NAME, or for the voice --voice.process NAME)")
 
 
 @click.command("save-weights")
