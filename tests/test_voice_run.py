@@ -166,6 +166,28 @@ def test_a_voice_stage_process_that_dies_fails_its_replica(tmp_path):
         replica.stop()
 
 
+def test_a_placed_voice_whose_graph_cannot_load_exits_3_and_leaves_nothing(tmp_path):
+    """The front fails to make its session after its stage group was set up (the preprocess
+    placed elsewhere): start-up failed, exit 3, its socket directory gone — not a traceback
+    from stopping a group that never started."""
+    require_voice()
+    voice = tmp_path / "broken"
+    voice.mkdir()
+    (voice / "v.onnx").write_bytes(b"\0" * 1000)  # not a graph: onnxruntime refuses it
+    (voice / "v.onnx.json").write_text(json.dumps({
+        "audio": {"sample_rate": 22050}, "espeak": {"voice": "en-us"},
+        "phoneme_id_map": {"_": [0], "^": [1], "$": [2]}, "num_speakers": 1}))
+    sockets = tmp_path / "tmp"
+    sockets.mkdir()
+    done = subprocess.run([*OMNI_DP, "serve", "--model", str(voice), "--port", "0",
+                           "--preprocess.process", "pre"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "TMPDIR": str(sockets)},
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 3, describe(done)
+    assert "start-up failed: the voice" in done.stderr and "Traceback" not in done.stderr
+    assert list(sockets.glob("omni-dp-stages-*")) == []
+
+
 def test_both_voice_replicas_answer_behind_the_router(voice_run):
     run, _ = voice_run
     for url in _replica_urls(run):

@@ -241,7 +241,10 @@ class StageGroup:
                             name, child.pid, timeout_s)
                 child.kill()
                 child.wait()
-        self._receiver.join(2 * RECV_POLL_S + 1)
+        if self._receiver.ident is not None:
+            self._receiver.join(2 * RECV_POLL_S + 1)  # it closes the inbox as it ends
+        else:  # stopped before spawn (a start-up that failed or was signalled first)
+            self.inbox.close()
         self.outbox.close_all()
         shutil.rmtree(Path(self.directory), ignore_errors=True)
         self._store = None

@@ -89,6 +89,26 @@ def test_a_failure_reason_with_undecodable_bytes_still_reaches_the_front(tmp_pat
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def test_a_group_stopped_before_it_spawned_stops_cleanly():
+    """A front whose start-up failed (or was signalled) before its stage processes started
+    still stops its group: no error, its inbox closed and its socket directory gone."""
+    import torch
+
+    from omni_dp.engine.options import ServeOptions
+    from omni_dp.engine.placement_plan import plan_placement
+    from omni_dp.engine.stage_group import StageGroup
+
+    problems: list[str] = []
+    placement = plan_placement(ServeOptions(placement_overrides=(("vocoder.process", "v"),)),
+                               torch.device("cpu"), problems)
+    assert placement is not None, problems
+    group = StageGroup(placement, {"threads": 1}, on_message=print, on_fatal=print,
+                       log_level="info", log_format="text")
+    assert group.directory.exists()
+    group.stop()
+    assert not group.directory.exists()
+
+
 def test_the_socket_directories_of_dead_fronts_are_swept_and_no_other(tmp_path):
     from omni_dp.engine.stage_group import OWNER_FILE, SOCKET_DIR_PREFIX, sweep_stale_socket_dirs
     from omni_dp.procs import identify
