@@ -204,9 +204,10 @@ def _free_without_context(device: torch.device) -> int | None:
     return gpu.memory_total_bytes - gpu.memory_used_bytes
 
 
-def split_memory_problems(placement: Placement, needs: dict[str, int], lower: str) -> list[str]:
+def split_memory_problems(placement: Placement, needs: dict[str, int],
+                          fix: str = "move a stage") -> list[str]:
     """A split replica: what its processes on each device need together, against what is
-    free there now (`lower`: what the user may lower instead of moving a stage). A GPU is
+    free there now (`fix`: what the user can do about it). A GPU is
     asked through NVML, so that a front that runs no stage on it does not become a CUDA (and
     MPS) client the placement does not declare; through torch only where NVML cannot say and
     this process runs a stage on that GPU anyway."""
@@ -230,6 +231,5 @@ def split_memory_problems(placement: Placement, needs: dict[str, int], lower: st
         if need > free:
             names = ", ".join(f"{p.name} ({', '.join(p.stages) or 'front'})" for p in on_it)
             problems.append(f"the processes on {device} — {names} — need {format_size(need)} "
-                            f"together but {where} is {format_size(free)}; {lower}move a "
-                            "stage")
+                            f"together but {where} is {format_size(free)}; {fix}")
     return problems

@@ -269,7 +269,8 @@ def _fit_problems(kv: KVCacheSpec, device: torch.device, placement: Placement | 
     needs = process_needs(placement, stage_weight_bytes(cfg, dtype), kv.cache_bytes,
                           _overhead_of)
     return split_memory_problems(placement, needs,
-                                 "lower --kv-cache-bytes or --max-total-tokens, or ")
+                                 "lower --kv-cache-bytes or --max-total-tokens, or move "
+                                 "a stage")
 
 
 def _check_share(options: ServeOptions, cfg: ModelConfig | None, device: torch.device | None,

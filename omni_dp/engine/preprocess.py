@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import re
 import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from omni_dp.engine.config import ModelConfig
@@ -50,9 +51,9 @@ def normalize_text(text: str) -> str:
     return _WHITESPACE.sub(" ", text).strip()
 
 
-def unknown_voice_message(voice: object) -> str:
-    """The 400's text for a voice that is not one of VOICES (the API and this stage say it)."""
-    return f"unknown voice {voice!r}; choose one of {', '.join(VOICES)}"
+def unknown_voice_message(voice: object, choices: Sequence[str] = VOICES) -> str:
+    """The 400's text for a voice the model has not got (the API and the stages say it)."""
+    return f"unknown voice {voice!r}; choose one of {', '.join(choices)}"
 
 
 def speaker_of(cfg: ModelConfig, voice: str) -> int:

@@ -315,7 +315,7 @@ def test_each_gpu_of_a_split_replica_is_checked_against_its_own_free_memory(monk
     free = {"cuda:0": 31 * GiB, "cuda:1": 31 * GiB}
     monkeypatch.setattr(placement_plan, "_free_without_context", lambda d: free[str(d)])
     assert placement_plan.split_memory_problems(
-        placement, needs, "lower --kv-cache-bytes or --max-total-tokens, or ") == [
+        placement, needs, "lower --kv-cache-bytes or --max-total-tokens, or move a stage") == [
         "the processes on cuda:1 — talker-tp1 (talker), vocoder (vocoder) — need 32.00 GiB "
         "together but free memory on cuda:1 is 31.00 GiB; lower --kv-cache-bytes or "
         "--max-total-tokens, or move a stage"]

@@ -21,14 +21,13 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from omni_dp.engine import messages
 from omni_dp.engine.gpu_busy import ON_CPU, NotRecording, busy_answer
-from omni_dp.engine.pipeline import EngineFailed, RequestCutOff
+from omni_dp.engine.pipeline import STAGE_START_TIMEOUT_S, EngineFailed, RequestCutOff
 from omni_dp.engine.placement_plan import main_of
 from omni_dp.engine.preprocess import PreprocessError, SpeechAsk
 from omni_dp.engine.scheduler import SchedulerStats
@@ -37,14 +36,12 @@ from omni_dp.engine.stage_set import LeastLoaded
 from omni_dp.engine.voice.messages import Speak, Spoken
 from omni_dp.engine.voice.model import VoiceModel, VoiceSession, pcm16
 from omni_dp.engine.voice.phonemes import PhonemizeError
-from omni_dp.engine.voice.preprocess import VoicePreprocess, VoiceSpeech
+from omni_dp.engine.voice.preprocess import PHONEMIZER_THREADS, VoicePreprocess, VoiceSpeech
 from omni_dp.engine.wire import WireError
 from omni_dp.placement.model import MAIN_PROCESS, Placement
 
 log = logging.getLogger(__name__)
 
-STAGE_START_TIMEOUT_S = 300.0
-PHONEMIZER_THREADS = 2
 NOT_TIMED_ON_GPU = "onnxruntime runs the voice: its kernels are not bracketed by timing events"
 
 
@@ -67,8 +64,7 @@ class VoicePipeline:
         self._ids = itertools.count()
         self._answers: dict[str, asyncio.Future] = {}  # Prepared and Spoken, by their ids
         self._in_flight = 0
-        self._speaking = 0  # sentences being spoken now, here or elsewhere (under its lock)
-        self._speaking_lock = threading.Lock()
+        self._speaking = 0  # sentences being spoken now, here or elsewhere (counted on the loop)
         self.group, self.threads = start_group(
             placement, launch_base, threads, on_message=self._from_stages,
             on_fatal=self._fatal_threadsafe, log_setup=log_setup)
@@ -180,8 +176,7 @@ class VoicePipeline:
 
     async def _speak(self, ids: list[int], speech: VoiceSpeech) -> bytes:
         """One sentence's PCM, spoken here or by the least-loaded voice process."""
-        with self._speaking_lock:
-            self._speaking += 1
+        self._speaking += 1
         try:
             if self.speaks_here:
                 loop = asyncio.get_running_loop()
@@ -194,8 +189,7 @@ class VoicePipeline:
                 self._voice_policy.release(index)
             return spoken.pcm
         finally:
-            with self._speaking_lock:
-                self._speaking -= 1
+            self._speaking -= 1
 
     def _speak_here(self, ids: list[int], speech: VoiceSpeech) -> bytes:
         assert self._session is not None

@@ -93,7 +93,7 @@ def _fit_problems(voice: VoiceModel, device: torch.device, placement: Placement,
     device's processes together (a split replica)."""
     if not placement.is_single_process:
         needs = process_needs(placement, stage_bytes(voice), 0, overhead_of)
-        return split_memory_problems(placement, needs, "")
+        return split_memory_problems(placement, needs)
     need = voice.weights_bytes + overhead_of(str(device))
     if device.type == "cuda":
         free, where = torch.cuda.mem_get_info(device)[0], f"free memory on {device}"

@@ -10,12 +10,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omni_dp.engine.preprocess import VOICES, PreprocessError, SpeechAsk, normalize_text
+from omni_dp.engine.preprocess import (
+    VOICES,
+    PreprocessError,
+    SpeechAsk,
+    normalize_text,
+    unknown_voice_message,
+)
 from omni_dp.engine.voice.model import VoiceModel
 from omni_dp.engine.voice.phonemes import phoneme_ids, phonemize, split_sentences
 
 # BOS, a pad and EOS: a sentence with no more than these has nothing to speak
 FRAMING_IDS = 3
+# Threads running espeak-ng for the stage, wherever it runs: they wait on its processes, not on
+# the cores, so two keep a request's sentences (or two requests) going side by side.
+PHONEMIZER_THREADS = 2
 
 
 @dataclass(frozen=True)
@@ -45,19 +54,24 @@ class Checked:
     sentences: list[str]
 
 
+def voice_names(voice: VoiceModel) -> tuple[str, ...]:
+    """What a request's `voice` may name: OpenAI's voices (so existing clients work), then the
+    voice's own speakers."""
+    return (*VOICES, *voice.speaker_id_map)
+
+
 class VoicePreprocess:
     def __init__(self, voice: VoiceModel, max_input_chars: int) -> None:
         self.voice = voice
         self.max_input_chars = max_input_chars
 
     def speaker_of(self, voice_name: str) -> int:
-        """OpenAI's voice names (so existing clients work) and the voice's own speakers."""
+        """The speaker a name of voice_names stands for."""
         if voice_name in self.voice.speaker_id_map:
             return self.voice.speaker_id_map[voice_name]
         if voice_name in VOICES:
             return VOICES.index(voice_name) % self.voice.num_speakers
-        choices = ", ".join([*VOICES, *self.voice.speaker_id_map])
-        raise PreprocessError("voice", f"unknown voice {voice_name!r}; choose one of {choices}")
+        raise PreprocessError("voice", unknown_voice_message(voice_name, voice_names(self.voice)))
 
     def check(self, ask: SpeechAsk) -> Checked:
         """PreprocessError naming the field for a request that can never be spoken."""

@@ -25,14 +25,12 @@ from omni_dp.engine.stage_launch import StageLaunch
 from omni_dp.engine.voice.messages import Speak, Spoken
 from omni_dp.engine.voice.model import VoiceSession, find_voice, pcm16
 from omni_dp.engine.voice.phonemes import PhonemizeError
-from omni_dp.engine.voice.preprocess import VoicePreprocess
+from omni_dp.engine.voice.preprocess import PHONEMIZER_THREADS, VoicePreprocess
 
 if TYPE_CHECKING:
     from omni_dp.engine.links import Outbox
 
 log = logging.getLogger("omni_dp.stage")
-
-PHONEMIZER_THREADS = 2
 
 
 class VoiceStages:
