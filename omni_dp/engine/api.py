@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from omni_dp.contract import RESUME_FROM_HEADER, SEED_HEADER
@@ -70,7 +71,10 @@ class SpeechParams:
     model: str | None = None  # None: the served model
 
 
-def parse_speech_body(raw: bytes, *, max_new_tokens_limit: int) -> SpeechParams:
+def parse_speech_body(raw: bytes, *, max_new_tokens_limit: int,
+                      voices: Sequence[str] = VOICES) -> SpeechParams:
+    """`voices`: the names the served model answers to (OpenAI's, and a Piper voice's own
+    speakers)."""
     try:
         body = json.loads(raw)
     except RecursionError:
@@ -99,7 +103,7 @@ def parse_speech_body(raw: bytes, *, max_new_tokens_limit: int) -> SpeechParams:
     # them anyway; dropped here, before the preprocess stage, whichever process it runs in
     # (UTF-8, the wire between processes, cannot carry them).
     text = _LONE_SURROGATES.sub("", text)
-    voice = _voice(body)
+    voice = _voice(body, voices)
     response_format = _choice(body, "response_format", RESPONSE_FORMATS, "wav")
     if response_format == "aac" and (why := aac_unavailable()) is not None:
         raise ApiError(400, f"response_format aac cannot be encoded by this replica: {why}",
@@ -130,16 +134,16 @@ def _choice(body: dict, name: str, allowed: tuple[str, ...] | None, default: str
     return value
 
 
-def _voice(body: dict) -> str:
-    """One of OpenAI's built-in voice names; its custom voices (`{"id": "voice_…"}`) are made
+def _voice(body: dict, voices: Sequence[str]) -> str:
+    """One of the model's voice names; OpenAI's custom voices (`{"id": "voice_…"}`) are made
     from audio samples this engine has not got, so they are a 400 that says so."""
     value = body.get("voice", DEFAULT_VOICE)
     if isinstance(value, dict):
         raise ApiError(400, "voice: custom voices ({\"id\": ...}) are not supported here; use "
-                       f"one of the built-in voices: {', '.join(VOICES)}", "voice")
+                       f"one of the built-in voices: {', '.join(voices)}", "voice")
     value = _choice(body, "voice", None, DEFAULT_VOICE)
-    if value not in VOICES:
-        raise ApiError(400, unknown_voice_message(value), "voice")
+    if value not in voices:
+        raise ApiError(400, unknown_voice_message(value, voices), "voice")
     return value
 
 

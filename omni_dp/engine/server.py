@@ -60,13 +60,20 @@ from omni_dp.engine.metrics import ReplicaMetrics
 from omni_dp.engine.pipeline import EngineFailed, Pipeline, RequestCutOff
 from omni_dp.engine.placement_plan import default_placement, main_of, process_threads
 from omni_dp.engine.plan import ServePlan, dtype_name
-from omni_dp.engine.preprocess import PreparedSpeech, PreprocessError, PreprocessLimits, SpeechAsk
+from omni_dp.engine.preprocess import (
+    VOICES,
+    PreparedSpeech,
+    PreprocessError,
+    PreprocessLimits,
+    SpeechAsk,
+)
 from omni_dp.engine.runner import ModelRunner
 from omni_dp.engine.share import ShareInfo
 from omni_dp.engine.share.attach import attach
 from omni_dp.engine.share.export import publish
 from omni_dp.engine.share.watch import LeaderWatch
 from omni_dp.engine.stage_set import StageModels
+from omni_dp.engine.voice.preprocess import voice_names
 from omni_dp.engine.weights import (
     PipelineModels,
     load_models,
@@ -562,7 +569,8 @@ class ReplicaServer:
         cfg = self.plan.cfg
         # A voice refuses max_new_tokens in its preprocess stage, by field: any bound parses.
         limit = cfg.max_new_tokens if cfg is not None else 2**31 - 1
-        params = parse_speech_body(raw, max_new_tokens_limit=limit)
+        voices = VOICES if self.plan.voice is None else voice_names(self.plan.voice)
+        params = parse_speech_body(raw, max_new_tokens_limit=limit, voices=voices)
         if params.model is not None and params.model not in self.model_names:
             raise model_not_found(params.model)
         resume = parse_resume_headers(request.headers, params)

@@ -162,6 +162,25 @@ def test_the_voice_preprocess_refuses_by_field_and_drops_silent_sentences(fake_v
         stage.speech(checked, [[1, 0, 2]])
 
 
+def test_a_multi_speaker_voice_answers_to_its_own_speaker_names(tmp_path):
+    """docs/voice.md: `voice` takes OpenAI's names and the voice's own speakers. The HTTP
+    layer checks names before the preprocess stage, so it must be given the voice's."""
+    from omni_dp.engine.api import ApiError, parse_speech_body
+    from omni_dp.engine.preprocess import SpeechAsk
+    from omni_dp.engine.voice.preprocess import VoicePreprocess, voice_names
+
+    write_voice(tmp_path / "two", num_speakers=2, speaker_id_map={"amy": 0, "bob": 1})
+    voice = find_voice(str(tmp_path / "two"))
+    body = json.dumps({"input": "hi", "voice": "bob"}).encode()
+    assert parse_speech_body(body, max_new_tokens_limit=10, voices=voice_names(voice)).voice \
+        == "bob"
+    with pytest.raises(ApiError, match="choose one of alloy.*cedar$"):  # the seeded model's
+        parse_speech_body(body, max_new_tokens_limit=10)
+    stage = VoicePreprocess(voice, max_input_chars=20)
+    assert stage.check(SpeechAsk("hi", "bob")).speaker_id == 1
+    assert stage.check(SpeechAsk("hi", "ash")).speaker_id == 1  # OpenAI's second voice
+
+
 def test_the_voice_messages_cross_a_process_boundary():
     from omni_dp.engine import messages, wire
     from omni_dp.engine.voice.messages import Speak, Spoken
