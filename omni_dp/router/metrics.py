@@ -15,6 +15,7 @@ router restarts: the mode cannot delete a series from its files.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from prometheus_client import (
@@ -31,6 +32,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from omni_dp.router.replicas import Backends
 
 # Up to 4 minutes: long TTS streams must not all land in +Inf.
+# Where several router workers share their metrics: prometheus-client reads it at import.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
             120, 240)
 
@@ -95,6 +98,10 @@ class _SharedReplicaMetrics:
         for gone in self._known - current.keys():
             for gauge in (self.in_flight, self.routable, self.healthy):
                 gauge.labels(gone).set(0)
+            # one added again under this id is a new record, its counts from 0: its series
+            # goes on from what it holds, by the new record's increments
+            self._counted.pop((gone, "ejections"), None)
+            self._counted.pop((gone, "hangs"), None)
         self._known = set(current)
         for rid, replica in current.items():
             self.in_flight.labels(rid).set(replica.in_flight)
@@ -112,7 +119,12 @@ class RouterMetrics:
     def __init__(self, replicas: Callable[[], Backends],
                  multiprocess_dir: str | None = None) -> None:
         """`multiprocess_dir`: this process is one of several router workers sharing it
-        (PROMETHEUS_MULTIPROC_DIR was set before prometheus-client was imported here)."""
+        (PROMETHEUS_MULTIPROC_DIR was set before prometheus-client was imported here:
+        checked, since otherwise its counters would stay in this process and /metrics
+        would read an empty directory)."""
+        if multiprocess_dir is not None and os.environ.get(MULTIPROC_ENV) != multiprocess_dir:
+            raise ValueError(f"{MULTIPROC_ENV} must be {multiprocess_dir!r} in this process "
+                             "before prometheus-client is imported (router/workers.py)")
         disable_created_metrics()
         self.multiprocess_dir = multiprocess_dir
         self.registry = CollectorRegistry()

@@ -29,9 +29,9 @@ from omni_dp.logs import current as current_logs
 from omni_dp.net import bind_listening
 from omni_dp.router.app import Router, serve_router
 from omni_dp.router.config import RouterConfig
+from omni_dp.router.metrics import MULTIPROC_ENV
 
 log = logging.getLogger("omni_dp.router")
-_MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 
@@ -105,8 +105,8 @@ def _run_children(config: RouterConfig, drain_s: float) -> int:
     metrics_dir = tempfile.mkdtemp(prefix="omni-dp-router-metrics-")
     # prometheus-client picks its value class when a process imports it: the children see
     # this in the environment they are spawned with (the parent's own metrics stay as they are).
-    previous_env = os.environ.get(_MULTIPROC_ENV)
-    os.environ[_MULTIPROC_ENV] = metrics_dir
+    previous_env = os.environ.get(MULTIPROC_ENV)
+    os.environ[MULTIPROC_ENV] = metrics_dir
     try:
         for index in range(config.workers):
             parent_end, child_end = ctx.Pipe()
@@ -117,11 +117,18 @@ def _run_children(config: RouterConfig, drain_s: float) -> int:
             process.start()
             child_end.close()
             children.append((process, parent_end))
+    except BaseException:  # a worker that cannot start: stop those that did, keep nothing
+        for process, conn in children:
+            process.kill()
+            process.join()
+            conn.close()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        raise
     finally:
         if previous_env is None:
-            os.environ.pop(_MULTIPROC_ENV, None)
+            os.environ.pop(MULTIPROC_ENV, None)
         else:
-            os.environ[_MULTIPROC_ENV] = previous_env
+            os.environ[MULTIPROC_ENV] = previous_env
     log.info("router: %d worker processes on %s:%d (pids %s)", config.workers, config.host,
              config.port, ", ".join(str(p.pid) for p, _ in children))
 

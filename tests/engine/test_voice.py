@@ -174,7 +174,7 @@ def test_a_multi_speaker_voice_answers_to_its_own_speaker_names(tmp_path):
     body = json.dumps({"input": "hi", "voice": "bob"}).encode()
     assert parse_speech_body(body, max_new_tokens_limit=10, voices=voice_names(voice)).voice \
         == "bob"
-    with pytest.raises(ApiError, match="choose one of alloy.*cedar$"):  # the seeded model's
+    with pytest.raises(ApiError, match=r"choose one of alloy.*cedar$"):  # the seeded model's
         parse_speech_body(body, max_new_tokens_limit=10)
     stage = VoicePreprocess(voice, max_input_chars=20)
     assert stage.check(SpeechAsk("hi", "bob")).speaker_id == 1
