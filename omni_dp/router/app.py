@@ -46,13 +46,15 @@ _SHARED_METRICS_S = 1.0
 
 
 class _Slot:
-    """One of a Router's counted slots (`num_reading` or `num_admitted`) held by the current
-    task: a class, not a generator context manager, as it is taken on every request."""
+    """One of a Router's counted slots held by the current task: the count (`num_reading`,
+    `num_admitted`) and the lowest it has been; `cut_off`: a slot whose holder cancelled while
+    the router cuts off is counted in num_cut_off. A class, not a generator context manager,
+    as it is taken on every request."""
 
-    __slots__ = ("_count", "_router", "_task")
+    __slots__ = ("_count", "_cut_off", "_lowest", "_router", "_task")
 
-    def __init__(self, router: Router, count: str) -> None:
-        self._router, self._count = router, count
+    def __init__(self, router: Router, count: str, lowest: str, *, cut_off: bool) -> None:
+        self._router, self._count, self._lowest, self._cut_off = router, count, lowest, cut_off
         self._task: asyncio.Task | None = None
 
     def __enter__(self) -> None:
@@ -62,15 +64,14 @@ class _Slot:
         router._active.add(self._task)
 
     def __exit__(self, kind, exc, tb) -> None:
-        router, count = self._router, self._count
-        if (count == "num_admitted" and router.cutting_off and kind is not None
+        router = self._router
+        if (self._cut_off and router.cutting_off and kind is not None
                 and issubclass(kind, asyncio.CancelledError)):
             router.num_cut_off += 1
-        left = getattr(router, count) - 1
-        setattr(router, count, left)
-        lowest = "lowest_" + count[4:]
-        setattr(router, lowest, min(getattr(router, lowest), left))
-        released(count, left)
+        left = getattr(router, self._count) - 1
+        setattr(router, self._count, left)
+        setattr(router, self._lowest, min(getattr(router, self._lowest), left))
+        released(self._count, left)
         router._active.discard(self._task)
 
 
@@ -126,11 +127,11 @@ class Router:
 
     def reading(self) -> _Slot:
         """Counts a request whose body is being read; the drain cut cancels it too."""
-        return _Slot(self, "num_reading")
+        return _Slot(self, "num_reading", "lowest_reading", cut_off=False)
 
     def admitted(self) -> _Slot:
         """Counts a request past admission until it is answered; the drain cut cancels it."""
-        return _Slot(self, "num_admitted")
+        return _Slot(self, "num_admitted", "lowest_admitted", cut_off=True)
 
     def begin_drain(self, drain_s: float) -> None:
         """Refuse new requests now; cut off whatever is still in flight after `drain_s`.

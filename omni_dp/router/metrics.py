@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import (
     CollectorRegistry,
@@ -29,7 +30,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from omni_dp.router.replicas import Backends
+from omni_dp.router.replicas import Backends, Health, Replica
 
 # Up to 4 minutes: long TTS streams must not all land in +Inf.
 # Where several router workers share their metrics: prometheus-client reads it at import.
@@ -38,35 +39,48 @@ _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 
             120, 240)
 
 
+@dataclass(frozen=True)
+class _ReplicaSeries:
+    """A per-replica series read from the replica records: in one process at scrape time
+    (_ReplicaCollector), or written for several workers' scrapes (_SharedReplicaMetrics)."""
+
+    name: str
+    help: str
+    counter: bool  # a count only ever going up (else a gauge)
+    mode: str  # a gauge's prometheus-client multiprocess mode across workers
+    value: Callable[[Replica], int]
+
+
+_REPLICA_SERIES = (
+    _ReplicaSeries("omni_dp_router_in_flight", "Requests in flight per replica.", False,
+                   "livesum", lambda r: r.in_flight),
+    _ReplicaSeries("omni_dp_router_replica_routable", "1 if the replica receives traffic.",
+                   False, "livemin", lambda r: int(r.routable)),
+    _ReplicaSeries("omni_dp_router_replica_healthy", "1 healthy, 0 ejected or not yet checked.",
+                   False, "livemin", lambda r: int(r.health is Health.HEALTHY)),
+    _ReplicaSeries("omni_dp_router_ejections",
+                   "Times a replica was ejected for failures or a hang.", True, "",
+                   lambda r: r.num_ejections),
+    _ReplicaSeries("omni_dp_router_hangs",
+                   "Times a replica was found hung (no answer in time, and a failed health "
+                   "check).", True, "", lambda r: r.num_hangs),
+)
+
+
 class _ReplicaCollector:
-    """In-flight, health and ejections read from the replica records at scrape time."""
+    """The replica series read from the replica records at scrape time."""
 
     def __init__(self, replicas: Callable[[], Backends]) -> None:
         self._replicas = replicas
 
     def collect(self):
-        in_flight = GaugeMetricFamily(
-            "omni_dp_router_in_flight", "Requests in flight per replica.", labels=["replica"])
-        routable = GaugeMetricFamily(
-            "omni_dp_router_replica_routable", "1 if the replica receives traffic.",
-            labels=["replica"])
-        healthy = GaugeMetricFamily(
-            "omni_dp_router_replica_healthy", "1 healthy, 0 ejected or not yet checked.",
-            labels=["replica"])
-        ejections = CounterMetricFamily(
-            "omni_dp_router_ejections", "Times a replica was ejected for failures or a hang.",
-            labels=["replica"])
-        hangs = CounterMetricFamily(
-            "omni_dp_router_hangs",
-            "Times a replica was found hung (no answer in time, and a failed health check).",
-            labels=["replica"])
-        for replica in self._replicas():
-            in_flight.add_metric([replica.id], replica.in_flight)
-            routable.add_metric([replica.id], int(replica.routable))
-            healthy.add_metric([replica.id], int(replica.health.value == "healthy"))
-            ejections.add_metric([replica.id], replica.num_ejections)
-            hangs.add_metric([replica.id], replica.num_hangs)
-        yield from (in_flight, routable, healthy, ejections, hangs)
+        replicas = list(self._replicas())
+        for series in _REPLICA_SERIES:
+            family = (CounterMetricFamily if series.counter else GaugeMetricFamily)(
+                series.name, series.help, labels=["replica"])
+            for replica in replicas:
+                family.add_metric([replica.id], series.value(replica))
+            yield family
 
 
 class _SharedReplicaMetrics:
@@ -74,45 +88,36 @@ class _SharedReplicaMetrics:
 
     def __init__(self, replicas: Callable[[], Backends], registry: CollectorRegistry) -> None:
         self._replicas = replicas
-        self.in_flight = Gauge(
-            "omni_dp_router_in_flight", "Requests in flight per replica.", ["replica"],
-            registry=registry, multiprocess_mode="livesum")
-        self.routable = Gauge(
-            "omni_dp_router_replica_routable", "1 if the replica receives traffic.",
-            ["replica"], registry=registry, multiprocess_mode="livemin")
-        self.healthy = Gauge(
-            "omni_dp_router_replica_healthy", "1 healthy, 0 ejected or not yet checked.",
-            ["replica"], registry=registry, multiprocess_mode="livemin")
-        self.ejections = Counter(
-            "omni_dp_router_ejections", "Times a replica was ejected for failures or a hang.",
-            ["replica"], registry=registry)
-        self.hangs = Counter(
-            "omni_dp_router_hangs",
-            "Times a replica was found hung (no answer in time, and a failed health check).",
-            ["replica"], registry=registry)
+        self._metrics = {
+            series.name: (Counter(series.name, series.help, ["replica"], registry=registry)
+                          if series.counter else
+                          Gauge(series.name, series.help, ["replica"], registry=registry,
+                                multiprocess_mode=series.mode))
+            for series in _REPLICA_SERIES}
         self._counted: dict[tuple[str, str], int] = {}  # what the counters hold already
         self._known: set[str] = set()
 
     def write(self) -> None:
         current = {replica.id: replica for replica in self._replicas()}
         for gone in self._known - current.keys():
-            for gauge in (self.in_flight, self.routable, self.healthy):
-                gauge.labels(gone).set(0)
-            # one added again under this id is a new record, its counts from 0: its series
-            # goes on from what it holds, by the new record's increments
-            self._counted.pop((gone, "ejections"), None)
-            self._counted.pop((gone, "hangs"), None)
+            for series in _REPLICA_SERIES:
+                if series.counter:
+                    # one added again under this id is a new record, its counts from 0: its
+                    # series goes on from what it holds, by the new record's increments
+                    self._counted.pop((gone, series.name), None)
+                else:
+                    self._metrics[series.name].labels(gone).set(0)
         self._known = set(current)
         for rid, replica in current.items():
-            self.in_flight.labels(rid).set(replica.in_flight)
-            self.routable.labels(rid).set(int(replica.routable))
-            self.healthy.labels(rid).set(int(replica.health.value == "healthy"))
-            for counter, name, value in ((self.ejections, "ejections", replica.num_ejections),
-                                         (self.hangs, "hangs", replica.num_hangs)):
-                delta = value - self._counted.get((rid, name), 0)
+            for series in _REPLICA_SERIES:
+                metric, value = self._metrics[series.name], series.value(replica)
+                if not series.counter:
+                    metric.labels(rid).set(value)
+                    continue
+                delta = value - self._counted.get((rid, series.name), 0)
                 if delta > 0:
-                    counter.labels(rid).inc(delta)
-                    self._counted[(rid, name)] = value
+                    metric.labels(rid).inc(delta)
+                    self._counted[(rid, series.name)] = value
 
 
 class RouterMetrics:
