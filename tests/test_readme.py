@@ -104,7 +104,8 @@ def test_the_ready_sample_is_the_line_launch_prints():
 
     sample = next(line for block in blocks("") for line in block.splitlines()
                   if line.startswith("omni-dp: ready: "))
-    summary = RunSummary(run_id="run-x", endpoint="http://127.0.0.1:8000", replicas=[{}, {}],
+    summary = RunSummary(run_id="run-x", endpoint="http://127.0.0.1:8000",
+                         replicas=[{"health": "healthy"}] * 2,
                          checks=("health", "equal KV"), try_command="", status_command="",
                          teardown_command="")
     run_id = re.compile(r"run run-[\w-]+;")

@@ -39,17 +39,18 @@ class _Interrupted(Exception):
 
 
 class TickingProgress(StartProgress, Protocol):
-    """A StartProgress that shows itself on its own while bring-up waits."""
+    """A StartProgress that shows itself on its own while bring-up waits (a context: it ticks
+    inside `with`)."""
 
-    def start(self) -> None: ...
+    def __enter__(self) -> TickingProgress: ...
 
-    def stop(self) -> None: ...
+    def __exit__(self, *exc: object) -> None: ...
 
 
 class LaunchOutput(Protocol):
     """Where launch reports, chosen by the CLI (text, JSON log lines, `--detach --json`)."""
 
-    progress: TickingProgress | None  # started and stopped around bring-up
+    progress: TickingProgress  # ticking while bring-up waits
 
     def say(self, line: str) -> None:
         """A line of what is happening (also the supervisor's, in the foreground)."""
@@ -81,9 +82,10 @@ def launch(plan: LaunchPlan, out: LaunchOutput) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     try:
-        router = _bring_up(plan, state, replicas, out)
+        with out.progress:
+            up = bring_up(plan, state, replicas, out.say, out.progress)
         bringing_up = False
-        reap = [router.popen, *replicas.popens.values()]
+        reap = [up.router.popen, *replicas.popens.values()]
     except (BringUpFailed, GateFailed, MpsDaemonError, _Interrupted, OSError) as exc:
         bringing_up = False
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -106,7 +108,7 @@ def launch(plan: LaunchPlan, out: LaunchOutput) -> int:
                 f"events.jsonl); remove it with `{plan.command} down {state.run_id}`")
         return INTERRUPTED if interrupted and result.clean else ExitCode.RUNTIME
 
-    summary = run_summary(plan, state)
+    summary = run_summary(plan, state, up.checks)
     out.summary(summary)
     if plan.options.detach:
         code = _hand_off(state, reap, stop, say)
@@ -117,18 +119,6 @@ def launch(plan: LaunchPlan, out: LaunchOutput) -> int:
     out.ready(summary)
     return Supervisor(state, replicas, detached=False, say=say, reap=reap,
                       stop_requested=stop).run()
-
-
-def _bring_up(plan: LaunchPlan, state: RunState, replicas: ReplicaControl, out: LaunchOutput):
-    """bring_up with the progress board (if any) ticking while it waits."""
-    board = out.progress
-    if board is None:
-        return bring_up(plan, state, replicas, out.say)
-    board.start()
-    try:
-        return bring_up(plan, state, replicas, out.say, board)
-    finally:
-        board.stop()
 
 
 def _hand_off(state: RunState, reap: list, stop: threading.Event,

@@ -56,3 +56,18 @@ def test_the_ticker_says_lines_by_itself_and_stops(tmp_path):
     assert board.thread is not None and not board.thread.is_alive()
     assert len(said) == 1 and said[0].startswith("replica 0: starting ("), said
     assert said[0].endswith(" s); nothing in its log yet"), said
+
+
+def test_the_ready_line_counts_only_the_replicas_its_probe_found_healthy():
+    """`verified` is said of what the summary's own health probe found: a replica that went
+    down between the gates and the summary is not counted."""
+    from omni_dp.launcher.views.summary import RunSummary
+
+    def ready(*health: str) -> str:
+        return RunSummary(run_id="r", endpoint="http://127.0.0.1:1",
+                          replicas=[{"health": h} for h in health], checks=("health",),
+                          try_command="", status_command="",
+                          teardown_command="").ready_line
+
+    assert ready("healthy", "healthy").startswith("ready: 2 replicas verified behind ")
+    assert ready("healthy", "unhealthy (503)").startswith("ready: 1 of 2 replicas verified ")

@@ -62,15 +62,15 @@ def status(run_id: str | None, fmt: str, as_json: bool, sd_file: str | None) -> 
 def _write_prometheus_sd(run_id: str | None, sd_file: str, as_json: bool) -> None:
     """`status --prometheus-sd`: the target list of the run(s), to FILE or stdout ('-')."""
     from omni_dp.launcher.views.scrape_targets import TargetError, render, run_groups, write_file_sd
-    from omni_dp.launcher.views.status import NoSuchRun, scrape_runs
-    from omni_dp.runfile import RunNotFound
+    from omni_dp.launcher.views.status import scrape_runs
+    from omni_dp.runfile import RunFileError, RunNotFound
 
     try:
         records = scrape_runs(run_id)
         groups = [group for record in records for group in run_groups(record)]
     except RunNotFound as exc:
         nothing_there("status", str(exc))
-    except (NoSuchRun, TargetError) as exc:
+    except (RunFileError, TargetError) as exc:
         fail("status", str(exc))
     if sd_file == "-":
         click.echo(render(groups), nl=False)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -197,7 +198,7 @@ def verify_attachment(state: RunState, replicas: ReplicaControl,
     record = state.record
     progress = progress or NoProgress()
     for daemon in record.daemons:
-        on_gpu = [r.index for r in record.replicas if r.gpu == daemon.gpu]
+        on_gpu = [r.index for r in record.replicas_on(daemon.gpu)]
         for i in on_gpu:
             progress.begin(i, state.logs / state.replica(i).log, "checking its MPS attachment")
         try:
@@ -215,9 +216,17 @@ def verify_attachment(state: RunState, replicas: ReplicaControl,
                 f"is a client of its one server ({stem}.txt)")
 
 
+@dataclass(frozen=True)
+class RunUp:
+    """What bring_up leaves: the router process (a child of this process, to reap) and the
+    gates it passed, in order, each named when it passed (the ready line says them)."""
+
+    router: Started
+    checks: tuple[str, ...]
+
+
 def bring_up(plan: LaunchPlan, state: RunState, replicas: ReplicaControl,
-             say: Callable[[str], None], progress: StartProgress | None = None) -> Started:
-    """Returns the router process (a child of this process, to reap)."""
+             say: Callable[[str], None], progress: StartProgress | None = None) -> RunUp:
     o = plan.options
     if o.mps:
         found = plan.mps_binaries
@@ -235,18 +244,24 @@ def bring_up(plan: LaunchPlan, state: RunState, replicas: ReplicaControl,
     start_replicas(state, replicas, [r.index for r in plan.replicas],
                    sequential=plan.start == "sequential", timeout_s=plan.start_timeout, say=say,
                    progress=progress)
+    checks = ["health"]  # start_replicas passed every replica's health gate, then the KV one
     tokens = state.record.replicas[0].kv_tokens
     if tokens == 0:
         say("no KV cache on any replica: the model keeps none (read back from each: 0 tokens)")
+        checks.append("no KV cache")
     else:
         say(f"KV capacity equal: {tokens} tokens on every replica (read back from each"
             + (")" if plan.expected_kv_tokens is not None else "; the engine derives the count)"))
+        checks.append("equal KV")
+    if replicas.sharing:
+        checks.append("weight sharing")  # each follower's share gate, in start_replicas
     if o.mps:
         verify_attachment(state, replicas, say, progress)
         say("MPS: every CUDA process of every replica is a client of the run's one server"
             if len(plan.gpus) == 1 else
             f"MPS: on each of the {len(plan.gpus)} GPUs, every CUDA process of its replicas "
             "is a client of that GPU's one server")
+        checks.append("MPS attachment")
     say(f"starting the router on {plan.router_url}")
     router = start_router(state)
     if o.register:
@@ -256,4 +271,4 @@ def bring_up(plan: LaunchPlan, state: RunState, replicas: ReplicaControl,
             raise BringUpFailed(f"--register: {exc}") from None
     state.set_phase(RunPhase.RUNNING)
     state.event("run_ready")
-    return router
+    return RunUp(router, tuple(checks))

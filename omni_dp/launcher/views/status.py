@@ -17,8 +17,6 @@ from omni_dp.runfile import (
     GpuRecord,
     ReplicaRecord,
     ReplicaState,
-    RunFileError,
-    RunNotFound,
     RunPhase,
     RunRecord,
     find_run_dir,
@@ -28,39 +26,27 @@ from omni_dp.sizes import format_size
 from omni_dp.tables import Grid, markdown
 
 
-class NoSuchRun(RunFileError):
-    """No run matches, or the one named cannot be read; the message lists what exists."""
-
-
 def pick(run_id: str | None, command: str) -> RunState:
-    """The named run, or the only live one (the only readable one at all, if none is live)."""
-    try:
-        if run_id is not None:
-            return RunState.load(find_run_dir(run_id))
-        readable = [run for run in stored_runs() if run.record is not None]
-        live = [run for run in readable if run.live]
-        chosen = runfile.pick_run(live or readable, what="run",
-                                  none=f"no runs under {runs_dir(state_dir())}",
-                                  example=f"{invoked_as()} {command}")
-    except RunNotFound:
-        raise
-    except RunFileError as exc:
-        raise NoSuchRun(str(exc)) from None
+    """The named run, or the only live one (the only readable one at all, if none is live);
+    RunNotFound, or another RunFileError saying what exists."""
+    if run_id is not None:
+        return RunState.load(find_run_dir(run_id))
+    readable = [run for run in stored_runs() if run.record is not None]
+    live = [run for run in readable if run.live]
+    chosen = runfile.pick_run(live or readable, what="run",
+                              none=f"no runs under {runs_dir(state_dir())}",
+                              example=f"{invoked_as()} {command}")
     assert chosen.record is not None and chosen.token is not None
     return RunState(chosen.directory, chosen.record, chosen.token)
 
 
 def scrape_runs(run_id: str | None) -> list[RunRecord]:
-    """The runs `status --prometheus-sd` lists: the named one (NoSuchRun if it is not there),
-    else every live run on this host, in name order (none: an empty list, whose file tells
-    Prometheus that nothing is left to scrape)."""
+    """The runs `status --prometheus-sd` lists: the named one (RunNotFound if it is not
+    there, another RunFileError if it cannot be read), else every live run on this host, in
+    name order (none: an empty list, whose file tells Prometheus that nothing is left to
+    scrape)."""
     if run_id is not None:
-        try:
-            return [RunState.load(find_run_dir(run_id)).record]
-        except RunNotFound:
-            raise
-        except RunFileError as exc:
-            raise NoSuchRun(str(exc)) from None
+        return [RunState.load(find_run_dir(run_id)).record]
     return [run.record for run in stored_runs() if run.live and run.record is not None]
 
 

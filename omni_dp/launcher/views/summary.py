@@ -26,7 +26,7 @@ class RunSummary:
     run_id: str
     endpoint: str
     replicas: list[dict]  # `omni-dp status --json`'s rows
-    checks: tuple[str, ...]  # what bring-up verified before it called the run ready
+    checks: tuple[str, ...]  # the gates bring-up passed before it called the run ready
     try_command: str
     status_command: str
     teardown_command: str
@@ -37,9 +37,12 @@ class RunSummary:
 
     @property
     def ready_line(self) -> str:
-        """`ready: 2 replicas verified behind http://…` — the line a script can wait for."""
-        count = len(self.replicas)
-        return (f"ready: {count} replica{'s' if count != 1 else ''} verified behind "
+        """`ready: 2 replicas verified behind http://…` — the line a script can wait for; a
+        replica the summary's own health probe did not find healthy is not counted."""
+        count = sum(r["health"] == "healthy" for r in self.replicas)
+        of = f" of {len(self.replicas)}" if count != len(self.replicas) else ""
+        return (f"ready: {count}{of} replica{'s' if len(self.replicas) != 1 else ''} verified "
+                f"behind "
                 f"{self.endpoint} (run {self.run_id}; checked: {', '.join(self.checks)})")
 
     def text(self) -> str:
@@ -57,21 +60,16 @@ class RunSummary:
         return fields
 
 
-def run_summary(plan: LaunchPlan, state: RunState) -> RunSummary:
+def run_summary(plan: LaunchPlan, state: RunState, checks: tuple[str, ...]) -> RunSummary:
+    """`checks`: the gates bring-up passed (bringup.steps.RunUp)."""
     status = collect(state)  # health probed again: the table shows what is, not what was
     o = plan.options
     # The key itself is never printed: the header names the variable that holds it.
     auth = f" -H \"Authorization: Bearer ${API_KEY_ENV}\"" if o.api_key else ""
     share = state.record.share
-    kept = [r["kv_tokens"] for r in status["replicas"]]
-    checks = ["health", "no KV cache" if kept and not any(kept) else "equal KV"]
-    if share is not None:
-        checks.append("weight sharing")
-    if o.mps:
-        checks.append("MPS attachment")
     return RunSummary(
         run_id=plan.run_id, endpoint=plan.router_url, replicas=status["replicas"],
-        checks=tuple(checks), try_command=example_request(plan, auth),
+        checks=checks, try_command=example_request(plan, auth),
         status_command=f"{plan.command} status {plan.run_id}",
         teardown_command=f"{plan.command} down {plan.run_id}",
         auth=(f"the router wants the API key: export {API_KEY_ENV}=KEY for the command above"
