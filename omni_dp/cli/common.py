@@ -7,6 +7,7 @@ Imports click and nothing heavy: `omni-dp --help` and `launch --help` load this.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -81,22 +82,26 @@ def json_option(what: str):
     return click.option("--json", "as_json", is_flag=True, help=f"Print {what} as JSON.")
 
 
-def format_options(what: str):
-    """`--format table|markdown|json` and `--json` (the same as `--format json`)."""
+RICH_OR_PLAIN = ("rich at the terminal's width on a terminal, plain fixed-width columns "
+                 "anywhere else, never wrapped")
+
+
+def format_options(what: str, table: str = RICH_OR_PLAIN):
+    """`--format table|markdown|json` and `--json` (the same as `--format json`): the command
+    gets `fmt` alone, `json` when either asked for it. `table`: what the table format is for
+    this command, as its help says."""
     from omni_dp.tables import FORMATS
 
     def decorate(f):
-        f = json_option(what)(f)
+        @functools.wraps(f)
+        def command(*args, fmt: str, as_json: bool, **kwargs):
+            return f(*args, fmt="json" if as_json else fmt, **kwargs)
+
+        command = json_option(what)(command)
         return click.option(
             "--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
-            help=f"How to print {what}: table (rich at the terminal's width on a terminal, "
-                 "plain fixed-width columns anywhere else, never wrapped), markdown, or "
-                 "json.")(f)
+            help=f"How to print {what}: table ({table}), markdown, or json.")(command)
     return decorate
-
-
-def chosen_format(fmt: str, as_json: bool) -> str:
-    return "json" if as_json else fmt
 
 
 def log_format_attrs(envvar: str | None = None, more: str = "") -> dict[str, Any]:

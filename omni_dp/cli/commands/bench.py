@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from omni_dp.cli.common import chosen_format, fail, finite, format_options
+from omni_dp.cli.common import fail, finite, format_options
 from omni_dp.contract import API_KEY_ENV, ExitCode
 
 WORKLOADS = ("auto", "speech", "speech-stream", "completions")
@@ -75,7 +75,7 @@ def _levels(ctx: click.Context, param: click.Parameter, value: str | None
 @click.argument("args", nargs=-1, type=click.UNPROCESSED,
                 metavar="[URL] [-- LAUNCH OPTIONS [-- ENGINE ARGS]]")
 def bench(configs, trials, duration, warmup, concurrency, max_concurrency, max_p99, min_gain,
-          timeout, workload, texts, model, seed, run_dir, out, fmt, as_json, args) -> None:
+          timeout, workload, texts, model, seed, run_dir, out, fmt, args) -> None:
     """Find the right N: a sweep per configuration, ranges over trials, failures kept.
 
     Either against a running endpoint (`omni-dp bench http://127.0.0.1:8000`) or by
@@ -110,7 +110,7 @@ def bench(configs, trials, duration, warmup, concurrency, max_concurrency, max_p
         _report((done, None), settings), Path(out), complete=False))
     results = _run(BenchRunner, settings, url, run_dir, specs, launch_args, partial)
     report = _report(results, settings)
-    _show(report, out, chosen_format(fmt, as_json), complete=results[1] is None)
+    _show(report, out, fmt, complete=results[1] is None)
     sys.exit(_exit_code(report, results[1]))
 
 

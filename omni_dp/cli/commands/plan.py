@@ -3,11 +3,9 @@ fields (omni_dp/launcher/options.py); the probe and the counting are omni_dp/ben
 
 from __future__ import annotations
 
-import json
-
 import click
 
-from omni_dp.cli.common import chosen_format, exit_with_problems, format_options, options_from
+from omni_dp.cli.common import emit, exit_with_problems, format_options, options_from
 from omni_dp.launcher.planning.options import LaunchOptions
 
 # The settings of `launch` that decide one replica's footprint and where it runs.
@@ -27,7 +25,7 @@ PLAN_FIELDS = ("gpu", "gpus", "kv_cache_bytes", "max_total_tokens", "memory_head
                                 "least.")
 @format_options("the plan")
 @click.argument("engine_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- ENGINE ARGS]")
-def plan(cores_per_replica: int, fmt: str, as_json: bool, engine_args: tuple[str, ...],
+def plan(cores_per_replica: int, fmt: str, engine_args: tuple[str, ...],
          **flags) -> None:
     """How many replicas FIT this machine (not whether they are faster: `omni-dp bench`).
 
@@ -47,9 +45,8 @@ def plan(cores_per_replica: int, fmt: str, as_json: bool, engine_args: tuple[str
         planned = probe_capacity(options, cores_per_replica=cores_per_replica)
     except CapacityPlanError as exc:
         exit_with_problems("plan", exc.problems)
-    fmt = chosen_format(fmt, as_json)
     if fmt == "json":
-        click.echo(json.dumps(planned.to_json(), indent=2))
+        emit(planned.to_json(), "", as_json=True)
     else:
         from omni_dp.tables import render
 

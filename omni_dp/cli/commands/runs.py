@@ -8,7 +8,6 @@ from pathlib import Path
 import click
 
 from omni_dp.cli.common import (
-    chosen_format,
     emit,
     fail,
     finite,
@@ -33,12 +32,12 @@ def _pick_run(run_id: str | None, command: str):
 
 @click.command()
 @click.argument("run_id", required=False)
-@format_options("the status")
+@format_options("the status", table="fixed-width columns, never wrapped")
 @click.option("--prometheus-sd", "sd_file", default=None, metavar="FILE",
               help="Instead of the status, write a Prometheus file_sd target list (the router "
                    "and every replica, labelled by run, role, replica and GPU) to FILE, "
                    "atomically; '-' prints it. With no RUN_ID: every live run on this host.")
-def status(run_id: str | None, fmt: str, as_json: bool, sd_file: str | None) -> None:
+def status(run_id: str | None, fmt: str, sd_file: str | None) -> None:
     """A run's replicas (pid, CPU block, port, health, KV, MPS, restarts), router, daemon.
 
     With no RUN_ID: the only live run. A run over several GPUs is shown GPU by GPU, each with
@@ -50,10 +49,9 @@ def status(run_id: str | None, fmt: str, as_json: bool, sd_file: str | None) -> 
     from omni_dp.launcher.views.status import collect, format_status
 
     if sd_file is not None:
-        _write_prometheus_sd(run_id, sd_file, chosen_format(fmt, as_json) == "json")
+        _write_prometheus_sd(run_id, sd_file, fmt == "json")
         return
     report = collect(_pick_run(run_id, "status"))
-    fmt = chosen_format(fmt, as_json)
     emit(report, format_status(report, invoked_as(), fmt), fmt == "json")
     healthy = report["replicas"] and all(r["health"] == "healthy" for r in report["replicas"])
     sys.exit(ExitCode.OK if healthy and report["state"] != "abandoned" else ExitCode.CHECK_FAILED)
