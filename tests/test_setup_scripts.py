@@ -128,6 +128,19 @@ def test_the_report_names_the_build_that_imports_not_the_one_planned(tmp_path):
         0, "torch 2.13.0+cpu, the CPU build, is installed")
 
 
+def test_the_cpu_build_where_cuda_was_planned_is_exit_1_and_said(tmp_path):
+    """The direction that costs a GPU host its GPU: PyPI's CUDA build planned (a driver found,
+    or OMNI_DP_TORCH=cuda) and a CPU build landed (a pip config or mirror serving +cpu)."""
+    cpu = fake_torch(tmp_path / "cpu", "2.13.0+cpu", None)
+    done = report(cpu, "--wanted", "cuda")
+    assert (done.returncode, done.stdout.strip()) == (
+        1, "torch 2.13.0+cpu, the CPU build, is installed, not the CUDA build planned")
+    cuda = fake_torch(tmp_path / "cuda", "2.13.0+cu130", "13.0")
+    done = report(cuda, "--wanted", "cuda")
+    assert (done.returncode, done.stdout.strip()) == (
+        0, "torch 2.13.0+cu130, the CUDA 13.0 build, is installed")
+
+
 def test_a_torch_that_does_not_import_is_said_and_is_exit_3(tmp_path):
     broken = tmp_path / "broken" / "torch"
     broken.mkdir(parents=True)
