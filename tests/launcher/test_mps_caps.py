@@ -119,6 +119,26 @@ def test_the_bf16_gemm_check_passes_an_accurate_gemm_and_fails_a_wrong_one():
     assert not failed["passed"] and failed["relative_error"] > 0.5
 
 
+def _off_by(fraction: float):
+    """A GEMM whose every output is `fraction` too large: its relative error is about
+    `fraction` (plus the accurate GEMM's own, near 0.003)."""
+    def matmul(a, b):
+        return torch.matmul(a, b).float() * (1 + fraction)
+    return matmul
+
+
+@pytest.mark.parametrize(("fraction", "passed"), [(0.0, True), (0.005, True), (0.02, False),
+                                                  (0.05, False)])
+def test_the_check_fails_an_error_a_few_times_an_accurate_gemms(fraction, passed):
+    """The limit is 0.01, about three times an accurate BF16 GEMM's error (0.003): an error
+    of 2 or 5 % is a wrong kernel, not rounding, and must stop the replica; a limit loosened
+    tenfold would let it serve."""
+    facts = bf16_gemm_check.check(torch, "cpu", matmul=_off_by(fraction))
+    assert abs(facts["relative_error"] - fraction) < 0.004  # the error is the one made
+    assert facts["passed"] is passed, facts["relative_error"]
+    assert facts["threshold"] == 0.01  # and the record says the limit that judged it
+
+
 def test_the_gate_runs_the_check_then_becomes_the_engine(tmp_path):
     record = tmp_path / "check.json"
     engine = [sys.executable, "-c", "import os; print('engine pid', os.getpid())"]
