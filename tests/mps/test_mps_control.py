@@ -114,3 +114,18 @@ def test_a_memory_limit_is_read_back(standin, tmp_path):
                  "get_default_device_pinned_mem_limit 0": "2G"})
     with pytest.raises(MalformedOutput, match="3072 MiB memory limit, the daemon reports"):
         control.set_default_pinned_mem_limit(3 * 1024**3)
+
+
+def test_a_thread_percentage_is_read_back_not_taken_from_the_setters_echo(standin, tmp_path):
+    """The setter's echo only says what the front end heard: the cap recorded is the one the
+    daemon answers for afterwards, and a disagreement is an error, never a recorded cap."""
+    control = control_for(standin, tmp_path)
+    standin.set({"set_default_active_thread_percentage 40": "40.0",
+                 "get_default_active_thread_percentage": "40.0"})
+    assert control.set_default_thread_percentage(40) == 40.0
+    assert standin.commands() == ["set_default_active_thread_percentage 40",
+                                  "get_default_active_thread_percentage"]
+    standin.set({"set_default_active_thread_percentage 40": "40.0",
+                 "get_default_active_thread_percentage": "100.0"})
+    with pytest.raises(MalformedOutput, match="asked for 40% threads, the daemon reports 100"):
+        control.set_default_thread_percentage(40)

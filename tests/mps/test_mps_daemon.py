@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 import signal
@@ -16,6 +17,7 @@ from omni_dp.files import PrivateDirError, make_private_dir, private_dir_problem
 from omni_dp.mps.control import DaemonUnreachable, MpsControl
 from omni_dp.mps.daemon import (
     MIN_OPEN_FILES,
+    DaemonLimits,
     DaemonRecord,
     MpsDaemon,
     MpsDaemonError,
@@ -24,7 +26,7 @@ from omni_dp.mps.daemon import (
 )
 from omni_dp.procs import ProcessIdentity, identify, is_alive
 
-from support.mps import real_control_binary
+from support.mps import daemons_under, real_control_binary
 
 
 @pytest.fixture
@@ -82,7 +84,37 @@ def test_limits_are_applied_and_read_back(daemons, monkeypatch):
     record = daemon.start(gpu_uuid=None, thread_percentage=40, memory_limit_bytes=3 * 1024**3)
     assert control.default_thread_percentage() == 40.0
     assert control.default_pinned_mem_limit() == 3 * 1024**3
+    assert record.limits == DaemonLimits(40.0, 3 * 1024**3)
     daemon.stop(record)
+
+
+_ECHOES_WHAT_WAS_ASKED = """#!/bin/bash
+# TEST STAND-IN, written by tests/mps/test_mps_daemon.py: NVIDIA's real control daemon, except
+# that its thread-percentage setter applies {applied}% and echoes the percentage asked for.
+if [ "$#" -gt 0 ]; then exec -a "$0" '{real}' "$@"; fi
+read -r command
+case "$command" in
+    "set_default_active_thread_percentage "*)
+        echo "set_default_active_thread_percentage {applied}" | '{real}' >/dev/null || exit
+        echo "${{command#set_default_active_thread_percentage }}" ;;
+    *) echo "$command" | '{real}' ;;
+esac
+"""
+
+
+def test_the_sm_cap_is_the_real_daemons_read_back_not_the_setters_echo(daemons, tmp_path):
+    """Where the setter's echo says 40 % and the real daemon holds 20 %, the start fails and
+    stops the daemon: a run must never record (and report "in force") a cap its daemon does
+    not give its clients."""
+    control, daemon = daemons()
+    front = tmp_path / "nvidia-cuda-mps-control"
+    front.write_text(_ECHOES_WHAT_WAS_ASKED.format(real=control.binary, applied=20))
+    front.chmod(0o755)
+    daemon.control = lying = dataclasses.replace(control, binary=str(front))
+    with pytest.raises(MpsDaemonError, match="could not apply the MPS limits: asked for 40% "
+                                             "threads, the daemon reports 20"):
+        daemon.start(gpu_uuid=None, thread_percentage=40)
+    assert find_daemon_pid(lying) is None and daemons_under(tmp_path) == []
 
 
 def test_a_daemon_already_answering_is_never_adopted(daemons):
