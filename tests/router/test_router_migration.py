@@ -12,6 +12,7 @@ import json
 import logging
 import random
 
+import aiohttp
 import pytest
 
 from omni_dp.router.migration import MIGRATION_PATHS, plan_migration
@@ -26,7 +27,7 @@ from support.llm_standin import (
     prompt_ids,
     standin,
 )
-from support.openai_stream import post_stream
+from support.openai_stream import parse_sse, post_stream
 from support.router import (
     Backend,
     backends,
@@ -301,6 +302,49 @@ def test_a_stream_lost_after_its_finish_is_ended_by_the_router():
     assert (read.text, read.usage, read.dones, read.broken) == (whole.text, whole.usage, 1,
                                                                 False)
     assert b_seen == []
+
+
+async def read_releasing(session, url: str, body: dict, *bs: Backend):
+    """Stream `body` and read it whole, setting each backend's `release` once the client has
+    read a [DONE] (a stand-in failing "after_done" dies then); what the client read."""
+    async with session.post(url, json=body) as resp:
+        got, broken = b"", False
+        try:
+            async for chunk in resp.content.iter_any():
+                got += chunk
+                if b"data: [DONE]" in got:
+                    for backend in bs:
+                        backend.release.set()
+        except aiohttp.ClientPayloadError:
+            broken = True
+        return parse_sse(got, resp.status, broken)
+
+
+@pytest.mark.parametrize("dies", ["first", "continuation"])
+def test_a_replica_lost_after_its_done_leaves_the_client_one_done(dies):
+    """The replica's [DONE] reached the client, then it died before the chunked body's end
+    (killed between the two writes): the answer is whole, so the client reads one clean stream
+    ending in that [DONE] — no second [DONE] from the router, no cut, no migration."""
+    path, body = PATHS["completions"]
+    first = Failure(how="after_done") if dies == "first" else Failure(after=9)
+    a, b = Backend("a", standin(first)), Backend("b", standin(Failure(how="after_done")))
+
+    async def main():
+        async with backends(a, b), \
+                serve(make_config([f"a={a.url}", f"b={b.url}"], policy="round_robin",
+                                  migration_limit=1)) as served, client() as session:
+            read = await read_releasing(session, served.url + path, body, a, b)
+            await served.wait_idle()
+            return read, await scrape(session, served.url)
+
+    read, metrics = run(main())
+    whole = run(uncut(path, body))
+    assert (read.status, read.broken, read.errors) == (200, False, [])
+    assert read.dones == 1
+    assert (read.text, read.usage, read.finish) == (whole.text, whole.usage, ["length"])
+    assert len(b.seen) == (0 if dies == "first" else 1)  # nothing after the [DONE]
+    assert total(metrics, "omni_dp_router_migrations_total") == (0 if dies == "first" else 1)
+    assert total(metrics, "omni_dp_router_streams_cut_total") == 0
 
 
 def test_ids_are_nulled_in_the_chunks_own_bytes_and_nowhere_else():

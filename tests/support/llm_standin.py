@@ -73,10 +73,14 @@ class Detokenizer:
 
 @dataclass
 class Failure:
-    """How the replica fails after `after` generated tokens (None: it does not)."""
+    """How the replica fails after `after` generated tokens (None: it does not).
+
+    `how="after_done"` needs no `after`: the replica sends its whole answer, [DONE] included,
+    and is killed before the chunked body's terminating chunk, once `backend.release` is set
+    (the test sets it when its client has read the [DONE], so that the router relayed it)."""
 
     after: int | None = None
-    how: str = "kill"  # kill | error_event | abort | close | stall
+    how: str = "kill"  # kill | error_event | abort | close | stall | after_done
 
 
 def standin(failure: Failure | None = None, *, per_chunk: int = 1, pace_s: float = 0.001,
@@ -102,6 +106,10 @@ def standin(failure: Failure | None = None, *, per_chunk: int = 1, pace_s: float
                 return response
             await response.write(event)
             await asyncio.sleep(pace_s)
+        if failure.how == "after_done":
+            await backend.release.wait()
+            request.transport.abort()  # killed before the terminating chunk
+            return response
         await response.write_eof()
         return response
 
