@@ -124,6 +124,7 @@ class FakeReplicas:
         self.state, self.world, self.healthy = state, world, healthy
         self.attached = True  # what verify_attachment finds
         self.share_fails: set[int] = set()  # whose share gate fails
+        self.unhealthy: set[int] = set()  # whose health gate fails (all: healthy=False)
         self.popens: dict = {}
         self.calls: list[tuple] = []
         self.sharing = state.plan.share_weights
@@ -138,7 +139,7 @@ class FakeReplicas:
 
     def wait_healthy(self, index, timeout_s):
         self.calls.append(("wait_healthy", index))
-        if not self.healthy:
+        if not self.healthy or index in self.unhealthy:
             raise GateFailed("not healthy within 5 s (last /health: 503); last lines of x:\n  y")
 
     def record_processes(self, index):

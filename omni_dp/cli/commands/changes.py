@@ -58,7 +58,10 @@ def _ask(command: str, state, request, as_json: bool) -> None:
                                  say)
     except ChangeRefused as exc:
         fail(command, str(exc))
+    undrained = outcome.stopped_in_router
     text = (f"omni-dp {command}: done in {outcome.seconds:.1f} s: {request.summary}"
+            + (f"; replica {', '.join(map(str, undrained))} stopped without a drain (the router "
+               "did not take it out, said above)" if undrained else "")
             if outcome.ok else f"omni-dp {command}: FAILED: {outcome.error}")
     emit(outcome.to_json(), text, as_json)
     sys.exit(ExitCode.OK if outcome.ok else ExitCode.RUNTIME)

@@ -35,11 +35,14 @@ class Outcome:
     error: str | None = None
     steps: list[dict] = field(default_factory=list)  # each step's action, replica, seconds
     seconds: float = 0.0
+    # stopped while the router had not taken them out: no drain, whatever it still sent them
+    # was cut or retried by the router
+    stopped_in_router: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"id": self.change.id, "kind": self.change.kind, "summary": self.change.summary,
                 "ok": self.ok, "error": self.error, "steps": self.steps,
-                "seconds": round(self.seconds, 2)}
+                "stopped_in_router": self.stopped_in_router, "seconds": round(self.seconds, 2)}
 
 
 class EventTail:
@@ -69,15 +72,24 @@ class EventTail:
         return found
 
 
+def _drained(event: dict) -> str:
+    """What taking a replica out before its stop came to: out and drained, out and still busy,
+    or — the router refused or did not answer — not out at all, so not drained either."""
+    i, seconds = event.get("replica"), event.get("seconds")
+    if not event.get("out_of_router"):
+        return (f"replica {i}: NOT out of the router ({event.get('error') or 'no reason recorded'}"
+                "); stopped without a drain: what the router still sends it is cut or retried")
+    if event.get("drained"):
+        return f"replica {i}: out of the router, drained in {seconds} s"
+    return f"replica {i}: out of the router, still busy after {seconds} s: the stop drains the rest"
+
+
 def describe(event: dict) -> str | None:
     """A progress line for one event of the change (None: not one to say)."""
     name, i = event.get("event"), event.get("replica")
-    lines: dict[str, Callable[[], str]] = {
+    lines: dict[str, Callable[[], str | None]] = {
         "change_step": lambda: f"step {event['step']}: {event['action']} replica {i}",
-        "change_drained": lambda: (
-            f"replica {i}: out of the router, " + (
-                f"drained in {event['seconds']} s" if event.get("drained") else
-                f"still busy after {event['seconds']} s: the stop drains the rest")),
+        "change_drained": lambda: _drained(event),
         "restart_completed": lambda: f"replica {i}: passed its gates "
                                      f"({', '.join(event.get('gates') or [])}), "
                                      + ("back in the router" if event.get("in_router") else
@@ -85,6 +97,8 @@ def describe(event: dict) -> str | None:
         "restart_failed": lambda: f"replica {i}: failed: {event.get('error')}",
         "router_added": lambda: f"replica {i}: in the router (out of rotation until its gates)",
         "router_removed": lambda: f"replica {i}: out of the router for good",
+        "router_admin_failed": lambda: (f"replica {i}: warning: {event.get('error')}"
+                                        if event.get("action") == "removed" else None),
         "change_step_done": lambda: f"step {event['step']} done in {event['seconds']} s",
     }
     say = lines.get(name)
@@ -108,6 +122,8 @@ def ask_and_follow(directory: Path, request: ChangeRequest, supervisor: ProcessI
                 continue
             if event.get("event") == "change_step_done":
                 outcome.steps.append({k: event.get(k) for k in ("action", "replica", "seconds")})
+            if event.get("event") == "change_drained" and not event.get("out_of_router"):
+                outcome.stopped_in_router.append(event.get("replica"))
             line = describe(event)  # a restart's own events carry no change id: said too
             if line:
                 say(line)
@@ -120,8 +136,8 @@ def ask_and_follow(directory: Path, request: ChangeRequest, supervisor: ProcessI
         if supervisor is not None and not is_alive(supervisor):
             ended = read_change(directory)
             if ended is not None and ended.id == request.id and ended.state in ("done", "failed"):
-                return Outcome(request, ended.state == "done", ended.error,
-                               outcome.steps, time.monotonic() - started)
+                return Outcome(request, ended.state == "done", ended.error, outcome.steps,
+                               time.monotonic() - started, outcome.stopped_in_router)
             outcome.error = "the run's supervisor is gone; the change did not end"
             return outcome
         time.sleep(POLL_S)

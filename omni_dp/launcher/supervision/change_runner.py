@@ -106,8 +106,9 @@ class ChangeRunner:
                         self._plan_with(len(state.replicas) + 1, change),
                         self._gpus(change))
         self.refresh()
-        if not self.router.add(record.index, record.url):
-            raise StepFailed(f"the router did not take replica {record.index} in")
+        refused = self.router.add(record.index, record.url)
+        if refused is not None:
+            raise StepFailed(refused)
         with self._holding(record.index):
             passed = self.restart.start_wave([record.index], Progress())
         if not passed:
@@ -127,11 +128,14 @@ class ChangeRunner:
         with self._holding(index):
             self._out_and_drained(change, index)
             self.crew.replicas.stop([index], change.drain_timeout)
-            self.router.remove(index)
+            refused = self.router.remove(index)
             self.router.not_in_router.discard(index)
             state.set_scale(state.replicas[:index], self._plan_with(index, change),
                             self._gpus(change))
         self.refresh()
+        if refused is not None:  # the run is smaller, but the router still lists it
+            raise StepFailed(f"replica {index} is stopped and gone from the run, but {refused}"
+                             " (its health checks keep it out of rotation)")
 
     # --- helpers ----------------------------------------------------------------------------
 
@@ -142,13 +146,17 @@ class ChangeRunner:
 
     def _out_and_drained(self, change: ChangeRequest, index: int) -> None:
         """Out of the router (and the gateway), then its in-flight requests given the drain
-        bound to finish; the stop drains what is left (SIGTERM)."""
+        bound to finish; the stop drains what is left (SIGTERM). A router that did not take
+        it out does not stop the change (a dead router sends nothing; a live one retries what
+        the stopped replica refuses), but the event says so, with the router's answer, and no
+        drain is claimed."""
         state = self.crew.state
         out = self.router.set_disabled(index, True)
         started = time.monotonic()
         drained = out and self.router.drain(index, change.drain_timeout)
+        refused = {} if out else {"error": state.replica(index).last_error}
         state.event("change_drained", change=change.id, replica=index, out_of_router=out,
-                    drained=drained, seconds=round(time.monotonic() - started, 2))
+                    drained=drained, seconds=round(time.monotonic() - started, 2), **refused)
 
     def _relaunch(self, index: int, step: Step) -> None:
         launch = step.launch or {}

@@ -99,33 +99,36 @@ class RouterLink:
         key = self.crew.state.api_key
         return {"Authorization": f"Bearer {key}"} if key else {}
 
-    def add(self, index: int, url: str) -> bool:
+    def add(self, index: int, url: str) -> str | None:
         """A new replica (a scale-up) into the router, disabled until it passed its gates
-        (enable() then takes it in); True only on a 2xx, a refusal said and recorded."""
+        (enable() then takes it in). None when done; else the refusal in words, said and
+        recorded."""
         router = self.crew.state.record.router
         status, body = (0, None) if router is None else self.http(
             "POST", f"{router.url}/workers", {"url": url, "id": str(index), "disabled": True},
             headers=self._headers())
         return self._said("added", index, status, body)
 
-    def remove(self, index: int) -> bool:
-        """A replica scaled away out of the router for good (its requests finish normally)."""
+    def remove(self, index: int) -> str | None:
+        """A replica scaled away out of the router for good (its requests finish normally).
+        None when done; else the refusal in words, said and recorded."""
         router = self.crew.state.record.router
         status, body = (0, None) if router is None else self.http(
             "DELETE", f"{router.url}/workers/{index}", headers=self._headers())
         return self._said("removed", index, status, body)
 
-    def _said(self, action: str, index: int, status: int, body: object) -> bool:
+    def _said(self, action: str, index: int, status: int, body: object) -> str | None:
         if 200 <= status < 300:
             self.crew.state.event("router_" + action, replica=index, status=status)
-            return True
+            return None
         said = body.get("error") if isinstance(body, dict) else None
-        error = (f"the router did not take replica {index} {action.removesuffix('ed')}: "
-                 f"answered {status or 'nothing'}" + (f" ({said})" if said else ""))
+        verb = {"added": "add", "removed": "remove"}[action]
+        error = (f"the router did not {verb} replica {index}: answered {status or 'nothing'}"
+                 + (f" ({said})" if said else ""))
         self.crew.state.event("router_admin_failed", replica=index, action=action,
                               status=status, error=error)
         self.crew.say(f"warning: {error}")
-        return False
+        return error
 
     def in_flight(self, index: int) -> int | None:
         """The requests the router has in flight on this replica (None: it cannot say)."""

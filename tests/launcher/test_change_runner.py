@@ -1,0 +1,304 @@
+"""The supervisor's side of a day-two change (supervision/change_runner.py), followed as the
+command follows it (changes/follow.py) and ended as the command ends it (exit code, last line):
+the fakes of support/supervision.py, one admin router that records every call on the same
+timeline as the replicas' calls; no process is started.
+
+What the live test (test_changes_live.py) cannot show under load, since the router's retries
+hide it: that each replica leaves the router and drains BEFORE it is stopped, that a change
+stops at its first failed step, that the command exits 3 then — and that the command says
+"out of the router" only when the router took the replica out."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import pytest
+
+from omni_dp.cli.commands.changes import _ask
+from omni_dp.contract import ExitCode
+from omni_dp.launcher.changes.follow import ask_and_follow
+from omni_dp.launcher.changes.request import ChangeRequest, Step, read_change, take
+from omni_dp.launcher.record.state import RunState
+from omni_dp.launcher.supervision.supervisor import Supervisor
+from omni_dp.procs import identify
+from omni_dp.runfile import SupervisorRecord
+
+from support.supervision import FakeStop, FakeWorld, make_state, supervisor
+
+
+class AdminRouter:
+    """The router's admin API (PUT, POST, DELETE /workers) and GET /workers' in-flight counts,
+    each call written to `timeline` (the fake replicas' own call list) so that the test reads
+    one order of everything. `refuse` maps a call ("out", "in", "add", "remove") to the
+    (status, body) the router answers instead of 200."""
+
+    def __init__(self, timeline: list[tuple], in_flight: tuple[int, ...] = (2, 1, 0)) -> None:
+        self.timeline = timeline
+        self.in_flight = in_flight  # each replica's count, poll after poll, then 0
+        self.polls: dict[int, int] = {}
+        self.refuse: dict[str, tuple[int, object]] = {}
+
+    def __call__(self, method, url, body=None, timeout=3.0, headers=None):
+        index = int(url.rsplit("/", 1)[1]) if method != "POST" else int(body["id"])
+        call = {"PUT": "out" if body and body.get("disabled") else "in", "POST": "add",
+                "DELETE": "remove"}[method]
+        self.timeline.append((call, index))
+        return self.refuse.get(call, (200, {}))
+
+    def workers(self) -> list[dict]:
+        """GET /workers: each replica's in-flight count, one step further at each poll."""
+        entries = []
+        for i in range(8):
+            n = self.polls.get(i, 0)
+            count = self.in_flight[n] if n < len(self.in_flight) else 0
+            entries.append({"id": str(i), "in_flight": count})
+        return entries
+
+    def polled(self, index: int) -> None:
+        n = self.polls.get(index, 0)
+        count = self.in_flight[n] if n < len(self.in_flight) else 0
+        self.timeline.append(("in_flight", index, count))
+        self.polls[index] = n + 1
+
+
+class PolledWorld(FakeWorld):
+    """The world whose GET /workers is the admin router's, one poll per drain step."""
+
+    def __init__(self, live: set[int], router: AdminRouter) -> None:
+        super().__init__(live)
+        self.admin = router
+        self.asked: int | None = None
+
+    def router_workers(self, url, api_key):
+        return self.admin.workers()
+
+
+@dataclass
+class Run:
+    state: RunState
+    sup: Supervisor
+    router: AdminRouter
+    timeline: list[tuple]  # the replicas' calls and the router's, in one order
+
+
+def a_run(tmp_path, replicas: int = 3, in_flight: tuple[int, ...] = (2, 1, 0)) -> Run:
+    """A live run of `replicas` healthy replicas, its supervisor on fakes, the admin router."""
+    state = make_state(tmp_path, replicas=replicas)
+    sup, world, _ = supervisor(state)
+    timeline = sup.replicas.calls
+    router = AdminRouter(timeline, in_flight)
+    polled = PolledWorld(world.live, router)
+    sup.crew.probe = sup.replicas.world = polled
+    sup.router.http = router
+    sup.crew.stop = FakeStop()  # the drain's polls and the slot waits do not sleep
+    sup.router.in_flight = _counting(sup.router.in_flight, router)
+    return Run(state, sup, router, timeline)
+
+
+def _counting(in_flight, router: AdminRouter):
+    """RouterLink.in_flight, each poll written to the timeline."""
+
+    def polled(index: int) -> int | None:
+        value = in_flight(index)
+        router.polled(index)
+        return value
+
+    return polled
+
+
+def restart(*replicas: int) -> ChangeRequest:
+    return ChangeRequest("restart", tuple(Step("restart", i) for i in replicas),
+                         f"restart replicas {', '.join(map(str, replicas))}", drain_timeout=5.0)
+
+
+def scale_down(state, to: int) -> ChangeRequest:
+    plan = {**state.record.plan.to_json(), "replicas": to}
+    return ChangeRequest("scale", tuple(Step("remove", i)
+                                        for i in range(len(state.replicas) - 1, to - 1, -1)),
+                         f"scale to {to}", drain_timeout=5.0, plan=plan)
+
+
+def followed(state, sup, request: ChangeRequest):
+    """The command's side (ask_and_follow) against the supervisor's (take, then the change
+    runner in its own thread, as the sweep does): the outcome and every line said."""
+
+    def supervise() -> None:
+        while (change := take(state.directory)) is None:
+            threading.Event().wait(0.05)
+        sup.change(change)
+
+    thread = threading.Thread(target=supervise, daemon=True)
+    thread.start()
+    lines: list[str] = []
+    outcome = ask_and_follow(state.directory, request, None, lines.append)
+    thread.join(10)
+    assert not thread.is_alive()
+    return outcome, lines
+
+
+def order(timeline: list[tuple], index: int) -> list[str]:
+    """What happened to one replica, in order (in-flight polls by their count)."""
+    return [c[0] if c[0] != "in_flight" else f"in_flight={c[2]}"
+            for c in timeline if c[1] == index and c[0] in
+            ("out", "in_flight", "stop", "start", "wait_healthy", "in", "remove")]
+
+
+# --- restart ------------------------------------------------------------------------------
+
+
+def test_a_restart_takes_each_replica_out_and_drains_it_before_its_stop_one_at_a_time(
+        tmp_path):
+    run = a_run(tmp_path)
+    state, sup, timeline = run.state, run.sup, run.timeline
+    outcome, lines = followed(state, sup, restart(0, 1, 2))
+    assert outcome.ok, outcome.error
+    for i in range(3):
+        assert order(timeline, i) == ["out", "in_flight=2", "in_flight=1", "in_flight=0",
+                                      "stop", "start", "wait_healthy", "in"], i
+    # one at a time: a replica leaves the router only once the one before is back in it
+    assert timeline.index(("in", 0)) < timeline.index(("out", 1))
+    assert timeline.index(("in", 1)) < timeline.index(("out", 2))
+    drained = [line for line in lines if "out of the router" in line]
+    assert [line.split(":")[0] for line in drained] == ["replica 0", "replica 1", "replica 2"]
+    assert all("drained in" in line for line in drained), drained
+    assert sum("back in the router" in line for line in lines) == 3, lines
+    assert outcome.stopped_in_router == []
+    assert read_change(state.directory).state == "done"
+
+
+def test_a_replica_still_busy_at_the_drain_bound_is_said_busy_not_drained(tmp_path):
+    run = a_run(tmp_path, replicas=2, in_flight=(1,) * 10**6)
+    state, sup, timeline = run.state, run.sup, run.timeline
+    sup.crew.clock = iter(range(0, 10**6, 1)).__next__  # a second per look: the bound passes
+    outcome, lines = followed(state, sup, restart(0))
+    assert outcome.ok, outcome.error
+    assert order(timeline, 0)[:2] == ["out", "in_flight=1"]
+    assert order(timeline, 0).index("stop") > order(timeline, 0).index("in_flight=1")
+    [line] = [line for line in lines if line.startswith("replica 0: out of the router")]
+    assert "still busy after" in line and "drained in" not in line
+
+
+def test_a_router_that_does_not_take_a_replica_out_is_said_and_no_drain_is_claimed(
+        tmp_path, capsys):
+    """The command says 'out of the router' only on the router's 2xx: a refusal is said with
+    the router's words, the replica is stopped without a drain (no in-flight poll), and the
+    last line and --json say which replica that was."""
+    run = a_run(tmp_path, replicas=2)
+    state, sup, router, timeline = run.state, run.sup, run.router, run.timeline
+    router.refuse["out"] = (401, {"error": "missing or wrong API key"})
+    state.update(supervisor=SupervisorRecord(identify(_pid()), detached=True))
+    request = restart(0)
+    done = threading.Thread(target=_supervise_once, args=(state, sup), daemon=True)
+    done.start()
+    with pytest.raises(SystemExit) as exited:
+        _ask("restart", state, request, as_json=False)
+    done.join(10)
+    out, err = capsys.readouterr()
+    assert exited.value.code == ExitCode.OK
+    assert "out of the router," not in err, err
+    assert "drained" not in err.replace("without a drain", ""), err
+    assert ("omni-dp restart: replica 0: NOT out of the router (the router did not take "
+            "replica 0 out: PUT /workers/0 answered 401 (missing or wrong API key)") in err, err
+    assert out.startswith("omni-dp restart: done in ") and out.rstrip().endswith(
+        "; replica 0 stopped without a drain (the router did not take it out, said above)"), out
+    assert order(timeline, 0)[:2] == ["out", "stop"]  # no drain was waited for
+    drained = next(e for e in state.events() if e["event"] == "change_drained")
+    assert drained["out_of_router"] is False and drained["drained"] is False
+    assert "401" in drained["error"]
+
+
+def test_the_json_outcome_names_the_replicas_stopped_while_in_the_router(tmp_path):
+    run = a_run(tmp_path, replicas=2)
+    state, sup, router = run.state, run.sup, run.router
+    router.refuse["out"] = (0, None)  # the router did not answer
+    outcome, lines = followed(state, sup, restart(0, 1))
+    assert outcome.ok
+    assert outcome.to_json()["stopped_in_router"] == [0, 1]
+    assert sum("NOT out of the router" in line and "answered nothing" in line
+               for line in lines) == 2, lines
+
+
+def test_a_failed_step_stops_the_change_there_and_the_command_exits_3(tmp_path, capsys):
+    run = a_run(tmp_path)
+    state, sup, timeline = run.state, run.sup, run.timeline
+    sup.replicas.unhealthy = {1}
+    state.update(supervisor=SupervisorRecord(identify(_pid()), detached=True))
+    done = threading.Thread(target=_supervise_once, args=(state, sup), daemon=True)
+    done.start()
+    with pytest.raises(SystemExit) as exited:
+        _ask("restart", state, restart(0, 1, 2), as_json=False)
+    done.join(10)
+    assert exited.value.code == ExitCode.RUNTIME == 3
+    last = capsys.readouterr().out.strip()
+    assert last.startswith("omni-dp restart: FAILED: replica 1 did not pass its gates"), last
+    assert order(timeline, 0)[-1] == "in"  # what passed stays
+    assert "in" not in order(timeline, 1)  # failed: down, not back in the router
+    assert order(timeline, 2) == []  # never touched
+    ended = read_change(state.directory)
+    assert ended.state == "failed" and "replica 1" in ended.error
+    assert [e["event"] for e in state.events()].count("change_step_done") == 1
+
+
+# --- scale --------------------------------------------------------------------------------
+
+
+def test_a_scale_down_takes_the_top_replica_out_drains_stops_then_removes_it(tmp_path):
+    run = a_run(tmp_path)
+    state, sup, timeline = run.state, run.sup, run.timeline
+    outcome, lines = followed(state, sup, scale_down(state, 1))
+    assert outcome.ok, outcome.error
+    for i in (2, 1):
+        assert order(timeline, i) == ["out", "in_flight=2", "in_flight=1", "in_flight=0",
+                                      "stop", "remove"], i
+    assert timeline.index(("remove", 2)) < timeline.index(("out", 1))  # the top one first
+    assert [r.index for r in state.replicas] == [0]
+    assert order(timeline, 0) == []
+    assert sum("out of the router for good" in line for line in lines) == 2
+
+
+def test_a_router_that_does_not_remove_a_replica_fails_the_scale_and_says_why(tmp_path):
+    run = a_run(tmp_path)
+    state, sup, router, timeline = run.state, run.sup, run.router, run.timeline
+    router.refuse["remove"] = (500, {"error": "boom"})
+    outcome, lines = followed(state, sup, scale_down(state, 1))
+    assert not outcome.ok
+    assert outcome.error == ("replica 2 is stopped and gone from the run, but the router did "
+                             "not remove replica 2: answered 500 (boom) (its health checks "
+                             "keep it out of rotation)")
+    assert order(timeline, 1) == []  # the change stopped at the failed step
+    assert [r.index for r in state.replicas] == [0, 1]
+    assert any(line == "replica 2: warning: the router did not remove replica 2: answered "
+               "500 (boom)" for line in lines), lines
+    assert not any("out of the router for good" in line for line in lines)
+
+
+def test_a_replica_the_router_does_not_add_fails_the_scale_up_with_the_routers_words(
+        tmp_path):
+    run = a_run(tmp_path, replicas=1)
+    state, sup, router, timeline = run.state, run.sup, run.router, run.timeline
+    router.refuse["add"] = (409, {"error": "id 1 exists"})
+    new = {**state.replica(0).to_json(), "index": 1, "port": 41001,
+           "url": "http://replica-1.test", "identity": None, "pgid": None,
+           "state": "starting", "restarts": []}
+    plan = {**state.record.plan.to_json(), "replicas": 2}
+    outcome, _ = followed(state, sup, ChangeRequest(
+        "scale", (Step("add", 1, new),), "scale to 2", drain_timeout=5.0, plan=plan))
+    assert not outcome.ok
+    assert outcome.error == "the router did not add replica 1: answered 409 (id 1 exists)"
+    assert ("start", 1) not in timeline  # never started outside the router
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def _supervise_once(state, sup) -> None:
+    while (change := take(state.directory)) is None:
+        threading.Event().wait(0.05)
+    sup.change(change)
