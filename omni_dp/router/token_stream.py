@@ -200,7 +200,9 @@ class TokenStream(Resume):
     def sent(self) -> None:
         for event in self._pending:
             self._count(event)
-            self.complete = self.complete or event.finished
+            # a [DONE] ends the answer for the client, its finish seen or not: nothing may
+            # follow it (a continuation would be read after the end)
+            self.complete = self.complete or event.finished or event.done
             self.usage_sent = self.usage_sent or event.usage
             self.done_sent = self.done_sent or event.done
         self._pending.clear()

@@ -347,6 +347,21 @@ def test_a_replica_lost_after_its_done_leaves_the_client_one_done(dies):
     assert total(metrics, "omni_dp_router_streams_cut_total") == 0
 
 
+def test_a_done_the_client_has_completes_the_answer_even_without_a_finish():
+    """An engine that ends its stream with [DONE] but no finish_reason, then dies before the
+    body's end: the answer is over for the client, so nothing may be migrated after it."""
+    body = json.dumps(COMPLETION).encode()
+    plan = plan_migration("POST", "/v1/completions", body, 1, MIGRATION_PATHS, None)
+    stream = plan.strategy(200, {"Content-Type": "text/event-stream"})
+    chunk = {"id": "x", "object": "text_completion", "created": 1, "model": MODEL,
+             "choices": [{"index": 0, "text": "a", "logprobs": None, "finish_reason": None,
+                          "stop_reason": None, "prompt_token_ids": [1, 2], "token_ids": [5]}]}
+    stream.take(b"data: " + json.dumps(chunk).encode() + b"\n\n" + b"data: [DONE]\n\n")
+    stream.sent()
+    assert stream.resumable and stream.complete
+    assert stream.ending() == b""  # and the router adds no [DONE] of its own
+
+
 def test_ids_are_nulled_in_the_chunks_own_bytes_and_nowhere_else():
     """The ids the client did not ask for are nulled where the engine wrote them, never in
     its text (where a quote is escaped), whatever pieces the chunk arrives in."""
