@@ -9,7 +9,12 @@ import json
 from dataclasses import dataclass
 
 import aiohttp
+import pytest
 from aiohttp import web
+
+from omni_dp.router.hangs import HangTimeout, HangWatch
+from omni_dp.router.health import record_hang
+from omni_dp.router.replicas import Health, Replica
 
 from support.http_client import client, fetch
 from support.router import (
@@ -23,6 +28,7 @@ from support.router import (
     serve,
     total,
 )
+from support.virtual_clock import run_virtual
 
 # Short enough for a quick test; the check of a late replica may take min(0.3, T / 2).
 TIMEOUTS = {"first_byte_timeout_s": 0.6, "stall_timeout_s": 0.6, "health_timeout": 0.3}
@@ -81,6 +87,100 @@ def test_a_replica_that_answers_nothing_is_ejected_as_hung_and_its_requests_go_o
     assert listed["b"]["ejected_reason"] is None
     assert sample(metrics, "omni_dp_router_hangs_total", replica="a") == 1
     assert sample(metrics, "omni_dp_router_retries_total", reason="first_byte_timeout") == 2
+
+
+# --- when a silent replica is let go: on a virtual clock, exactly ----------------------------
+# T = 1 s; the check may take c = min(--health-timeout, T / 2): 0.3, 0.5 and 0.5 s here. A
+# router that checked only at T would let go at T + c (1.3, 1.5, 1.5 s); one that gave the
+# check the whole --health-timeout, at T - c + that (1.0, 1.01, 2.5 s).
+HEALTH_TIMEOUTS = [0.3, 0.51, 2.0]
+
+
+def silent_replica() -> tuple[Replica, list[tuple[float, float]]]:
+    """A healthy replica record, and the (loop time, budget) of each check of it."""
+    replica = Replica("a", "http://127.0.0.1:1")
+    replica.health = Health.HEALTHY
+    return replica, []
+
+
+def silent_check(checks: list[tuple[float, float]]):
+    """The health check of a replica that answers nothing: it runs out its whole budget."""
+
+    async def check(replica: Replica, seconds: float) -> tuple[bool, str]:
+        checks.append((asyncio.get_running_loop().time(), seconds))
+        await asyncio.sleep(seconds)
+        return False, f"/health did not answer within {seconds:g} s"
+
+    return check
+
+
+@pytest.mark.parametrize("health_timeout", HEALTH_TIMEOUTS)
+def test_a_request_on_a_silent_replica_is_let_go_by_its_timeout_check_included(health_timeout):
+    """Waiting for a status line that never comes: let go at T, the check's verdict in by
+    then (loop time on a virtual clock: exact, however loaded the machine)."""
+    timeout_s = 1.0
+    replica, checks = silent_replica()
+
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        watch = HangWatch(silent_check(checks), health_timeout, record_hang)
+        began = loop.time()
+        with pytest.raises(HangTimeout):
+            await watch.wait(replica, timeout_s, loop.create_future(), "status line")
+        return loop.time() - began
+
+    let_go = run_virtual(main())
+    check_s = min(health_timeout, timeout_s / 2)
+    assert let_go == pytest.approx(timeout_s)
+    assert checks == [(pytest.approx(timeout_s - check_s), pytest.approx(check_s))]
+    assert replica.ejected_reason == "hang" and replica.num_hangs == 1
+
+
+@pytest.mark.parametrize("health_timeout", HEALTH_TIMEOUTS)
+def test_a_stream_that_goes_silent_is_cut_by_its_last_byte_plus_its_timeout(health_timeout):
+    """Bytes at 0.25 and 0.6 s, then nothing: the stream is cut at 0.6 + T, not before (it
+    was flowing) and not after (the check ran early enough)."""
+    timeout_s = 1.0
+    replica, checks = silent_replica()
+
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        watch = HangWatch(silent_check(checks), health_timeout, record_hang)
+        cut = loop.create_future()
+        with watch.watch(replica, timeout_s, "byte", lambda: cut.set_result(loop.time())) \
+                as stream:
+            for at in (0.25, 0.6):
+                await asyncio.sleep(at - loop.time())
+                stream.touch(loop.time())
+            cut_at = await cut
+            assert stream.expired
+        return cut_at
+
+    cut_at = run_virtual(main())
+    assert cut_at == pytest.approx(0.6 + timeout_s)
+    assert len(checks) == 1 and replica.num_hangs == 1
+
+
+def test_the_routers_check_of_a_late_replica_has_the_time_left_before_t_not_its_own():
+    """Through the router: --health-timeout (5 s) is longer than the time left for the check
+    of a replica late by its first-byte timeout T (0.6 s): the check it runs is given
+    T / 2 = 0.3 s, as its verdict says (no wall-clock bound: the budget is what is asserted)."""
+
+    async def main():
+        a, b = Hangable("a", hang_when_asked), Backend("b")
+        async with backends(a, b), \
+                serve(make_config([f"a={a.url}", f"b={b.url}"], policy="round_robin",
+                                  failures=100, first_byte_timeout_s=0.6,
+                                  health_timeout=5.0)) as served, client() as session:
+            a.hung = True
+            status, headers, _ = await fetch(session, "POST", served.url + "/x", data=b"{}")
+            await served.wait_idle()
+            return status, headers, await workers(session, served.url)
+
+    status, headers, listed = run(main())
+    assert (status, headers["X-Omni-DP-Replica"]) == (200, "b")
+    assert listed["a"]["ejected_reason"] == "hang"
+    assert "/health did not answer within 0.3 s" in listed["a"]["last_error"]
 
 
 def test_a_slow_replica_that_passes_its_check_is_waited_on():

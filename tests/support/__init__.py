@@ -17,4 +17,5 @@ helpers, and no test imports a conftest or another test module.
     nvml         a fake pynvml
     talker       the small talker the model tests share
     tp_rank      a tensor-parallel rank as a process of its own (the TP tests' rank 1)
+    virtual_clock  an asyncio loop whose clock jumps to its next timer (exact loop times)
 """
