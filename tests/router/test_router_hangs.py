@@ -296,3 +296,46 @@ def test_a_hung_replica_that_recovers_is_readmitted_and_no_longer_reported():
     assert listed["a"]["routable"]
     assert listed["a"]["ejected_reason"] is None and listed["a"]["ejected_at"] is None
     assert listed["a"]["hangs"] == 1  # the count stays
+
+
+def test_a_replica_removed_and_added_again_counts_its_hangs_from_zero():
+    """The same id added again is a new replica: its hangs (and ejections) start from 0, and
+    a hang of the new one counts 1, not the old one's count plus 1."""
+
+    async def hang_once(served, session, a: Hangable) -> None:
+        """Requests until one went to `a`, hung: it is found so and its request goes to b."""
+        a.hung, before = True, len(a.seen)
+        for _ in range(2):
+            status, _, _ = await fetch(session, "POST", served.url + "/x", data=b"{}")
+            assert status == 200
+            if len(a.seen) > before:
+                break
+        await served.wait_idle()
+
+    async def main():
+        a, b = Hangable("a", hang_when_asked), Backend("b")
+        async with backends(a, b), \
+                serve(make_config([f"a={a.url}", f"b={b.url}"], policy="round_robin",
+                                  failures=100, **TIMEOUTS)) as served, client() as session:
+            await hang_once(served, session, a)
+            old = (await workers(session, served.url))["a"]
+            status, _, _ = await fetch(session, "DELETE", served.url + "/workers/a")
+            assert status == 200
+            a.hung = False
+            status, _, body = await fetch(session, "POST", served.url + "/workers",
+                                          json={"url": a.url, "id": "a"})
+            assert status == 201, body
+            added = (await workers(session, served.url))["a"], await scrape(session, served.url)
+            await hang_once(served, session, a)
+            hung_again = (await workers(session, served.url))["a"], await scrape(session,
+                                                                                  served.url)
+            return old, added, hung_again
+
+    old, (added, added_metrics), (again, again_metrics) = run(main())
+    assert (old["hangs"], old["ejections"]) == (1, 1)
+    assert (added["hangs"], added["ejections"], added["routable"]) == (0, 0, True)
+    assert sample(added_metrics, "omni_dp_router_hangs_total", replica="a") == 0
+    assert sample(added_metrics, "omni_dp_router_ejections_total", replica="a") == 0
+    assert (again["hangs"], again["ejections"]) == (1, 1)
+    assert sample(again_metrics, "omni_dp_router_hangs_total", replica="a") == 1
+    assert sample(again_metrics, "omni_dp_router_ejections_total", replica="a") == 1
