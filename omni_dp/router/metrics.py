@@ -95,19 +95,22 @@ class _SharedReplicaMetrics:
                                 multiprocess_mode=series.mode))
             for series in _REPLICA_SERIES}
         self._counted: dict[tuple[str, str], int] = {}  # what the counters hold already
-        self._known: set[str] = set()
+        self._known: dict[str, Replica] = {}  # the records the last write read, by id
 
     def write(self) -> None:
         current = {replica.id: replica for replica in self._replicas()}
-        for gone in self._known - current.keys():
+        for rid, known in self._known.items():
+            if current.get(rid) is known:
+                continue
+            # removed, or added again under this id (maybe since the last write: the record
+            # is another one): a new record counts from 0, and its series goes on from what
+            # it holds by the new record's increments
             for series in _REPLICA_SERIES:
                 if series.counter:
-                    # one added again under this id is a new record, its counts from 0: its
-                    # series goes on from what it holds, by the new record's increments
-                    self._counted.pop((gone, series.name), None)
-                else:
-                    self._metrics[series.name].labels(gone).set(0)
-        self._known = set(current)
+                    self._counted.pop((rid, series.name), None)
+                elif rid not in current:
+                    self._metrics[series.name].labels(rid).set(0)
+        self._known = current
         for rid, replica in current.items():
             for series in _REPLICA_SERIES:
                 metric, value = self._metrics[series.name], series.value(replica)

@@ -14,27 +14,37 @@ from omni_dp.router.metrics import MULTIPROC_ENV, RouterMetrics, _SharedReplicaM
 from omni_dp.router.replicas import Replica
 
 
-def ejections(registry: CollectorRegistry, rid: str) -> float:
+def counted(registry: CollectorRegistry, series: str, rid: str) -> float:
     for line in generate_latest(registry).decode().splitlines():
-        if line.startswith(f'omni_dp_router_ejections_total{{replica="{rid}"}}'):
+        if line.startswith(f'{series}{{replica="{rid}"}}'):
             return float(line.split()[-1])
-    raise AssertionError(f"no ejections series for {rid}")
+    raise AssertionError(f"no {series} series for {rid}")
 
 
-def test_a_replica_added_again_has_its_ejections_counted_from_its_first():
+@pytest.mark.parametrize("count, series", [
+    ("num_ejections", "omni_dp_router_ejections_total"),
+    ("num_hangs", "omni_dp_router_hangs_total"),
+])
+@pytest.mark.parametrize("written_between", [True, False],
+                         ids=["written-while-removed", "removed-and-added-between-writes"])
+def test_a_replica_added_again_has_its_ejections_and_hangs_counted_from_its_first(
+        count, series, written_between):
     """A replica removed and added again under its id is a new record, counting from 0: its
-    ejections must add to the series at once, not only once they pass the old record's."""
+    ejections and hangs must add to the series at once, not only once they pass the old
+    record's; also when both happened between two writes (a worker writes once a second, or
+    at a scrape)."""
     registry = CollectorRegistry()
     current: list[Replica] = [Replica("0", "http://127.0.0.1:1")]
     shared = _SharedReplicaMetrics(lambda: current, registry)
-    current[0].num_ejections = 3
+    setattr(current[0], count, 3)
     shared.write()
     current.clear()
-    shared.write()  # removed
+    if written_between:
+        shared.write()  # removed
     current.append(Replica("0", "http://127.0.0.1:1"))
-    current[0].num_ejections = 1
+    setattr(current[0], count, 1)
     shared.write()
-    assert ejections(registry, "0") == 4
+    assert counted(registry, series, "0") == 4
 
 
 def test_shared_metrics_without_the_environment_are_refused(monkeypatch, tmp_path):
