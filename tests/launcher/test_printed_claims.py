@@ -138,3 +138,20 @@ def test_only_a_200_from_health_is_healthy_and_only_those_are_verified(tmp_path,
     rows = format_status(report).splitlines()[-4:]
     assert [row.split()[4] for row in rows] == ["healthy", "unhealthy", "unhealthy", "down"]
     assert "unhealthy (503)" in rows[1] and "unhealthy (no answer)" in rows[2]
+
+
+def test_the_mps_column_says_attached_only_of_a_replica_proven_a_client(tmp_path, monkeypatch):
+    """status's `mps` column: attached where the attachment check proved it, NO where it
+    failed, `-` where no check has run (the text table and the markdown alike)."""
+    monkeypatch.setattr(status_module, "is_alive", lambda identity: True)
+    daemon = {"pid": 50, "create_time": 1.0, "binary": "nvidia-cuda-mps-control",
+              "pipe_dir": "/run/mps/pipe", "log_dir": "/run/mps/log", "gpu_uuid": "GPU-test"}
+    data = run_record("run-mps", [{"index": i, "pid": 10 + i, "create_time": 1.0,
+                                   "mps_attached": proven}
+                                  for i, proven in enumerate((True, False, None))], daemon)
+    report = collect(stored_state(tmp_path / "run-mps", data), probe=False)
+    assert report["mps"]["attached"] is None  # not every replica checked: no run-wide claim
+    rows = format_status(report).splitlines()[-3:]
+    assert [row.split()[6] for row in rows] == ["attached", "NO", "-"]
+    markdown = format_status(report, fmt="markdown").splitlines()
+    assert [line.split(" | ")[6] for line in markdown if line.startswith("| 1")] == ["NO"]
