@@ -163,27 +163,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.client:
         run_client(json.loads(args.client))
         return 0
-    procs = Processes(Path(tempfile.mkdtemp(prefix="odp-migration-cpu-")))
     results: dict[str, list[dict]] = {mode: [] for mode in MODES}
-    try:
-        backends = []
-        for i in range(2):
-            port = free_port()
-            proc, log = procs.spawn(f"backend{i}", [sys.executable, __file__, "--backend",
-                                                    str(port), "--pace-ms", str(args.pace_ms)])
-            url = f"http://{HOST}:{port}"
-            wait_until(lambda u=url: http_get(u + "/health")[0] == 200, proc, log, "backend")
-            backends.append(url)
-        routers = {mode: start_router(procs, f"router-{i}", backends, flags)
-                   for i, (mode, (flags, _)) in enumerate(MODES.items())}
-        for _ in range(args.rounds):
-            for mode, (_, ids) in MODES.items():
-                result = measure(*routers[mode], ids, args)
-                print(mode, json.dumps(result), flush=True)
-                results[mode].append(result)
-    finally:
-        with contextlib.suppress(Exception):
-            procs.stop_all()
+    # The processes' logs, removed with the directory once they are stopped.
+    with tempfile.TemporaryDirectory(prefix="odp-migration-cpu-") as work:
+        procs = Processes(Path(work))
+        try:
+            backends = []
+            for i in range(2):
+                port = free_port()
+                proc, log = procs.spawn(f"backend{i}", [sys.executable, __file__, "--backend",
+                                                        str(port), "--pace-ms", str(args.pace_ms)])
+                url = f"http://{HOST}:{port}"
+                wait_until(lambda u=url: http_get(u + "/health")[0] == 200, proc, log, "backend")
+                backends.append(url)
+            routers = {mode: start_router(procs, f"router-{i}", backends, flags)
+                       for i, (mode, (flags, _)) in enumerate(MODES.items())}
+            for _ in range(args.rounds):
+                for mode, (_, ids) in MODES.items():
+                    result = measure(*routers[mode], ids, args)
+                    print(mode, json.dumps(result), flush=True)
+                    results[mode].append(result)
+        finally:
+            with contextlib.suppress(Exception):
+                procs.stop_all()
     table = markdown(results, args)
     print(table)
     if args.record:
