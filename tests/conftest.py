@@ -5,7 +5,10 @@ the fixtures only its own tests use; plain helpers live in the `support` package
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
+from pathlib import Path
 
 import psutil
 import pytest
@@ -19,6 +22,76 @@ from support.replica import Replica
 # seeded engine rely on the preset `tiny` (deterministic, resumable, KV-sized), so every server
 # a test starts without --model serves tiny. The voice's tests name it (tests/test_voice_run.py).
 os.environ.setdefault(DEFAULT_MODEL_ENV, "tiny")
+
+# The session's own temporary directory, fresh (/tmp/odp-suite-XXXXXXXX): every test, and every
+# process it starts, makes its temporary files there (TMPDIR, tempfile.tempdir), and the default
+# run state directory lies there too (rundir.py's ${XDG_RUNTIME_DIR:-/tmp}/omni-dp-UID). Other
+# processes on the machine use /tmp as they like: what is in this directory is this session's
+# alone, and at the end nothing may be (nothing_left_in_tmp). Short, for the Unix sockets made
+# under it (108 bytes a path). pytest's tmp_path stays where it was, under pytest's retention.
+# Not covered: a path named outright (tempfile.mkdtemp(dir="/tmp") in tests/launcher/conftest.py
+# and tests/mps/test_mps_control_terminate.py, for short socket paths; each removes its own).
+SUITE_TMP_PREFIX = "odp-suite-"
+_SUITE_TMP_ENV = ("TMPDIR", "XDG_RUNTIME_DIR")
+_suite_tmp: dict = {}
+
+
+def pytest_configure(config):
+    system = tempfile.gettempdir()
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", system)  # tmp_path: where it always was
+    suite = tempfile.mkdtemp(prefix=SUITE_TMP_PREFIX, dir=system)
+    _suite_tmp.update(path=Path(suite), env={k: os.environ.get(k) for k in _SUITE_TMP_ENV},
+                      tempdir=tempfile.tempdir)
+    os.environ.update(dict.fromkeys(_SUITE_TMP_ENV, suite))
+    tempfile.tempdir = suite
+
+
+def pytest_unconfigure(config):
+    if not _suite_tmp:
+        return
+    shutil.rmtree(_suite_tmp["path"], ignore_errors=True)
+    for name, value in _suite_tmp["env"].items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    tempfile.tempdir = _suite_tmp["tempdir"]
+    _suite_tmp.clear()
+
+
+def left_in(directory: Path) -> list[str]:
+    """Each entry of `directory`; a directory's with (the first few of) the files in it."""
+    left = []
+    for entry in sorted(directory.iterdir()):
+        files = sorted(str(p.relative_to(entry)) for p in entry.rglob("*") if not p.is_dir()) \
+            if entry.is_dir() and not entry.is_symlink() else None
+        if files is None:
+            left.append(entry.name)
+        else:
+            more = f" and {len(files) - 5} more" if len(files) > 5 else ""
+            left.append(f"{entry.name}/ ({', '.join(files[:5]) or 'empty'}{more})")
+    return left
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_in_tmp():
+    """The session's temporary directory is empty once every other fixture is torn down (set
+    up first, torn down last): a test that leaves a file or a directory in TMPDIR — or a
+    bench, a server or a run it started — fails the session (an error at teardown, so pytest
+    exits 1), naming what was left, which is then removed."""
+    yield
+    suite = _suite_tmp.get("path")
+    if suite is None or not suite.is_dir():
+        return
+    left = left_in(suite)
+    for entry in suite.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+    if left:
+        pytest.fail(f"the tests left {len(left)} thing(s) in the session's temporary directory "
+                    f"{suite} (TMPDIR), now removed: {'; '.join(left)}", pytrace=False)
 
 
 @pytest.fixture(autouse=True)
