@@ -83,6 +83,17 @@ def test_caps_need_mps_and_sane_values_every_problem_at_once(facts):
     plan(opts(mps=True, mps_thread_percentage=100.0), facts)
 
 
+def test_a_thread_percentage_finer_than_the_daemon_keeps_is_refused_before_anything_starts(
+        facts):
+    """The real daemon keeps one decimal (12.35 is read back as 12.3, tests/mps): refused at
+    plan time with the two nearest it keeps, not at the daemon's start."""
+    assert problems_of(opts(mps=True, mps_thread_percentage=12.35), facts) == [
+        "--mps-thread-percentage 12.35: the MPS daemon keeps one decimal; give e.g. 12.3 or "
+        "12.4"]
+    for kept in (12.3, 40.0, 1.0):
+        plan(opts(mps=True, mps_thread_percentage=kept), facts)
+
+
 def test_a_memory_cap_below_a_replicas_footprint_is_refused(facts):
     # support/plans.py's replica: weights 1GiB + KV 2GiB + overhead 512MiB = 3.5GiB
     with pytest.raises(LaunchPlanError) as refused:

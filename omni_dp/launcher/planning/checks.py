@@ -248,6 +248,12 @@ def mps_limit_problems(o: LaunchOptions) -> list[str]:
     if percent is not None and not (math.isfinite(percent) and 1 <= percent <= 100):
         problems.append(f"--mps-thread-percentage must be a percentage of the GPU's SMs from "
                         f"1 to 100, got {percent}")
+    elif percent is not None and round(percent, 1) != percent:
+        # the daemon keeps one decimal: 12.35 is read back as 12.3, and the launch would fail
+        # only once the daemon ran (its read-back must equal what was asked)
+        problems.append(f"--mps-thread-percentage {percent}: the MPS daemon keeps one decimal; "
+                        f"give e.g. {math.floor(percent * 10) / 10} or "
+                        f"{math.ceil(percent * 10) / 10}")
     limit = o.mps_memory_limit
     if limit is not None and (limit < MIB or limit % (GIB if limit >= GIB else MIB)):
         problems.append(f"--mps-memory-limit {limit} bytes: the MPS daemon keeps whole MiB "
