@@ -31,7 +31,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from omni_dp.router.resume import NOT_RESUMABLE, NotResumable, Resume
+from omni_dp.router.resume import NOT_RESUMABLE, Resume, not_resumable
 from omni_dp.router.token_stream import COMPLETIONS_PATH, SSE_TYPE, TOKEN_IDS_FIELD, TokenStream
 
 CHAT_PATH = "/v1/chat/completions"
@@ -119,7 +119,8 @@ class NotMigratable:
         return body
 
     def strategy(self, status: int, headers) -> Resume:
-        return NotResumable(self.why) if _streaming(status, headers) else NOT_RESUMABLE
+        return not_resumable(status, headers, self.why) if _streaming(status, headers) \
+            else NOT_RESUMABLE
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,9 @@ than that, so another way of resuming is one more class and a line in `choose`:
   token-exactly on another replica from the token ids the client has.
 - `NotResumable`: everything else (opus, flac, mp3, LLM streams without --migration-limit or
   that cannot migrate, `why_not` says why): a cut stream ends as documented (an SSE error
-  event, or no terminating chunk).
+  event, or no terminating chunk). `WholeEvents`, its SSE form, relays whole events only, so
+  that the router's error event after a cut is an event of its own, never glued onto half of
+  the replica's last one.
 """
 
 from __future__ import annotations
@@ -109,6 +111,43 @@ class NotResumable(Resume):
 
 
 NOT_RESUMABLE = Resume()
+# Past this much without an event's end, WholeEvents passes what it holds: an upstream whose
+# events end otherwise (a lone "\r\r") must still stream.
+MAX_HELD_EVENT_BYTES = 1 << 20
+
+
+class WholeEvents(NotResumable):
+    """Not resumable, and an SSE answer: only whole events reach the client (the tail of a
+    chunk that ends mid-event is held for the next one). A cut then leaves the client at an
+    event's end, where the router's error event is one a parser reads; the held half event is
+    lost with the replica either way. Events come whole in one chunk as replicas write them,
+    so nothing waits in the usual case."""
+
+    def __init__(self, why_not: str = "not_resumable") -> None:
+        super().__init__(why_not)
+        self._held = b""
+
+    def take(self, chunk: bytes) -> bytes:
+        data = self._held + chunk
+        end = max((at + len(mark) for mark in (b"\n\n", b"\r\n\r\n")
+                   if (at := data.rfind(mark)) >= 0), default=0)
+        if end == 0 and len(data) > MAX_HELD_EVENT_BYTES:
+            end = len(data)
+        self._held = data[end:]
+        return data[:end]
+
+    def flush(self) -> bytes:
+        held, self._held = self._held, b""
+        return held
+
+
+def not_resumable(status: int, headers, why_not: str = "not_resumable") -> Resume:
+    """The strategy of an answer no replica can go on with: whole events for an SSE stream
+    the router can read event by event (200, not compressed), else every byte as it comes."""
+    sse = headers.get("Content-Type", "").startswith("text/event-stream")
+    if status == 200 and sse and headers.get("Content-Encoding", "identity") == "identity":
+        return WholeEvents(why_not)
+    return NotResumable(why_not) if why_not != "not_resumable" else NOT_RESUMABLE
 
 
 class Continuable(Protocol):
@@ -192,10 +231,10 @@ def choose(status: int, headers, request_headers,
         return migration.strategy(status, headers)
     seed = headers.get(SEED_RESPONSE_HEADER)
     if status != 200 or headers.get(RESUMABLE_HEADER) != RESUMABLE_BY_BYTES or seed is None:
-        return NOT_RESUMABLE
+        return not_resumable(status, headers)
     asked = request_headers.get(RESUME_FROM_HEADER, "0")
     if not (asked.isascii() and asked.isdigit()):
-        return NOT_RESUMABLE
+        return not_resumable(status, headers)
     content_type = headers.get("Content-Type", "")
     length = headers.get("Content-Length")
     sse = content_type.startswith("text/event-stream")
