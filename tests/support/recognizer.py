@@ -1,5 +1,6 @@
 """An offline speech recognizer (pocketsphinx, its bundled en-US model) for the voice's tests:
-whether audio is speech a listener would understand, as word recall against the text sent.
+whether audio is speech a listener would understand, as word recall against the text sent; and
+an espeak-ng that fails on a given word, to put first on a replica's PATH.
 
 The voice is skipped where it is not installed, and required under CI (OMNI_DP_REQUIRE_VOICE,
 set by scripts/test), where scripts/setup installs it.
@@ -10,7 +11,10 @@ from __future__ import annotations
 import io
 import os
 import re
+import shlex
+import shutil
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -42,6 +46,23 @@ def require_voice() -> None:
         pytest.fail(f"CI requires the voice: {problem}")
     if problem:
         pytest.skip(problem)
+
+
+def espeak_failing_on(word: str, directory: Path) -> Path:
+    """`directory`/espeak-ng: exits 1, as a crashed espeak-ng would, on input holding `word`;
+    runs the real program otherwise. Returns `directory`, for the front of PATH (the voice's
+    phonemizer runs the espeak-ng found there)."""
+    real = shutil.which("espeak-ng")
+    assert real is not None, "no espeak-ng to wrap"
+    directory.mkdir(parents=True, exist_ok=True)
+    program = directory / "espeak-ng"
+    program.write_text(
+        "#!/bin/sh\n"
+        "text=$(cat)\n"
+        f'case "$text" in *{shlex.quote(word)}*) echo "espeak-ng: crashed" >&2; exit 1;; esac\n'
+        f'printf "%s" "$text" | exec {shlex.quote(real)} "$@"\n')
+    program.chmod(0o755)
+    return directory
 
 
 def transcribe(audio: bytes) -> str:
