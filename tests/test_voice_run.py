@@ -3,8 +3,9 @@
 offline recognizer understands, where the seeded preset's audio is noise to it.
 
 One launch (two voice replicas behind the router), one voice replica whose stages run in stage
-processes of their own (the placement rules), and one seeded replica serve every test here: the
-voice's checks add seconds, not a launch each, to the suite.
+processes of their own (the placement rules; its espeak-ng fails on BREAKS_ESPEAK), and one
+seeded replica serve every test here: the voice's checks add seconds, not a launch each, to the
+suite.
 """
 
 from __future__ import annotations
@@ -22,27 +23,44 @@ import psutil
 import pytest
 import soundfile
 
-from omni_dp.contract import RESUMABLE_HEADER, RESUME_FROM_HEADER, SEED_HEADER
+from omni_dp.contract import GOING_AWAY_HEADER, RESUMABLE_HEADER, RESUME_FROM_HEADER, SEED_HEADER
 from omni_dp.engine.audio import RESPONSE_FORMATS
 from omni_dp.engine.options import DEFAULT_MODEL_ENV
 
-from support.http_client import get, post_json, request
+from support.http_client import get, is_wav, post_json, request
 from support.launcher import OMNI_DP, Run, describe
-from support.recognizer import require_voice, transcribe, word_recall
+from support.recognizer import espeak_failing_on, require_voice, transcribe, word_recall
 from support.replica import Replica
 
 pytestmark = pytest.mark.slow
 
-# Everyday sentences, none of them in the recognizer's way (no acronyms, no numbers).
+# Everyday sentences, 27 words, each heard whole by the recognizer in this voice: no acronyms, no
+# numbers, no word it mishears (measured: "Please call me back in the morning." lost "please" in
+# a quarter of the runs, "The weather is very nice today." now and then all of its words).
 SENTENCES = (
-    "Please call me back in the morning.",
-    "The weather is very nice today.",
-    "I would like a cup of coffee.",
     "Thank you very much for your help.",
+    "I would like a cup of coffee.",
+    "It is a very nice day today.",
+    "I am going to the store.",
 )
 # The voice's stages on processes of their own: the preprocess in one, the voice in two replicas.
 PLACED = ("--preprocess.process", "pre", "--voice.process", "voice", "--voice.replicas", "2")
-MIN_VOICE_RECALL = 0.6
+# The placed replica's espeak-ng fails on a sentence holding this word, runs as ever otherwise.
+BREAKS_ESPEAK = "Kaboom"
+# What the voice achieves on SENTENCES, measured 112 times in one process (the graph's noise drawn
+# anew each time, as a replica's requests draw it) and in 5 runs of this module, router and
+# placed voice alike: 27 words of 27, every time. The bound lets 3 go (24 of 27, 89%): a voice
+# that loses a fourth fails, and noise that never cost one word stays far from it (the sentences
+# these replaced lost a word in a third of the runs, up to 5 in one of 150: words the recognizer
+# mishears).
+MIN_VOICE_RECALL = 24 / 27
+# How long the voice speaks SENTENCES, as the WAV headers' rate says, measured in the same runs:
+# 6.62 s on average in one process (1.1% its standard deviation, its extremes -3.2% and +3.9%),
+# 6.46-6.68 s through the servers. The recognizer hears a rate 9% off as well as the right one
+# (a WAV header of 24000 Hz on the voice's 22050: 27 words of 27 still) while the seconds fall
+# 8.1%: ± 4.5% (4 standard deviations, beyond every run measured) fails that, and any larger
+# drift, at once.
+VOICE_SECONDS, VOICE_SECONDS_TOLERANCE = 6.6, 0.045
 MAX_SEEDED_RECALL = 0.2
 # Bodies each engine must refuse alike: (status, the field named).
 BAD_BODIES = (
@@ -75,7 +93,11 @@ def voice_run(tmp_path_factory):
         assert launched.returncode == 0, describe(launched)
         run.launched = launched  # what the launch printed, for the test of its words
         others.append(Replica(tmp / "tiny.log", "--model", "tiny"))
-        others.append(Replica(tmp / "placed.log", "--model", "joe", "--threads", "2", *PLACED))
+        with pytest.MonkeyPatch.context() as patch:  # its environment, taken as it starts
+            patch.setenv("PATH", f"{espeak_failing_on(BREAKS_ESPEAK, tmp / 'bin')}"
+                                 f"{os.pathsep}{os.environ['PATH']}")
+            others.append(Replica(tmp / "placed.log", "--model", "joe", "--threads", "2",
+                                  *PLACED))
         run.tiny, run.placed = (replica.wait_ready() for replica in others)
         yield run, run.tiny
     finally:
@@ -101,26 +123,38 @@ def _replica_urls(run: Run) -> list[str]:
     return [f"http://127.0.0.1:{run.base_port + i}" for i in range(run.replicas)]
 
 
-def _heard(url: str, text: str) -> tuple[int, int, str]:
+def _heard(url: str, text: str) -> tuple[int, int, float, str]:
+    """(words of `text` heard, its words, the seconds of its audio, what was heard)."""
     status, _, body = post_json(url + "/v1/audio/speech",
                                 {"input": text, "response_format": "wav",
                                  "stream": False})
     assert status == 200, body[:300]
     heard = transcribe(body)
-    return (*word_recall(text, heard), heard)
+    return (*word_recall(text, heard), soundfile.info(io.BytesIO(body)).duration, heard)
+
+
+def _listen(url: str, name: str) -> tuple[float, float, list[tuple]]:
+    """SENTENCES spoken by `url`: the recall of their words, their audio's seconds, each's."""
+    results = [_heard(url, text) for text in SENTENCES]
+    got, total = sum(r[0] for r in results), sum(r[1] for r in results)
+    seconds = sum(r[2] for r in results)
+    print(f"{name}: {got}/{total} words, {seconds:.2f} s, heard: {[r[3] for r in results]}")
+    return got / total, seconds, results
+
+
+def assert_spoken_like_the_voice(url: str, name: str) -> None:
+    recall, seconds, results = _listen(url, name)
+    assert recall >= MIN_VOICE_RECALL, results
+    assert abs(seconds / VOICE_SECONDS - 1) <= VOICE_SECONDS_TOLERANCE, (
+        f"{name}: SENTENCES lasted {seconds:.2f} s; the voice speaks them in {VOICE_SECONDS} s "
+        f"± {VOICE_SECONDS_TOLERANCE:.1%} (a wrong sample rate?)", results)
 
 
 def test_the_voice_is_understood_and_the_seeded_preset_is_not(voice_run):
     run, tiny = voice_run
-    for url, name in ((run.router_url, "voice"), (tiny.url, "seeded tiny")):
-        results = [_heard(url, text) for text in SENTENCES]
-        got, total = sum(r[0] for r in results), sum(r[1] for r in results)
-        recall = got / total
-        print(f"{name}: {got}/{total} words ({recall:.0%}) heard: {[r[2] for r in results]}")
-        if name == "voice":
-            assert recall >= MIN_VOICE_RECALL, results
-        else:
-            assert recall < MAX_SEEDED_RECALL, results
+    assert_spoken_like_the_voice(run.router_url, "voice")
+    recall, _, results = _listen(tiny.url, "seeded tiny")
+    assert recall < MAX_SEEDED_RECALL, results
 
 
 def test_a_placed_voice_is_understood_and_refuses_alike(voice_run):
@@ -136,10 +170,7 @@ def test_a_placed_voice_is_understood_and_refuses_alike(voice_run):
     assert {rows[r]["pid"] for r in ("pre", "voice-r0", "voice-r1")} <= children
     voices = [psutil.Process(rows[r]["pid"]) for r in ("voice-r0", "voice-r1")]
     before = [sum(p.cpu_times()[:2]) for p in voices]
-    results = [_heard(placed.url, text) for text in SENTENCES]
-    got, total = sum(r[0] for r in results), sum(r[1] for r in results)
-    print(f"placed voice: {got}/{total} words heard: {[r[2] for r in results]}")
-    assert got / total >= MIN_VOICE_RECALL, results
+    assert_spoken_like_the_voice(placed.url, "placed voice")
     spent = [sum(p.cpu_times()[:2]) - b for p, b in zip(voices, before, strict=True)]
     assert all(s > 0.05 for s in spent), f"a voice process spoke nothing: {spent} s of CPU"
     for body in BAD_BODIES:
@@ -147,6 +178,28 @@ def test_a_placed_voice_is_understood_and_refuses_alike(voice_run):
         seeded = post_json(tiny.url + "/v1/audio/speech", body)
         field = json.loads(raw)["error"]["param"]
         assert (status, field) == (seeded[0], json.loads(seeded[2])["error"]["param"]), body
+
+
+def test_an_espeak_failure_in_a_placed_preprocess_fails_that_request_alone(voice_run):
+    """The preprocess stage in a stage process of its own: espeak-ng failing on one sentence
+    is a 503 for that request (Retry-After, going away: the router tries another replica);
+    the stage process and the replica stay up and speak the next request (a front that
+    phonemizes itself: tests/engine/test_voice_server.py)."""
+    placed = voice_run[0].placed
+    pre = next(row["pid"] for row in placed.info()["processes"] if row["role"] == "pre")
+    status, headers, raw = post_json(placed.url + "/v1/audio/speech",
+                                     {"input": f"Hello. {BREAKS_ESPEAK} went the bomb.",
+                                      "response_format": "wav", "stream": False})
+    assert (status, headers.get("Retry-After")) == (503, "1"), raw[:300]
+    assert GOING_AWAY_HEADER in headers
+    assert "phonemizer failed" in json.loads(raw)["error"]["message"], raw
+    assert get(placed.url + "/health")[0] == 200, "one request's espeak-ng failure took the " \
+        f"replica down:\n{placed.log_text()[-2000:]}"
+    status, _, body = post_json(placed.url + "/v1/audio/speech",
+                                {"input": "Hello again.", "response_format": "wav",
+                                 "stream": False})
+    assert status == 200 and is_wav(body), body[:300]
+    assert psutil.pid_exists(pre) and placed.proc.poll() is None
 
 
 def test_a_voice_stage_process_that_dies_fails_its_replica(tmp_path):
