@@ -19,6 +19,8 @@ SHARE_ROLES = ("leader", "follower")  # --share-weights (engine/share/)
 # the tests and benchmarks of the seeded presets set it to `tiny` (tests/conftest.py).
 DEFAULT_MODEL_ENV = "OMNI_DP_DEFAULT_MODEL"
 AUTO_MODEL = "auto"
+# OpenAI's bound on a speech request's `input`, in characters: the default of --max-input-chars.
+OPENAI_MAX_INPUT_CHARS = 4096
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,11 @@ class ServeOptions:
         "help": "Largest running batch; more requests wait in the queue."})
     max_queued_requests: int = field(default=256, metadata={
         "help": "Requests that may wait beyond the running batch; more get 503 + Retry-After."})
-    max_input_chars: int = field(default=2000, metadata={
-        "help": "Longest accepted input text, after normalisation."})
+    max_input_chars: int = field(default=OPENAI_MAX_INPUT_CHARS, metadata={
+        "help": "Longest accepted input text, in characters after normalisation; longer is a "
+                "400 naming `input` and the limit. The default is OpenAI's bound on `input`; "
+                "raise it to speak longer texts (a voice streams them sentence by sentence; "
+                "--max-body-bytes may need raising too)."})
     max_body_bytes: int = field(default=64 * 1024, metadata={
         "size": True, "help": "Largest accepted request body."})
     drain_timeout: float = field(default=30.0, metadata={

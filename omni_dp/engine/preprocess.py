@@ -56,6 +56,13 @@ def unknown_voice_message(voice: object, choices: Sequence[str] = VOICES) -> str
     return f"unknown voice {voice!r}; choose one of {', '.join(choices)}"
 
 
+def too_long_message(length: int, limit: int) -> str:
+    """The 400's text for an input over --max-input-chars (the seeded engine and a voice say
+    it alike): the field, its length and the bound, and the option that raises it."""
+    return (f"input has {length} characters after normalisation; the limit is {limit} "
+            "(the replica's --max-input-chars)")
+
+
 def speaker_of(cfg: ModelConfig, voice: str) -> int:
     """The model's speaker for `voice` (one of VOICES): the same on every replica of a model."""
     return VOICES.index(voice) % cfg.num_speakers
@@ -68,9 +75,7 @@ def build_prompt(cfg: ModelConfig, text: str, voice: str, max_input_chars: int) 
     if not normalized:
         raise PreprocessError("input", "input is empty after normalisation; send some text")
     if len(normalized) > max_input_chars:
-        raise PreprocessError(
-            "input", f"input has {len(normalized)} characters; the limit is {max_input_chars}"
-        )
+        raise PreprocessError("input", too_long_message(len(normalized), max_input_chars))
     speaker_id = speaker_of(cfg, voice)
     ids = [cfg.first_speaker_id + speaker_id, cfg.bos_text_id]
     ids += list(normalized.encode("utf-8"))

@@ -15,6 +15,7 @@ from omni_dp.engine.preprocess import (
     PreprocessError,
     SpeechAsk,
     normalize_text,
+    too_long_message,
     unknown_voice_message,
 )
 from omni_dp.engine.voice.model import VoiceModel
@@ -83,8 +84,7 @@ class VoicePreprocess:
         if not text:
             raise PreprocessError("input", "input is empty after normalisation; send some text")
         if len(text) > self.max_input_chars:
-            raise PreprocessError(
-                "input", f"input has {len(text)} characters; the limit is {self.max_input_chars}")
+            raise PreprocessError("input", too_long_message(len(text), self.max_input_chars))
         return Checked(ask, speaker, text, split_sentences(text))
 
     def ids_of(self, sentence: str) -> list[int]:
