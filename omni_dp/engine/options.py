@@ -21,6 +21,13 @@ DEFAULT_MODEL_ENV = "OMNI_DP_DEFAULT_MODEL"
 AUTO_MODEL = "auto"
 # OpenAI's bound on a speech request's `input`, in characters: the default of --max-input-chars.
 OPENAI_MAX_INPUT_CHARS = 4096
+# A voice's sentences being spoken ahead of the one streaming, per request (--voice-lookahead):
+# 2 keeps two voice workers or processes busy on one request, and bounds what a request holds
+# (and how far it can get ahead of the others) to 3 sentences.
+DEFAULT_VOICE_LOOKAHEAD = 2
+# The longest first piece of a voice's answer (--voice-first-piece-chars): about 15 words, 0.3 s
+# of joe's graph on one CPU thread and 4-5 s of speech, which covers speaking the next pieces.
+DEFAULT_VOICE_FIRST_PIECE_CHARS = 80
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,15 @@ class ServeOptions:
                 "400 naming `input` and the limit. The default is OpenAI's bound on `input`; "
                 "raise it to speak longer texts (a voice streams them sentence by sentence; "
                 "--max-body-bytes may need raising too)."})
+    voice_lookahead: int = field(default=DEFAULT_VOICE_LOOKAHEAD, metadata={
+        "help": "A Piper voice: sentences of a request already being spoken while the one "
+                "before them streams (on the replica's voice workers or processes, in order; "
+                "a hang-up or cut-off drops them). 0: one sentence at a time."})
+    voice_first_piece_chars: int = field(default=DEFAULT_VOICE_FIRST_PIECE_CHARS, metadata={
+        "help": "A Piper voice: a first sentence longer than this many characters is spoken "
+                "in pieces of at most this many, cut at its commas, semicolons, colons and "
+                "dashes, so that the first audio does not wait for the whole sentence. 0: "
+                "spoken whole."})
     max_body_bytes: int = field(default=64 * 1024, metadata={
         "size": True, "help": "Largest accepted request body."})
     drain_timeout: float = field(default=30.0, metadata={

@@ -218,6 +218,9 @@ def _limit_problems(options: ServeOptions, threads: int) -> list[str]:
             problems.append(f"--{name.replace('_', '-')} must be at least 1")
     if options.max_queued_requests < 0:
         problems.append("--max-queued-requests must not be negative")
+    for name in ("voice_lookahead", "voice_first_piece_chars"):
+        if getattr(options, name) < 0:
+            problems.append(f"--{name.replace('_', '-')} must not be negative")
     if not math.isfinite(options.drain_timeout):  # nan passes `< 0`, then breaks the drain
         problems.append(f"--drain-timeout must be a finite number, got "
                         f"{options.drain_timeout}")

@@ -143,6 +143,7 @@ def stage_launch_base(plan: ServePlan) -> dict:
         "num_pages": plan.kv.num_pages,
         "max_running_requests": plan.options.max_running_requests,
         "max_input_chars": plan.options.max_input_chars,
+        "voice_first_piece_chars": plan.options.voice_first_piece_chars,
     }
 
 
@@ -349,7 +350,9 @@ class ReplicaServer:
         pipeline = VoicePipeline(plan.voice, self.placement, threads=plan.threads,
                                  max_input_chars=self.options.max_input_chars,
                                  on_fatal=self._on_fatal, launch_base=stage_launch_base(plan),
-                                 log_setup=current_log_setup())
+                                 log_setup=current_log_setup(),
+                                 lookahead=self.options.voice_lookahead,
+                                 first_piece_chars=self.options.voice_first_piece_chars)
         self.pipeline = pipeline  # stopped by run() whatever happens next
         try:
             await asyncio.to_thread(pipeline.load)

@@ -11,6 +11,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+from omni_dp.engine.options import DEFAULT_VOICE_FIRST_PIECE_CHARS
 from omni_dp.placement.builtin import BUILTIN_PIPELINE
 
 
@@ -45,6 +46,8 @@ class StageLaunch:
     budget_bytes: int | None = None  # this process's memory budget (placement), if declared
     tp: TPRank | None = None
     pipeline: str = BUILTIN_PIPELINE.name  # which pipeline's stages (placement/builtin.py)
+    # A voice's preprocess: --voice-first-piece-chars (engine/voice/phonemes.speech_pieces)
+    voice_first_piece_chars: int = DEFAULT_VOICE_FIRST_PIECE_CHARS
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

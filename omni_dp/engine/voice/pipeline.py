@@ -5,9 +5,21 @@ preprocess (text → sentences → phoneme ids; engine/voice/preprocess.py) → 
 per call of the ONNX graph) → the request's chunks. A stage in `main` runs on this process's
 worker threads (the event loop never waits on espeak-ng or onnxruntime); a stage elsewhere is a
 request → reply with its stage process (Prepare → Prepared, Speak → Spoken; with voice replicas,
-each sentence to the least-loaded). A request submits its next sentence only when the previous
-one is spoken, so concurrent requests take turns sentence by sentence: a short request is not
-stuck behind a long one, and each sentence streams as soon as it is spoken.
+each sentence to the least-loaded).
+
+Lookahead (--voice-lookahead W, default 2): while a request's sentence i streams, its sentences
+i+1 … i+W are already submitted, so one long request keeps two voice workers or processes busy
+and the next sentence is ready when the previous one has been sent; the chunks still come out
+in order. The window is per request and small, and each request refills it only as its own
+sentences finish: a request has at most W+1 sentences submitted (and at most W+1 sentences'
+PCM held), so concurrent requests still take turns a few sentences at a time on the workers'
+FIFO queues (a short request waits behind at most W+1 sentences of each other request, not
+behind a long one's whole text), and the sentences in flight are at most (W+1) × requests.
+W = 0 is one sentence at a time. A request that ends early (the client gone: the server closes
+this generator; a cut-off: cut_off_all) cancels its window: a sentence still queued on a local
+worker never starts, one already running there runs to its end (a thread cannot be
+interrupted) and its PCM is dropped; a stage process's answer to a cancelled sentence is
+dropped on arrival. No task of the request outlives it.
 
 Reproducibility: a Piper graph draws its noise (noise_scale, noise_w) inside itself from
 onnxruntime's RandomNormalLike, whose generator is seeded once per session and shared by every
@@ -22,11 +34,13 @@ import contextlib
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from omni_dp.engine import messages
 from omni_dp.engine.gpu_busy import ON_CPU, NotRecording, busy_answer
+from omni_dp.engine.options import DEFAULT_VOICE_FIRST_PIECE_CHARS, DEFAULT_VOICE_LOOKAHEAD
 from omni_dp.engine.pipeline import STAGE_START_TIMEOUT_S, EngineFailed, RequestCutOff
 from omni_dp.engine.placement_plan import main_of
 from omni_dp.engine.preprocess import PreprocessError, SpeechAsk
@@ -49,22 +63,31 @@ class VoicePipeline:
     def __init__(self, voice: VoiceModel, placement: Placement, *, threads: int,
                  max_input_chars: int, on_fatal: Callable[[str], None],
                  launch_base: dict | None = None,
-                 log_setup: tuple[str, str] = ("info", "text")) -> None:
-        """`launch_base`: the StageLaunch fields of every stage process, when there are any."""
+                 log_setup: tuple[str, str] = ("info", "text"),
+                 lookahead: int = DEFAULT_VOICE_LOOKAHEAD,
+                 first_piece_chars: int = DEFAULT_VOICE_FIRST_PIECE_CHARS) -> None:
+        """`launch_base`: the StageLaunch fields of every stage process, when there are any.
+        `lookahead`: --voice-lookahead; `first_piece_chars`: --voice-first-piece-chars (this
+        process's preprocess; a stage process's reads its launch)."""
+        if lookahead < 0:
+            raise ValueError(f"lookahead must not be negative, got {lookahead}")
         main = main_of(placement)
         self.voice = voice
         self.placement = placement
         self.device = main.device
-        self.preprocess = VoicePreprocess(voice, max_input_chars)
+        self.lookahead = lookahead
+        self.preprocess = VoicePreprocess(voice, max_input_chars, first_piece_chars)
         self.failure: str | None = None
         self._on_fatal = on_fatal
         self._cut_reason: str | None = None
+        self._cut: asyncio.Future | None = None  # done once cut_off_all ran (on its loop)
+        self._idle = 0  # requests streaming a sentence with none after it submitted
         self._loop: asyncio.AbstractEventLoop | None = None
         self._session: VoiceSession | None = None
         self._ids = itertools.count()
         self._answers: dict[str, asyncio.Future] = {}  # Prepared and Spoken, by their ids
         self._in_flight = 0
-        self._speaking = 0  # sentences being spoken now, here or elsewhere (counted on the loop)
+        self._speaking = 0  # sentences submitted and not done, here or elsewhere (on the loop)
         self.group, self.threads = start_group(
             placement, launch_base, threads, on_message=self._from_stages,
             on_fatal=self._fatal_threadsafe, log_setup=log_setup)
@@ -108,10 +131,11 @@ class VoicePipeline:
         return self._in_flight
 
     def stats(self) -> SchedulerStats:
-        """The engine's gauges: sentences being spoken now, requests waiting for their turn;
-        no KV."""
-        return SchedulerStats(num_running=self._speaking,
-                              num_waiting=self._in_flight - self._speaking, num_pages_used=0,
+        """The engine's gauges: sentences submitted now (being spoken, or queued for a worker
+        within their requests' windows), requests with none submitted (between two of their
+        sentences: lookahead 0 always is, a window only at its end); no KV."""
+        return SchedulerStats(num_running=self._speaking, num_waiting=self._idle,
+                              num_pages_used=0,
                               num_pages_total=0, num_preemptions_total=0,
                               num_generated_tokens_total=0)
 
@@ -196,34 +220,79 @@ class VoicePipeline:
         return pcm16(self._session.run(ids, length_scale=speech.length_scale,
                                        speaker=speech.prompt.speaker_id))
 
+    async def _spoken(self, ids: list[int], speech: VoiceSpeech) -> bytes:
+        """One sentence of a window (a task of its own): its PCM, or the error its request
+        ends with. A failure of the voice itself (not a cancellation) fails the replica at
+        once, even for a sentence still ahead of the one streaming."""
+        started = time.perf_counter()
+        try:
+            pcm = await self._speak(ids, speech)
+        except EngineFailed:
+            raise
+        except Exception as exc:  # onnxruntime's errors, or the pool shut down
+            if self._cut_reason is not None:
+                raise RequestCutOff(self._cut_reason) from None
+            self._fail(f"the voice stage failed: {exc}")
+            raise EngineFailed(str(exc)) from None
+        log.debug("voice: %d phoneme ids → %d samples in %.3f s", len(ids), len(pcm) // 2,
+                  time.perf_counter() - started)
+        return pcm
+
+    def _cut_signal(self) -> asyncio.Future:
+        """A future of this loop that is done once cut_off_all has run: each request waits on
+        it beside its next sentence, so a cut-off ends every request at once."""
+        loop = asyncio.get_running_loop()
+        if self._cut is None or self._cut.get_loop() is not loop:
+            self._cut = loop.create_future()
+            if self._cut_reason is not None:
+                self._cut.set_result(None)
+        return self._cut
+
     async def synthesize(self, speech: VoiceSpeech) -> AsyncIterator[bytes]:
-        """Yield each sentence's PCM as it is spoken; stop submitting if the caller stops."""
+        """Yield each sentence's PCM in order, with up to `lookahead` more being spoken while
+        one streams; stop submitting, and cancel what was submitted, if the caller stops."""
         if self.failure is not None:
             raise EngineFailed(self.failure)
+        cut = self._cut_signal()
+        window: deque[asyncio.Task[bytes]] = deque()
+        upcoming = iter(speech.sentences)
         self._in_flight += 1
         try:
-            for ids in speech.sentences:
+            while True:
                 if self._cut_reason is not None:
                     raise RequestCutOff(self._cut_reason)
-                started = time.perf_counter()
-                try:
-                    pcm = await self._speak(ids, speech)
-                except EngineFailed:
-                    raise
-                except Exception as exc:  # onnxruntime's errors, or the pool shut down
+                for ids in itertools.islice(upcoming, self.lookahead + 1 - len(window)):
+                    window.append(asyncio.create_task(self._spoken(ids, speech)))
+                if not window:
+                    return
+                head = window[0]
+                await asyncio.wait((head, cut), return_when=asyncio.FIRST_COMPLETED)
+                if not head.done():  # cut off while it was being spoken
+                    raise RequestCutOff(self._cut_reason or "cut off")
+                window.popleft()
+                if head.cancelled():  # its worker pool shut down under it
                     if self._cut_reason is not None:
-                        raise RequestCutOff(self._cut_reason) from None
-                    self._fail(f"the voice stage failed: {exc}")
-                    raise EngineFailed(str(exc)) from None
-                log.debug("voice: %d phoneme ids → %d samples in %.3f s", len(ids),
-                          len(pcm) // 2, time.perf_counter() - started)
-                yield pcm
+                        raise RequestCutOff(self._cut_reason)
+                    raise EngineFailed(self.failure or "the voice stage stopped")
+                pcm = head.result()  # EngineFailed or RequestCutOff as _spoken raised them
+                idle = 0 if window else 1
+                self._idle += idle
+                try:
+                    yield pcm
+                finally:
+                    self._idle -= idle
         finally:
             self._in_flight -= 1
+            for task in window:
+                task.cancel()  # a queued local sentence never starts; an answer is dropped
+                task.add_done_callback(_consume)
 
     def cut_off_all(self, reason: str) -> None:
-        """Every in-flight request ends with the cut-off error at its next sentence."""
+        """Every in-flight request ends with the cut-off error now, its window cancelled (on
+        the event loop's thread, as the server calls it)."""
         self._cut_reason = reason
+        if self._cut is not None and not self._cut.done():
+            self._cut.set_result(None)
 
     # --- called from the stage inbox's thread ------------------------------------------
     def _from_stages(self, message: object) -> None:
@@ -258,3 +327,9 @@ class VoicePipeline:
                     answer.set_exception(EngineFailed(reason.splitlines()[0]))
             with contextlib.suppress(Exception):
                 self._on_fatal(reason)
+
+
+def _consume(task: asyncio.Task) -> None:
+    """A cancelled window's sentence: its outcome is nobody's (no "never retrieved" log)."""
+    if not task.cancelled():
+        task.exception()

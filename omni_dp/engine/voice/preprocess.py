@@ -3,13 +3,20 @@ rest becomes each sentence's phoneme ids, wherever the placement runs the stage.
 
 A front that runs the stage phonemizes a request's sentences side by side on worker threads
 (engine/voice/pipeline.py); a stage process does it with `prepare` (engine/voice/stages.py).
-Either way the request comes out as the same VoiceSpeech.
+Either way the request comes out as the same VoiceSpeech. Its `sentences` are the pieces the
+voice speaks (phonemes.speech_pieces): the sentences, a long first one in clause-sized pieces.
+
+Every sentence is phonemized before the answer starts, so that espeak-ng failing on any of them
+is a 503 the router can retry elsewhere, not a cut answer. What that holds is small: a
+20,000-character input is ~45,000 phoneme ids (Python's small ints: a pointer each); the audio
+is made and streamed a few sentences at a time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from omni_dp.engine.options import DEFAULT_VOICE_FIRST_PIECE_CHARS
 from omni_dp.engine.preprocess import (
     VOICES,
     PreprocessError,
@@ -19,7 +26,7 @@ from omni_dp.engine.preprocess import (
     unknown_voice_message,
 )
 from omni_dp.engine.voice.model import VoiceModel
-from omni_dp.engine.voice.phonemes import phoneme_ids, phonemize, split_sentences
+from omni_dp.engine.voice.phonemes import phoneme_ids, phonemize, speech_pieces
 
 # BOS, a pad and EOS: a sentence with no more than these has nothing to speak
 FRAMING_IDS = 3
@@ -52,7 +59,7 @@ class Checked:
     ask: SpeechAsk
     speaker_id: int
     text: str
-    sentences: list[str]
+    sentences: list[str]  # the pieces the voice speaks, in order (phonemes.speech_pieces)
 
 
 def voice_names(voice: VoiceModel) -> tuple[str, ...]:
@@ -62,9 +69,12 @@ def voice_names(voice: VoiceModel) -> tuple[str, ...]:
 
 
 class VoicePreprocess:
-    def __init__(self, voice: VoiceModel, max_input_chars: int) -> None:
+    def __init__(self, voice: VoiceModel, max_input_chars: int,
+                 first_piece_chars: int = DEFAULT_VOICE_FIRST_PIECE_CHARS) -> None:
+        """`first_piece_chars`: --voice-first-piece-chars (0: a first sentence stays whole)."""
         self.voice = voice
         self.max_input_chars = max_input_chars
+        self.first_piece_chars = first_piece_chars
 
     def speaker_of(self, voice_name: str) -> int:
         """The speaker a name of voice_names stands for."""
@@ -85,7 +95,7 @@ class VoicePreprocess:
             raise PreprocessError("input", "input is empty after normalisation; send some text")
         if len(text) > self.max_input_chars:
             raise PreprocessError("input", too_long_message(len(text), self.max_input_chars))
-        return Checked(ask, speaker, text, split_sentences(text))
+        return Checked(ask, speaker, text, speech_pieces(text, self.first_piece_chars))
 
     def ids_of(self, sentence: str) -> list[int]:
         """One sentence's framed phoneme ids (PhonemizeError when espeak-ng fails)."""

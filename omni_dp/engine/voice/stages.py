@@ -41,7 +41,8 @@ class VoiceStages:
         self.spec = spec
         self.outbox = outbox
         self.fatal = fatal
-        self.preprocess = (VoicePreprocess(voice, spec.max_input_chars)
+        self.preprocess = (VoicePreprocess(voice, spec.max_input_chars,
+                                           spec.voice_first_piece_chars)
                            if "preprocess" in spec.stages else None)
         self.session = VoiceSession(voice, spec.device) if "voice" in spec.stages else None
         self.phonemizers = ThreadPoolExecutor(PHONEMIZER_THREADS, thread_name_prefix="phonemes")
