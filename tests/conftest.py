@@ -4,6 +4,7 @@ the fixtures only its own tests use; plain helpers live in the `support` package
 
 from __future__ import annotations
 
+import getpass
 import os
 import shutil
 import signal
@@ -37,6 +38,7 @@ _SUITE_TMP_ENV = ("TMPDIR", "XDG_RUNTIME_DIR")
 LIBRARY_FILES = {
     ".ses": "onnxruntime's telemetry SDK writes its session file in TMPDIR on import",
     "pulse": "libpulse's runtime directory, made under XDG_RUNTIME_DIR by espeak-ng's audio",
+    f"torchinductor_{getpass.getuser()}": "torch's cache directory (torch.distributed makes it)",
 }
 _suite_tmp: dict = {}
 
@@ -118,7 +120,9 @@ def no_mps_daemon_left_behind(request):
 
 @pytest.fixture
 def start_replica(tmp_path):
-    """Start replicas with given serve flags; every one is stopped by pid at teardown."""
+    """Start replicas with given serve flags; every one is stopped by pid at teardown, and the
+    stage sockets' directory of one killed with -9 (it cleans nothing up; the next replica of
+    this user would sweep it) is swept then."""
     started: list[Replica] = []
 
     def start(*args: str, ready: bool = True) -> Replica:
@@ -129,6 +133,9 @@ def start_replica(tmp_path):
     yield start
     for replica in started:
         replica.stop(signal.SIGKILL if replica.proc.poll() is None else signal.SIGTERM)
+    from omni_dp.engine.stage_group import sweep_stale_socket_dirs
+
+    sweep_stale_socket_dirs(Path(tempfile.gettempdir()))
 
 
 @pytest.fixture(scope="session")
