@@ -25,7 +25,7 @@ import soundfile
 
 from omni_dp.contract import GOING_AWAY_HEADER, RESUMABLE_HEADER, RESUME_FROM_HEADER, SEED_HEADER
 from omni_dp.engine.audio import RESPONSE_FORMATS
-from omni_dp.engine.options import DEFAULT_MODEL_ENV
+from omni_dp.engine.options import DEFAULT_MODEL_ENV, OPENAI_MAX_INPUT_CHARS
 
 from support.http_client import get, is_wav, post_json, request
 from support.launcher import OMNI_DP, Run, describe
@@ -71,7 +71,7 @@ BAD_BODIES = (
     json.dumps({"input": "hi", "response_format": "ogg"}).encode(),
     json.dumps({"input": "hi", "speed": 9}).encode(),
     json.dumps({"input": "hi", "model": "no-such-model"}).encode(),
-    json.dumps({"input": "x " * 1500}).encode(),
+    json.dumps({"input": "x " * (OPENAI_MAX_INPUT_CHARS // 2 + 1)}).encode(),  # over the bound
     json.dumps({"voice": "alloy"}).encode(),
 )
 
