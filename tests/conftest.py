@@ -24,7 +24,7 @@ from support.replica import Replica
 # a test starts without --model serves tiny. The voice's tests name it (tests/test_voice_run.py).
 os.environ.setdefault(DEFAULT_MODEL_ENV, "tiny")
 
-# The session's own temporary directory, fresh (/tmp/odp-suite-XXXXXXXX): every test, and every
+# The session's own temporary directory, fresh (/tmp/odp-suite-PID-XXXXXXXX): every test, and every
 # process it starts, makes its temporary files there (TMPDIR, tempfile.tempdir), and the default
 # run state directory lies there too (rundir.py's ${XDG_RUNTIME_DIR:-/tmp}/omni-dp-UID). Other
 # processes on the machine use /tmp as they like: what is in this directory is this session's
@@ -46,11 +46,35 @@ _suite_tmp: dict = {}
 def pytest_configure(config):
     system = tempfile.gettempdir()
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", system)  # tmp_path: where it always was
-    suite = tempfile.mkdtemp(prefix=SUITE_TMP_PREFIX, dir=system)
+    sweep_dead_sessions(Path(system))
+    suite = tempfile.mkdtemp(prefix=f"{SUITE_TMP_PREFIX}{os.getpid()}-", dir=system)
     _suite_tmp.update(path=Path(suite), env={k: os.environ.get(k) for k in _SUITE_TMP_ENV},
                       tempdir=tempfile.tempdir)
     os.environ.update(dict.fromkeys(_SUITE_TMP_ENV, suite))
     tempfile.tempdir = suite
+
+
+def sweep_dead_sessions(root: Path) -> None:
+    """A session killed before its end (SIGKILL; `timeout`'s SIGTERM, which pytest does not
+    catch) leaves its directory: removed by the next session, once its pytest (the pid in its
+    name) is gone. A directory of a live pid, or another user's, is left alone."""
+    for path in root.glob(f"{SUITE_TMP_PREFIX}*-*"):
+        pid = path.name.removeprefix(SUITE_TMP_PREFIX).partition("-")[0]
+        try:
+            mine = path.lstat().st_uid == os.getuid()
+        except OSError:
+            continue
+        if pid.isdigit() and mine and not _running(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:  # not ours to read: alive, for all we know
+        return True
 
 
 def pytest_unconfigure(config):
