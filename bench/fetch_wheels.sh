@@ -2,12 +2,13 @@
 # The wheels the lent GPU machine's image lacks, downloaded here into .whl/ (ignored by git) for
 # the device call to carry: `run` with carry [".whl"]; bench/gpu_run.sh installs them there with
 # pip --no-index --no-deps --target and puts that folder on PYTHONPATH (no registry is reachable
-# from that machine). About 2.4 MB.
+# from that machine). About 3.9 MB.
 #
 # What omni-dp's serving path imports at module level and the image (python 3.12, x86_64) does
 # not have: python-json-logger (omni_dp/logs.py), soundfile with cffi and pycparser
-# (omni_dp/engine/audio.py), pyzmq (omni_dp/engine/links.py). One pinned version of each: two
-# versions of one package stop the whole install there. To add one, append NAME==VERSION below
+# (omni_dp/engine/audio.py), samplerate (omni_dp/engine/audio.py; its numpy is the image's),
+# pyzmq (omni_dp/engine/links.py). One pinned version of each: two versions of one package stop
+# the whole install there. To add one, append NAME==VERSION below
 # (and its own needs that the image lacks: `unzip -p .whl/NAME-*.whl '*/METADATA' | grep
 # ^Requires-Dist`), run this again, and rerun tests/test_gpu_run.py (it checks the list against
 # pyproject.toml's dependencies and bench/device_image.txt).
@@ -21,6 +22,7 @@ WHEELS=(
     soundfile==0.14.0
     cffi==2.1.1
     pycparser==3.12
+    samplerate==0.2.4
     pyzmq==27.3.0
 )
 DEST=${WHEEL_DIR:-.whl}

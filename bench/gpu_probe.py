@@ -32,7 +32,8 @@ DEPENDENCIES = {
     "async-timeout": "async_timeout" if sys.version_info < (3, 11) else None,
     "click": "click", "numpy": "numpy", "psutil": "psutil", "nvidia-ml-py": "pynvml",
     "pyyaml": "yaml", "prometheus-client": "prometheus_client", "safetensors": "safetensors",
-    "soundfile": "soundfile", "python-json-logger": "pythonjsonlogger", "pyzmq": "zmq",
+    "soundfile": "soundfile", "samplerate": "samplerate", "python-json-logger": "pythonjsonlogger",
+    "pyzmq": "zmq",
     "msgpack": "msgpack", "rich": "rich", "matplotlib": "matplotlib",
     "uvloop": "uvloop",  # the `fast` extra
     "cffi": "cffi",  # soundfile's: not in the image, carried with it

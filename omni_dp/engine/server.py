@@ -47,12 +47,14 @@ from omni_dp.engine.api import (
 )
 from omni_dp.engine.audio import (
     CONTENT_TYPES,
+    OUTPUT_RATE,
     STREAMED_FORMATS,
     StreamEncoder,
     encode_whole,
     sse_audio_delta,
     sse_audio_done,
     sse_error,
+    takes_cpu,
 )
 from omni_dp.engine.budget import check_before_pool
 from omni_dp.engine.kv_cache import KVCache
@@ -618,10 +620,10 @@ class ReplicaServer:
             self.metrics.count("client_disconnected")
             raise
         rate = self.plan.sample_rate
-        if params.response_format in ("wav", "pcm"):
-            body = encode_whole(params.response_format, bytes(pcm), rate)
-        else:  # a real encoder: tens of ms per second of audio, kept off the event loop
+        if takes_cpu(params.response_format, rate):  # an encoder or the resampler: off the loop
             body = await asyncio.to_thread(encode_whole, params.response_format, bytes(pcm), rate)
+        else:
+            body = encode_whole(params.response_format, bytes(pcm), rate)
         self._record(started, first, len(pcm))
         offset = job.resume.offset or 0
         return web.Response(body=body[offset:], headers=self._audio_headers(job))
@@ -695,7 +697,8 @@ class ReplicaServer:
         params = job.params
         headers = {
             "Content-Type": CONTENT_TYPES[params.response_format],
-            "X-Sample-Rate": str(self.plan.sample_rate),
+            # Of the bytes sent, not the model's: every format is resampled to OUTPUT_RATE.
+            "X-Sample-Rate": str(OUTPUT_RATE),
         }
         if self.plan.voice is None:  # a voice's seed reproduces nothing: none is sent back
             headers["X-Seed"] = str(job.seed)  # send it back as `seed` to reproduce this audio
@@ -707,7 +710,10 @@ class ReplicaServer:
         return headers
 
     def _usage(self, job: AdmittedSpeech, num_pcm_bytes: int) -> dict:
-        """OpenAI's usage shape (prompt tokens, codec tokens spoken), then audio_seconds."""
+        """OpenAI's usage shape (prompt tokens, codec tokens spoken), then audio_seconds.
+
+        `num_pcm_bytes` counts the model's PCM at its own rate, before the resampling to
+        OUTPUT_RATE: the same duration, and the codec tokens are the model's."""
         cfg = self.plan.cfg
         samples = num_pcm_bytes // 2
         input_tokens = len(job.speech.prompt.token_ids)  # a voice's: its phoneme ids
