@@ -74,6 +74,7 @@ from omni_dp.engine.share import ShareInfo
 from omni_dp.engine.share.attach import attach
 from omni_dp.engine.share.export import publish
 from omni_dp.engine.share.watch import LeaderWatch
+from omni_dp.engine.speech_stream import SpeechStreams
 from omni_dp.engine.stage_set import StageModels
 from omni_dp.engine.voice.preprocess import voice_names
 from omni_dp.engine.weights import (
@@ -84,6 +85,7 @@ from omni_dp.engine.weights import (
     seeded_models,
 )
 from omni_dp.net import bind_listening
+from omni_dp.speech_stream import SPEECH_STREAM_PATH
 
 log = logging.getLogger("omni_dp.serve")
 
@@ -252,6 +254,7 @@ class ReplicaServer:
             web.get("/metrics", self.prometheus),
             web.get("/gpu_busy", self.gpu_busy),
             web.post("/v1/audio/speech", self.speech),
+            web.get(SPEECH_STREAM_PATH, SpeechStreams(self).handle),
         ])
 
     # --- lifecycle ---------------------------------------------------------------------

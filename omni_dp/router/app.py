@@ -29,6 +29,8 @@ from omni_dp.router.replicas import (
     validate_id,
     validate_url,
 )
+from omni_dp.router.speech_stream import SpeechStreamProxy
+from omni_dp.speech_stream import SPEECH_STREAM_PATH
 
 log = logging.getLogger("omni_dp.router")
 
@@ -315,6 +317,7 @@ def build_app(router: Router) -> web.Application:
     app.router.add_post(ADMIN_PREFIX, _add_worker)
     app.router.add_put(ADMIN_PREFIX + "/{id}", _update_worker)
     app.router.add_delete(ADMIN_PREFIX + "/{id}", _remove_worker)
+    app.router.add_get(SPEECH_STREAM_PATH, SpeechStreamProxy(router).handle)
     app.router.add_route("*", "/{tail:.*}", forwarder.handle)
     return app
 
