@@ -488,6 +488,8 @@ class ReplicaServer:
             "threads": torch.get_num_threads(),
             "processes": self.pipeline.processes(),
             "started_at": self._started_at,
+            # what every answer is in (X-Sample-Rate): the model's own rate is model.sample_rate
+            "output_sample_rate": OUTPUT_RATE,
         }
 
     def _model_info(self) -> dict:
@@ -594,9 +596,15 @@ class ReplicaServer:
             speech = await self.pipeline.prepare(ask)
         except PreprocessError as exc:
             raise ApiError(400, str(exc), exc.field) from None
-        except EngineFailed as exc:
-            raise GoingAway(503, f"replica failed ({exc}); retry on another replica",
-                            State.FAILED.value) from None
+        except EngineFailed as exc:  # the replica failed, or only this request did (the
+            # phonemizer on its text): either way nothing was done, another replica may take
+            # it; the header says the state the replica really is in
+            if self.pipeline.failure is not None:
+                raise GoingAway(503, f"replica failed ({exc}); retry on another replica",
+                                State.FAILED.value) from None
+            raise GoingAway(503, f"this request failed ({exc}); the replica is "
+                            f"{self.state.value}: retry on another replica",
+                            self.state.value) from None
         capacity = self.options.max_running_requests + self.options.max_queued_requests
         if self.pipeline.num_in_flight >= capacity:
             raise ApiError(503, f"replica is full ({capacity} requests in flight); retry shortly")

@@ -120,7 +120,9 @@ def answers(quiet_voice) -> dict[str, tuple[int, dict, bytes]]:
 
     async def scenario():
         async with served(quiet_voice) as url, client() as session:
-            found = {}
+            async with session.get(url + "/get_server_info") as response:
+                found = {"server info": (response.status, dict(response.headers),
+                                         await response.read())}
             for name, fields in ASKS.items():
                 async with session.post(url + "/v1/audio/speech",
                                         json={"input": TEXT, **fields}) as response:
@@ -212,3 +214,14 @@ def test_the_recognizer_hears_the_24khz_pcm_as_well_as_the_voices_own_wav():
     (native_hits, total), (hits, _) = heard["native"], heard["24 kHz"]
     assert native_hits >= 0.6 * total, heard  # the recognizer hears the voice at all
     assert hits >= native_hits - 1, heard
+
+
+def test_server_info_says_the_rate_answers_are_in_beside_the_voices_own(answers):
+    """A client that asks the replica what rate to play pcm at is told 24000 (what
+    X-Sample-Rate says), not the voice's own 22,050 Hz, which stays model.sample_rate."""
+    status, _, body = answers["server info"]
+    info = json.loads(body)
+    assert status == 200
+    assert info["output_sample_rate"] == OUTPUT_RATE == int(answers["pcm whole"][1][
+        "X-Sample-Rate"])
+    assert info["model"]["sample_rate"] == VOICE_RATE
