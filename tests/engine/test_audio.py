@@ -22,6 +22,8 @@ from omni_dp.engine.audio import (
     encode_whole,
 )
 
+from support.audio import first_difference
+
 RATE = 24000
 PRIMING = 1024  # the AAC encoder's delay: samples of silence before the input's first
 FRAME = 1024  # samples per AAC frame
@@ -78,15 +80,6 @@ def test_an_aac_stream_closed_early_writes_no_more():
 
 VOICE_RATE = 22050  # a Piper voice's
 HEADERED = ("wav", "flac", "opus", "mp3", "aac")
-
-
-def first_difference(got: bytes, want: bytes) -> int | None:
-    """Where two bodies first differ (the shorter one's length if it is the other's start), or
-    None: pytest's own explanation of two unequal bodies of tens of kB takes minutes."""
-    if got == want:
-        return None
-    return next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
-                min(len(got), len(want)))
 
 
 def tone(rate: int, seconds: float, hz: float = 3000.0) -> np.ndarray:

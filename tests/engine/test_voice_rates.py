@@ -29,6 +29,7 @@ from omni_dp.engine.plan import plan_serve
 from omni_dp.engine.voice.model import VoiceSession, find_voice, pcm16
 from omni_dp.engine.voice.phonemes import phoneme_ids, phonemize, split_sentences
 
+from support.audio import first_difference
 from support.http_client import client
 from support.recognizer import require_voice, transcribe, word_recall
 
@@ -40,15 +41,6 @@ RECALL_TEXTS = (
     "Thank you very much for your help.",
     "Several replicas share one machine behind a router.",
 )
-
-
-def first_difference(got: bytes, want: bytes) -> int | None:
-    """Where two bodies first differ (the shorter one's length if it is the other's start), or
-    None: pytest's own explanation of two unequal bodies of tens of kB takes minutes."""
-    if got == want:
-        return None
-    return next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
-                min(len(got), len(want)))
 
 
 @pytest.fixture(scope="module")
