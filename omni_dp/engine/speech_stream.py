@@ -133,10 +133,14 @@ _END = object()  # input.done: the speaker says session.done after the last sent
 
 
 class SpeechStreams:
-    """The route's handler; one _Session per WebSocket."""
+    """The route's handler; one _Session per WebSocket. The timeouts: seconds to wait for
+    session.config, then for each next message until input.done (vllm-omni's by default)."""
 
-    def __init__(self, server: _Server) -> None:
+    def __init__(self, server: _Server, *, config_timeout_s: float = CONFIG_TIMEOUT_S,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
         self.server = server
+        self.config_timeout_s = config_timeout_s
+        self.idle_timeout_s = idle_timeout_s
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         server = self.server
@@ -155,13 +159,15 @@ class SpeechStreams:
             error = ApiError(503, f"replica is full ({capacity} requests in flight); retry")
             return web.json_response(error.body(), status=503, headers={"Retry-After": "1"})
         await ws.prepare(request)
-        await _Session(server, ws).run()
+        await _Session(self, ws).run()
         return ws
 
 
 class _Session:
-    def __init__(self, server: _Server, ws: web.WebSocketResponse) -> None:
-        self.server = server
+    def __init__(self, streams: SpeechStreams, ws: web.WebSocketResponse) -> None:
+        server = self.server = streams.server
+        self.config_timeout_s = streams.config_timeout_s
+        self.idle_timeout_s = streams.idle_timeout_s
         self.ws = ws
         self.params: SpeechParams | None = None
         self.stream_audio = False
@@ -225,7 +231,7 @@ class _Session:
         return None  # CLOSE, CLOSING, CLOSED, ERROR: the client is gone
 
     async def _configure(self) -> None:
-        raw = await self._receive(CONFIG_TIMEOUT_S)
+        raw = await self._receive(self.config_timeout_s)
         if raw is None:
             raise SessionEnd(CloseCode.NORMAL, "client gone")
         try:
@@ -263,7 +269,7 @@ class _Session:
     async def _read(self) -> None:
         """Until the client is gone (returns) or a fatal error (raises SessionEnd)."""
         while True:
-            raw = await self._receive(None if self.done else IDLE_TIMEOUT_S)
+            raw = await self._receive(None if self.done else self.idle_timeout_s)
             if raw is None:
                 return
             try:

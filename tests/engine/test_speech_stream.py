@@ -20,7 +20,15 @@ from omni_dp.engine.speech_stream import SentenceBuffer
 from omni_dp.engine.voice.phonemes import split_sentences
 
 from support.recognizer import require_voice
-from support.speech_stream import Heard, pieces, read_until, send_text
+from support.speech_stream import (
+    Heard,
+    StandInReplica,
+    pieces,
+    read_until,
+    send_done,
+    send_text,
+)
+from support.wait import until
 
 TEXT = ("The first sentence is here. Then comes a second one! Is this the third? "
         "The last has no end")
@@ -225,3 +233,77 @@ def test_the_voice_speaks_a_session_sentence_by_sentence():
     assert all(len(heard.audio[i]) > 2000 for i in (0, 1))
     assert heard.events[-1] == {"type": "session.done", "total_sentences": 2}
     assert heard.close_code == 1000
+
+
+def test_the_timeouts_and_the_bounds_close_the_session():
+    """On a stand-in replica (this module's session code over a pipeline the test holds),
+    with timeouts of 0.3 s and --max-input-chars 100: no session.config in time, and no
+    message in time before input.done, are 1008, the error naming `type`; after input.done the
+    client may be silent as long as the speaking takes. A frame over 128 KiB is 1009; so are
+    more than --max-input-chars with no sentence end and more than 16 × it waiting to be
+    spoken, the error naming `text`. Nothing is left running after any of them."""
+
+    async def main():
+        got = {}
+        async with StandInReplica(max_input_chars=100, config_timeout_s=0.3,
+                                  idle_timeout_s=0.3) as replica:
+            gate = replica.pipeline.gate
+
+            async def session(name: str, *messages) -> None:
+                heard = got[name] = Heard()
+                async with aiohttp.ClientSession() as http, \
+                        http.ws_connect(replica.url + "/v1/audio/speech/stream") as ws:
+                    for message in messages:
+                        if callable(message):
+                            await message(ws, heard)
+                        else:
+                            await ws.send_str(json.dumps(message))
+                    started = time.monotonic()
+                    await read_until(ws, heard, None, timeout=3)
+                    heard.events.append({"type": "waited", "s": time.monotonic() - started})
+                await until(replica.idle, 2.0, f"{name}: the stand-in's sessions ended")
+
+            async def outlast_idle(ws, heard):  # input.done, then a sentence held past 0.3 s
+                gate.clear()
+                await send_text(ws, "Held past the idle timeout. ")
+                await send_done(ws)
+                await read_until(ws, heard, "audio.start")
+                await asyncio.sleep(0.6)
+                gate.set()
+
+            async def over_16x(ws, heard):  # the first sentence held: the rest wait
+                gate.clear()
+                for _ in range(18):
+                    await send_text(ws, "x" * 95 + ". ")
+                await read_until(ws, heard, None, timeout=3)
+                gate.set()
+
+            def send_raw(raw: str):  # a frame, not a message: taken, it would be an error
+                async def send(ws, heard):
+                    await ws.send_str(raw)
+                return send
+
+            await session("config")
+            await session("idle", PCM, {"type": "input.text", "text": "Hi. "})
+            await session("after_done", PCM, outlast_idle)
+            await session("frame", PCM, send_raw("x" * (128 * 1024 + 1)))
+            await session("sentence", PCM, {"type": "input.text", "text": "b" * 101})
+            await session("buffered", PCM, over_16x)
+        return got
+
+    got = run(main(), timeout=30)
+    for name in ("config", "idle"):
+        (error,) = got[name].of("error")
+        assert got[name].close_code == 1008, name
+        assert error["field"] == "type" and "no message for 0.3 s" in error["message"], error
+        assert got[name].events[-1]["s"] < 1.0, got[name].events  # the timeout, not later
+    assert [e["sentence_index"] for e in got["idle"].of("audio.done")] == [0]
+    after_done = got["after_done"]
+    assert after_done.close_code == 1000 and not after_done.of("error")
+    assert after_done.of("session.done") == [{"type": "session.done", "total_sentences": 1}]
+    assert got["frame"].close_code == 1009 and not got["frame"].events[:-1]
+    for name, words in (("sentence", "101 characters with no sentence end"),
+                        ("buffered", "the bound is 1600 (16 × --max-input-chars)")):
+        (error,) = got[name].of("error")
+        assert got[name].close_code == 1009, name
+        assert error["field"] == "text" and words in error["message"], error

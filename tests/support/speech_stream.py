@@ -1,14 +1,24 @@
 """A client of the WebSocket speech session (GET /v1/audio/speech/stream) for the tests: it
 reads the session's messages as docs/contracts.md tells a client to, a sentence marked
-`resent` replacing the audio it had of that sentence."""
+`resent` replacing the audio it had of that sentence. And a stand-in replica: the real session
+code (engine/speech_stream.py) in this process over a pipeline the test holds and fails, for
+the timeouts, the bounds and the router's moves."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import aiohttp
+from aiohttp import web
+
+from omni_dp.engine.pipeline import EngineFailed
+from omni_dp.engine.speech_stream import SpeechStreams
+from omni_dp.speech_stream import SPEECH_STREAM_PATH
+
+from support.ports import LOOPBACK
 
 
 @dataclass
@@ -77,3 +87,88 @@ def pieces(text: str, size: int) -> list[str]:
 
 async def send_text(ws: aiohttp.ClientWebSocketResponse, text: str) -> None:
     await ws.send_str(json.dumps({"type": "input.text", "text": text}))
+
+
+async def send_done(ws: aiohttp.ClientWebSocketResponse) -> None:
+    await ws.send_str(json.dumps({"type": "input.done"}))
+
+
+class StandInPipeline:
+    """prepare: the text; synthesize: a chunk of PCM, then (once `gate` is set; it is at
+    first) a second, or EngineFailed if `fail` (the replica's close 1011: a movable one)."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.fail = False
+        self.num_in_flight = 0
+        self.started = asyncio.Event()  # a sentence's first chunk is out
+
+    async def prepare(self, ask):
+        return ask.input
+
+    async def synthesize(self, text: str):
+        self.num_in_flight += 1
+        try:
+            yield b"\x01\x00" * 32
+            self.started.set()
+            await self.gate.wait()
+            if self.fail:
+                raise EngineFailed("the stand-in's engine failed")
+            yield b"\x02\x00" * 32
+        finally:
+            self.num_in_flight -= 1
+
+
+class StandInReplica:
+    """SpeechStreams on 127.0.0.1:0 over a StandInPipeline, with the given timeouts and
+    --max-input-chars. `handshake` (set at first) holds an upgrade until set; `arrived` is
+    set by each one; `sessions` counts the handlers running."""
+
+    def __init__(self, *, max_input_chars: int = 4096, config_timeout_s: float = 10.0,
+                 idle_timeout_s: float = 30.0) -> None:
+        self.pipeline = StandInPipeline()
+        server = SimpleNamespace(
+            state=SimpleNamespace(value="ready"), pipeline=self.pipeline,
+            options=SimpleNamespace(max_input_chars=max_input_chars, max_running_requests=8,
+                                    max_queued_requests=8),
+            plan=SimpleNamespace(cfg=None, voice=None, sample_rate=24000),
+            model_names=("tiny",))
+        self.streams = SpeechStreams(server, config_timeout_s=config_timeout_s,
+                                     idle_timeout_s=idle_timeout_s)
+        self.handshake = asyncio.Event()
+        self.handshake.set()
+        self.arrived = asyncio.Event()
+        self.sessions = 0
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        self.arrived.set()
+        await self.handshake.wait()
+        self.sessions += 1
+        try:
+            return await self.streams.handle(request)
+        finally:
+            self.sessions -= 1
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def __aenter__(self) -> StandInReplica:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get(SPEECH_STREAM_PATH, self._handle)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=0.5)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, LOOPBACK, 0).start()
+        self.url = f"http://{LOOPBACK}:{self._runner.addresses[0][1]}"
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+
+    def idle(self) -> bool:
+        return self.sessions == 0 and self.pipeline.num_in_flight == 0
