@@ -22,10 +22,10 @@ AUTO_MODEL = "auto"
 # OpenAI's bound on a speech request's `input`, in characters: the default of --max-input-chars.
 OPENAI_MAX_INPUT_CHARS = 4096
 # A voice's sentences being spoken ahead of the one streaming, per request (--voice-lookahead):
-# 2 keeps two voice workers or processes busy on one request, and bounds what a request holds
-# (and how far it can get ahead of the others) to 3 sentences.
+# 2 keeps two voice workers or processes busy on one request, and bounds what a request has in
+# flight (and how far it can get ahead of the others) to 2 sentences.
 DEFAULT_VOICE_LOOKAHEAD = 2
-# The longest first piece of a voice's answer (--voice-first-piece-chars): about 15 words, 0.3 s
+# The longest first piece of a voice's answer (--voice-first-piece-chars): about 15 words, 0.2 s
 # of joe's graph on one CPU thread and 4-5 s of speech, which covers speaking the next pieces.
 DEFAULT_VOICE_FIRST_PIECE_CHARS = 80
 

@@ -4,8 +4,9 @@ thread's call) and for its stage processes (the group a Speak is sent to; a Spok
 through `_from_stages`, as the inbox's thread hands it over).
 
 What is asserted: with a window of W a request has sentences i+1 … i+W submitted while i
-streams, never more, and its chunks come out in order whatever order they are spoken in; two
-workers (or two voice processes) are busy at once on one request, and with W = 0 never; a
+streams, never more, and only its first before the first audio; its chunks come out in order
+whatever order they are spoken in; two workers (or two voice processes) are busy at once on
+one request, and with W = 0 never; a
 hang-up or a cut-off cancels the window (a queued sentence never starts, a stage process's
 answer is dropped) and leaves no task; a request still gets its turn behind a long one.
 """
@@ -194,8 +195,9 @@ def test_at_most_the_window_is_spoken_ahead_of_the_sentence_streaming(voice_plan
 def test_voice_processes_are_busy_at_once_and_answers_out_of_order_stream_in_order(
         voice_plan_of):
     """The voice stage in two stage processes (the group faked: each Speak is recorded; the
-    Spoken comes back through the inbox's hand-over): one request has a sentence outstanding
-    at both at once, and a later sentence answered first still streams after the earlier."""
+    Spoken comes back through the inbox's hand-over): the first sentence alone until its
+    audio (the cores are its own), then, while it streams, the next two at once, one on each
+    process; a later sentence answered first still streams after the earlier one."""
     pipeline = pipeline_of(voice_plan_of(threads=2), lookahead=2, threads=2)
     sent = speaks_elsewhere(pipeline)
 
@@ -203,32 +205,35 @@ def test_voice_processes_are_busy_at_once_and_answers_out_of_order_stream_in_ord
         speak = sent[position][1]
         pipeline._from_stages(Spoken(speak.sentence_id, speak.ids[0].to_bytes(2, "little")))
 
-    async def scenario() -> tuple[list[bytes], list[int]]:
+    async def scenario() -> tuple[list[bytes], list[int], list[int]]:
         pipeline.start()
         chunks: list[bytes] = []
-        busy: list[int] = []
 
         async def read() -> None:
-            async for chunk in pipeline.synthesize(speech_of(4)):
+            async for chunk in pipeline.synthesize(speech_of(5)):
                 chunks.append(chunk)
 
         reading = asyncio.create_task(read())
-        await until(lambda: len(sent) == 3)  # sentences 0, 1, 2: the window
-        busy[:] = pipeline._voice_policy.loads
-        answer(1)  # sentence 1 first: nothing may stream before sentence 0
+        await until(lambda: len(sent) == 1)
         await asyncio.sleep(0.05)
-        assert chunks == []
+        alone = list(pipeline._voice_policy.loads)  # nothing but sentence 0 before its audio
         answer(0)
-        await until(lambda: len(sent) == 4)
-        answer(2)
+        await until(lambda: len(sent) == 3 and len(chunks) == 1)  # 1 and 2, while 0 streams
+        busy = list(pipeline._voice_policy.loads)
+        answer(2)  # sentence 2 first: nothing may stream before sentence 1
+        await asyncio.sleep(0.05)
+        assert len(chunks) == 1 and len(sent) == 3
+        answer(1)
+        await until(lambda: len(sent) == 5)
         answer(3)
+        answer(4)
         await asyncio.wait_for(reading, PATIENCE_S)
-        return chunks, busy
+        return chunks, alone, busy
 
-    chunks, busy = asyncio.run(scenario())
-    assert chunks == [i.to_bytes(2, "little") for i in range(4)]
-    assert busy[0] >= 1 and busy[1] >= 1, f"one voice process idled: {busy}"
-    assert {endpoint for endpoint, _ in sent[:2]} == {"voice-r0", "voice-r1"}
+    chunks, alone, busy = asyncio.run(scenario())
+    assert chunks == [i.to_bytes(2, "little") for i in range(5)]
+    assert sorted(alone) == [0, 1]
+    assert busy == [1, 1], f"one voice process idled: {busy}"
     assert pipeline._answers == {} and pipeline._voice_policy.loads == [0, 0]
 
 
@@ -301,9 +306,10 @@ def test_a_hang_up_drops_the_stage_processes_answers(voice_plan_of):
         pipeline.start()
         chunks = pipeline.synthesize(speech_of(6))
         first = asyncio.ensure_future(anext(chunks))
-        await until(lambda: len(sent) == 3)
+        await until(lambda: len(sent) == 1)
         pipeline._from_stages(Spoken(sent[0][1].sentence_id, b"\0\0"))
         assert await first == b"\0\0"
+        assert len(sent) == 3  # sentences 1 and 2 sent while 0 streams
         await chunks.aclose()
         await asyncio.sleep(0.01)
         left = sentence_tasks()  # none waits for its answer any more

@@ -8,18 +8,21 @@ request → reply with its stage process (Prepare → Prepared, Speak → Spoken
 each sentence to the least-loaded).
 
 Lookahead (--voice-lookahead W, default 2): while a request's sentence i streams, its sentences
-i+1 … i+W are already submitted, so one long request keeps two voice workers or processes busy
-and the next sentence is ready when the previous one has been sent; the chunks still come out
-in order. The window is per request and small, and each request refills it only as its own
-sentences finish: a request has at most W+1 sentences submitted (and at most W+1 sentences'
-PCM held), so concurrent requests still take turns a few sentences at a time on the workers'
-FIFO queues (a short request waits behind at most W+1 sentences of each other request, not
-behind a long one's whole text), and the sentences in flight are at most (W+1) × requests.
-W = 0 is one sentence at a time. A request that ends early (the client gone: the server closes
-this generator; a cut-off: cut_off_all) cancels its window: a sentence still queued on a local
-worker never starts, one already running there runs to its end (a thread cannot be
-interrupted) and its PCM is dropped; a stage process's answer to a cancelled sentence is
-dropped on arrival. No task of the request outlives it.
+i+1 … i+W are being spoken, so one long request keeps two voice workers or processes busy and
+the next sentence is ready when the previous one has been sent; the chunks still come out in
+order. The window opens when the first sentence is spoken, not before: until the first audio
+the request's first sentence has the workers (and the cores) to itself, so lookahead costs the
+time to first audio nothing. The window is per request and small, and a request refills it
+only as its own sentences finish: it has at most W sentences submitted (one at W = 0), and
+holds the PCM of at most those and the one streaming, so concurrent requests still take turns
+a few sentences at a time on the workers' FIFO queues (a short request waits behind at most W
+sentences of each other request, not behind a long one's whole text), and the sentences in
+flight are at most W × requests. W = 0 is one sentence at a time, as before lookahead. A
+request that ends early (the client gone: the server closes this generator; a cut-off:
+cut_off_all) cancels its window: a sentence still queued on a local worker never starts, one
+already running there runs to its end (a thread cannot be interrupted) and its PCM is dropped;
+a stage process's answer to a cancelled sentence is dropped on arrival. No task of the
+request outlives it.
 
 Reproducibility: a Piper graph draws its noise (noise_scale, noise_w) inside itself from
 onnxruntime's RandomNormalLike, whose generator is seeded once per session and shared by every
@@ -256,13 +259,17 @@ class VoicePipeline:
         cut = self._cut_signal()
         window: deque[asyncio.Task[bytes]] = deque()
         upcoming = iter(speech.sentences)
+
+        def submit(up_to: int) -> None:
+            for ids in itertools.islice(upcoming, max(0, up_to - len(window))):
+                window.append(asyncio.create_task(self._spoken(ids, speech)))
+
         self._in_flight += 1
         try:
             while True:
                 if self._cut_reason is not None:
                     raise RequestCutOff(self._cut_reason)
-                for ids in itertools.islice(upcoming, self.lookahead + 1 - len(window)):
-                    window.append(asyncio.create_task(self._spoken(ids, speech)))
+                submit(1)  # when none is in flight: the first sentence (every one at lookahead 0)
                 if not window:
                     return
                 head = window[0]
@@ -275,6 +282,7 @@ class VoicePipeline:
                         raise RequestCutOff(self._cut_reason)
                     raise EngineFailed(self.failure or "the voice stage stopped")
                 pcm = head.result()  # EngineFailed or RequestCutOff as _spoken raised them
+                submit(self.lookahead)  # spoken while this one streams
                 idle = 0 if window else 1
                 self._idle += idle
                 try:
