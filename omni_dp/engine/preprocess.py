@@ -99,6 +99,10 @@ class SpeechAsk:
     speed: float | None = None
     seed: int | None = None
     max_new_tokens: int | None = None
+    # the text opens what the client hears (a request, a speech session's first sentence): a
+    # voice speaks its long first sentence in clause-sized pieces; a later sentence of a
+    # session, asked alone, says False and is spoken whole
+    opens_answer: bool = True
 
 
 @dataclass(frozen=True)

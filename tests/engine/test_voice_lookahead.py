@@ -422,6 +422,9 @@ def test_the_preprocess_speaks_the_first_piece_first(voice_plan_of):
     assert checked.sentences == speech_pieces(f"{LONG_FIRST} {LATER_LONG}", 80)
     whole = VoicePreprocess(plan.voice, OPENAI_MAX_INPUT_CHARS, 0)
     assert whole.check(SpeechAsk(LONG_FIRST, "alloy")).sentences == [LONG_FIRST]
+    # a speech session's later sentence, asked alone, opens nothing: spoken whole
+    later = SpeechAsk(LONG_FIRST, "alloy", opens_answer=False)
+    assert stage.check(later).sentences == [LONG_FIRST]
 
 
 # --- the input bound ----------------------------------------------------------------------

@@ -95,7 +95,8 @@ class VoicePreprocess:
             raise PreprocessError("input", "input is empty after normalisation; send some text")
         if len(text) > self.max_input_chars:
             raise PreprocessError("input", too_long_message(len(text), self.max_input_chars))
-        return Checked(ask, speaker, text, speech_pieces(text, self.first_piece_chars))
+        first_piece = self.first_piece_chars if ask.opens_answer else 0
+        return Checked(ask, speaker, text, speech_pieces(text, first_piece))
 
     def ids_of(self, sentence: str) -> list[int]:
         """One sentence's framed phoneme ids (PhonemizeError when espeak-ng fails)."""
