@@ -189,21 +189,28 @@ class _Session:
         speaker = asyncio.create_task(self._speak(), name="speech-stream-speak")
         try:
             await asyncio.wait({reader, speaker}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
             # Whichever ended first ends the other: a client gone cancels the sentence being
             # synthesized (its generator is closed, the engine aborts it).
-            for task in (reader, speaker):
-                task.cancel()
-            results = await asyncio.gather(reader, speaker, return_exceptions=True)
-        end = next((r for r in results if isinstance(r, SessionEnd)), None)
-        if end is None:
-            errors = [r for r in results if isinstance(r, BaseException)
-                      and not isinstance(r, asyncio.CancelledError)]
-            if errors:
-                log.error("speech session failed: %r", errors[0])
-                end = SessionEnd(CloseCode.INTERNAL, f"internal error: {errors[0]}")
-        if end is not None:
-            await self._close(end)
+            speaker.cancel()
+            results = await asyncio.gather(speaker, return_exceptions=True)
+            if reader.done():
+                results.append(reader.exception() or reader.result())
+            end = next((r for r in results if isinstance(r, SessionEnd)), None)
+            if end is None:
+                errors = [r for r in results if isinstance(r, BaseException)
+                          and not isinstance(r, asyncio.CancelledError)]
+                if errors:
+                    log.error("speech session failed: %r", errors[0])
+                    end = SessionEnd(CloseCode.INTERNAL, f"internal error: {errors[0]}")
+            if end is not None:
+                # The close ends a reader waiting in receive(): a cancel alone may be lost
+                # there (aiohttp's receive can return a message that arrived as the cancel
+                # came, and the reader would wait on with no timeout after input.done).
+                await self._close(end)
+        finally:
+            speaker.cancel()
+            reader.cancel()
+            await asyncio.gather(reader, speaker, return_exceptions=True)
 
     async def _close(self, end: SessionEnd) -> None:
         if self.ws.closed:
@@ -225,7 +232,7 @@ class _Session:
         if msg.type == WSMsgType.BINARY:
             raise SessionEnd(CloseCode.POLICY, "binary frames are not taken: send JSON text",
                              "message")
-        if msg.type == WSMsgType.ERROR and self.ws.close_code == CloseCode.TOO_BIG:
+        if msg.type == WSMsgType.ERROR and getattr(msg.data, "code", None) == CloseCode.TOO_BIG:
             raise SessionEnd(CloseCode.TOO_BIG, f"a message is over {MAX_MESSAGE_BYTES} bytes",
                              "text")
         return None  # CLOSE, CLOSING, CLOSED, ERROR: the client is gone

@@ -241,7 +241,9 @@ def test_the_timeouts_and_the_bounds_close_the_session():
     message in time before input.done, are 1008, the error naming `type`; after input.done the
     client may be silent as long as the speaking takes. A frame over 128 KiB is 1009; so are
     more than --max-input-chars with no sentence end and more than 16 × it waiting to be
-    spoken, the error naming `text`. Nothing is left running after any of them."""
+    spoken, the error naming `text`. The engine failing as input.done arrives is 1011 (the
+    reader, waiting with no timeout after input.done, is ended by the close). Nothing is left
+    running after any of them."""
 
     async def main():
         got = {}
@@ -289,6 +291,9 @@ def test_the_timeouts_and_the_bounds_close_the_session():
             await session("frame", PCM, send_raw("x" * (128 * 1024 + 1)))
             await session("sentence", PCM, {"type": "input.text", "text": "b" * 101})
             await session("buffered", PCM, over_16x)
+            replica.pipeline.fail = True  # the engine fails as input.done arrives
+            await session("failed", {**PCM, "stream_audio": True},
+                          {"type": "input.text", "text": "One. Two. "}, {"type": "input.done"})
         return got
 
     got = run(main(), timeout=30)
@@ -302,6 +307,8 @@ def test_the_timeouts_and_the_bounds_close_the_session():
     assert after_done.close_code == 1000 and not after_done.of("error")
     assert after_done.of("session.done") == [{"type": "session.done", "total_sentences": 1}]
     assert got["frame"].close_code == 1009 and not got["frame"].events[:-1]
+    (error,) = got["failed"].of("error")
+    assert got["failed"].close_code == 1011 and "engine failed" in error["message"]
     for name, words in (("sentence", "101 characters with no sentence end"),
                         ("buffered", "the bound is 1600 (16 × --max-input-chars)")):
         (error,) = got[name].of("error")
