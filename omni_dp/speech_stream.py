@@ -28,9 +28,10 @@ SESSION_DONE = "session.done"
 ERROR = "error"
 
 # A message's largest size on the wire (vllm-omni bounds input.text the same); the router
-# sends a long resend in pieces under it.
+# sends a long resend in pieces under it: a character is at most 12 bytes of JSON (one outside
+# the BMP is two \uXXXX escapes), so 8 Ki characters are at most 96 KiB.
 MAX_MESSAGE_BYTES = 128 * 1024
-RESEND_PIECE_CHARS = 16 * 1024
+RESEND_PIECE_CHARS = 8 * 1024
 # Seconds the server waits for session.config, then for each next message until input.done
 # (vllm-omni's 10 and 30 s).
 CONFIG_TIMEOUT_S = 10.0

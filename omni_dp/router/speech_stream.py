@@ -103,11 +103,13 @@ class _Upstream:
         self._released = False
 
     async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.ws.close()
+        # The slot first: a close cancelled while it waits for the replica's close frame (a
+        # drain cut-off, the session's timeout) must still give the slot back.
         if not self._released:
             self._released = True
             self._slot.__exit__(None, None, None)
+        with contextlib.suppress(Exception):
+            await self.ws.close()
 
 
 class _ProxiedSession:
@@ -173,10 +175,17 @@ class _ProxiedSession:
             raise
         finally:
             reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
-            if self.upstream is not None:
-                await self.upstream.close()
+            # Shielded: the client's connection closing cancels this handler (the router runs
+            # with handler cancellation), and the replica's session and its slot in the
+            # in-flight count must be given back all the same.
+            await asyncio.shield(self._close_all(reader))
         return self.client
+
+    async def _close_all(self, reader: asyncio.Task) -> None:
+        upstream, self.upstream = self.upstream, None
+        if upstream is not None:
+            await upstream.close()
+        await asyncio.gather(reader, return_exceptions=True)
 
     async def _relay_all(self) -> None:
         moves_left = self.router.config.resumes
@@ -207,11 +216,15 @@ class _ProxiedSession:
                                 "and no other replica can go on with this session now",
                                 "no_replica")
                 return
+            try:
+                await self._resend(upstream)
+            finally:
+                if self.upstream is not upstream:  # cancelled before it was handed over
+                    await upstream.close()
             moves_left -= 1
             self.router.metrics.resumes.labels("midstream").inc()
             self.record.resumes.append("midstream")
             self.record.resumed_from = self.resume_offset
-            await self._resend(upstream)
 
     async def _end(self, code: CloseCode, message: str, kind: str) -> None:
         """Tell the client why the session ends, then close with `code`."""
@@ -239,9 +252,12 @@ class _ProxiedSession:
                             if name in self.request.headers})
             stall = router.config.stall_timeout_s
             try:
+                # No bound on the replica's frames: a sentence's audio is one frame (unless
+                # stream_audio), as long as the sentence is, and its audio.start carries its
+                # text; MAX_MESSAGE_BYTES bounds what a client sends.
                 ws = await router.session.ws_connect(
                     replica.url + SPEECH_STREAM_PATH, headers=headers,
-                    max_msg_size=MAX_MESSAGE_BYTES, heartbeat=stall if stall > 0 else None,
+                    max_msg_size=0, heartbeat=stall if stall > 0 else None,
                     timeout=aiohttp.ClientWSTimeout(ws_close=router.config.connect_timeout_s))
             except aiohttp.WSServerHandshakeError as exc:
                 router.metrics.count_request(replica.id, exc.status)
@@ -260,7 +276,8 @@ class _ProxiedSession:
         return None
 
     async def _resend(self, upstream: _Upstream) -> None:
-        """The new replica's session: the config, the text from the cut sentence on, done."""
+        """The new replica's session: the config, the text from the cut sentence on, done.
+        (A client gone meanwhile cancels this handler: run() closes what is open.)"""
         async with self.lock:
             self.base_index = self.next_index
             self.base_offset = self.resume_offset
@@ -289,19 +306,29 @@ class _ProxiedSession:
             msg = await client.receive()
             if msg.type == WSMsgType.TEXT:
                 await self._client_text(msg.data)
+                if client.closed:  # the router ended the session (too much text held)
+                    await self._close_upstream()
+                    return
             elif msg.type == WSMsgType.BINARY:
                 await self._to_upstream(msg.data)  # the replica says it takes none
+            elif msg.type == WSMsgType.CLOSING:
+                return  # the router closes the client's socket itself (_end, _relay)
             else:  # CLOSE, CLOSED, ERROR: the client is gone
-                if msg.type == WSMsgType.ERROR and client.close_code == CloseCode.TOO_BIG:
+                # aiohttp closed it (1009) itself; the socket's close code may say 1006 after.
+                if msg.type == WSMsgType.ERROR and getattr(msg.data, "code", None) == \
+                        CloseCode.TOO_BIG:
                     self.record.outcome = "message_too_big"
                 elif not self.finished:
                     self.client_gone = True
                     self.record.outcome = "client_disconnected"
                     self.router.metrics.client_disconnects.inc()
-                upstream = self.upstream
-                if upstream is not None:
-                    await upstream.close()  # the replica cancels the sentence it speaks
+                await self._close_upstream()
                 return
+
+    async def _close_upstream(self) -> None:
+        upstream = self.upstream
+        if upstream is not None:
+            await upstream.close()  # the replica cancels the sentence it speaks
 
     async def _client_text(self, raw: str) -> None:
         try:

@@ -94,10 +94,12 @@ async def send_done(ws: aiohttp.ClientWebSocketResponse) -> None:
 
 
 class StandInPipeline:
-    """prepare: the text; synthesize: a chunk of PCM, then (once `gate` is set; it is at
-    first) a second, or EngineFailed if `fail` (the replica's close 1011: a movable one)."""
+    """prepare: the text; synthesize: a chunk of PCM (`chunk_bytes`), then (once `gate` is
+    set; it is at first) a second, or EngineFailed if `fail` (the replica's close 1011: a
+    movable one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, chunk_bytes: int = 64) -> None:
+        self.chunk_bytes = chunk_bytes
         self.gate = asyncio.Event()
         self.gate.set()
         self.fail = False
@@ -110,12 +112,12 @@ class StandInPipeline:
     async def synthesize(self, text: str):
         self.num_in_flight += 1
         try:
-            yield b"\x01\x00" * 32
+            yield b"\x01\x00" * (self.chunk_bytes // 2)
             self.started.set()
             await self.gate.wait()
             if self.fail:
                 raise EngineFailed("the stand-in's engine failed")
-            yield b"\x02\x00" * 32
+            yield b"\x02\x00" * (self.chunk_bytes // 2)
         finally:
             self.num_in_flight -= 1
 
@@ -126,8 +128,8 @@ class StandInReplica:
     set by each one; `sessions` counts the handlers running."""
 
     def __init__(self, *, max_input_chars: int = 4096, config_timeout_s: float = 10.0,
-                 idle_timeout_s: float = 30.0) -> None:
-        self.pipeline = StandInPipeline()
+                 idle_timeout_s: float = 30.0, chunk_bytes: int = 64) -> None:
+        self.pipeline = StandInPipeline(chunk_bytes)
         server = SimpleNamespace(
             state=SimpleNamespace(value="ready"), pipeline=self.pipeline,
             options=SimpleNamespace(max_input_chars=max_input_chars, max_running_requests=8,
