@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import signal
+import time
 
 import aiohttp
 
@@ -35,8 +36,9 @@ TEXT = ("Hello there. " + LONG * 5 + "and then it ends. A third one follows it! 
 
 
 async def kill_mid_sentence(ws, heard: Heard, served, pids: dict[str, int],
-                            sentence: int) -> str:
-    """Read until sentence `sentence` has begun and sent audio, then kill -9 its replica."""
+                            sentence: int, sig: int = signal.SIGKILL) -> str:
+    """Read until sentence `sentence` has begun and sent audio, then kill -9 (or `sig`) its
+    replica."""
     while True:
         event = await read_until(ws, heard, "audio.start")
         if event["sentence_index"] == sentence:
@@ -45,7 +47,7 @@ async def kill_mid_sentence(ws, heard: Heard, served, pids: dict[str, int],
     assert msg.type == aiohttp.WSMsgType.BINARY, msg  # part of its audio reached the client
     heard.take(msg)
     (victim,) = [rid for rid, count in served.in_flight().items() if count == 1]
-    os.kill(pids.pop(victim), signal.SIGKILL)
+    os.kill(pids.pop(victim), sig)
     return victim
 
 
@@ -111,6 +113,46 @@ def test_a_session_whose_replica_is_killed_goes_on_on_the_other(start_replica):
     assert "no other replica" in error["message"]
     assert last.close_code == 1013
     assert not last.of("session.done")
+
+
+def test_a_stopped_replica_is_found_by_the_heartbeat_and_the_session_moved(start_replica):
+    """The serving replica is stopped (SIGSTOP) mid-sentence: its socket stays open and says
+    nothing. The router's ping goes unanswered, and within 1.5 × --stall-timeout (1 s here) the
+    session moves to the other replica from the cut sentence; it ends with every sentence."""
+    replicas = [start_replica(ready=False) for _ in range(2)]
+    for replica in replicas:
+        replica.wait_ready()
+    pids = {str(i): r.pid for i, r in enumerate(replicas)}
+    text = "Hello there. " + LONG * 3 + "and then it ends. The last one follows it."
+
+    async def main():
+        config = make_config([f"{i}={r.url}" for i, r in enumerate(replicas)], failures=1,
+                             stall_timeout_s=1.0)
+        async with serve(config) as served, aiohttp.ClientSession() as session:
+            heard = Heard()
+            async with session.ws_connect(served.url + "/v1/audio/speech/stream") as ws:
+                await ws.send_str(json.dumps(PCM_STREAMED))
+                for piece in pieces(text, 7):
+                    await send_text(ws, piece)
+                await send_done(ws)
+                await kill_mid_sentence(ws, heard, served, pids, 1, signal.SIGSTOP)
+                stopped = time.monotonic()
+                while not (await read_until(ws, heard, "audio.start", timeout=10)).get("resent"):
+                    pass
+                moved_after = time.monotonic() - stopped
+                await read_until(ws, heard, None, timeout=30)
+            await served.wait_idle(10)
+            return heard, moved_after, await scrape(session, served.url)
+
+    heard, moved_after, metrics = asyncio.run(asyncio.wait_for(main(), 90))
+    assert moved_after < 3.0, moved_after  # 1.5 s at most to find it, then the new session
+    expected = split_sentences(text)
+    kept = heard.sentences()
+    assert [e["sentence_text"] for e in kept] == expected
+    assert [e["sentence_index"] for e in kept] == list(range(len(expected)))
+    assert heard.events[-1] == {"type": "session.done", "total_sentences": len(expected)}
+    assert heard.close_code == 1000
+    assert sample(metrics, "omni_dp_router_resumes_total", reason="midstream") == 1
 
 
 PCM_STREAMED = {"type": "session.config", "voice": "alloy", "response_format": "pcm",
