@@ -343,8 +343,12 @@ class _Session:
                 "sentence_text": sentence.text, "format": params.response_format,
                 "sample_rate": encoder.sample_rate, "text_start": sentence.start,
                 "text_end": sentence.end})
+            # only the session's first sentence opens what the client hears: a long one is
+            # spoken in clause-sized pieces, a later one whole (it was complete before it
+            # was asked for, and the one before it is still playing)
             ask = SpeechAsk(_LONE_SURROGATES.sub("", sentence.text), params.voice, params.speed,
-                            params.seed, params.max_new_tokens)
+                            params.seed, params.max_new_tokens,
+                            opens_answer=sentence.index == 0)
             try:
                 speech = await server.pipeline.prepare(ask)
             except PreprocessError as exc:  # this sentence can never be spoken: said, skipped

@@ -255,10 +255,15 @@ class _ProxiedSession:
                 # No bound on the replica's frames: a sentence's audio is one frame (unless
                 # stream_audio), as long as the sentence is, and its audio.start carries its
                 # text; MAX_MESSAGE_BYTES bounds what a client sends.
-                ws = await router.session.ws_connect(
+                # The handshake is the session's first byte: a replica that does not answer
+                # it within --first-byte-timeout (a stopped one not ejected yet) is passed
+                # over, as a POST's would be; the heartbeat only starts after it.
+                first_byte = router.config.first_byte_timeout_s
+                ws = await asyncio.wait_for(router.session.ws_connect(
                     replica.url + SPEECH_STREAM_PATH, headers=headers,
                     max_msg_size=0, heartbeat=stall if stall > 0 else None,
-                    timeout=aiohttp.ClientWSTimeout(ws_close=router.config.connect_timeout_s))
+                    timeout=aiohttp.ClientWSTimeout(ws_close=router.config.connect_timeout_s)),
+                    first_byte if first_byte > 0 else None)
             except aiohttp.WSServerHandshakeError as exc:
                 router.metrics.count_request(replica.id, exc.status)
                 router.metrics.upstream_errors.labels(replica.id, "refused").inc()

@@ -314,3 +314,20 @@ def test_the_timeouts_and_the_bounds_close_the_session():
         (error,) = got[name].of("error")
         assert got[name].close_code == 1009, name
         assert error["field"] == "text" and words in error["message"], error
+
+
+def test_only_the_sessions_first_sentence_opens_the_answer():
+    """A long first sentence is spoken in clause-sized pieces (time to first audio); a later
+    one, complete before it is asked for while the one before it plays, is asked whole."""
+
+    async def main():
+        async with StandInReplica() as replica, aiohttp.ClientSession() as http, \
+                http.ws_connect(replica.url + "/v1/audio/speech/stream") as ws:
+            await ws.send_str(json.dumps(PCM))
+            await send_text(ws, "One, two, three. Four, five, six. Seven.")
+            await send_done(ws)
+            await read_until(ws, Heard(), None, timeout=10)
+            return [(ask.input, ask.opens_answer) for ask in replica.pipeline.asks]
+
+    assert run(main()) == [("One, two, three.", True), ("Four, five, six.", False),
+                           ("Seven.", False)]

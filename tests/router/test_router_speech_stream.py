@@ -142,9 +142,32 @@ def test_a_stopped_replica_is_found_by_the_heartbeat_and_the_session_moved(start
                 moved_after = time.monotonic() - stopped
                 await read_until(ws, heard, None, timeout=30)
             await served.wait_idle(10)
-            return heard, moved_after, await scrape(session, served.url)
+            metrics = await scrape(session, served.url)
+        # A fresh router that found both healthy, then the first in its rotation stopped and
+        # not ejected yet: the session's handshake to it is bounded by --first-byte-timeout,
+        # then the other replica takes the session (without the bound it waits out
+        # --request-timeout).
+        (stopped_id,) = set(map(str, range(len(replicas)))) - set(pids)
+        os.kill(replicas[int(stopped_id)].pid, signal.SIGCONT)
+        order = [stopped_id, *pids]
+        config = make_config([f"{i}={replicas[int(i)].url}" for i in order],
+                             policy="round_robin", first_byte_timeout_s=0.5)
+        async with serve(config) as served, aiohttp.ClientSession() as session:
+            os.kill(replicas[int(stopped_id)].pid, signal.SIGSTOP)
+            opened = Heard()
+            async with session.ws_connect(served.url + "/v1/audio/speech/stream") as ws:
+                await ws.send_str(json.dumps(PCM_STREAMED))
+                await send_text(ws, "Hello there. ")
+                await send_done(ws)
+                await read_until(ws, opened, None, timeout=20)
+            retries = await scrape(session, served.url)
+        return heard, moved_after, metrics, opened, retries, stopped_id
 
-    heard, moved_after, metrics = asyncio.run(asyncio.wait_for(main(), 90))
+    heard, moved_after, metrics, opened, retries, stopped_id = asyncio.run(
+        asyncio.wait_for(main(), 90))
+    assert opened.events[-1] == {"type": "session.done", "total_sentences": 1}, opened.events
+    assert sample(retries, "omni_dp_router_upstream_errors_total", replica=stopped_id,
+                  kind="connect_error") == 1
     assert moved_after < 3.0, moved_after  # 1.5 s at most to find it, then the new session
     expected = split_sentences(text)
     kept = heard.sentences()

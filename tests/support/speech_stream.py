@@ -105,8 +105,10 @@ class StandInPipeline:
         self.fail = False
         self.num_in_flight = 0
         self.started = asyncio.Event()  # a sentence's first chunk is out
+        self.asks: list = []  # every SpeechAsk prepared, in order
 
     async def prepare(self, ask):
+        self.asks.append(ask)
         return ask.input
 
     async def synthesize(self, text: str):
