@@ -205,7 +205,11 @@ class DeviceCall:
     def execute(self, step: Step, limit: float, log: Path) -> tuple[int, bool]:
         """The step's process group, its output to `log` and the console as it comes."""
         log.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **step.env}
+        # a step's temporary files in the work directory, which the teardown removes: a step
+        # killed at its limit cannot remove its own
+        tmp = self.work / "tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "TMPDIR": str(tmp), **step.env}
         with log.open("w") as own:
             proc = subprocess.Popen(step.argv, cwd=step.cwd, env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, start_new_session=True)
