@@ -16,6 +16,8 @@ from omni_dp.engine.plan import plan_serve, plan_summary
 from omni_dp.engine.voice import plan as voice_plan
 from omni_dp.launcher.engines.builtin import model_words
 
+from support.voice_dir import write_voice
+
 NOISE = "tiny (seeded random weights: a test vehicle, its audio is noise)"
 
 
@@ -43,12 +45,7 @@ def test_a_voices_dry_run_says_loaded_and_launch_calls_it_trained(tmp_path, monk
     monkeypatch.setattr(voice_plan, "espeak_problem", lambda: None)
     monkeypatch.setattr(voice_plan, "runtime_problem", lambda device: None)
     voice = tmp_path / "voice"
-    voice.mkdir()
-    (voice / "v.onnx").write_bytes(b"\0" * 100)
-    (voice / "v.onnx.json").write_text(json.dumps({
-        "audio": {"sample_rate": 22050}, "espeak": {"voice": "en-us"},
-        "phoneme_type": "espeak", "phoneme_id_map": {"_": [0], "^": [1], "$": [2], "a": [3]},
-        "num_speakers": 1}))
+    write_voice(voice)
     summary = plan_summary(plan_serve(ServeOptions(model=str(voice), device="cpu", threads=1)))
     assert summary["weights"] == "loaded"
     assert model_words(summary) == f"{summary['model']} (a trained voice)"

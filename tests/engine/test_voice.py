@@ -18,17 +18,7 @@ from omni_dp.engine.voice import plan as voice_plan
 from omni_dp.engine.voice.model import VoiceError, find_voice, is_voice_spec
 from omni_dp.engine.voice.phonemes import phoneme_ids, phonemize, split_sentences
 
-ID_MAP = {"_": [0], "^": [1], "$": [2], " ": [3], "a": [4], "b": [5], ".": [6], ",": [7]}
-
-
-def write_voice(directory, **config) -> None:
-    """A Piper-shaped voice directory: an (empty) graph and its config."""
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "v.onnx").write_bytes(b"\0" * 1000)
-    data = {"audio": {"sample_rate": 22050}, "espeak": {"voice": "en-us"},
-            "phoneme_type": "espeak", "phoneme_id_map": ID_MAP, "num_speakers": 1,
-            "inference": {"noise_scale": 0.5, "length_scale": 1.0, "noise_w": 0.7}, **config}
-    (directory / "v.onnx.json").write_text(json.dumps(data))
+from support.voice_dir import ID_MAP, write_voice
 
 
 def test_phoneme_ids_are_framed_and_padded_as_piper_trained_them():

@@ -14,7 +14,6 @@ answer is dropped) and leaves no task; a request still gets its turn behind a lo
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +31,8 @@ from omni_dp.engine.voice.phonemes import MAX_PIECE_CHARS, clause_pieces, speech
 from omni_dp.engine.voice.pipeline import VoicePipeline
 from omni_dp.engine.voice.preprocess import VoicePreprocess, VoicePrompt, VoiceSpeech
 
+from support.voice_dir import write_voice
+
 ID_MAP = {"_": [0], "^": [1], "$": [2], " ": [3], "a": [4]}
 # Long enough that a waiting test fails rather than hangs; never reached when it passes.
 PATIENCE_S = 10.0
@@ -44,11 +45,7 @@ def voice_plan_of(tmp_path, monkeypatch) -> Callable[..., object]:
     monkeypatch.setattr(voice_plan, "espeak_problem", lambda: None)
     monkeypatch.setattr(voice_plan, "runtime_problem", lambda device: None)
     directory = tmp_path / "voice"
-    directory.mkdir()
-    (directory / "v.onnx").write_bytes(b"\0" * 1000)
-    (directory / "v.onnx.json").write_text(json.dumps({
-        "audio": {"sample_rate": 22050}, "espeak": {"voice": "en-us"},
-        "phoneme_type": "espeak", "phoneme_id_map": ID_MAP, "num_speakers": 1}))
+    write_voice(directory, phoneme_id_map=ID_MAP)
 
     def planned(**options):
         return plan_serve(ServeOptions(model=str(directory), device="cpu", **options))
