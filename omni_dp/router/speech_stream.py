@@ -202,19 +202,15 @@ class _ProxiedSession:
             record_failure(replica, self.router.config.health, f"speech session: {lost}")
             self.held_error = None  # the replica's last words: the session goes on
             if moves_left <= 0:
-                self.record.cut = "resumes_spent"
-                self.router.metrics.streams_cut.labels("resumes_spent").inc()
-                await self._end(CloseCode.BAD_GATEWAY, f"replica {replica.id} was lost ({lost}) "
-                                "and this session may move no more (--resumes)",
-                                "resumes_spent")
+                await self._cut(CloseCode.BAD_GATEWAY, "resumes_spent", f"replica {replica.id} "
+                                f"was lost ({lost}) and this session may move no more "
+                                "(--resumes)")
                 return
             upstream = await self._open()
             if upstream is None:
-                self.record.cut = "no_replica"
-                self.router.metrics.streams_cut.labels("no_replica").inc()
-                await self._end(CloseCode.TRY_AGAIN, f"replica {replica.id} was lost ({lost}) "
-                                "and no other replica can go on with this session now",
-                                "no_replica")
+                await self._cut(CloseCode.TRY_AGAIN, "no_replica", f"replica {replica.id} was "
+                                f"lost ({lost}) and no other replica can go on with this "
+                                "session now")
                 return
             try:
                 await self._resend(upstream)
@@ -225,6 +221,12 @@ class _ProxiedSession:
             self.router.metrics.resumes.labels("midstream").inc()
             self.record.resumes.append("midstream")
             self.record.resumed_from = self.resume_offset
+
+    async def _cut(self, code: CloseCode, why: str, message: str) -> None:
+        """A session its replica's loss ends: counted as a cut stream (`why`), then ended."""
+        self.record.cut = why
+        self.router.metrics.streams_cut.labels(why).inc()
+        await self._end(code, message, why)
 
     async def _end(self, code: CloseCode, message: str, kind: str) -> None:
         """Tell the client why the session ends, then close with `code`."""
