@@ -12,6 +12,7 @@ serves every other format and answers aac with a 400 that says what to install.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
 import importlib
@@ -308,6 +309,14 @@ class StreamEncoder:
             self._file.write(self._resample(_samples(pcm)))
             assert self._sink is not None
             return self._sink.take()
+
+    async def feed_async(self, pcm: bytes) -> bytes:
+        """feed, off the event loop where it takes real CPU (`blocking`)."""
+        return await asyncio.to_thread(self.feed, pcm) if self.blocking else self.feed(pcm)
+
+    async def finish_async(self) -> bytes:
+        """finish, off the event loop where it takes real CPU (`blocking`)."""
+        return await asyncio.to_thread(self.finish) if self.blocking else self.finish()
 
     def finish(self) -> bytes:
         with self._lock:

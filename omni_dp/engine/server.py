@@ -548,10 +548,7 @@ class ReplicaServer:
         except ApiError as exc:
             outcome = "rejected" if exc.status == 503 else "bad_request"
             self.metrics.count(outcome)
-            headers = {"Retry-After": "1"} if exc.status == 503 else {}
-            if isinstance(exc, GoingAway):
-                headers[GOING_AWAY_HEADER] = exc.why
-            return web.json_response(exc.body(), status=exc.status, headers=headers)
+            return self.refused(exc)
         assert self.pipeline is not None
         synthesis = self.pipeline.synthesize(job.speech)
         params = job.params
@@ -564,10 +561,47 @@ class ReplicaServer:
             # Not streamed: asked so, or a format sent whole (audio.STREAMED_FORMATS says why).
             return await self._whole(job, chunks, started)
 
-    async def _admit(self, request: web.Request) -> AdmittedSpeech:
+    @staticmethod
+    def refused(exc: ApiError) -> web.Response:
+        """A request refused before any of it was done: a 503 says when to retry, and where
+        the replica is leaving (GoingAway), that it is."""
+        headers = {"Retry-After": "1"} if exc.status == 503 else {}
+        if isinstance(exc, GoingAway):
+            headers[GOING_AWAY_HEADER] = exc.why
+        return web.json_response(exc.body(), status=exc.status, headers=headers)
+
+    def not_ready(self) -> GoingAway | None:
+        """Why this replica takes no request now (not ready: another replica may), or None."""
         if self.state != State.READY:
-            raise GoingAway(503, f"replica is {self.state.value}; retry on another replica",
-                            self.state.value)
+            return GoingAway(503, f"replica is {self.state.value}; retry on another replica",
+                             self.state.value)
+        return None
+
+    def full(self) -> ApiError | None:
+        """Why this replica takes no more requests now (as many in flight as it may hold)."""
+        assert self.pipeline is not None
+        capacity = self.options.max_running_requests + self.options.max_queued_requests
+        if self.pipeline.num_in_flight >= capacity:
+            return ApiError(503, f"replica is full ({capacity} requests in flight); retry "
+                            "shortly")
+        return None
+
+    def speech_params(self, raw: bytes) -> SpeechParams:
+        """A speech body checked field by field (ApiError naming the field) against this
+        replica's model: its voices, its bounds, its served names. POST's body and a speech
+        session's config alike."""
+        cfg = self.plan.cfg
+        # A voice refuses max_new_tokens in its preprocess stage, by field: any bound parses.
+        limit = cfg.max_new_tokens if cfg is not None else 2**31 - 1
+        voices = VOICES if self.plan.voice is None else voice_names(self.plan.voice)
+        params = parse_speech_body(raw, max_new_tokens_limit=limit, voices=voices)
+        if params.model is not None and params.model not in self.model_names:
+            raise model_not_found(params.model)
+        return params
+
+    async def _admit(self, request: web.Request) -> AdmittedSpeech:
+        if (leaving := self.not_ready()) is not None:
+            raise leaving
         assert self.pipeline is not None
         limit = self.options.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
@@ -576,13 +610,7 @@ class ReplicaServer:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise ApiError(413, f"body exceeds the limit of {limit} bytes") from None
-        cfg = self.plan.cfg
-        # A voice refuses max_new_tokens in its preprocess stage, by field: any bound parses.
-        limit = cfg.max_new_tokens if cfg is not None else 2**31 - 1
-        voices = VOICES if self.plan.voice is None else voice_names(self.plan.voice)
-        params = parse_speech_body(raw, max_new_tokens_limit=limit, voices=voices)
-        if params.model is not None and params.model not in self.model_names:
-            raise model_not_found(params.model)
+        params = self.speech_params(raw)
         resume = parse_resume_headers(request.headers, params)
         if resume.offset is not None and self.plan.voice is not None:
             # By design: the voice's noise is drawn in its graph, so no replica can regenerate
@@ -605,9 +633,8 @@ class ReplicaServer:
             raise GoingAway(503, f"this request failed ({exc}); the replica is "
                             f"{self.state.value}: retry on another replica",
                             self.state.value) from None
-        capacity = self.options.max_running_requests + self.options.max_queued_requests
-        if self.pipeline.num_in_flight >= capacity:
-            raise ApiError(503, f"replica is full ({capacity} requests in flight); retry shortly")
+        if (full := self.full()) is not None:
+            raise full
         return AdmittedSpeech(params, speech, resume)
 
     async def _whole(self, job: AdmittedSpeech, chunks, started: float) -> web.Response:
@@ -664,10 +691,8 @@ class ReplicaServer:
             async for chunk in chunks:
                 first = first or time.perf_counter()
                 num_pcm_bytes += len(chunk)
-                await send(await asyncio.to_thread(encoder.feed, chunk) if encoder.blocking
-                           else encoder.feed(chunk))
-            await send(await asyncio.to_thread(encoder.finish) if encoder.blocking
-                       else encoder.finish())
+                await send(await encoder.feed_async(chunk))
+            await send(await encoder.finish_async())
             if sse:
                 await response.write(sse_audio_done(self._usage(job, num_pcm_bytes)))
         except (EngineFailed, RequestCutOff) as exc:

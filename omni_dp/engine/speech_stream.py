@@ -24,13 +24,11 @@ from typing import Any, Protocol
 
 from aiohttp import WSMsgType, web
 
-from omni_dp.contract import GOING_AWAY_HEADER
-from omni_dp.engine.api import ApiError, SpeechParams, parse_speech_body
+from omni_dp.engine.api import ApiError, SpeechParams
 from omni_dp.engine.audio import StreamEncoder
 from omni_dp.engine.pipeline import EngineFailed, RequestCutOff
-from omni_dp.engine.preprocess import VOICES, PreprocessError, SpeechAsk
+from omni_dp.engine.preprocess import PreprocessError, SpeechAsk
 from omni_dp.engine.voice.phonemes import split_sentences
-from omni_dp.engine.voice.preprocess import voice_names
 from omni_dp.speech_stream import (
     AUDIO_DONE,
     AUDIO_START,
@@ -52,11 +50,14 @@ class _Server(Protocol):
     """What a session reads of engine/server.py's ReplicaServer (which registers the route: an
     import of it here would be a cycle)."""
 
-    state: Any  # server.State: its value "ready" admits
-    pipeline: Any  # Pipeline or VoicePipeline: prepare, synthesize, num_in_flight
-    options: Any  # ServeOptions: max_input_chars, max_running_requests, max_queued_requests
-    plan: Any  # ServePlan: cfg, voice, sample_rate
-    model_names: tuple[str, ...]
+    pipeline: Any  # Pipeline or VoicePipeline: prepare, synthesize
+    options: Any  # ServeOptions: max_input_chars
+    plan: Any  # ServePlan: sample_rate
+
+    def not_ready(self) -> ApiError | None: ...  # POST's admission, by the same checks
+    def full(self) -> ApiError | None: ...
+    def refused(self, exc: ApiError) -> web.Response: ...  # and its answer
+    def speech_params(self, raw: bytes) -> SpeechParams: ...  # POST's body check
 
 log = logging.getLogger("omni_dp.serve.speech_stream")
 
@@ -148,16 +149,11 @@ class SpeechStreams:
         if not ws.can_prepare(request).ok:
             error = ApiError(426, "this is a WebSocket endpoint: send Upgrade: websocket")
             return web.json_response(error.body(), status=426)
-        # Admission like POST's: a replica that is not ready refuses before the upgrade,
-        # saying it is going away, so that the router opens the session elsewhere.
-        if server.state.value != "ready" or server.pipeline is None:
-            error = ApiError(503, f"replica is {server.state.value}; retry on another replica")
-            return web.json_response(error.body(), status=503, headers={
-                "Retry-After": "1", GOING_AWAY_HEADER: server.state.value})
-        capacity = server.options.max_running_requests + server.options.max_queued_requests
-        if server.pipeline.num_in_flight >= capacity:
-            error = ApiError(503, f"replica is full ({capacity} requests in flight); retry")
-            return web.json_response(error.body(), status=503, headers={"Retry-After": "1"})
+        # Admission is POST's, before the upgrade: a replica that is not ready says it is
+        # going away (the router opens the session elsewhere), a full one says so.
+        refusal = server.not_ready() or server.full()
+        if refusal is not None:
+            return server.refused(refusal)
         await ws.prepare(request)
         await _Session(self, ws).run()
         return ws
@@ -253,23 +249,15 @@ class _Session:
 
     def _params(self, config: StreamConfig) -> SpeechParams:
         """session.config checked as POST checks its body (same fields, same messages)."""
-        server = self.server
-        cfg = server.plan.cfg
-        limit = cfg.max_new_tokens if cfg is not None else 2**31 - 1
-        voices = VOICES if server.plan.voice is None else voice_names(server.plan.voice)
         fields = {"response_format": "wav", **config.fields, "input": ""}
         try:
-            params = parse_speech_body(json.dumps(fields).encode(),
-                                       max_new_tokens_limit=limit, voices=voices)
+            params = self.server.speech_params(json.dumps(fields).encode())
         except ApiError as exc:
             raise SessionEnd(CloseCode.POLICY, exc.message, exc.field) from None
         if params.stream_format != "audio":
             raise SessionEnd(CloseCode.POLICY, "stream_format: a session's audio goes out in "
                              "binary frames; send stream_format audio or leave it out",
                              "stream_format")
-        if params.model is not None and params.model not in server.model_names:
-            raise SessionEnd(CloseCode.POLICY, f"the model `{params.model}` does not exist",
-                             "model")
         return params
 
     # --- the client's messages -----------------------------------------------------------
@@ -324,9 +312,8 @@ class _Session:
                                          "total_sentences": self.buffer.count})
                 raise SessionEnd(CloseCode.NORMAL, "session done")
             self.queued_chars -= len(item.text)
-            if self.server.state.value != "ready":
-                raise SessionEnd(CloseCode.GOING_AWAY, f"replica is {self.server.state.value}; "
-                                 "the session goes on on another replica", None)
+            if (leaving := self.server.not_ready()) is not None:
+                raise SessionEnd(CloseCode.GOING_AWAY, leaving.message, None)
             await self._sentence(item)
 
     async def _sentence(self, sentence: Sentence) -> None:
@@ -359,12 +346,12 @@ class _Session:
             held = bytearray(encoder.header())
             async with contextlib.aclosing(server.pipeline.synthesize(speech)) as chunks:
                 async for chunk in chunks:
-                    held += await _run(encoder, encoder.feed, chunk)
+                    held += await encoder.feed_async(chunk)
                     if self.stream_audio and held:
                         total += len(held)
                         await self.ws.send_bytes(bytes(held))
                         held.clear()
-            held += await _run(encoder, encoder.finish)
+            held += await encoder.finish_async()
             if held:
                 total += len(held)
                 await self.ws.send_bytes(bytes(held))
@@ -382,10 +369,3 @@ class _Session:
     async def _sentence_done(self, sentence: Sentence, total: int, *, error: bool) -> None:
         await self.ws.send_json({"type": AUDIO_DONE, "sentence_index": sentence.index,
                                  "total_bytes": total, "error": error})
-
-
-async def _run(encoder: StreamEncoder, call, *args: bytes) -> bytes:
-    """An encoder call; the real encoders' CPU time off the event loop (as POST does)."""
-    if encoder.blocking:
-        return await asyncio.to_thread(call, *args)
-    return call(*args)

@@ -14,7 +14,9 @@ from types import SimpleNamespace
 import aiohttp
 from aiohttp import web
 
+from omni_dp.engine.api import parse_speech_body
 from omni_dp.engine.pipeline import EngineFailed
+from omni_dp.engine.server import ReplicaServer
 from omni_dp.engine.speech_stream import SpeechStreams
 from omni_dp.speech_stream import SPEECH_STREAM_PATH
 
@@ -132,12 +134,12 @@ class StandInReplica:
     def __init__(self, *, max_input_chars: int = 4096, config_timeout_s: float = 10.0,
                  idle_timeout_s: float = 30.0, chunk_bytes: int = 64) -> None:
         self.pipeline = StandInPipeline(chunk_bytes)
+        # the replica's own admission and body check, as a ready replica with room answers
         server = SimpleNamespace(
-            state=SimpleNamespace(value="ready"), pipeline=self.pipeline,
-            options=SimpleNamespace(max_input_chars=max_input_chars, max_running_requests=8,
-                                    max_queued_requests=8),
-            plan=SimpleNamespace(cfg=None, voice=None, sample_rate=24000),
-            model_names=("tiny",))
+            pipeline=self.pipeline, options=SimpleNamespace(max_input_chars=max_input_chars),
+            plan=SimpleNamespace(sample_rate=24000), not_ready=lambda: None,
+            full=lambda: None, refused=ReplicaServer.refused,
+            speech_params=lambda raw: parse_speech_body(raw, max_new_tokens_limit=2**31 - 1))
         self.streams = SpeechStreams(server, config_timeout_s=config_timeout_s,
                                      idle_timeout_s=idle_timeout_s)
         self.handshake = asyncio.Event()
