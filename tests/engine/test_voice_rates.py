@@ -20,6 +20,7 @@ import json
 import signal
 
 import av
+import numpy as np
 import pytest
 import soundfile
 
@@ -189,14 +190,16 @@ def test_wav_carries_the_same_samples_as_pcm(answers):
     assert first_difference(flac, pcm) is None
 
 
-def test_the_recognizer_hears_the_24khz_pcm_as_well_as_the_voices_own_wav():
+def test_the_recognizer_hears_the_24khz_pcm_as_well_as_the_voices_own_wav(quiet_voice):
     """Resampling costs no intelligibility: the same synthesis, heard at the voice's 22,050 Hz
-    and as the 24 kHz pcm, recalls as many words, give or take one (the recognizer's own
-    resampling to 16 kHz starts from another grid)."""
+    and as the 24 kHz pcm, recalls as many words, give or take two of 35 (the recognizer's own
+    resampling to 16 kHz starts from another grid, and its result moves a word or two with the
+    CPU's float rounding: CI heard 28 of 35 where this machine heard 30). The quiet voice, as
+    joe's own noise drew another synthesis, and so another recall, on each run."""
     require_voice()
     heard = {"native": [0, 0], "24 kHz": [0, 0]}
     for text in RECALL_TEXTS:
-        native = spoken("joe", text)
+        native = spoken(quiet_voice, text)
         pcm = resample_whole(native, VOICE_RATE)
         for key, wav in (("native", wav_header(VOICE_RATE, len(native)) + native),
                          ("24 kHz", wav_header(OUTPUT_RATE, len(pcm)) + pcm)):
@@ -205,7 +208,21 @@ def test_the_recognizer_hears_the_24khz_pcm_as_well_as_the_voices_own_wav():
             heard[key][1] += total
     (native_hits, total), (hits, _) = heard["native"], heard["24 kHz"]
     assert native_hits >= 0.6 * total, heard  # the recognizer hears the voice at all
-    assert hits >= native_hits - 1, heard
+    assert hits >= native_hits - 2, heard
+
+
+def test_the_24khz_pcm_is_the_voices_signal_resampled_not_merely_relabelled(quiet_native):
+    """The precise guard under the recognizer's loose one: the 24 kHz pcm, brought back to
+    22,050 Hz, is the voice's own signal to within 40 dB (a sinc resampler keeps the band
+    below 11 kHz whole; linear interpolation, a dropped sample or a shifted one does not)."""
+    pcm = resample_whole(quiet_native, VOICE_RATE)
+    assert len(pcm) // 2 == round(len(quiet_native) // 2 * OUTPUT_RATE / VOICE_RATE)
+    back = np.frombuffer(resample_whole(pcm, OUTPUT_RATE, VOICE_RATE), "<i2").astype(float)
+    voice = np.frombuffer(quiet_native, "<i2").astype(float)
+    edge = VOICE_RATE // 20  # the filters' start and end: 50 ms each side
+    signal_, error = voice[edge:-edge], back[edge:len(voice) - edge] - voice[edge:-edge]
+    snr_db = 10 * np.log10(np.sum(signal_ ** 2) / np.sum(error ** 2))
+    assert snr_db > 40, snr_db
 
 
 def test_server_info_says_the_rate_answers_are_in_beside_the_voices_own(answers):
