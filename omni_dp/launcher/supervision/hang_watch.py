@@ -33,7 +33,7 @@ class HangReports:
     def due(self, workers: Iterable[Mapping], now: float) -> list[HungReplica]:
         found = []
         for worker in workers:
-            index = _index(worker.get("id"))
+            index = replica_index(worker.get("id"))
             since = worker.get("ejected_at")
             if index is None or worker.get("ejected_reason") != "hang" or \
                     not isinstance(since, (int, float)):
@@ -45,6 +45,6 @@ class HangReports:
         return found
 
 
-def _index(worker_id: object) -> int | None:
+def replica_index(worker_id: object) -> int | None:
     """The replica index the launcher registers each replica under (its id: "0", "1", …)."""
     return int(worker_id) if isinstance(worker_id, str) and worker_id.isdigit() else None

@@ -9,12 +9,14 @@ reported as done.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from omni_dp.blocking_http import http_json
 from omni_dp.contract import API_KEY_ENV
 from omni_dp.launcher.bringup.gateway_link import REGISTER_WAIT_S, GatewayLink
 from omni_dp.launcher.bringup.steps import BringUpFailed, start_router
 from omni_dp.launcher.supervision.crew import Crew
+from omni_dp.launcher.supervision.hang_watch import replica_index
 from omni_dp.launcher.supervision.restart_policy import GiveUp
 from omni_dp.runfile import ReplicaState
 
@@ -29,6 +31,25 @@ def admin_error(index: int, disabled: bool, status: int, body: object) -> str:
             + (f" ({said})" if said else "")
             + (f"; the router wants an API key: launch with --api-key (or {API_KEY_ENV}) so "
                "that the supervisor sends it" if status == 401 else ""))
+
+
+@dataclass(frozen=True)
+class Routing:
+    """What the router says of one replica it lists (GET /workers)."""
+
+    routable: bool  # it sends that replica requests now
+    why: str  # when not routable, in words: taken out, or how its own checks see it
+
+
+def routing_of(worker: dict) -> Routing:
+    """A GET /workers entry (one with a boolean `routable`), in words where not routable."""
+    if worker["routable"]:
+        return Routing(True, "")
+    if worker.get("disabled"):
+        return Routing(False, "taken out of the router")
+    ejected = worker.get("ejected_reason")
+    return Routing(False, f"the router's health checks find it {worker.get('health')}"
+                   + (f" (ejected: {ejected})" if ejected else ""))
 
 
 class RouterLink:
@@ -138,6 +159,19 @@ class RouterLink:
         entry = next((w for w in workers or [] if w.get("id") == str(index)), None)
         value = entry.get("in_flight") if entry else None
         return value if isinstance(value, int) else None
+
+    def routing(self) -> dict[int, Routing] | None:
+        """Each replica the router lists, by index, routable or why not; None when the router
+        did not say (none recorded, dead, restarting, or entries without `routable`): then
+        only the record can."""
+        router = self.crew.state.record.router
+        workers = None if router is None else self.crew.probe.router_workers(
+            router.url, self.crew.state.api_key)
+        if workers is None or not all(isinstance(w, dict) and isinstance(w.get("routable"), bool)
+                                      for w in workers):
+            return None
+        listed = ((replica_index(w.get("id")), w) for w in workers)
+        return {index: routing_of(w) for index, w in listed if index is not None}
 
     def drain(self, index: int, timeout_s: float, poll_s: float = 0.1) -> bool:
         """Wait, at most timeout_s, until the router has nothing in flight on the replica (it
