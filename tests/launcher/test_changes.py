@@ -9,10 +9,20 @@ import dataclasses
 import json
 
 import pytest
+from click.testing import CliRunner
 
-from omni_dp.launcher.changes.plan import ChangePlanError, plan_restart, plan_scale, without_run
+from omni_dp.cli import cli
+from omni_dp.cli.commands import changes as change_commands
+from omni_dp.launcher.changes.plan import (
+    RESTART_MARGIN_S,
+    ChangePlanError,
+    plan_restart,
+    plan_scale,
+    without_run,
+)
 from omni_dp.launcher.changes.request import (
     CHANGE_FILE,
+    OLD_REQUEST_WAIT_S,
     REQUEST_FILE,
     ChangeRefused,
     ChangeRequest,
@@ -235,5 +245,45 @@ def test_an_unreadable_request_is_set_aside_not_made(tmp_path):
 
 def test_a_request_round_trips_whole(tmp_path):
     request = ChangeRequest("scale", (Step("add", 2, {"index": 2}), Step("remove", 3)),
-                            "scale from 4 to 3", 5.0, plan={"replicas": 3}, gpus=[{"slot": 0}])
+                            "scale from 4 to 3", 5.0, plan={"replicas": 3}, gpus=[{"slot": 0}],
+                            wait_healthy=12.5)
     assert ChangeRequest.from_json(json.loads(json.dumps(request.to_json()))) == request
+    older = {k: v for k, v in request.to_json().items() if k != "wait_healthy"}
+    assert ChangeRequest.from_json(older).wait_healthy == OLD_REQUEST_WAIT_S
+
+
+# --- --wait-healthy: how long a step waits for the other replicas -----------------------------
+
+
+def test_the_wait_for_the_others_is_the_runs_start_timeout_and_a_restart_unless_asked(tmp_path):
+    facts = cpu_facts(tmp_path)
+    state = launched(tmp_path, facts, replicas=3, cpu_blocks="none")
+    default = state.supervision.start_timeout + RESTART_MARGIN_S
+    assert plan_restart(state.record).wait_healthy == default
+    assert plan_restart(state.record, wait_healthy=7.0).wait_healthy == 7.0
+    assert plan_restart(state.record, wait_healthy=0.0).wait_healthy == 0.0
+    scale = plan_scale(state.record, 2, replan=replanner(facts))
+    assert scale.wait_healthy == default
+    assert plan_scale(state.record, 2, wait_healthy=0.0, replan=replanner(facts)
+                      ).wait_healthy == 0.0
+
+
+def test_wait_healthy_goes_from_the_command_line_to_the_request(tmp_path, monkeypatch):
+    state = launched(tmp_path, cpu_facts(tmp_path))
+    asked: list[ChangeRequest] = []
+    monkeypatch.setattr(change_commands, "_live", lambda run_id, command: state)
+    monkeypatch.setattr(change_commands, "_ask",
+                        lambda command, state, request, as_json: asked.append(request))
+    for args in (["restart", "r", "--wait-healthy", "7"], ["scale", "r", "-n", "2",
+                                                          "--wait-healthy", "0"],
+                 ["restart", "r"]):
+        result = CliRunner().invoke(cli, args, prog_name="omni-dp")
+        assert result.exit_code == 0, result.output
+    assert [r.wait_healthy for r in asked] == [7.0, 0.0, state.supervision.start_timeout
+                                               + RESTART_MARGIN_S]
+    for bad in ("-1", "nan"):
+        refused = CliRunner().invoke(cli, ["restart", "r", "--wait-healthy", bad])
+        assert refused.exit_code == 2 and "--wait-healthy" in refused.output
+    for command in ("restart", "scale"):
+        shown = " ".join(CliRunner().invoke(cli, [command, "--help"]).output.split())
+        assert "0: do not wait" in shown and "--start-timeout plus 60 s" in shown, shown

@@ -67,6 +67,19 @@ def _ask(command: str, state, request, as_json: bool) -> None:
     sys.exit(ExitCode.OK if outcome.ok else ExitCode.RUNTIME)
 
 
+def _wait_healthy_option(taken_out: str):
+    """--wait-healthy, the same on both commands."""
+    return click.option(
+        "--wait-healthy", type=click.FloatRange(min=0), default=None, callback=finite,
+        metavar="SECONDS",
+        help=f"Before {taken_out} leaves the router, every other replica must be healthy "
+             "(in the supervisor's record, its process alive, routable in the router): a step "
+             "waits for that at most this long, then fails, saying which replica it waited "
+             "for; 0: do not wait (taken out whatever the others' health, said). A failed "
+             "replica (out of its restart budget) fails the step at once. "
+             "[default: the run's --start-timeout plus 60 s]")
+
+
 @click.command(cls=_EngineArgsCommand)
 @click.argument("run_id", required=False)
 @click.option("--replica", "replicas", type=click.IntRange(min=0), multiple=True,
@@ -78,10 +91,12 @@ def _ask(command: str, state, request, as_json: bool) -> None:
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=None, callback=finite,
               metavar="SECONDS", help="Seconds a replica's requests in flight get to finish "
                                       "once it is out of the router. [default: the run's]")
+@_wait_healthy_option("a replica")
 @json_option("the outcome")
 @click.pass_context
 def restart(ctx: click.Context, run_id: str | None, replicas: tuple[int, ...],
-            allow_downtime: bool, drain_timeout: float | None, as_json: bool) -> None:
+            allow_downtime: bool, drain_timeout: float | None, wait_healthy: float | None,
+            as_json: bool) -> None:
     """Restart a live run's replicas one at a time, without downtime; `-- ENGINE ARGS` updates
     the model.
 
@@ -90,7 +105,8 @@ def restart(ctx: click.Context, run_id: str | None, replicas: tuple[int, ...],
     checked as `launch` would), through every gate (health, KV, MPS attachment), back in. The
     run's supervisor makes the change; this command follows it. A weight-share leader
     restarts with its followers. Refused when no other replica would serve meanwhile, unless
-    --allow-downtime.
+    --allow-downtime. A replica leaves the router only while every other one is healthy: the
+    step waits for one that is down or restarting (said), at most --wait-healthy.
 
     Exit codes: 0 every replica passed its gates, 1 no such run, 2 refused (nothing changed),
     3 a step failed (said; what passed stays).
@@ -101,7 +117,8 @@ def restart(ctx: click.Context, run_id: str | None, replicas: tuple[int, ...],
     try:
         request = plan_restart(state.record, replicas=list(replicas) or None,
                                engine_args=ctx.meta.get("engine_args"),
-                               allow_downtime=allow_downtime, drain_timeout=drain_timeout)
+                               allow_downtime=allow_downtime, drain_timeout=drain_timeout,
+                               wait_healthy=wait_healthy)
     except ChangePlanError as exc:
         exit_with_problems("restart", exc.problems)
     _ask("restart", state, request, as_json)
@@ -116,14 +133,16 @@ def restart(ctx: click.Context, run_id: str | None, replicas: tuple[int, ...],
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=None, callback=finite,
               metavar="SECONDS", help="Seconds a removed replica's requests in flight get to "
                                       "finish. [default: the run's]")
+@_wait_healthy_option("a removed or restarted replica")
 @json_option("the outcome")
 def scale(run_id: str | None, replicas: int | None, replicas_per_gpu: int | None,
-          drain_timeout: float | None, as_json: bool) -> None:
+          drain_timeout: float | None, wait_healthy: float | None, as_json: bool) -> None:
     """Add replicas to a live run, or remove the highest-numbered ones, without downtime.
 
     New replicas pass the same plan checks as `launch` (CPU blocks, memory fit, KV pin, the
     MPS client limit: every problem at once, nothing changed) and the same gates before they
-    take traffic. Removed ones leave the router, drain, and stop. Where the new count gives
+    take traffic. Removed ones leave the router (once every other replica is healthy, waited
+    for at most --wait-healthy), drain, and stop. Where the new count gives
     the others other CPU blocks (--cpu-blocks auto), they restart into them one at a time.
     run.json, `status`, the gateway and Prometheus discovery follow.
 
@@ -139,7 +158,7 @@ def scale(run_id: str | None, replicas: int | None, replicas_per_gpu: int | None
     try:
         request = plan_scale(state.record, replicas if replicas is not None else
                              replicas_per_gpu, per_gpu=replicas_per_gpu is not None,
-                             drain_timeout=drain_timeout)
+                             drain_timeout=drain_timeout, wait_healthy=wait_healthy)
     except ChangePlanError as exc:
         exit_with_problems("scale", exc.problems)
     _ask("scale", state, request, as_json)

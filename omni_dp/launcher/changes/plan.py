@@ -34,6 +34,12 @@ SERVING = frozenset({ReplicaState.HEALTHY, ReplicaState.UNHEALTHY, ReplicaState.
                      ReplicaState.RESTARTING})
 
 
+# The default bound of a step's wait for the other replicas to be healthy: one restart of
+# theirs, on top of its start (--start-timeout): the sweep sees it down (a few checks) and its
+# restart's backoff (at most 30 s) comes first.
+RESTART_MARGIN_S = 60.0
+
+
 class ChangePlanError(Problems):
     """Every problem that stops this change, before anything was asked of the run."""
 
@@ -116,7 +122,8 @@ def _serving_others(record: RunRecord, down: list[int]) -> list[int]:
 
 def plan_restart(record: RunRecord, *, replicas: list[int] | None = None,
                  engine_args: tuple[str, ...] | None = None, allow_downtime: bool = False,
-                 drain_timeout: float | None = None, replan: Replan = replan) -> ChangeRequest:
+                 drain_timeout: float | None = None, wait_healthy: float | None = None,
+                 replan: Replan = replan) -> ChangeRequest:
     """A rolling restart, one replica (or share group) at a time; with engine_args, a model
     update of every replica. ChangePlanError with every problem."""
     problems = _restart_problems(record, replicas, engine_args)
@@ -144,7 +151,8 @@ def plan_restart(record: RunRecord, *, replicas: list[int] | None = None,
     grouped = [i for i in order if len(_group(record, i)) > 1]
     if grouped:
         what += f" (replica {LEADER} leads the weight share: its followers restart with it)"
-    return ChangeRequest("restart", steps, what, _drain(record, drain_timeout), plan=plan)
+    return ChangeRequest("restart", steps, what, _drain(record, drain_timeout), plan=plan,
+                         wait_healthy=wait_bound(record, wait_healthy))
 
 
 def _restart_problems(record: RunRecord, replicas: list[int] | None,
@@ -174,7 +182,8 @@ def _downtime(record: RunRecord, index: int) -> list[str]:
 
 
 def plan_scale(record: RunRecord, target: int, *, per_gpu: bool = False,
-               drain_timeout: float | None = None, replan: Replan = replan) -> ChangeRequest:
+               drain_timeout: float | None = None, wait_healthy: float | None = None,
+               replan: Replan = replan) -> ChangeRequest:
     """Replicas added through launch's checks, or the highest-numbered removed; the others
     restarted one at a time where the new plan gives them another CPU block (`--cpu-blocks
     auto` splits the cores anew), never the last one serving. ChangePlanError when it cannot
@@ -187,7 +196,8 @@ def plan_scale(record: RunRecord, target: int, *, per_gpu: bool = False,
     now = len(record.replicas)
     if total == now:
         return ChangeRequest("scale", (), f"already {now} replicas: nothing to change",
-                             _drain(record, drain_timeout))
+                             _drain(record, drain_timeout),
+                             wait_healthy=wait_bound(record, wait_healthy))
     changes = {"replicas_per_gpu": target, "replicas": total} if per_gpu else \
         {"replicas": total, "replicas_per_gpu": None}
     new = _replanned(record, changes, replan)
@@ -214,7 +224,8 @@ def plan_scale(record: RunRecord, target: int, *, per_gpu: bool = False,
         "threads: restarting the only one left serving would drop requests)"
         if kept_as_is else "")
     return ChangeRequest("scale", tuple(steps), what, _drain(record, drain_timeout),
-                         plan=plan, gpus=[g.to_json() for g in new.gpus])
+                         plan=plan, gpus=[g.to_json() for g in new.gpus],
+                         wait_healthy=wait_bound(record, wait_healthy))
 
 
 # --- shared ----------------------------------------------------------------------------------
@@ -229,6 +240,14 @@ def _replanned(record: RunRecord, changes: dict, replan: Replan) -> LaunchPlan:
 
 def _drain(record: RunRecord, drain_timeout: float | None) -> float:
     return record.plan.supervision.drain_timeout if drain_timeout is None else drain_timeout
+
+
+def wait_bound(record: RunRecord, wait_healthy: float | None) -> float:
+    """How long a step waits for the others to be healthy: as asked, else the run's start
+    timeout plus RESTART_MARGIN_S."""
+    if wait_healthy is not None:
+        return wait_healthy
+    return record.plan.supervision.start_timeout + RESTART_MARGIN_S
 
 
 def _names(indices: list[int]) -> str:

@@ -25,6 +25,9 @@ from omni_dp.jsonfields import JsonFields, Malformed
 REQUEST_FILE = "change_request.json"  # written by the command, taken by the supervisor
 CHANGE_FILE = "change.json"  # the change the supervisor took: running, then done or failed
 KINDS = ("restart", "scale")
+# A request without wait_healthy (written by an omni-dp before it) waits as long as the
+# default of a run with the builtin engine's start timeout (300 s) would (plan.wait_bound)
+OLD_REQUEST_WAIT_S = 360.0
 
 
 class ChangeRefused(Exception):
@@ -68,12 +71,15 @@ class ChangeRequest:
     ts: float = field(default_factory=time.time)
     state: str = "requested"  # requested | running | done | failed
     error: str | None = None
+    # before a step takes its replica out, every other replica must be healthy: waited for at
+    # most this long, then the step fails (0: not waited for)
+    wait_healthy: float = OLD_REQUEST_WAIT_S
 
     def to_json(self) -> dict:
         return {"id": self.id, "kind": self.kind, "summary": self.summary,
                 "steps": [s.to_json() for s in self.steps], "drain_timeout": self.drain_timeout,
-                "plan": self.plan, "gpus": self.gpus, "by_pid": self.by_pid, "ts": self.ts,
-                "state": self.state, "error": self.error}
+                "wait_healthy": self.wait_healthy, "plan": self.plan, "gpus": self.gpus,
+                "by_pid": self.by_pid, "ts": self.ts, "state": self.state, "error": self.error}
 
     @classmethod
     def from_json(cls, data: object) -> ChangeRequest:
@@ -87,7 +93,8 @@ class ChangeRequest:
                    f.number("drain_timeout"), dict(plan.data) if plan else None,
                    [dict(g.data) for g in gpus] if gpus is not None else None, f.str("id"),
                    f.int("by_pid"), f.number("ts"), f.str("state"),
-                   f.str("error", None, optional=True))
+                   f.str("error", None, optional=True),
+                   wait_healthy=f.number("wait_healthy", OLD_REQUEST_WAIT_S))
 
 
 def read_change(directory: Path, name: str = CHANGE_FILE) -> ChangeRequest | None:
