@@ -17,14 +17,15 @@ import pytest
 
 from omni_dp.cli.commands.changes import _ask
 from omni_dp.contract import ExitCode
-from omni_dp.launcher.changes.follow import ask_and_follow
+from omni_dp.launcher.changes.follow import ask_and_follow, describe
 from omni_dp.launcher.changes.request import ChangeRequest, Step, read_change, take
 from omni_dp.launcher.record.state import RunState
+from omni_dp.launcher.supervision.slots import Slot
 from omni_dp.launcher.supervision.supervisor import Supervisor
 from omni_dp.procs import identify
-from omni_dp.runfile import SupervisorRecord
+from omni_dp.runfile import ReplicaState, SupervisorRecord
 
-from support.supervision import FakeStop, FakeWorld, make_state, supervisor
+from support.supervision import FakeWorld, TickingStop, make_state, supervisor
 
 
 class AdminRouter:
@@ -38,21 +39,31 @@ class AdminRouter:
         self.in_flight = in_flight  # each replica's count, poll after poll, then 0
         self.polls: dict[int, int] = {}
         self.refuse: dict[str, tuple[int, object]] = {}
+        self.disabled: set[int] = set()  # taken out by a PUT the router answered 2xx
+        self.ejected: set[int] = set()  # found unhealthy by the router's own checks
 
     def __call__(self, method, url, body=None, timeout=3.0, headers=None):
         index = int(url.rsplit("/", 1)[1]) if method != "POST" else int(body["id"])
         call = {"PUT": "out" if body and body.get("disabled") else "in", "POST": "add",
                 "DELETE": "remove"}[method]
         self.timeline.append((call, index))
-        return self.refuse.get(call, (200, {}))
+        answer = self.refuse.get(call, (200, {}))
+        if 200 <= answer[0] < 300 and call in ("out", "in"):
+            (self.disabled.add if call == "out" else self.disabled.discard)(index)
+        return answer
 
     def workers(self) -> list[dict]:
-        """GET /workers: each replica's in-flight count, one step further at each poll."""
+        """GET /workers: each replica's in-flight count, one step further at each poll, and
+        whether the router routes to it (as the real router describes a replica)."""
         entries = []
         for i in range(8):
             n = self.polls.get(i, 0)
             count = self.in_flight[n] if n < len(self.in_flight) else 0
-            entries.append({"id": str(i), "in_flight": count})
+            health = "unhealthy" if i in self.ejected else "healthy"
+            entries.append({"id": str(i), "in_flight": count, "disabled": i in self.disabled,
+                            "health": health,
+                            "ejected_reason": "failures" if i in self.ejected else None,
+                            "routable": i not in self.disabled and i not in self.ejected})
         return entries
 
     def polled(self, index: int) -> None:
@@ -80,20 +91,23 @@ class Run:
     sup: Supervisor
     router: AdminRouter
     timeline: list[tuple]  # the replicas' calls and the router's, in one order
+    stop: TickingStop  # its waits pass on the supervisor's fake clock
 
 
-def a_run(tmp_path, replicas: int = 3, in_flight: tuple[int, ...] = (2, 1, 0)) -> Run:
+def a_run(tmp_path, replicas: int = 3, in_flight: tuple[int, ...] = (2, 1, 0),
+          share: bool = False) -> Run:
     """A live run of `replicas` healthy replicas, its supervisor on fakes, the admin router."""
-    state = make_state(tmp_path, replicas=replicas)
+    state = make_state(tmp_path, replicas=replicas, share=share)
     sup, world, _ = supervisor(state)
     timeline = sup.replicas.calls
     router = AdminRouter(timeline, in_flight)
     polled = PolledWorld(world.live, router)
     sup.crew.probe = sup.replicas.world = polled
     sup.router.http = router
-    sup.crew.stop = FakeStop()  # the drain's polls and the slot waits do not sleep
+    stop = TickingStop(sup.crew.clock)
+    sup.crew.stop = stop  # the drain's polls, the slot waits and the others' do not sleep
     sup.router.in_flight = _counting(sup.router.in_flight, router)
-    return Run(state, sup, router, timeline)
+    return Run(state, sup, router, timeline, stop)
 
 
 def _counting(in_flight, router: AdminRouter):
@@ -107,16 +121,17 @@ def _counting(in_flight, router: AdminRouter):
     return polled
 
 
-def restart(*replicas: int) -> ChangeRequest:
+def restart(*replicas: int, wait: float = 30.0) -> ChangeRequest:
     return ChangeRequest("restart", tuple(Step("restart", i) for i in replicas),
-                         f"restart replicas {', '.join(map(str, replicas))}", drain_timeout=5.0)
+                         f"restart replicas {', '.join(map(str, replicas))}", drain_timeout=5.0,
+                         wait_healthy=wait)
 
 
-def scale_down(state, to: int) -> ChangeRequest:
+def scale_down(state, to: int, wait: float = 30.0) -> ChangeRequest:
     plan = {**state.record.plan.to_json(), "replicas": to}
     return ChangeRequest("scale", tuple(Step("remove", i)
                                         for i in range(len(state.replicas) - 1, to - 1, -1)),
-                         f"scale to {to}", drain_timeout=5.0, plan=plan)
+                         f"scale to {to}", drain_timeout=5.0, plan=plan, wait_healthy=wait)
 
 
 def followed(state, sup, request: ChangeRequest):
@@ -287,6 +302,195 @@ def test_a_replica_the_router_does_not_add_fails_the_scale_up_with_the_routers_w
     assert not outcome.ok
     assert outcome.error == "the router did not add replica 1: answered 409 (id 1 exists)"
     assert ("start", 1) not in timeline  # never started outside the router
+
+
+# --- the others healthy first ----------------------------------------------------------
+# A step takes its replica out only while every other replica is healthy (Kubernetes'
+# maxUnavailable counts the broken ones too): it waits, says so, and goes on.
+
+
+def restarting(run: Run, index: int):
+    """The sweep restarting this replica (its process was killed); what brings it back."""
+    run.state.update_replica(index, state=ReplicaState.RESTARTING,
+                             last_error="its process is gone")
+
+    def back() -> None:
+        run.state.update_replica(index, state=ReplicaState.STARTING)
+        run.state.update_replica(index, state=ReplicaState.HEALTHY, last_error=None)
+        run.timeline.append(("healthy", index))
+
+    return back
+
+
+def killed(run: Run, index: int):
+    """Killed a moment ago: the record still says healthy, the process table does not."""
+    pid = run.state.replica(index).pid
+    run.sup.crew.probe.live.discard(pid)
+
+    def back() -> None:
+        run.sup.crew.probe.live.add(pid)
+        run.timeline.append(("healthy", index))
+
+    return back
+
+
+def ejected(run: Run, index: int):
+    """Healthy in the record and alive, but the router's own checks ejected it."""
+    run.router.ejected.add(index)
+
+    def back() -> None:
+        run.router.ejected.discard(index)
+        run.timeline.append(("healthy", index))
+
+    return back
+
+
+def failed(run: Run, index: int) -> None:
+    """Out of its restart budget: nothing brings it back on its own."""
+    run.state.update_replica(index, state=ReplicaState.RESTARTING)
+    run.state.update_replica(index, state=ReplicaState.FAILED,
+                             last_error="restart budget exhausted (5 restarts within 600 s)")
+
+
+@pytest.mark.parametrize(("cause", "why"), [
+    (restarting, "restarting"),
+    (killed, "its process is gone"),
+    (ejected, "not routable: the router's health checks find it unhealthy (ejected: failures)"),
+], ids=["restarting", "killed", "ejected"])
+def test_a_restart_takes_its_replica_out_only_once_the_other_one_is_healthy_again(
+        tmp_path, cause, why):
+    run = a_run(tmp_path, replicas=2)
+    run.stop.after(1.5, cause(run, 0))
+    outcome, lines = followed(run.state, run.sup, restart(1))
+    assert outcome.ok, outcome.error
+    assert run.timeline.index(("healthy", 0)) < run.timeline.index(("out", 1))
+    waiting = (f"replica 1: waiting for replica 0 ({why}) to be healthy before taking 1 out "
+               "(at most 30 s)")
+    waited = "replica 1: replica 0 healthy again after 1.5 s; taking 1 out"
+    out = next(line for line in lines if line.startswith("replica 1: out of the router"))
+    assert lines.index(waiting) < lines.index(waited) < lines.index(out), lines
+    assert outcome.to_json()["waits"] == [{"replica": 1, "others": [0], "seconds": 1.5,
+                                           "waited": True}]
+    [event] = [e for e in run.state.events() if e["event"] == "change_waiting"]
+    assert [(o["replica"], o["why"], o["hopeless"]) for o in event["others"]] == \
+        [(0, why, False)]
+    assert event["taking_out"] == [1] and event["bound_s"] == 30.0
+
+
+def test_a_scale_down_removes_its_replica_only_once_the_others_are_healthy(tmp_path):
+    run = a_run(tmp_path, replicas=3)
+    run.stop.after(2.0, restarting(run, 0))
+    outcome, lines = followed(run.state, run.sup, scale_down(run.state, 2))
+    assert outcome.ok, outcome.error
+    assert run.timeline.index(("healthy", 0)) < run.timeline.index(("out", 2))
+    assert ("replica 2: waiting for replica 0 (restarting) to be healthy before taking 2 out "
+            "(at most 30 s)") in lines, lines
+    assert "replica 2: replica 0 healthy again after 2.0 s; taking 2 out" in lines, lines
+    assert [r.index for r in run.state.replicas] == [0, 1]
+
+
+def test_a_step_never_waits_for_its_own_replica_nor_its_group(tmp_path):
+    run = a_run(tmp_path, replicas=2)
+    run.state.update_replica(1, state=ReplicaState.UNHEALTHY,
+                             last_error="/health answered 503 (1 in a row)")
+    outcome, lines = followed(run.state, run.sup, restart(1, wait=5.0))
+    assert outcome.ok, outcome.error
+    assert not [line for line in lines if "waiting for" in line], lines
+    # a weight-share leader's restart takes its followers: one of them down is its own
+    share = a_run(tmp_path / "share", replicas=3, share=True)
+    share.state.update_replica(2, state=ReplicaState.DOWN, last_error="waiting for its leader")
+    outcome, lines = followed(share.state, share.sup, restart(0, wait=5.0))
+    assert outcome.ok, outcome.error
+    assert not [line for line in lines if "waiting for" in line], lines
+    assert order(share.timeline, 2)[0] == "out"
+
+
+def test_the_bound_fails_the_step_saying_which_replica_and_what_to_do(tmp_path, capsys):
+    run = a_run(tmp_path, replicas=2)
+    state, sup = run.state, run.sup
+    restarting(run, 0)  # and it never comes back
+    state.update(supervisor=SupervisorRecord(identify(_pid()), detached=True))
+    done = threading.Thread(target=_supervise_once, args=(state, sup), daemon=True)
+    done.start()
+    with pytest.raises(SystemExit) as exited:
+        _ask("restart", state, restart(1, wait=3.0), as_json=False)
+    done.join(10)
+    assert exited.value.code == ExitCode.RUNTIME
+    out, err = capsys.readouterr()
+    error = ("replica 1 not taken out of the router: replica 0 still not healthy (restarting; "
+             "last error: its process is gone) after 3 s; wait until `omni-dp status "
+             "run-units` shows it healthy and ask again, restart it first (`omni-dp restart "
+             "run-units --replica 0`), or give `omni-dp restart` a longer --wait-healthy (0: "
+             "take replica 1 out anyway)")
+    assert out.strip() == f"omni-dp restart: FAILED: {error}"
+    assert ("omni-dp restart: replica 1: waiting for replica 0 (restarting) to be healthy "
+            "before taking 1 out (at most 3 s)") in err, err
+    assert order(run.timeline, 1) == []  # never out of the router, never stopped
+    assert read_change(state.directory).error == error
+
+
+def test_a_failed_replica_fails_the_step_at_once_nothing_brings_it_back(tmp_path):
+    run = a_run(tmp_path, replicas=3)
+    failed(run, 0)
+    outcome, lines = followed(run.state, run.sup, scale_down(run.state, 2))
+    assert not outcome.ok
+    assert not [line for line in lines if "waiting for" in line], lines
+    assert outcome.error == (
+        "replica 2 not taken out of the router: replica 0 is failed (last error: restart "
+        "budget exhausted (5 restarts within 600 s)), and nothing brings it back on its own; "
+        "restart it first (`omni-dp restart run-units --replica 0`), or give `omni-dp scale` "
+        "--wait-healthy 0 to take replica 2 out anyway")
+    assert run.stop.waits == []  # not waited for
+    assert order(run.timeline, 2) == []
+    assert [r.index for r in run.state.replicas] == [0, 1, 2]
+
+
+def test_wait_healthy_0_does_not_wait_and_says_whom_it_did_not_wait_for(tmp_path):
+    run = a_run(tmp_path, replicas=3)
+    failed(run, 0)
+    outcome, lines = followed(run.state, run.sup, restart(1, wait=0))
+    assert outcome.ok, outcome.error
+    assert ("replica 1: taking 1 out although replica 0 (failed) is not healthy "
+            "(--wait-healthy 0)") in lines, lines
+    assert outcome.to_json()["waits"] == [{"replica": 1, "others": [0], "seconds": 0.0,
+                                           "waited": False}]
+    assert order(run.timeline, 1)[0] == "out"
+
+
+def test_the_others_are_looked_at_again_once_the_replicas_slot_is_held(tmp_path):
+    """A restart the sweep began held replica 1's slot while the step waited for it, and
+    replica 0 went down meanwhile: the step waits for 0 again before taking 1 out."""
+    run = a_run(tmp_path, replicas=2)
+    released = threading.Event()
+    sweep = run.sup.busy.start(Slot.replica(1), released.wait, name="restart-1")
+
+    def meanwhile() -> None:
+        back = restarting(run, 0)
+        released.set()
+        sweep.join(10)  # the sweep's restart ended: the slot is free
+        run.stop.after(3.0, back)
+
+    run.stop.after(0.25, meanwhile)
+    outcome, lines = followed(run.state, run.sup, restart(1))
+    assert outcome.ok, outcome.error
+    assert run.timeline.index(("healthy", 0)) < run.timeline.index(("out", 1))
+    assert ("replica 1: waiting for replica 0 (restarting) to be healthy before taking 1 out "
+            "(at most 30 s)") in lines, lines
+
+
+def test_the_waiting_lines_name_every_replica_waited_for():
+    others = [{"replica": 3, "why": "down"}, {"replica": 4, "why": "its process is gone"}]
+    assert describe({"event": "change_waiting", "replica": 0, "taking_out": [0, 1, 2],
+                     "others": others, "bound_s": 360.0}) == (
+        "replica 0: waiting for replicas 3 (down), 4 (its process is gone) to be healthy "
+        "before taking 0, 1, 2 out (at most 360 s)")
+    assert describe({"event": "change_waited", "replica": 0, "taking_out": [0, 1, 2],
+                     "others": [3, 4], "seconds": 12.5}) == (
+        "replica 0: replicas 3, 4 healthy again after 12.5 s; taking 0, 1, 2 out")
+    assert describe({"event": "change_not_waiting", "replica": 0, "taking_out": [0],
+                     "others": others}) == (
+        "replica 0: taking 0 out although replicas 3 (down), 4 (its process is gone) are not "
+        "healthy (--wait-healthy 0)")
 
 
 # --- helpers ------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ daemon), a fake replica set and a fake router; no process is started."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -219,6 +220,28 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+class TickingStop(FakeStop):
+    """The stop event whose waits pass on the fake clock, without sleeping: each wait moves
+    the clock on by its timeout, then runs what the test scheduled for that moment (another
+    replica back to healthy, the router taking it in again)."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__()
+        self.clock = clock
+        self.scheduled: list[tuple[float, Callable[[], None]]] = []
+
+    def after(self, seconds: float, happen: Callable[[], None]) -> None:
+        """`happen` once the clock has passed NOW + seconds."""
+        self.scheduled.append((NOW + seconds, happen))
+
+    def wait(self, timeout=None):
+        self.clock.now += timeout or 0.0
+        for entry in [e for e in self.scheduled if e[0] <= self.clock.now]:
+            self.scheduled.remove(entry)
+            entry[1]()
+        return super().wait(timeout)
 
 
 def supervisor(state: RunState, *, router: FakeRouter | None = None,

@@ -38,11 +38,30 @@ class Outcome:
     # stopped while the router had not taken them out: no drain, whatever it still sent them
     # was cut or retried by the router
     stopped_in_router: list[int] = field(default_factory=list)
+    # each step that found other replicas not healthy: whom, and how long it waited for them
+    # (waited false: --wait-healthy 0, taken out without waiting)
+    waits: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"id": self.change.id, "kind": self.change.kind, "summary": self.change.summary,
                 "ok": self.ok, "error": self.error, "steps": self.steps,
-                "stopped_in_router": self.stopped_in_router, "seconds": round(self.seconds, 2)}
+                "stopped_in_router": self.stopped_in_router, "waits": self.waits,
+                "seconds": round(self.seconds, 2)}
+
+    def note(self, event: dict) -> None:
+        """What the --json outcome keeps of one of the change's events."""
+        name = event.get("event")
+        if name == "change_step_done":
+            self.steps.append({k: event.get(k) for k in ("action", "replica", "seconds")})
+        if name == "change_drained" and not event.get("out_of_router"):
+            self.stopped_in_router.append(event.get("replica"))
+        if name == "change_waited":
+            self.waits.append({"replica": event.get("replica"), "others": event.get("others"),
+                               "seconds": event.get("seconds"), "waited": True})
+        if name == "change_not_waiting":
+            self.waits.append({"replica": event.get("replica"),
+                               "others": [o.get("replica") for o in event.get("others") or []],
+                               "seconds": 0.0, "waited": False})
 
 
 class EventTail:
@@ -84,11 +103,47 @@ def _drained(event: dict) -> str:
     return f"replica {i}: out of the router, still busy after {seconds} s: the stop drains the rest"
 
 
+def _replicas(indices: object) -> str:
+    listed = indices if isinstance(indices, list) else []
+    return ("replica " if len(listed) == 1 else "replicas ") + ", ".join(map(str, listed))
+
+
+def _others(event: dict) -> str:
+    """The replicas a step found not healthy, each with why: "replica 0 (restarting)"."""
+    others = [o for o in event.get("others") or [] if isinstance(o, dict)]
+    return ("replica " if len(others) == 1 else "replicas ") + ", ".join(
+        f"{o.get('replica')} ({o.get('why')})" for o in others)
+
+
+def _waiting(event: dict) -> str:
+    out = ", ".join(map(str, event.get("taking_out") or []))
+    bound = event.get("bound_s")
+    return (f"replica {event.get('replica')}: waiting for {_others(event)} to be healthy before "
+            f"taking {out} out (at most "
+            f"{f'{bound:g}' if isinstance(bound, (int, float)) else bound} s)")
+
+
+def _waited(event: dict) -> str:
+    out = ", ".join(map(str, event.get("taking_out") or []))
+    return (f"replica {event.get('replica')}: {_replicas(event.get('others'))} healthy again "
+            f"after {event.get('seconds')} s; taking {out} out")
+
+
+def _not_waiting(event: dict) -> str:
+    out = ", ".join(map(str, event.get("taking_out") or []))
+    are = "is" if len(event.get("others") or []) == 1 else "are"
+    return (f"replica {event.get('replica')}: taking {out} out although {_others(event)} "
+            f"{are} not healthy (--wait-healthy 0)")
+
+
 def describe(event: dict) -> str | None:
     """A progress line for one event of the change (None: not one to say)."""
     name, i = event.get("event"), event.get("replica")
     lines: dict[str, Callable[[], str | None]] = {
         "change_step": lambda: f"step {event['step']}: {event['action']} replica {i}",
+        "change_waiting": lambda: _waiting(event),
+        "change_waited": lambda: _waited(event),
+        "change_not_waiting": lambda: _not_waiting(event),
         "change_drained": lambda: _drained(event),
         "restart_completed": lambda: f"replica {i}: passed its gates "
                                      f"({', '.join(event.get('gates') or [])}), "
@@ -120,10 +175,7 @@ def ask_and_follow(directory: Path, request: ChangeRequest, supervisor: ProcessI
         for event in tail.read():
             if event.get("change") not in (None, request.id):
                 continue
-            if event.get("event") == "change_step_done":
-                outcome.steps.append({k: event.get(k) for k in ("action", "replica", "seconds")})
-            if event.get("event") == "change_drained" and not event.get("out_of_router"):
-                outcome.stopped_in_router.append(event.get("replica"))
+            outcome.note(event)
             line = describe(event)  # a restart's own events carry no change id: said too
             if line:
                 say(line)
@@ -137,7 +189,8 @@ def ask_and_follow(directory: Path, request: ChangeRequest, supervisor: ProcessI
             ended = read_change(directory)
             if ended is not None and ended.id == request.id and ended.state in ("done", "failed"):
                 return Outcome(request, ended.state == "done", ended.error, outcome.steps,
-                               time.monotonic() - started, outcome.stopped_in_router)
+                               time.monotonic() - started, outcome.stopped_in_router,
+                               outcome.waits)
             outcome.error = "the run's supervisor is gone; the change did not end"
             return outcome
         time.sleep(POLL_S)

@@ -9,6 +9,9 @@ alone, and the step waits for a restart the sweep began to end first.
 - add: recorded, into the router (out of rotation), started through the gates, then in;
 - remove: out of the router, drained, stopped, out of the router and the gateway for good, and
   gone from the record (the highest-numbered first, so the others keep their numbers).
+Before a restart or a remove takes its replica (and its group) out, every other replica must be
+healthy (others_healthy.py): the step waits for that, says so (change_waiting, then
+change_waited), at most the change's wait_healthy, and fails on a failed replica at once.
 A step that fails stops the change there (what passed stays; the failed replica is down, as
 after a failed restart: the sweep tries it again); the change is recorded failed, said.
 Operator restarts are not charged to a replica's restart budget.
@@ -20,15 +23,26 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 from omni_dp.launcher.changes.request import ChangeRequest, Step, finish
 from omni_dp.launcher.supervision.crew import Crew
+from omni_dp.launcher.supervision.others_healthy import NotHealthy, not_healthy
 from omni_dp.launcher.supervision.replica_restart import Progress, ReplicaRestart
 from omni_dp.launcher.supervision.router_link import RouterLink
 from omni_dp.launcher.supervision.slots import Busy, Slot
 from omni_dp.runfile import GpuRecord, PlanRecord, ReplicaRecord, ReplicaState
 
 SLOT_WAIT_S = 600.0  # for a restart the sweep began on the same replica to end
+WAIT_POLL_S = 0.5  # how often a step waiting for the others looks again
+
+
+@dataclass
+class Waiting:
+    """One step's wait for the other replicas: since when, and whom it said it waits for."""
+
+    since: float
+    said: set[int] = field(default_factory=set)
 
 
 class StepFailed(Exception):
@@ -85,7 +99,7 @@ class ChangeRunner:
 
     def _restart(self, change: ChangeRequest, step: Step) -> None:
         members = self.restart_group(step.replica)
-        with self._holding(step.replica):
+        with self._taking_out(change, step.replica, members):
             for i in members:
                 self._out_and_drained(change, i)
                 if self.crew.state.replica(i).state is not ReplicaState.RESTARTING:
@@ -125,7 +139,7 @@ class ChangeRunner:
         if index != len(state.replicas) - 1:
             raise StepFailed(f"replica {index} is not the highest-numbered one: scale removes "
                              "from the top")
-        with self._holding(index):
+        with self._taking_out(change, index, [index]):
             self._out_and_drained(change, index)
             self.crew.replicas.stop([index], change.drain_timeout)
             refused = self.router.remove(index)
@@ -143,6 +157,78 @@ class ChangeRunner:
         """The replica and its dependents (a weight-share leader's followers)."""
         return [index, *(s.index for s in self.busy.deps.dependents(Slot.replica(index))
                          if s.kind == "replica" and s.index is not None)]
+
+    @contextmanager
+    def _taking_out(self, change: ChangeRequest, index: int, members: list[int]):
+        """This replica's slot, once every replica outside `members` is healthy. The wait
+        comes before the slot is taken (the sweep must stay free to restart the others: a
+        follower's slot held would hold back its leader's restart), and the others are looked
+        at again once it is held, should they have changed while it waited for the slot."""
+        waiting = Waiting(self.crew.clock())
+        while True:
+            self._wait_for_others(change, index, members, waiting)
+            with self._holding(index):
+                if change.wait_healthy == 0 or not self._not_healthy(members):
+                    self._waited(change, index, members, waiting)
+                    yield
+                    return
+
+    def _not_healthy(self, members: list[int]) -> list[NotHealthy]:
+        others = [r.index for r in self.crew.state.replicas if r.index not in members]
+        routing = self.router.routing() if others else None
+        return not_healthy(self.crew, self.busy, routing, others)
+
+    def _wait_for_others(self, change: ChangeRequest, index: int, members: list[int],
+                         waiting: Waiting) -> None:
+        """Until every replica outside `members` is healthy; StepFailed past the change's
+        bound, or at once on a replica nothing brings back on its own. Each one newly waited
+        for is an event (change_waiting), which the command says. wait_healthy 0: not waited
+        for; whom it did not wait for is said."""
+        while unready := self._not_healthy(members):
+            if change.wait_healthy == 0:
+                self.crew.state.event("change_not_waiting", change=change.id, replica=index,
+                                      taking_out=members, others=[u.to_json() for u in unready])
+                return
+            waited = self.crew.clock() - waiting.since
+            stuck = [u for u in unready if u.hopeless] or (
+                unready if waited >= change.wait_healthy else [])
+            if stuck:
+                raise StepFailed(self._stuck(change, members, stuck, waited))
+            if {u.index for u in unready} - waiting.said:
+                self.crew.state.event("change_waiting", change=change.id, replica=index,
+                                      taking_out=members, others=[u.to_json() for u in unready],
+                                      bound_s=change.wait_healthy)
+                waiting.said.update(u.index for u in unready)
+            if self.crew.stop.wait(WAIT_POLL_S) or self.crew.gate.closed:
+                raise StepFailed("the run is being torn down")
+
+    def _waited(self, change: ChangeRequest, index: int, members: list[int],
+                waiting: Waiting) -> None:
+        """The wait is over, every one waited for found healthy: said with how long it took."""
+        if waiting.said and change.wait_healthy != 0:
+            self.crew.state.event("change_waited", change=change.id, replica=index,
+                                  taking_out=members, others=sorted(waiting.said),
+                                  seconds=round(self.crew.clock() - waiting.since, 2))
+
+    def _stuck(self, change: ChangeRequest, members: list[int], stuck: list[NotHealthy],
+               waited: float) -> str:
+        """Why the step did not take its replicas out, and what a person can do about it."""
+        state, command = self.crew.state, self.crew.state.plan.command
+        out, it = _replicas(members), "it" if len(stuck) == 1 else "them"
+        restart = (f"restart {it} first (`{command} restart {state.run_id} "
+                   + " ".join(f"--replica {u.index}" for u in stuck) + "`)")
+        if stuck[0].hopeless:
+            said = "; ".join(f"replica {u.index} is {u.why}" + _last(u.last_error, " (", ")")
+                             for u in stuck)
+            return (f"{out} not taken out of the router: {said}, and nothing brings {it} back "
+                    f"on its own; {restart}, or give `{command} {change.kind}` --wait-healthy 0"
+                    f" to take {out} out anyway")
+        said = "; ".join(f"replica {u.index} still not healthy ({u.why}"
+                         + _last(u.last_error, "; ", "") + ")" for u in stuck)
+        return (f"{out} not taken out of the router: {said} after {waited:.0f} s; wait until "
+                f"`{command} status {state.run_id}` shows {it} healthy and ask again, "
+                f"{restart}, or give `{command} {change.kind}` a longer --wait-healthy (0: "
+                f"take {out} out anyway)")
 
     def _out_and_drained(self, change: ChangeRequest, index: int) -> None:
         """Out of the router (and the gateway), then its in-flight requests given the drain
@@ -197,3 +283,11 @@ class ChangeRunner:
 
     def _mine(self, slot: Slot) -> bool:
         return self.busy.holder(slot) is threading.current_thread()
+
+
+def _last(error: str | None, before: str, after: str) -> str:
+    return f"{before}last error: {error}{after}" if error else ""
+
+
+def _replicas(indices: list[int]) -> str:
+    return ("replica " if len(indices) == 1 else "replicas ") + ", ".join(map(str, indices))
