@@ -285,5 +285,7 @@ def test_wait_healthy_goes_from_the_command_line_to_the_request(tmp_path, monkey
         refused = CliRunner().invoke(cli, ["restart", "r", "--wait-healthy", bad])
         assert refused.exit_code == 2 and "--wait-healthy" in refused.output
     for command in ("restart", "scale"):
-        shown = " ".join(CliRunner().invoke(cli, [command, "--help"]).output.split())
+        # click may wrap a line at a hyphen ("--start-" / "timeout"): joined again
+        shown = " ".join(CliRunner().invoke(cli, [command, "--help"]).output.split()
+                         ).replace("- ", "-")
         assert "0: do not wait" in shown and "--start-timeout plus 60 s" in shown, shown
