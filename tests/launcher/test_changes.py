@@ -112,6 +112,27 @@ def test_a_restart_that_leaves_nothing_serving_is_refused_unless_downtime_is_all
         plan_restart(two.record, replicas=[0])
 
 
+@pytest.mark.parametrize("broken", [ReplicaState.FAILED, ReplicaState.DOWN])
+def test_a_rolling_restart_restarts_the_replicas_that_do_not_serve_first(tmp_path, broken):
+    """A failed replica is what an operator's restart is for: it goes first (each later step
+    waits for the others to be healthy, so a failed one left for last would fail the change
+    at its first step), and the steps after it count on it serving again, not on its state now
+    (before: refused as leaving nothing serving)."""
+    def break_(run: RunState, index: int) -> None:
+        path = [broken] if broken is ReplicaState.DOWN else [ReplicaState.RESTARTING, broken]
+        for step in path:  # as the sweep records it
+            run.update_replica(index, state=step)
+
+    state = launched(tmp_path, cpu_facts(tmp_path, cores=3), replicas=3)
+    break_(state, 2)
+    assert steps(plan_restart(state.record)) == [("restart", 2), ("restart", 0), ("restart", 1)]
+    two = launched(tmp_path / "two", cpu_facts(tmp_path / "two"))
+    break_(two, 1)
+    assert steps(plan_restart(two.record)) == [("restart", 1), ("restart", 0)]
+    with pytest.raises(ChangePlanError, match="no other replica is serving meanwhile"):
+        plan_restart(two.record, replicas=[0])  # nothing restarts 1 first: still refused
+
+
 def test_a_weight_share_leader_restarts_last_and_takes_its_followers(tmp_path):
     state = launched(tmp_path, cpu_facts(tmp_path, cores=3), replicas=3, share_weights=True)
     with pytest.raises(ChangePlanError, match="replica 0's restart takes down replicas 0, 1, 2"):

@@ -113,8 +113,12 @@ def _group(record: RunRecord, index: int) -> list[int]:
     return [index]
 
 
-def _serving_others(record: RunRecord, down: list[int]) -> list[int]:
-    return [r.index for r in record.replicas if r.index not in down and r.state in SERVING]
+def _serving_others(record: RunRecord, down: list[int],
+                    back: frozenset[int] = frozenset()) -> list[int]:
+    """The replicas that serve while `down` is down: serving now, or `back` (restarted by an
+    earlier step of the same change, which fails there if one does not pass its gates)."""
+    return [r.index for r in record.replicas
+            if r.index not in down and (r.state in SERVING or r.index in back)]
 
 
 # --- omni-dp restart -------------------------------------------------------------------------
@@ -130,11 +134,18 @@ def plan_restart(record: RunRecord, *, replicas: list[int] | None = None,
     if problems:
         raise ChangePlanError(problems)
     wanted = list(dict.fromkeys(replicas)) if replicas else [r.index for r in record.replicas]
+    # The replicas that do not serve first, as Kubernetes replaces its broken pods first: each
+    # later step waits for every other replica to be healthy (--wait-healthy), and a failed
+    # one that the change restarts last would fail the change at its first step.
+    state = {r.index: r.state for r in record.replicas}
+    wanted.sort(key=lambda i: state[i] in SERVING)
     group = _group(record, LEADER)
     order = wanted
     if LEADER in wanted and len(group) > 1:  # the leader's restart takes its followers: last
         order = [i for i in wanted if i not in group] + [LEADER]
-    problems = [] if allow_downtime else [p for i in order for p in _downtime(record, i)]
+    problems = [] if allow_downtime else [
+        p for n, i in enumerate(order)
+        for p in _downtime(record, i, frozenset(j for k in order[:n] for j in _group(record, k)))]
     plan, launches = None, {}
     if engine_args is not None:  # planned whatever else is wrong: every problem at once
         try:
@@ -167,9 +178,10 @@ def _restart_problems(record: RunRecord, replicas: list[int] | None,
     return problems
 
 
-def _downtime(record: RunRecord, index: int) -> list[str]:
+def _downtime(record: RunRecord, index: int, back: frozenset[int] = frozenset()) -> list[str]:
+    """Why restarting `index` would leave nothing serving; `back`: restarted before it."""
     down = _group(record, index)
-    if _serving_others(record, down):
+    if _serving_others(record, down, back):
         return []
     if len(record.replicas) == 1:
         return [f"replica {index} is the run's only replica: while it restarts every request "
