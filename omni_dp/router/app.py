@@ -154,10 +154,11 @@ class Router:
             task.cancel()
 
     def candidates(self, ctx: RequestContext) -> list[Replica]:
-        """The replicas this request may go to now: routable, with room, not tried by it."""
+        """The replicas this request may go to now: routable, with room, not tried by it (in
+        this generation: one restarted since is new to it)."""
         cap = self.config.max_inflight_per_replica
         return [r for r in self.replicas.routable()
-                if r.in_flight < cap and r.id not in ctx.tried]
+                if r.in_flight < cap and not ctx.has_tried(r)]
 
     def select(self, ctx: RequestContext) -> Replica | None:
         return self.policy.select(self.candidates(ctx), ctx)

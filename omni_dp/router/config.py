@@ -93,12 +93,13 @@ class RouterConfig:
     request_timeout_s: float = field(default=1800.0, metadata={
         "flag": "--request-timeout", "help": "Seconds a whole proxied request may take."})
     # Generation has no side effects: a request none of whose answer reached the client can
-    # go to another replica; never to one it was already sent to.
+    # go to another replica; never to one it was already sent to (unless restarted since).
     retries: int = field(default=1, metadata={
         "help": "Times a request is sent again, each time to a replica it was not sent to "
-                "yet, when its replica failed before any byte of the answer reached the "
-                "client: connection refused or reset, closed before its status line, a 5xx "
-                "from a replica going away (X-Omni-DP-Going-Away), found hung. 0: never."})
+                "yet (a replica restarted since counts as not tried), when its replica failed "
+                "before any byte of the answer reached the client: connection refused or "
+                "reset, closed before its status line, a 5xx from a replica going away "
+                "(X-Omni-DP-Going-Away), found hung. 0: never."})
     resumes: int = field(default=1, metadata={
         "help": "Times a stream cut after its first byte reached the client is continued by "
                 "another replica from the byte the client has (built-in engine, wav and pcm, "

@@ -3,6 +3,8 @@
 unknown --1 success--> healthy --failure_threshold failures--> unhealthy (ejected)
 healthy --found hung (hangs.py: no answer in time, then a failed check)--> unhealthy (ejected)
 unhealthy --success_threshold successful probes--> healthy
+Each way into healthy (and an admin's enable, mark_healthy) is a new generation of the replica
+(Replica.readmitted): requests that tried it before may go to it again.
 Failures are consecutive failed probes, or connection errors / 502 / 504 while proxying; any
 other answer from a replica (4xx, 429, 503, ordinary 500) is a working replica, not a failure.
 Every such answer but 503 also clears the failures counted so far; a 503 leaves them as they
@@ -73,6 +75,7 @@ def record_success(replica: Replica, cfg: HealthConfig, *, probe: bool) -> None:
         replica.health = Health.HEALTHY
         replica.last_error = None
         replica.ejected_reason = replica.ejected_at = None
+        replica.readmitted()
 
 
 def mark_healthy(replica: Replica) -> None:
@@ -82,6 +85,7 @@ def mark_healthy(replica: Replica) -> None:
     replica.consecutive_successes = 0
     replica.last_error = None
     replica.ejected_reason = replica.ejected_at = None
+    replica.readmitted()
 
 
 async def check(session: aiohttp.ClientSession, replica: Replica, path: str,

@@ -9,8 +9,8 @@ Rules that matter for a fleet of same-GPU replicas:
   head leaves with its first body byte, so a replica that fails in between has sent the client
   nothing;
 - a request whose replica failed before any byte reached the client is sent again, each time
-  to a replica it was not sent to yet, up to --retries times within its deadline
-  (--request-timeout): generation has no side effects;
+  to a replica it was not sent to yet (or that was restarted since), up to --retries times
+  within its deadline (--request-timeout): generation has no side effects;
 - after the first byte, an answer the request's resume strategy can continue (resume.py) is
   continued by another replica from the byte the client has (--resumes), or for an LLM
   stream from the tokens it has (--migration-limit; migration.py, token_stream.py); any other
@@ -230,7 +230,7 @@ class Forwarder:
                 replica = router.select(ex.ctx)
                 if replica is None:
                     return await self._no_replica(ex)
-                ex.ctx.tried.add(replica.id)
+                ex.ctx.note_tried(replica)
                 ex.record.tried.append(replica.id)
                 ex.record.replica, ex.record.attempts = replica.id, ex.record.attempts + 1
                 try:

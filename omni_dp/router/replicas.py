@@ -95,10 +95,17 @@ class Replica:
     ejected_at: float | None = None  # Unix time of that ejection
     last_error: str | None = None
     removed: bool = False  # set when taken out of the set; in-flight requests still finish
+    # Bumped each time it becomes routable again (healthy after unknown or ejected, enabled
+    # after disabled): a restarted replica is a new process, which no request has tried yet.
+    generation: int = 0
 
     @property
     def routable(self) -> bool:
         return self.health == Health.HEALTHY and not self.disabled and not self.removed
+
+    def readmitted(self) -> None:
+        """It is healthy again, or enabled: a new generation."""
+        self.generation += 1
 
     def dispatched(self) -> _Dispatched:
         """Counts one request in flight to this replica until the `with` block is left."""
@@ -117,6 +124,7 @@ class Replica:
             "ejected_reason": self.ejected_reason.value if self.ejected_reason else None,
             "ejected_at": self.ejected_at,
             "hangs": self.num_hangs,
+            "generation": self.generation,
             "consecutive_failures": self.consecutive_failures,
             "last_error": self.last_error,
         }

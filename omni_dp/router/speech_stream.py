@@ -246,7 +246,7 @@ class _ProxiedSession:
             replica = router.select(self.ctx)
             if replica is None:
                 return None
-            self.ctx.tried.add(replica.id)
+            self.ctx.note_tried(replica)
             self.record.tried.append(replica.id)
             self.record.replica, self.record.attempts = replica.id, self.record.attempts + 1
             headers = {REQUEST_ID: self.record.request_id}

@@ -24,6 +24,7 @@ from support.router import (
     serve,
     total,
 )
+from support.wait import until
 
 
 async def going_away(backend, request, seen):
@@ -197,3 +198,50 @@ def test_the_deadline_bounds_the_retries():
     assert status == 502
     assert error_body(body)["type"] == "timeout"
     assert b_seen == 0
+
+
+async def drops_its_first(backend, request, seen):
+    """Its first request is dropped before the status line (a kill -9); then it answers, as a
+    replica restarted by its supervisor does."""
+    if len(backend.seen) == 1:
+        request.transport.abort()
+        return web.Response()
+    return web.json_response({"backend": backend.name})
+
+
+def restart(served, replica_id: str) -> None:
+    """What the supervisor does around a replica's restart (PUT /workers/ID twice)."""
+    replica = served.replica(replica_id)
+    served.router.set_disabled(replica, True)
+    served.router.set_disabled(replica, False)
+
+
+def test_a_replica_restarted_while_the_retry_was_elsewhere_may_take_the_request_again(caplog):
+    """a drops the request; while its retry is on b, a is restarted (a new process); b drops
+    it too: the second retry goes to a, which this request tried before it restarted."""
+    caplog.set_level(logging.INFO, logger="omni_dp.router.access")
+
+    async def holds_then_drops(backend, request, seen):
+        await backend.release.wait()
+        request.transport.abort()
+        return web.Response()
+
+    async def main():
+        a, b = Backend("a", drops_its_first), Backend("b", holds_then_drops)
+        async with backends(a, b), \
+                serve(make_config([f"a={a.url}", f"b={b.url}"], policy="round_robin",
+                                  failures=100, retries=2)) as served, client() as session:
+            asking = asyncio.create_task(fetch(session, "POST", served.url + "/x", data=b"{}",
+                                               headers={"X-Request-ID": "gen"}))
+            await until(lambda: len(b.seen) == 1, 3, "the retry on b")
+            restart(served, "a")
+            b.release.set()
+            status, headers, _ = await asyncio.wait_for(asking, 3)
+            await served.wait_idle()
+            return status, headers, served.replica("a").generation
+
+    status, headers, generation = run(main())
+    assert (status, headers["X-Omni-DP-Replica"]) == (200, "a")
+    assert generation == 2  # its first check, then the enable
+    route = routes(caplog)["gen"]
+    assert (route["tried"], route["retries"]) == (["a", "b", "a"], ["disconnected"] * 2)
