@@ -323,3 +323,54 @@ def test_an_owner_that_survives_its_sigkill_is_a_leftover_and_the_state_is_kept(
     finally:
         owner.kill()
         owner.wait()
+
+
+# A replica that leaves a file of its own in its TMPDIR (as vLLM leaves vllm_dist_<uuid>)
+_LEAVES_A_FILE = ("import os, time; open(os.path.join('tmp', str(os.getpid())), 'w').close(); "
+                  "time.sleep(60)")
+
+
+@pytest.mark.parametrize("per_process", [True, False])
+def test_an_external_replica_starts_without_what_its_last_process_left_in_its_tmp(
+        tmp_path, monkeypatch, per_process):
+    """Found by bench/soak.py: every restart of a vLLM replica left the dead process's
+    vllm_dist_* file in its TMPDIR (engines/replica_<i>/tmp) for as long as the run lived. An
+    engine whose TMPDIR is one process's (tmp_per_process) starts with tmp/ and rpc/ empty;
+    its cache/ stays, and so does the TMPDIR of one that may keep caches there."""
+    from omni_dp.launcher.bringup.replicas import ReplicaControl
+    from omni_dp.launcher.engines import ENGINES, BuiltinEngine
+    from omni_dp.rundir import engine_work_dir
+
+    class External(BuiltinEngine):
+        external = True
+        tmp_per_process = per_process
+
+    monkeypatch.setitem(ENGINES, "builtin", External())
+    state = RunState.create(two_replica_plan(tmp_path))
+    state.update_replica(0, argv=(sys.executable, "-c", _LEAVES_A_FILE))
+    control = ReplicaControl(state)
+    work = engine_work_dir(state.directory, 0)
+
+    def start() -> subprocess.Popen:
+        control.start(0)
+        popen = control.popens[0]
+        deadline = time.monotonic() + 30
+        while not (work / "tmp" / str(popen.pid)).exists():
+            assert time.monotonic() < deadline and popen.poll() is None
+            time.sleep(0.05)
+        return popen
+
+    first = start()
+    first.kill()  # by its own pid: this test's child
+    first.wait()
+    (work / "cache" / "compiled").write_text("kept")
+    (work / "rpc" / "stale.sock").write_text("")
+    second = start()
+    try:
+        left = {p.name for p in (work / "tmp").iterdir()}
+        assert left == ({str(second.pid)} if per_process else {str(first.pid), str(second.pid)})
+        assert (work / "cache" / "compiled").read_text() == "kept"
+        assert (work / "rpc" / "stale.sock").exists() is not per_process
+    finally:
+        second.kill()
+        second.wait()

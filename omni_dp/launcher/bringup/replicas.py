@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -51,6 +52,11 @@ RUNNING = (ReplicaState.STARTING, ReplicaState.HEALTHY, ReplicaState.UNHEALTHY,
 # An external engine's own directory per replica, its working directory: TMPDIR, caches, and
 # IPC sockets named relative to it (see the adapters)
 WORK_SUBDIRS = ("tmp", "cache", "rpc")
+# What of it belongs to one process of an engine whose caches are elsewhere
+# (EngineAdapter.tmp_per_process): emptied before each start, when none of the replica runs,
+# so that restarts do not pile up dead processes' files (vLLM leaves a vllm_dist_<uuid> file
+# in its TMPDIR per process). cache/ stays.
+PER_PROCESS_SUBDIRS = ("tmp", "rpc")
 
 
 class ReplicaControl:
@@ -86,6 +92,8 @@ class ReplicaControl:
             work = engine_work_dir(self.state.directory, index)
             for path in (work.parent, work, *(work / name for name in WORK_SUBDIRS)):
                 make_private_dir(path)
+            for name in PER_PROCESS_SUBDIRS if self.engine.tmp_per_process else ():
+                empty_dir(work / name)
         if self.sharing and index == LEADER:
             # The directory it publishes in, private before it exists; what an earlier leader
             # published is no proof of this one's (its manifest is checked against this pid).
@@ -393,3 +401,11 @@ def segment_mapped_problem(pid: int, segment: Path) -> str | None:
     return segment_mapping_problem(maps, (os.major(info.st_dev), os.minor(info.st_dev)),
                                    info.st_ino, segment)
 
+
+def empty_dir(path: Path) -> None:
+    """Remove what is in `path` (links themselves, never what they point to); keep `path`."""
+    for entry in path.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)

@@ -178,6 +178,9 @@ class EngineAdapter(Protocol):
     # (`return_token_ids`): the router's --migration-path, for --migration-limit. () for an
     # engine without such streams (migration refused).
     migration_paths: tuple[str, ...]
+    # True: what the engine writes in its TMPDIR (an external engine's work dir's tmp/) is one
+    # process's alone — its caches are pointed elsewhere — so it is emptied before each start.
+    tmp_per_process: bool
 
     def plan_kv(self, request: KvRequest) -> tuple[KvPlan | None, list[str]]:
         """Pure: the pin in the engine's knobs, or every reason it cannot be pinned."""

@@ -42,6 +42,7 @@ class BuiltinEngine:
         "--share-dir": "omni-dp launch --share-weights (the run's share/ directory)",
     })
     kv_profiled = False
+    tmp_per_process = False  # no work directory of its own
     fixed_default_kv = True
     needs_gpu = False
     shares_weights = True  # --share-weights: one copy of the weights per run

@@ -60,6 +60,7 @@ class SglangEngine:
         "--data-parallel-size": "omni-dp launch --replicas",
     })
     kv_profiled = True  # the pool depends on what was free when each replica started
+    tmp_per_process = False  # its TMPDIR may hold compile caches (torch's inductor, by default)
     fixed_default_kv = False
     needs_gpu = True
     shares_weights = False

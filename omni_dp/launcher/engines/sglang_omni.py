@@ -57,6 +57,7 @@ class SglangOmniEngine:
                  "sglang-omni's must stay off)",
     })
     kv_profiled = True  # unpinned, each engine stage sizes its KV from what is free
+    tmp_per_process = False  # its TMPDIR may hold compile caches (torch's inductor, by default)
     fixed_default_kv = False
     needs_gpu = True
     shares_weights = False

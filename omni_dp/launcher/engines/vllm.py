@@ -59,6 +59,8 @@ class VllmEngine:
         "-dp": "omni-dp launch --replicas",
     })
     kv_profiled = False  # an exact block count: every replica the same, whatever is free
+    # its caches are in cache/ (environment below); its TMPDIR gets a vllm_dist_* per process
+    tmp_per_process = True
     fixed_default_kv = False
     needs_gpu = False  # the CPU build serves on the host
     shares_weights = False
