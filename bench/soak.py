@@ -132,31 +132,41 @@ class Soak:
         self.load.t0 = self.t0 = time.monotonic()
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as session:
-            self.references = await self.load.references(session)
-            if self.args.sabotage == "wrong-reference":  # checking the checks
-                ref = next(r for r in self.load.refs.values() if r.exact)
-                ref.payload = ref.payload[:-1] + bytes([ref.payload[-1] ^ 1])
-            self.say(f"references: {len(self.load.refs)} asks, exact: {self.load.exact()}")
             self.nemesis = Nemesis(self, session)
-            clients = self.load.start(session)
             background = [asyncio.create_task(self.sampler()),
                           asyncio.create_task(self.status_lines())]
+            clients: list[asyncio.Task] = []
             try:
+                self.references = await self.load.references(session)
+                if self.args.sabotage == "wrong-reference":
+                    self.sabotage_reference()
+                self.say(f"references: {len(self.load.refs)} asks, exact: {self.load.exact()}")
+                clients = self.load.start(session)
                 await self.nemesis.run(self.args.duration)
-                tail = self.args.duration - self.load.now()
+                tail = max(self.args.gap[0], self.args.duration - self.load.now())
                 if self.nemesis.stopped_early:
                     tail = min(tail, 30.0)
-                await asyncio.sleep(max(0.0, tail))
+                await asyncio.sleep(tail)  # load after the last fault, a gap at least
             finally:
                 self.load.stop.set()
                 self.nemesis.release()
                 for task in background:
                     task.cancel()
-                longest = max(self.args.bounds.values()) * 2 + 10
-                _, pending = await asyncio.wait(clients, timeout=longest)
-                for task in pending:
-                    task.cancel()
+                if clients:
+                    longest = max(self.args.bounds.values()) * 2 + 10
+                    _, pending = await asyncio.wait(clients, timeout=longest)
+                    for task in pending:
+                        task.cancel()
                 await asyncio.gather(*clients, *background, return_exceptions=True)
+
+    def sabotage_reference(self) -> None:
+        """Checking the checks: one reference made wrong (a byte flipped, or where answers
+        are not reproducible, a duration three times the real one)."""
+        ref = next(iter(self.load.refs.values()))
+        if ref.exact:
+            ref.payload = ref.payload[:-1] + bytes([ref.payload[-1] ^ 1])
+        else:
+            ref.measure *= 3
 
     async def sampler(self) -> None:
         while True:
@@ -210,7 +220,9 @@ def summary(soak: Soak, down: dict, launch_error: str | None) -> dict:
     faults = soak.nemesis.faults if soak.nemesis else []
     tolerance = checks.Tolerance()
     roles = ["router", "supervisor", *(f"replica {i}" for i in sorted(soak.shape))]
-    drift = checks.drift(soak.samples, roles, a.warmup, a.window, tolerance)
+    spans = checks.quiet(faults, soak.load.now())
+    count = max(3, round(a.window / a.sample_every))
+    drift = checks.drift(soak.samples, roles, a.warmup, count, tolerance, spans)
     verdicts = [checks.references(soak.references + ([launch_error] if launch_error else [])),
                 checks.answers(done, faults, a.whole_bound), checks.bounds(done, a.bounds),
                 checks.whole(faults, a.whole_bound), checks.commands(faults),
@@ -223,7 +235,7 @@ def summary(soak: Soak, down: dict, launch_error: str | None) -> dict:
                 "started": time.time() - soak.load.now(), "engine_args": soak.engine_args,
                 "update_args": soak.update_args, "launch_args": soak.launch_args(),
                 "clients": a.clients, "sample_every": a.sample_every, "warmup": a.warmup,
-                "window": a.window, "tolerance": tolerance.describe(), "run_id": soak.run_id},
+                "count": count, "tolerance": tolerance.describe(), "run_id": soak.run_id},
         "requests": checks.by_outcome(done), "latency": latency(done, a.bounds),
         "exact": soak.load.exact(), "faults": [dataclasses.asdict(f) for f in faults],
         "drift": drift, "verdicts": [dataclasses.asdict(v) for v in verdicts],
@@ -280,8 +292,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=seconds, default=None,
                    help="resources are judged after this [default: 10%% of the duration]")
     p.add_argument("--window", type=seconds, default=None,
-                   help="the first and last windows compared [default: 10%% of the duration, "
-                        "at least 20 s]")
+                   help="resources: the first and the last WINDOW / --sample-every samples "
+                        "taken while no fault was going on are compared (medians; 3 at least) "
+                        "[default: 10%% of the duration, at least 20 s]")
     p.add_argument("--status-every", type=float, default=60.0, help="seconds between status "
                    "lines [default: 60]")
     p.add_argument("--launch-args", default="",

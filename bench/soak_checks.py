@@ -10,8 +10,9 @@ sampler recorded — tests call them on records made by hand. Each gives a Verdi
 2. bounds: no request took longer than its class's bound.
 3. whole: the run whole again after every fault (soak_run.RunView.problems), within the bound.
 4. commands: every day-two command (restart, scale) exited 0.
-5. flat: each role's RSS, open descriptors and threads (every process of the role summed) in
-   the last window no more than the first window's after warm-up plus the tolerance (medians).
+5. flat: each role's RSS, open descriptors and threads (every process of the role summed),
+   sampled while no fault was going on: the median of its last samples no more than that of
+   its first after warm-up, plus the tolerance.
 6. down: `omni-dp down` exited 0 and left no process, port or file.
 """
 
@@ -109,22 +110,42 @@ def coverage(faults, kinds: list[str]) -> Verdict:
                    "no overlap")
 
 
-def drift(samples, roles: list[str], warmup: float, window: float,
-          tolerance: Tolerance) -> list[dict]:
-    """Per role: the first window's medians after warm-up, the last window's, the peak, how
-    many processes the role went through, and whether it stayed within the tolerance."""
-    end = max((s.t for s in samples), default=0.0)
+def quiet(faults, end: float) -> list[tuple[float, float]]:
+    """When no fault was in progress: between an event's last fault whole again and the next
+    event's first strike (an event never whole: busy to the end)."""
+    events: dict[int, tuple[float, float]] = {}
+    for f in faults:
+        until = end if f.whole_s is None else f.at + f.whole_s
+        a, b = events.get(f.number, (f.at, until))
+        events[f.number] = (min(a, f.at), max(b, until))
+    spans, t = [], 0.0
+    for a, b in sorted(events.values()):
+        if a > t:
+            spans.append((t, a))
+        t = max(t, b)
+    if t < end:
+        spans.append((t, end))
+    return spans
+
+
+def drift(samples, roles: list[str], warmup: float, count: int, tolerance: Tolerance,
+          spans: list[tuple[float, float]] | None = None) -> list[dict]:
+    """Per role: the medians of its first `count` quiet samples after warm-up and of its last
+    `count` (quiet: in `spans`, the run whole and no fault going on — a restart's cold
+    process is no baseline), the peak over all, how many processes the role went through,
+    and whether it stayed within the tolerance."""
     rows = []
     for role in roles:
-        mine = [s for s in samples if s.role == role and s.t >= warmup]
-        first = [s for s in mine if s.t <= warmup + window]
-        last = [s for s in mine if s.t >= end - window]
-        row: dict = {"role": role, "samples": len(mine),
-                     "processes": len({s.pids[0] for s in samples if s.role == role})}
-        if len(first) < 2 or len(last) < 2:
+        mine = [s for s in samples if s.role == role]
+        calm = [s for s in mine if s.t >= warmup
+                and (spans is None or any(a <= s.t <= b for a, b in spans))]
+        row: dict = {"role": role, "samples": len(calm),
+                     "processes": len({s.pids[0] for s in mine})}
+        if len(calm) < 2 * count:
             row["judged"] = False
             rows.append(row)
             continue
+        first, last = calm[:count], calm[-count:]
         for name in ("rss", "fds", "threads"):
             row[name] = (statistics.median(getattr(s, name) for s in first),
                          statistics.median(getattr(s, name) for s in last),

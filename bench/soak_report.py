@@ -124,8 +124,10 @@ def markdown(result: dict, png: str | None) -> str:
             f"`{' '.join(run['launch_args'])}`; clients {run['clients']}; answers compared "
             f"byte for byte: {', '.join(k for k, v in result['exact'].items() if v) or 'none'}"
             f" (others checked for form and length); resources sampled every "
-            f"{run['sample_every']:g} s, warm-up {run['warmup']:g} s, windows "
-            f"{run['window']:g} s, tolerance {run['tolerance']}.", ""]
+            f"{run['sample_every']:g} s; judged on the samples taken while no fault was going "
+            f"on, after a warm-up of {run['warmup']:g} s: the median of the last "
+            f"{run['count']} against that of the first {run['count']}, tolerance "
+            f"{run['tolerance']}.", ""]
     if result.get("stopped_early"):
         head += [f"**Stopped early:** {result['stopped_early']}", ""]
     verdicts = ["| invariant | holds | detail |", "|---|---|---|"] + [
@@ -135,8 +137,9 @@ def markdown(result: dict, png: str | None) -> str:
             + ["", "Faults (times from each fault's start; an overlap's two share the moment "
                "the run was whole again):", ""] + faults_table(result)
             + ["", "Whole again, median by kind: " + "; ".join(whole_by_kind(result)) + ".",
-               "", "Resources (each role's processes summed; medians of the first window after "
-               "warm-up and of the last):", ""] + drift_table(result)
+               "", "Resources (each role's processes summed; medians of its first and last "
+               "samples taken while no fault was going on; the peak over all):", ""]
+            + drift_table(result)
             + (["", f"![resource curves]({png})"] if png else [])
             + ["", "Invariants:", ""] + verdicts + [""])
     return "\n".join(body)

@@ -6,11 +6,13 @@ Whole means, all at once: run.json names a live supervisor that is supervising, 
 and exactly the shape's replicas, each `healthy` and alive; the router is ready and its replica
 table (GET /workers) is the shape's, every one routable and enabled; its /metrics holds no
 series of a replica outside the shape; the run directory holds the run's files and nothing
-else; and no stage-socket directory of a dead replica is left in the run's TMPDIR.
+else (an external engine's TMPDIR in it no more entries than when first seen); and no
+stage-socket directory of a dead replica is left in the run's TMPDIR.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -26,8 +28,9 @@ import psutil
 from omni_dp.procs import ProcessIdentity, is_alive
 
 # Files a run directory may hold beyond run.json, run_token, events.jsonl and logs/: the last
-# day-two change's outcome; the log of a replica a scale-down removed (history, one per index).
-ALLOWED = ("change.json",)
+# day-two change's outcome; an external engine's working directories (engines/replica_<i>/:
+# its TMPDIR and caches); the log of a replica a scale-down removed (history, one per index).
+ALLOWED = ("change.json", "engines")
 STAGE_DIR_PREFIX = "omni-dp-stages-"  # engine/stage_group.py's socket directories
 LABEL = re.compile(r'replica="([^"]*)"')
 
@@ -59,6 +62,7 @@ class RunView:
         self.tmp = tmp
         self.url = url
         self.headers = headers
+        self.engine_tmp: dict[str, int] = {}  # entries of each engines/*/tmp when first seen
 
     def record(self) -> dict:
         """run.json as it is now (written atomically by its one writer)."""
@@ -187,6 +191,13 @@ class RunView:
         extra = {n for n in logs - needed if not re.fullmatch(r"replica_\d+\.log", n)}
         if needed - logs or extra:
             found.append(f"logs/: lacks {sorted(needed - logs)}, holds {sorted(extra)}")
+        for tmp in sorted(self.directory.glob("engines/replica_*/tmp")):
+            with contextlib.suppress(OSError):
+                count = len(list(tmp.iterdir()))
+                first = self.engine_tmp.setdefault(tmp.parent.name, count)
+                if count > first:
+                    found.append(f"engines/{tmp.parent.name}/tmp holds {count} entries, "
+                                 f"{first} when first seen (an earlier process's?)")
         for stage_dir in self.tmp.glob(STAGE_DIR_PREFIX + "*"):
             try:
                 owner = json.loads((stage_dir / "owner.json").read_text())

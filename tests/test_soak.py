@@ -33,9 +33,9 @@ import soak_checks as checks  # noqa: E402
 import soak_load as load  # noqa: E402
 from soak_nemesis import FAULTS, OVERLAPS, Fault, coverage_size, events  # noqa: E402
 
-SHORT = ("--engine", "seeded", "--duration", "20s", "--seed", "3", "--gap", "0.5:1",
-         "--delay", "1:2", "--stop-s", "3", "--supervisor-down-s", "3", "--sample-every", "2",
-         "--status-every", "30", "--whole-bound", "120", "--warmup", "10s", "--window", "20s",
+SHORT = ("--engine", "seeded", "--duration", "20s", "--seed", "3", "--gap", "2:3",
+         "--delay", "1:2", "--stop-s", "3", "--supervisor-down-s", "3", "--sample-every", "1",
+         "--status-every", "30", "--whole-bound", "120", "--warmup", "0", "--window", "3s",
          "--json")
 
 
@@ -288,15 +288,33 @@ def samples(role: str, rss: list[int], fds: int = 20, threads: int = 5, pid: int
 def test_flat_breaks_on_growth_and_on_too_few_samples():
     tolerance = checks.Tolerance()
     steady = samples("router", [50] * 60)
-    rows = checks.drift(steady, ["router"], warmup=5, window=10, tolerance=tolerance)
+    rows = checks.drift(steady, ["router"], warmup=5, count=5, tolerance=tolerance)
     assert checks.flat(rows, tolerance).ok and rows[0]["rss"][:2] == (50 * checks.MiB,) * 2
     leaking = samples("router", [50 + t * 2 for t in range(60)])  # 2 MiB a sample
-    assert not checks.flat(checks.drift(leaking, ["router"], 5, 10, tolerance), tolerance).ok
+    assert not checks.flat(checks.drift(leaking, ["router"], 5, 5, tolerance), tolerance).ok
     fds = [*samples("router", [50] * 30),
            *(s for s in samples("router", [50] * 60, fds=60) if s.t >= 30)]  # 40 more fds
-    assert not checks.flat(checks.drift(fds, ["router"], 5, 10, tolerance), tolerance).ok
-    short = checks.drift(samples("router", [50] * 3), ["router"], 5, 10, tolerance)
-    assert not checks.flat(short, tolerance).ok
+    assert not checks.flat(checks.drift(fds, ["router"], 5, 5, tolerance), tolerance).ok
+    short = checks.drift(samples("router", [50] * 8), ["router"], 0, 5, tolerance)
+    assert not checks.flat(short, tolerance).ok  # 8 samples: not two windows of 5
+    assert not checks.flat([], tolerance).ok
+
+
+def test_flat_judges_the_samples_taken_while_no_fault_was_going_on():
+    faults = [Fault(0, "rolling-restart", at=10, whole_s=20), Fault(0, "replica-kill", at=12,
+                                                                      whole_s=22),
+              Fault(1, "router-kill", at=50, whole_s=5), Fault(2, "scale", at=70)]
+    assert checks.quiet(faults, 100) == [(0.0, 10), (34, 50), (55, 70)]
+    assert checks.quiet([], 100) == [(0.0, 100)]
+    # a restart's cold process (20 MiB) inside the faults: no baseline, no peak judged
+    rss = [20 if 10 <= t < 34 else 50 for t in range(70)]
+    tolerance = checks.Tolerance()
+    spans = checks.quiet(faults, 70)
+    rows = checks.drift(samples("replica 0", rss), ["replica 0"], 0, 5, tolerance, spans)
+    assert rows[0]["rss"][:2] == (50 * checks.MiB,) * 2 and checks.flat(rows, tolerance).ok
+    everything = checks.drift(samples("replica 0", [*rss[:34], *[99] * 36]), ["replica 0"], 0, 5,
+                              tolerance)
+    assert not checks.flat(everything, tolerance).ok
 
 
 def test_down_breaks_on_anything_left():
