@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import random
 import signal
 import socket
+import sys
 from collections.abc import Callable
 
 import aiohttp
@@ -15,6 +17,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from omni_dp.router.config import RouterConfig, is_loopback_address
+from omni_dp.router.exchange import RouteRecord
 from omni_dp.router.hangs import HangWatch
 from omni_dp.router.health import HealthChecker, check, mark_healthy, probe, record_hang
 from omni_dp.router.metrics import RouterMetrics
@@ -31,6 +34,11 @@ from omni_dp.router.replicas import (
 )
 from omni_dp.router.speech_stream import SpeechStreamProxy
 from omni_dp.speech_stream import SPEECH_STREAM_PATH
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _timeout
+else:  # aiohttp depends on async-timeout there
+    from async_timeout import timeout as _timeout
 
 log = logging.getLogger("omni_dp.router")
 
@@ -90,6 +98,7 @@ class Router:
         self._metrics_writer: asyncio.Task | None = None
         self.num_admitted = 0  # requests past admission and not yet answered
         self.num_reading = 0  # requests whose body is being read (before admission)
+        self.num_waiting = 0  # admitted requests waiting for a replica to go to (find_replica)
         # The lowest each count ever reached: below 0 means a slot was released twice (a bug,
         # logged as one; the tests check both stay at 0).
         self.lowest_admitted = 0
@@ -121,6 +130,8 @@ class Router:
             return "router_full", f"the router has {bound} requests in flight; retry shortly"
         routable = self.replicas.routable()
         if not routable:
+            if self.config.replica_wait_s > 0:
+                return None  # it waits for one, in its in-flight slot (find_replica)
             return "no_routable_replica", "no healthy, enabled replica; retry shortly"
         cap = self.config.max_inflight_per_replica
         if all(r.in_flight >= cap for r in routable):
@@ -147,6 +158,7 @@ class Router:
         loop = asyncio.get_running_loop()
         self.drain_deadline = loop.time() + drain_s
         self._cut_timer = loop.call_at(self.drain_deadline, self._cut_off)
+        self.replicas.changed.pulse()  # every wait for a replica ends now (find_replica)
 
     def _cut_off(self) -> None:
         self.cutting_off = True
@@ -162,6 +174,45 @@ class Router:
 
     def select(self, ctx: RequestContext) -> Replica | None:
         return self.policy.select(self.candidates(ctx), ctx)
+
+    async def wait_for_replica(self, ctx: RequestContext, wait_s: float,
+                               record: RouteRecord) -> Replica | None:
+        """select() found nothing (called with no await since): the first replica it finds
+        within `wait_s` seconds (--replica-wait, bounded by the request's deadline; 0: none).
+
+        The request waits in its in-flight slot, woken by the backends' pulse (a replica
+        readmitted or enabled, a slot given back, the router stopping), not by polling: many
+        waiters cost nothing while nothing changes. None when the wait runs out, or at once
+        when the router is stopping: a router in front can send the request elsewhere, which
+        a wait here would only delay.
+        """
+        if wait_s <= 0:
+            return None
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        outcome = "cancelled"  # unless it ends otherwise: the client left, or the drain cut
+        self.num_waiting += 1
+        try:
+            replica = None
+            while replica is None:
+                left = started + wait_s - loop.time()
+                if self.stopping or left <= 0:
+                    outcome = "stopping" if self.stopping else "timed_out"
+                    return None
+                # Taken right after select() found nothing (no await in between): no pulse
+                # can fall between the two.
+                changed = self.replicas.changed.next()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    async with _timeout(left):
+                        await changed.wait()
+                replica = self.select(ctx)
+            outcome = "found"
+            return replica
+        finally:
+            self.num_waiting -= 1
+            waited = loop.time() - started
+            record.waited_s = round(record.waited_s + waited, 6)
+            self.metrics.count_wait(outcome, waited)
 
     # --- the backends (admin API and the launcher) --------------------------------------
     async def add_replica(
@@ -366,6 +417,7 @@ async def _list_workers(request: web.Request) -> web.Response:
     return web.json_response({
         "policy": router.policy.name,
         "in_flight": router.num_admitted,
+        "waiting": router.num_waiting,
         "ready": ready,
         "stopping": router.stopping,
         "routable_replicas": routable,

@@ -104,6 +104,20 @@ class RouterConfig:
         "help": "Times a stream cut after its first byte reached the client is continued by "
                 "another replica from the byte the client has (built-in engine, wav and pcm, "
                 "raw or SSE); other streams end cut. 0: never."})
+    # 30 s: a replica's restart through the supervisor's gates took 3.7-11.8 s here (kill -9
+    # to routable, its restart backoff included: bench/results/router_faults.md), a stopped
+    # one is routable again a few seconds after it continues, and a model loading on a GPU
+    # takes tens of seconds; 30 s is still well under what HTTP clients wait (60 s and more),
+    # so a wait that runs out is still answered. Waiting costs no more than an in-flight slot.
+    replica_wait_s: float = field(default=30.0, metadata={
+        "flag": "--replica-wait",
+        "help": "Seconds a request waits for a replica to go to when it finds none (none "
+                "routable, or those it has not tried yet all out or at their cap), instead of "
+                "a 503 at once: a new request, a retry, a resume, a speech session's opening "
+                "and its move. It waits in its in-flight slot and never past "
+                "--request-timeout; then 503 + Retry-After (a stream begun ends cut). A new "
+                "request finding every routable replica at its cap is still refused at once. "
+                "0: no wait."})
     # A replica that passes its /health check is slow, not hung, and is waited on (hangs.py).
     first_byte_timeout_s: float = field(default=5.0, metadata={
         "flag": "--first-byte-timeout",
@@ -205,6 +219,8 @@ _OPTION_RULES: tuple[tuple[Callable[[RouterConfig], bool], str], ...] = (
     (lambda c: c.api_key is not None and not c.api_key.strip(), "--api-key must not be empty"),
     (lambda c: c.retries < 0, "--retries must be 0 or more, got {retries}"),
     (lambda c: c.resumes < 0, "--resumes must be 0 or more, got {resumes}"),
+    (lambda c: c.replica_wait_s < 0, "--replica-wait must be 0 (no wait) or more, got "
+     "{replica_wait_s}"),
     (lambda c: c.first_byte_timeout_s < 0 or c.stall_timeout_s < 0,
      "--first-byte-timeout and --stall-timeout must be 0 (no limit) or more"),
     (lambda c: not (c.connect_timeout_s > 0 and c.request_timeout_s > 0),

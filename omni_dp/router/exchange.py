@@ -36,6 +36,7 @@ class RouteRecord:
     migrations: list[str] = field(default_factory=list)  # why each migration (LLM streams)
     migrated_at: int | None = None  # the tokens the client had at the last migration
     cut: str | None = None  # why an answer cut after its first byte was not continued
+    waited_s: float = 0.0  # seconds spent waiting for a replica to go to (--replica-wait)
     seed: str | None = None  # the seed the answer was sampled with (its X-Seed)
     bytes: int = 0
     ttfb_s: float | None = None
@@ -93,6 +94,9 @@ class Exchange:
     head: Head | None = None
     response: web.StreamResponse | None = None  # set once the head went out to the client
     resume: Resume = NOT_RESUMABLE  # the resume strategy (resume.py), from the first answer
+    # Why it goes on to another replica (a failure's kind), until one takes it: only then is
+    # the retry, resume or migration counted, so one whose wait ran out is not.
+    going_on: str | None = None
 
     def time_left(self) -> float:
         return self.deadline - asyncio.get_running_loop().time()

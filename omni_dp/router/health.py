@@ -4,7 +4,8 @@ unknown --1 success--> healthy --failure_threshold failures--> unhealthy (ejecte
 healthy --found hung (hangs.py: no answer in time, then a failed check)--> unhealthy (ejected)
 unhealthy --success_threshold successful probes--> healthy
 Each way into healthy (and an admin's enable, mark_healthy) is a new generation of the replica
-(Replica.readmitted): requests that tried it before may go to it again.
+(Replica.readmitted): requests that tried it before may go to it again, and those waiting for
+a replica are woken.
 Failures are consecutive failed probes, or connection errors / 502 / 504 while proxying; any
 other answer from a replica (4xx, 429, 503, ordinary 500) is a working replica, not a failure.
 Every such answer but 503 also clears the failures counted so far; a 503 leaves them as they

@@ -166,6 +166,16 @@ class RouterMetrics:
         self.upstream_errors = Counter(
             "omni_dp_router_upstream_errors", "Failures talking to a replica, by kind.",
             ["replica", "kind"], registry=self.registry)
+        self.replica_waits = Counter(
+            "omni_dp_router_replica_waits",
+            "Times a request (new, retried, resumed, or a speech session) found no replica to "
+            "go to and waited for one (--replica-wait), by how the wait ended: found, "
+            "timed_out, stopping (the router began to stop), cancelled (the client left, or "
+            "the drain cut it off).", ["outcome"], registry=self.registry)
+        self.replica_wait = Histogram(
+            "omni_dp_router_replica_wait_seconds",
+            "Seconds each such wait for a replica to go to lasted.",
+            buckets=_BUCKETS, registry=self.registry)
         self.client_disconnects = Counter(
             "omni_dp_router_client_disconnects", "Clients gone before the response ended.",
             registry=self.registry)
@@ -201,6 +211,11 @@ class RouterMetrics:
             child = self._requests[(replica_id, status)] = self.requests.labels(
                 replica_id, str(status))
         child.inc()
+
+    def count_wait(self, outcome: str, seconds: float) -> None:
+        """One wait for a replica to go to, and how it ended."""
+        self.replica_waits.labels(outcome).inc()
+        self.replica_wait.observe(seconds)
 
     def forget(self, replica_id: str) -> None:
         """Drop the labelled series of a removed replica."""

@@ -11,6 +11,8 @@ Rules that matter for a fleet of same-GPU replicas:
 - a request whose replica failed before any byte reached the client is sent again, each time
   to a replica it was not sent to yet (or that was restarted since), up to --retries times
   within its deadline (--request-timeout): generation has no side effects;
+- a request, retry or resume that finds no replica to go to waits for one (--replica-wait,
+  within its deadline, in its in-flight slot): a replica's restart costs latency, not requests;
 - after the first byte, an answer the request's resume strategy can continue (resume.py) is
   continued by another replica from the byte the client has (--resumes), or for an LLM
   stream from the tokens it has (--migration-limit; migration.py, token_stream.py); any other
@@ -93,6 +95,42 @@ def end_to_end(headers) -> CIMultiDict:
         if name in out:
             del out[name]
     return out
+
+
+def why_no_replica(router, wait_s: float) -> str | None:
+    """Why a request that looked for a replica (waiting up to `wait_s`) found none, when that
+    is not simply that none was there: the router is stopping, or its wait ran out."""
+    if router.stopping and router.config.replica_wait_s > 0:
+        return "stopping"
+    if wait_s > 0:
+        return "replica_wait_timeout"
+    return None
+
+
+def wait_words(router, wait_s: float) -> str:
+    """What bounded a wait for a replica, for the messages."""
+    bound = ("--replica-wait" if wait_s >= router.config.replica_wait_s
+             else "what was left of --request-timeout")
+    return f"within {wait_s:g} s ({bound})"
+
+
+def refuse_no_replica(router, record: RouteRecord, wait_s: float, what: str) -> web.Response:
+    """The 503 + Retry-After for a request no replica could take before its first byte; a
+    router that is stopping says it is going away, so a router in front sends it elsewhere."""
+    reason = why_no_replica(router, wait_s)
+    headers = None
+    if reason == "stopping":
+        message = "the router is shutting down; retry"
+        headers = {GOING_AWAY_HEADER: "draining"}
+    elif reason == "replica_wait_timeout":
+        message = f"no replica could take this {what} {wait_words(router, wait_s)}; retry"
+    else:
+        reason = "retry_exhausted" if record.tried else "no_routable_replica"
+        message = f"no replica can take this {what} now"
+    router.metrics.rejections.labels(reason).inc()
+    record.status, record.outcome = 503, reason
+    return json_error(503, message, reason, record.request_id, retry_after=True,
+                      headers=headers)
 
 
 def json_error(status: int, message: str, code: str, request_id: str | None = None,
@@ -229,7 +267,12 @@ class Forwarder:
             while True:
                 replica = router.select(ex.ctx)
                 if replica is None:
-                    return await self._no_replica(ex)
+                    wait_s = min(router.config.replica_wait_s, ex.time_left())
+                    replica = await router.wait_for_replica(ex.ctx, wait_s, ex.record)
+                    if replica is None:
+                        return await self._no_replica(ex, wait_s)
+                if ex.going_on is not None:
+                    self._went_on(ex)
                 ex.ctx.note_tried(replica)
                 ex.record.tried.append(replica.id)
                 ex.record.replica, ex.record.attempts = replica.id, ex.record.attempts + 1
@@ -251,42 +294,58 @@ class Forwarder:
             raise
 
     def _again(self, ex: Exchange, exc: UpstreamFailed) -> bool:
-        """Whether the request goes to another replica now (and that try is counted)."""
+        """Whether the request goes on to another replica (counted once one takes it)."""
         if not (exc.retryable and self._may_go_on(ex)):
             return False
+        ex.going_on = exc.kind
+        return True
+
+    def _went_on(self, ex: Exchange) -> None:
+        """A replica takes the request that goes on: count the retry, resume or migration,
+        from its budget."""
         metrics, record = self.router.metrics, ex.record
+        kind, ex.going_on = ex.going_on, None
         if ex.response is None:
             ex.retries_left -= 1
-            metrics.retries.labels(exc.kind).inc()
-            record.retries.append(exc.kind)
+            metrics.retries.labels(kind).inc()
+            record.retries.append(kind)
         elif ex.resume.migrates:
             ex.migrations_left -= 1
-            metrics.migrations.labels(exc.kind).inc()
-            record.migrations.append(exc.kind)
+            metrics.migrations.labels(kind).inc()
+            record.migrations.append(kind)
             record.migrated_at = ex.resume.offset
         else:
             ex.resumes_left -= 1
-            metrics.resumes.labels(exc.kind).inc()
-            record.resumes.append(exc.kind)
+            metrics.resumes.labels(kind).inc()
+            record.resumes.append(kind)
             record.resumed_from = ex.resume.offset
-        return True
 
     def _may_go_on(self, ex: Exchange) -> bool:
-        """Whether the budget lets the request go to another replica now, and one is there."""
-        if ex.time_left() <= 0 or not self.router.candidates(ex.ctx):
+        """Whether the budget lets the request go to another replica, and one is there now or
+        may be waited for (--replica-wait)."""
+        router = self.router
+        if ex.time_left() <= 0:
+            return False
+        if router.config.replica_wait_s <= 0 and not router.candidates(ex.ctx):
             return False
         if ex.response is None:
             return ex.retries_left > 0
         return ex.resume.resumable and not ex.resume.complete and ex.continuations_left() > 0
 
-    async def _no_replica(self, ex: Exchange) -> web.StreamResponse:
-        if ex.response is not None:  # a resume with nowhere to go (the set changed meanwhile)
-            return await self._cut(ex, "no_replica", "no other replica can continue it")
-        reason = "no_routable_replica" if not ex.record.tried else "retry_exhausted"
-        self.router.metrics.rejections.labels(reason).inc()
-        ex.record.status, ex.record.outcome = 503, reason
-        return json_error(503, "no replica can take this request now", reason,
-                          ex.record.request_id, retry_after=True)
+    async def _no_replica(self, ex: Exchange, wait_s: float) -> web.StreamResponse:
+        """No replica took the request within `wait_s`: a 503, or a stream begun ends cut."""
+        router = self.router
+        if ex.response is None:
+            return refuse_no_replica(router, ex.record, wait_s, "request")
+        # a resume with nowhere to go (the set changed meanwhile, or the wait ran out)
+        why = why_no_replica(router, wait_s)
+        if why == "stopping":
+            message = "the router is stopping: no other replica can continue it"
+        elif why == "replica_wait_timeout":
+            message = f"no other replica could continue it {wait_words(router, wait_s)}"
+        else:
+            why, message = "no_replica", "no other replica can continue it"
+        return await self._cut(ex, why, message)
 
     async def _give_up(self, ex: Exchange, replica: Replica,
                        exc: UpstreamFailed) -> web.StreamResponse:
@@ -357,10 +416,10 @@ class Forwarder:
         if left <= 0:
             raise UpstreamFailed("timeout", "the request's deadline passed", retryable=False,
                                  failure=False)
-        # The session's own timeout is the whole --request-timeout: a later attempt gets what
-        # is left of it.
-        timeout = None if ex.record.attempts == 1 else aiohttp.ClientTimeout(
-            total=left, connect=min(router.config.connect_timeout_s, left))
+        # The session's own timeout is the whole --request-timeout: a later attempt, or one
+        # that waited for its replica, gets what is left of it.
+        timeout = None if ex.record.attempts == 1 and not ex.record.waited_s else \
+            aiohttp.ClientTimeout(total=left, connect=min(router.config.connect_timeout_s, left))
         # encoded=True: the path and query go upstream exactly as the client wrote them (no
         # requoting, no dot-segment resolution).
         sending = router.session.request(

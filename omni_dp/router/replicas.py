@@ -3,14 +3,19 @@
 The in-flight count lives on the record, not in a policy, and changes only through
 `Replica.dispatched()`, a context manager that decrements exactly once whatever happens to the
 request (finished, failed, streamed, cancelled).
+
+Requests that find no replica to go to wait on their Backends' `changed` pulse (a Pulse):
+pulsed when a replica becomes routable again (`Replica.readmitted`, from the health checks and
+the admin's enable), gives back a slot, or is added, and when the router begins stopping.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from enum import Enum
 from urllib.parse import urlsplit
 
@@ -43,6 +48,36 @@ class ReplicaError(ValueError):
 
 class DuplicateReplica(ReplicaError):
     """The id or URL is already in the set (HTTP 409)."""
+
+
+class Pulse:
+    """Wakes every task waiting on it each time pulse() is called.
+
+    A notification, not a poll: waiters cost nothing while nothing changes and wake as soon as
+    something does, however many there are (one Event, set once per pulse). A woken waiter
+    checks again what it waits for (a few replicas). With nobody waiting a pulse costs an
+    attribute read, so it can run at the end of every request.
+    """
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        self._event: asyncio.Event | None = None
+
+    def pulse(self) -> None:
+        event, self._event = self._event, None
+        if event is not None:
+            event.set()
+
+    def next(self) -> asyncio.Event:
+        """The event the next pulse sets: check, then take it with no await in between."""
+        if self._event is None:
+            self._event = asyncio.Event()
+        return self._event
+
+
+def _nothing() -> None:
+    pass
 
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -98,14 +133,17 @@ class Replica:
     # Bumped each time it becomes routable again (healthy after unknown or ejected, enabled
     # after disabled): a restarted replica is a new process, which no request has tried yet.
     generation: int = 0
+    # Its Backends' pulse: wakes the requests waiting for a replica to go to.
+    on_change: Callable[[], None] = field(default=_nothing, repr=False)
 
     @property
     def routable(self) -> bool:
         return self.health == Health.HEALTHY and not self.disabled and not self.removed
 
     def readmitted(self) -> None:
-        """It is healthy again, or enabled: a new generation."""
+        """It is healthy again, or enabled: a new generation, and the waiting requests woken."""
         self.generation += 1
+        self.on_change()
 
     def dispatched(self) -> _Dispatched:
         """Counts one request in flight to this replica until the `with` block is left."""
@@ -149,6 +187,7 @@ class _Dispatched:
         replica.in_flight -= 1
         replica.lowest_in_flight = min(replica.lowest_in_flight, replica.in_flight)
         released(f"replica {replica.id} in_flight", replica.in_flight)
+        replica.on_change()  # a slot is free: a request waiting for one may take it
 
 
 class Backends:
@@ -156,7 +195,10 @@ class Backends:
     readers never see half an update."""
 
     def __init__(self, replicas: list[Replica] | None = None) -> None:
+        self.changed = Pulse()  # a replica may be there for a waiting request now
         self._replicas: tuple[Replica, ...] = tuple(replicas or ())
+        for replica in self._replicas:
+            replica.on_change = self.changed.pulse
 
     def __iter__(self) -> Iterator[Replica]:
         return iter(self._replicas)
@@ -176,6 +218,8 @@ class Backends:
         if any(r.url == replica.url for r in self._replicas):
             raise DuplicateReplica(f"replica URL {replica.url} is already in the set")
         self._replicas = (*self._replicas, replica)
+        replica.on_change = self.changed.pulse
+        self.changed.pulse()
 
     def remove(self, replica_id: str) -> Replica:
         replica = self.get(replica_id)

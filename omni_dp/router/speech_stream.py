@@ -11,6 +11,7 @@ input.done if the client sent it; its sentences are renumbered to follow the cli
 first of them, when the client already had its audio.start, says `"resent": true` so the client
 drops that sentence's partial audio. At most --resumes moves per session; then, or with no
 replica left, an error and a close code saying why (docs/contracts.md, "Speech session").
+Opening a session and moving it wait for a replica to go to as a request does (--replica-wait).
 """
 
 from __future__ import annotations
@@ -28,7 +29,14 @@ from aiohttp import WSMsgType, web
 from omni_dp.router.exchange import RouteRecord
 from omni_dp.router.health import record_failure, record_success
 from omni_dp.router.policies import RequestContext
-from omni_dp.router.proxy import REPLICA_HEADER, REQUEST_ID, json_error
+from omni_dp.router.proxy import (
+    REPLICA_HEADER,
+    REQUEST_ID,
+    json_error,
+    refuse_no_replica,
+    wait_words,
+    why_no_replica,
+)
 from omni_dp.router.replicas import Replica
 from omni_dp.speech_stream import (
     AUDIO_DONE,
@@ -120,6 +128,9 @@ class _ProxiedSession:
         self.client = client
         self.record = record
         self.ctx = RequestContext(path=request.path, request_id=record.request_id)
+        # What bounds its waits for a replica (the relay has its own --request-timeout).
+        self.deadline = asyncio.get_running_loop().time() + router.config.request_timeout_s
+        self.wait_s = 0.0  # the last wait's bound (0: it did not wait)
         self.upstream: _Upstream | None = None
         self.lock = asyncio.Lock()  # a client message and a move's resend never interleave
         # What a move needs.
@@ -144,11 +155,7 @@ class _ProxiedSession:
         router = self.router
         upstream = await self._open()
         if upstream is None:
-            reason = "no_routable_replica" if not self.record.tried else "retry_exhausted"
-            router.metrics.rejections.labels(reason).inc()
-            self.record.status, self.record.outcome = 503, reason
-            return json_error(503, "no replica can open this speech session now", reason,
-                              self.record.request_id, retry_after=True)
+            return refuse_no_replica(router, self.record, self.wait_s, "speech session")
         self.upstream = upstream
         self.client.headers[REQUEST_ID] = self.record.request_id
         self.client.headers[REPLICA_HEADER] = upstream.replica.id
@@ -208,9 +215,7 @@ class _ProxiedSession:
                 return
             upstream = await self._open()
             if upstream is None:
-                await self._cut(CloseCode.TRY_AGAIN, "no_replica", f"replica {replica.id} was "
-                                f"lost ({lost}) and no other replica can go on with this "
-                                "session now")
+                await self._no_replica(replica, lost)
                 return
             try:
                 await self._resend(upstream)
@@ -221,6 +226,21 @@ class _ProxiedSession:
             self.router.metrics.resumes.labels("midstream").inc()
             self.record.resumes.append("midstream")
             self.record.resumed_from = self.resume_offset
+
+    async def _no_replica(self, replica: Replica, lost: str) -> None:
+        """The session's replica was lost and no other took it: the router is stopping (1001,
+        a movable close: a router in front moves it), the wait ran out, or none was there."""
+        why = why_no_replica(self.router, self.wait_s)
+        lost_words = f"replica {replica.id} was lost ({lost})"
+        if why == "stopping":
+            await self._cut(CloseCode.GOING_AWAY, why, f"{lost_words} and the router is "
+                            "stopping")
+        elif why == "replica_wait_timeout":
+            await self._cut(CloseCode.TRY_AGAIN, why, f"{lost_words} and no other replica "
+                            f"could go on with this session {wait_words(self.router, self.wait_s)}")
+        else:
+            await self._cut(CloseCode.TRY_AGAIN, "no_replica", f"{lost_words} and no other "
+                            "replica can go on with this session now")
 
     async def _cut(self, code: CloseCode, why: str, message: str) -> None:
         """A session its replica's loss ends: counted as a cut stream (`why`), then ended."""
@@ -241,9 +261,12 @@ class _ProxiedSession:
     async def _open(self) -> _Upstream | None:
         """A session on a replica the policy picks among those not tried yet; after a refusal
         or a connection error, the next one (--retries more at most)."""
-        router = self.router
+        router, loop = self.router, asyncio.get_running_loop()
         for _ in range(1 + router.config.retries):
             replica = router.select(self.ctx)
+            if replica is None:
+                self.wait_s = min(router.config.replica_wait_s, self.deadline - loop.time())
+                replica = await router.wait_for_replica(self.ctx, self.wait_s, self.record)
             if replica is None:
                 return None
             self.ctx.note_tried(replica)

@@ -56,8 +56,10 @@ def test_refused_connections_eject_after_the_threshold():
 @pytest.mark.parametrize("status", [502, 504])
 def test_gateway_errors_eject_after_consecutive_failures(status):
     async def main():
+        # --replica-wait 0: with no replica left, the 503 comes at once
         async with backends(Backend("a", status_from_query)) as (a,), \
-                serve(make_config([f"a={a.url}"], failures=3)) as served, client() as session:
+                serve(make_config([f"a={a.url}"], failures=3,
+                                  replica_wait_s=0)) as served, client() as session:
             replica = served.replica("a")
             routable, statuses = [], []
             for _ in range(3):
@@ -111,8 +113,9 @@ def test_ordinary_error_statuses_never_eject(status):
 def test_failing_health_check_ejects_and_ready_turns_503():
     async def main():
         async with backends("a") as (a,), \
-                serve(make_config([f"a={a.url}"], interval=0.05, failures=2)) as served, \
-                client() as session:
+                serve(make_config([f"a={a.url}"], interval=0.05, failures=2,
+                                  replica_wait_s=0)) as served, \
+                client() as session:  # --replica-wait 0: the proxied 503 comes at once
             assert (await fetch(session, "GET", served.url + "/ready"))[0] == 200
             a.health_status = 500
             probes_at_flip = a.health_probes
@@ -172,7 +175,9 @@ def test_replica_starts_unknown_and_ready_follows_the_first_good_check():
         backend = Backend("a")
         backend.health_status = 503
         async with backends(backend):
-            config = make_config([f"a={backend.url}"], interval=0.05, successes=5)
+            # --replica-wait 0: while none is routable, a request is refused at once
+            config = make_config([f"a={backend.url}"], interval=0.05, successes=5,
+                                 replica_wait_s=0)
             unstarted = Router(config)
             assert [r.health for r in unstarted.replicas] == [Health.UNKNOWN]
             assert unstarted.admission_problem()[0] == "no_routable_replica"

@@ -183,6 +183,8 @@ def test_plan_router_accepts_ids_and_strips_trailing_slash():
     ([], {"api_key": "  "}, "--api-key"),
     ([], {"retries": -1}, "--retries must be 0 or more"),
     ([], {"resumes": -1}, "--resumes must be 0 or more"),
+    ([], {"replica_wait_s": -1.0}, "--replica-wait must be 0 (no wait) or more"),
+    ([], {"replica_wait_s": float("inf")}, "--replica-wait must be a finite number"),
     ([], {"first_byte_timeout_s": -1.0}, "--first-byte-timeout and --stall-timeout must be 0"),
     ([], {"stall_timeout_s": -0.5}, "--first-byte-timeout and --stall-timeout must be 0"),
     ([], {"stall_timeout_s": float("nan")}, "--stall-timeout must be a finite number"),

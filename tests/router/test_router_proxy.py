@@ -538,13 +538,16 @@ def test_request_dropped_before_the_status_line_is_retried_on_another_replica(ca
 
 def test_a_retry_never_goes_back_to_a_replica_already_tried():
     """--retries 5 over two replicas that both drop every request: each is tried once (smg
-    re-runs its policy blindly and was seen spending every attempt on one dead worker)."""
+    re-runs its policy blindly and was seen spending every attempt on one dead worker), nor
+    while the request waits (--replica-wait) for a replica it has not tried: it waits that
+    out and gets a 503."""
 
     async def main():
         droppers = [await DropServer().start() for _ in range(2)]
         try:
             urls = [f"{name}={d.url}" for name, d in zip("ab", droppers, strict=True)]
-            async with serve(make_config(urls, retries=5, failures=100)) as served, \
+            async with serve(make_config(urls, retries=5, failures=100,
+                                         replica_wait_s=0.3)) as served, \
                     client() as session:
                 status, _, body = await fetch(session, "POST", served.url + "/generate",
                                               data=b"{}")
@@ -556,10 +559,11 @@ def test_a_retry_never_goes_back_to_a_replica_already_tried():
                 await dropper.stop()
 
     status, body, dropped, metrics = run(main())
-    assert status == 502
-    assert error_body(body)["type"] == "disconnected"
+    assert status == 503
+    assert error_body(body)["type"] == "replica_wait_timeout"
     assert dropped == [1, 1]
     assert total(metrics, "omni_dp_router_retries_total") == 1
+    assert sample(metrics, "omni_dp_router_replica_waits_total", outcome="timed_out") == 1
 
 
 def test_retries_0_sends_a_dropped_request_nowhere_else():

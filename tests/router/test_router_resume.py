@@ -35,6 +35,7 @@ from support.router import (
     serve,
     total,
 )
+from support.wait import until
 
 ANSWER_BYTES = 80_000  # over the 64 KiB the router reads whole before it answers
 CHUNK = 1000
@@ -333,3 +334,42 @@ def test_whole_events_holds_a_half_event_until_its_end_and_streams_what_never_en
     compressed = {"Content-Type": "text/event-stream", "Content-Encoding": "gzip"}
     assert not isinstance(not_resumable(200, compressed), WholeEvents)  # bytes, not events
     assert not isinstance(not_resumable(200, {"Content-Type": "audio/ogg"}), WholeEvents)
+
+
+# --- waiting for a replica to go on (--replica-wait) ----------------------------------------
+
+
+async def stream_while(served, session, change) -> tuple:
+    """Stream one answer; once the router waits for a replica to resume it, `change()` (the
+    supervisor enabling one); (what read_all got, the route's metrics)."""
+    reading = asyncio.create_task(read_all(session, served.url + "/v1/audio/speech",
+                                           headers={"X-Request-ID": "r"}))
+    await until(lambda: served.router.num_waiting == 1, 3, "the resume waiting for a replica")
+    change()
+    result = await asyncio.wait_for(reading, 5)
+    await served.wait_idle()
+    return result, await scrape(session, served.url)
+
+
+def test_a_stream_whose_replica_dies_while_the_other_is_disabled_resumes_once_it_is_back(
+        caplog):
+    caplog.set_level(logging.INFO, logger="omni_dp.router.access")
+
+    async def main():
+        a, b = Backend("a", resumable(die_after=5 * CHUNK)), Backend("b", resumable())
+        async with backends(a, b), \
+                serve(make_config([f"a={a.url}", f"b={b.url}"], replica_wait_s=10)) as served, \
+                client() as session:
+            served.router.set_disabled(served.replica("b"), True)  # being restarted
+            return await stream_while(served, session, lambda: served.router.set_disabled(
+                served.replica("b"), False))
+
+    (status, _, body, broken), metrics = run(main())
+    assert (status, broken) == (200, None)
+    assert body == answer(77)
+    assert sample(metrics, "omni_dp_router_resumes_total", reason="midstream") == 1
+    assert sample(metrics, "omni_dp_router_replica_waits_total", outcome="found") == 1
+    route = routes(caplog)["r"]
+    assert (route["tried"], route["outcome"]) == (["a", "b"], "ok")
+    assert route["waited_s"] > 0
+

@@ -15,6 +15,7 @@ from support.router import (
     Backend,
     backends,
     error_body,
+    hold_if_asked,
     make_config,
     read_all,
     routes,
@@ -81,9 +82,11 @@ def test_a_503_that_does_not_say_going_away_is_relayed_as_it_is():
 
 
 def test_a_going_away_answer_with_no_replica_left_is_relayed_as_it_is():
+    """--replica-wait 0: no other replica now, and none waited for."""
+
     async def main():
         a = Backend("a", going_away)
-        async with backends(a), serve(make_config([f"a={a.url}"])) as served, \
+        async with backends(a), serve(make_config([f"a={a.url}"], replica_wait_s=0)) as served, \
                 client() as session:
             status, headers, body = await fetch(session, "POST", served.url + "/x", data=b"{}")
             await served.wait_idle()
@@ -245,3 +248,85 @@ def test_a_replica_restarted_while_the_retry_was_elsewhere_may_take_the_request_
     assert generation == 2  # its first check, then the enable
     route = routes(caplog)["gen"]
     assert (route["tried"], route["retries"]) == (["a", "b", "a"], ["disconnected"] * 2)
+
+
+# --- waiting for a replica to go to (--replica-wait) -----------------------------------------
+
+
+async def wait_for_a_waiter(served) -> None:
+    await until(lambda: served.router.num_waiting == 1, 3, "the request waiting for a replica")
+
+
+def test_a_retry_whose_only_other_replica_is_restarting_waits_for_it(caplog):
+    """a drops the request; b is disabled (its supervisor restarts it): the retry waits for b
+    instead of a 502 at once, and b answers it once enabled."""
+    caplog.set_level(logging.INFO, logger="omni_dp.router.access")
+
+    async def main():
+        a, b = Backend("a", drops_its_first), Backend("b")
+        async with backends(a, b), \
+                serve(make_config([f"a={a.url}", f"b={b.url}"], failures=100,
+                                  replica_wait_s=10)) as served, client() as session:
+            served.router.set_disabled(served.replica("b"), True)
+            asking = asyncio.create_task(fetch(session, "POST", served.url + "/x", data=b"{}",
+                                               headers={"X-Request-ID": "retry"}))
+            await wait_for_a_waiter(served)
+            served.router.set_disabled(served.replica("b"), False)
+            status, headers, _ = await asyncio.wait_for(asking, 3)
+            await served.wait_idle()
+            return status, headers, await scrape(session, served.url)
+
+    status, headers, metrics = run(main())
+    assert (status, headers["X-Omni-DP-Replica"]) == (200, "b")
+    assert sample(metrics, "omni_dp_router_retries_total", reason="disconnected") == 1
+    assert sample(metrics, "omni_dp_router_replica_waits_total", outcome="found") == 1
+    route = routes(caplog)["retry"]
+    assert (route["tried"], route["retries"]) == (["a", "b"], ["disconnected"])
+    assert route["waited_s"] > 0
+
+
+def test_a_replica_restarted_since_a_request_tried_it_may_take_it_again(caplog):
+    """The request's only replica drops it, and is restarted (disabled, enabled): a new
+    process, which the request has not tried. It goes there again, and is answered."""
+    caplog.set_level(logging.INFO, logger="omni_dp.router.access")
+
+    async def main():
+        a = Backend("a", drops_its_first)
+        async with backends(a), \
+                serve(make_config([f"a={a.url}"], failures=100,
+                                  replica_wait_s=2)) as served, client() as session:
+            asking = asyncio.create_task(fetch(session, "POST", served.url + "/x", data=b"{}",
+                                               headers={"X-Request-ID": "again"}))
+            await wait_for_a_waiter(served)  # tried a: nowhere to go until a restarts
+            restart(served, "a")
+            status, _, _ = await asyncio.wait_for(asking, 3)
+            await served.wait_idle()
+            return status, len(a.seen), served.replica("a").describe()
+
+    status, a_seen, described = run(main())
+    assert status == 200
+    assert a_seen == 2
+    assert described["generation"] == 2  # its first check, then the enable
+    assert routes(caplog)["again"]["tried"] == ["a", "a"]
+
+
+def test_a_retry_whose_only_other_replica_is_at_its_cap_waits_for_a_slot():
+    """--max-inflight-per-replica 1: b holds a request when a drops another; the retry waits
+    for b's slot (given back when b's request ends) instead of a 502 at once."""
+
+    async def main():
+        a, b = Backend("a", drops_its_first), Backend("b", hold_if_asked)
+        async with backends(a, b), \
+                serve(make_config([f"b={b.url}", f"a={a.url}"], policy="round_robin",
+                                  failures=100, max_inflight_per_replica=1,
+                                  replica_wait_s=10)) as served, client() as session:
+            held = asyncio.create_task(fetch(session, "POST", served.url + "/x?hold=1"))
+            await until(lambda: len(b.seen) == 1, 3, "b holding a request")
+            retried = asyncio.create_task(fetch(session, "POST", served.url + "/x"))
+            await wait_for_a_waiter(served)  # a dropped it, b is full
+            b.release.set()
+            answers = await asyncio.wait_for(asyncio.gather(held, retried), 3)
+            await served.wait_idle()
+            return [(status, headers["X-Omni-DP-Replica"]) for status, headers, _ in answers]
+
+    assert run(main()) == [(200, "b"), (200, "b")]

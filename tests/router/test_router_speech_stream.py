@@ -59,7 +59,9 @@ def test_a_session_whose_replica_is_killed_goes_on_on_the_other(start_replica):
     cut_at = TEXT.index("A third")  # sent after the kill: text arriving during the move
 
     async def main():
-        config = make_config([f"{i}={r.url}" for i, r in enumerate(replicas)], failures=1)
+        # the last session waits 1 s for a replica (--replica-wait) before it is told
+        config = make_config([f"{i}={r.url}" for i, r in enumerate(replicas)], failures=1,
+                             replica_wait_s=1.0)
         async with serve(config) as served, aiohttp.ClientSession() as session:
             url = served.url + "/v1/audio/speech/stream"
             heard = Heard()
@@ -75,7 +77,8 @@ def test_a_session_whose_replica_is_killed_goes_on_on_the_other(start_replica):
                 await ws.send_str(json.dumps({"type": "input.done"}))
                 await read_until(ws, heard, None, timeout=60)
             await served.wait_idle(10)
-            # The survivor is killed too, mid-session: nowhere to go, said so.
+            # The survivor is killed too, mid-session: nowhere to go (none came within the
+            # wait), said so.
             last = Heard()
             async with session.ws_connect(url) as ws:
                 await ws.send_str(json.dumps({"type": "session.config",
@@ -110,7 +113,8 @@ def test_a_session_whose_replica_is_killed_goes_on_on_the_other(start_replica):
                   kind="midstream") == 1
     # The second session: its replica killed, no other one left.
     (error,) = last.of("error")
-    assert "no other replica" in error["message"]
+    assert "no other replica" in error["message"] and "within 1 s" in error["message"]
+    assert error["code"] == "replica_wait_timeout"
     assert last.close_code == 1013
     assert not last.of("session.done")
 
@@ -352,3 +356,63 @@ def test_a_client_gone_during_a_move_leaves_nothing_open():
             assert not other.pipeline.started.is_set()  # given nothing to speak
 
     asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_a_session_opened_while_no_replica_is_routable_waits_for_one():
+    """The upgrade is answered once a replica is enabled (--replica-wait), not 503 at once."""
+
+    async def main():
+        heard = Heard()
+        async with stand_ins(1) as (served, (replica,), session):
+            served.router.set_disabled(served.replica("0"), True)  # being restarted
+            url = served.url + "/v1/audio/speech/stream"
+            connecting = asyncio.create_task(session.ws_connect(url))
+            await until(lambda: served.router.num_waiting == 1, 3, "the session waiting")
+            assert not replica.arrived.is_set()
+            served.router.set_disabled(served.replica("0"), False)
+            async with await asyncio.wait_for(connecting, 3) as ws:
+                await ws.send_str(json.dumps(PCM_STREAMED))
+                await send_text(ws, "Hello there. ")
+                await send_done(ws)
+                await read_until(ws, heard, None, timeout=5)
+            return heard, await scrape(session, served.url)
+
+    heard, metrics = asyncio.run(asyncio.wait_for(main(), 20))
+    assert heard.events[-1] == {"type": "session.done", "total_sentences": 1}
+    assert heard.close_code == 1000
+    assert sample(metrics, "omni_dp_router_replica_waits_total", outcome="found") == 1
+
+
+def test_a_session_whose_replica_is_lost_while_the_other_is_disabled_moves_once_it_is_back():
+    """Its replica fails mid-sentence while the other one is disabled (restarting): the move
+    waits for it (--replica-wait) and the session goes on there, every sentence once."""
+    text = "Hello there. More to come. "
+
+    async def main():
+        heard = Heard()
+        async with stand_ins(2) as (served, replicas, session):
+            for replica in replicas:
+                replica.pipeline.gate.clear()
+            async with session.ws_connect(served.url + "/v1/audio/speech/stream") as ws:
+                await ws.send_str(json.dumps(PCM_STREAMED))
+                await send_text(ws, text)
+                await send_done(ws)
+                await read_until(ws, heard, "audio.start", timeout=5)
+                lost, other = serving(replicas)
+                other_id = str(replicas.index(other))
+                served.router.set_disabled(served.replica(other_id), True)
+                lost.pipeline.fail = True
+                lost.pipeline.gate.set()
+                await until(lambda: served.router.num_waiting == 1, 3, "the move waiting")
+                assert not other.arrived.is_set()
+                served.router.set_disabled(served.replica(other_id), False)
+                other.pipeline.gate.set()
+                await read_until(ws, heard, None, timeout=5)
+            return heard, await scrape(session, served.url)
+
+    heard, metrics = asyncio.run(asyncio.wait_for(main(), 20))
+    assert [e["sentence_text"] for e in heard.sentences()] == split_sentences(text)
+    assert heard.events[-1] == {"type": "session.done", "total_sentences": 2}
+    assert heard.close_code == 1000
+    assert sample(metrics, "omni_dp_router_resumes_total", reason="midstream") == 1
+    assert sample(metrics, "omni_dp_router_replica_waits_total", outcome="found") == 1
