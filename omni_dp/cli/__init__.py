@@ -48,6 +48,10 @@ CLI_COMMANDS: dict[str, LazyCommand] = {
     "down": LazyCommand(
         f"{_COMMANDS}.runs:down",
         "Stop a run and everything it started, and nothing else; remove its state."),
+    "supervise": LazyCommand(
+        f"{_COMMANDS}.runs:supervise",
+        "Supervise again a live run whose supervisor died (kill -9, OOM): serving went on, "
+        "but nothing restarted a failing replica."),
     "restart": LazyCommand(
         f"{_COMMANDS}.changes:restart",
         "Restart a live run's replicas one at a time, without downtime; `-- ENGINE ARGS` "

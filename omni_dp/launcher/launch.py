@@ -7,30 +7,24 @@ Exit codes: 0 stopped cleanly (foreground) or up and handed to a detached superv
 
 from __future__ import annotations
 
-import os
 import signal
-import sys
 import threading
-import time
 from collections.abc import Callable
 from typing import Protocol
 
-from omni_dp.contract import API_KEY_ENV, RUN_ID_ENV, ExitCode
-from omni_dp.launcher.bringup.gates import describe_exit, log_tail
+from omni_dp.contract import ExitCode
 from omni_dp.launcher.bringup.replicas import ReplicaControl
 from omni_dp.launcher.bringup.steps import BringUpFailed, StartProgress, bring_up
 from omni_dp.launcher.engines.replica_api import GateFailed
-from omni_dp.launcher.planning.options import GATEWAY_KEY_ENV
 from omni_dp.launcher.planning.plan import LaunchPlan
-from omni_dp.launcher.processes.ours import child_env, spawn
 from omni_dp.launcher.record.state import RunState
+from omni_dp.launcher.supervision.detached import start_supervisor
 from omni_dp.launcher.supervision.supervisor import Supervisor
 from omni_dp.launcher.teardown import teardown
 from omni_dp.launcher.views.summary import RunSummary, run_summary
 from omni_dp.mps.daemon import MpsDaemonError
 from omni_dp.runfile import RunFileError, RunPhase
 
-SUPERVISOR_HANDOFF_S = 30.0  # start, record itself, one sweep (health of every replica)
 INTERRUPTED = 130  # the shell's 128 + SIGINT: interrupted during bring-up, and cleaned up
 
 
@@ -126,45 +120,24 @@ def _hand_off(state: RunState, reap: list, stop: threading.Event,
     """Start the detached supervisor and return once it supervises: recorded in run.json AND
     through a first sweep of its loop (its heartbeat). If it dies first, or a signal comes,
     the run is torn down instead: never "detached" with no one watching."""
-    log = state.logs / "supervisor.log"
-    extra = {RUN_ID_ENV: state.run_id}
-    if state.api_key is not None:  # by environment, as to the router: never argv, never disk
-        extra[API_KEY_ENV] = state.api_key
-    if os.environ.get(GATEWAY_KEY_ENV):  # the gateway's: the supervisor's, never a replica's
-        extra[GATEWAY_KEY_ENV] = os.environ[GATEWAY_KEY_ENV]
-    started = spawn([sys.executable, "-m", "omni_dp.launcher.supervision.supervisor",
-                     str(state.directory)], child_env(extra, state.token), log)
-    deadline = time.monotonic() + SUPERVISOR_HANDOFF_S
-    code = None
-    while time.monotonic() < deadline and not stop.is_set():
-        code = started.popen.poll()
-        if code is not None:
-            break
-        record = _current(state).record.supervisor
-        if record and record.identity == started.identity and record.supervising_since:
-            say(f"detached: supervisor pid {started.pid} is supervising (log {log})")
-            return ExitCode.OK
-        time.sleep(0.05)
+    start = start_supervisor(state, stop=stop)
+    if start.supervising:
+        say(f"detached: supervisor pid {start.pid} is supervising (log {start.log})")
+        return ExitCode.OK
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)  # the teardown below must run to its end
-    interrupted = stop.is_set()
-    if interrupted:
-        say("interrupted; tearing the run down")
-    elif code is not None:
-        say(f"the detached supervisor {describe_exit(code)} before it was supervising; last "
-            f"lines of {log}:\n{log_tail(log)}\ntearing the run down")
-    else:
-        say(f"the detached supervisor did not start supervising within "
-            f"{SUPERVISOR_HANDOFF_S:.0f} s (log {log}); tearing the run down")
+    interrupted = start.interrupted
+    say("interrupted; tearing the run down" if interrupted else
+        f"{start.why_not()}\ntearing the run down")
     # The supervisor may have recorded itself meanwhile: teardown then stops it first (it
     # tears down itself); if not, it carries the run token and goes with the other strays.
     current = _current(state)
     result = teardown(current, drain_timeout=current.requested_drain(5.0),
-                      keep_state=not interrupted, say=say, reap=[*reap, started.popen])
+                      keep_state=not interrupted, say=say, reap=[*reap, start.started.popen])
     for line in result.leftovers:
         say(f"left behind: {line}")
     if not interrupted:
-        state.event("handoff_failed", supervisor_pid=started.pid, exit=code)
+        state.event("handoff_failed", supervisor_pid=start.pid, exit=start.exit_code)
         say(f"the state is kept for diagnosis in {state.directory}; remove it with "
             f"`{state.plan.command} down {state.run_id}`"
             if state.directory.exists() else "nothing is left of the run" if result.clean

@@ -1,4 +1,4 @@
-"""A run after `launch`: `omni-dp status`, `list`, `logs` and `down`."""
+"""A run after `launch`: `omni-dp status`, `list`, `logs`, `down` and `supervise`."""
 
 from __future__ import annotations
 
@@ -167,3 +167,46 @@ def down(run_id: str | None, drain_timeout: float | None, as_json: bool) -> None
     emit({"run_id": state.run_id, "clean": result.clean, "removed": result.removed,
           "leftovers": result.leftovers}, text, as_json)
     sys.exit(ExitCode.OK if result.clean else ExitCode.RUNTIME)
+
+
+@click.command()
+@click.argument("run_id", required=False)
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=None,
+              callback=finite, metavar="SECONDS",
+              help="How long the new supervisor gets to start and run its first sweep. "
+                   "[default: 30]")
+@json_option("the outcome")
+def supervise(run_id: str | None, timeout_s: float | None, as_json: bool) -> None:
+    """Supervise again a live run whose supervisor died (kill -9, OOM): serving went on, but
+    nothing restarted a failing replica.
+
+    Starts the detached supervisor `launch --detach` leaves behind, with the run's id and
+    token, and returns once run.json names it supervising. It adopts the router and replicas
+    as they run, and restarts what the dead one left half-restarted. The replicas it restarts
+    inherit this shell's environment (as they did the launch's); a router launched with an
+    API key needs it here too, in OMNI_DP_API_KEY. With no RUN_ID: the only live run. Safe to
+    repeat: a run whose supervisor is alive is left as it is.
+
+    Exit codes: 0 supervised (again, or already: then nothing is started), 1 no such run,
+    2 nothing started: the run is not live (stopped, failed, never finished starting), its
+    `launch` still runs, its API key is missing or refused, or several runs and none named,
+    3 the supervisor started died or did not supervise in time: it is stopped, its log's tail
+    said, and the run goes on serving, unsupervised (never torn down), 130 interrupted while
+    waiting (likewise).
+    """
+    from omni_dp.launcher.supervision.detached import SUPERVISOR_HANDOFF_S
+    from omni_dp.launcher.supervision.resume import NotSupervisable, ResumeFailed, resume
+
+    state = _pick_run(run_id, "supervise")
+    try:
+        resumed = resume(state, say=lambda line: click.echo(f"omni-dp supervise: {line}",
+                                                            err=True),
+                         timeout_s=timeout_s if timeout_s is not None else SUPERVISOR_HANDOFF_S)
+    except NotSupervisable as exc:
+        fail("supervise", str(exc))
+    except ResumeFailed as exc:
+        if as_json:
+            emit(exc.resumed.to_json(), "", True)
+        click.echo(f"omni-dp supervise: {exc}", err=True)
+        sys.exit(130 if exc.interrupted else ExitCode.RUNTIME)  # 130: as launch's, 128 + SIGINT
+    emit(resumed.to_json(), resumed.line(), as_json)

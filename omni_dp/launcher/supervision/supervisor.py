@@ -8,7 +8,8 @@ what it depends on (an MPS fault on a GPU restarts every replica of that GPU, an
 SIGTERM/SIGINT: orderly teardown.
 
 Run in the foreground by `omni-dp launch`, or detached as
-`python -m omni_dp.launcher.supervision.supervisor RUN_DIR` (what `launch --detach` leaves behind).
+`python -m omni_dp.launcher.supervision.supervisor RUN_DIR` (what `launch --detach` leaves behind,
+and `omni-dp supervise` starts again for a run whose supervisor died: takeover.py).
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ from omni_dp.launcher.supervision.slots import (
     restart_group,
     run_slots,
 )
+from omni_dp.launcher.supervision.takeover import take_over
 from omni_dp.launcher.teardown import teardown
 from omni_dp.logs import setup_logging
-from omni_dp.procs import ProcessIdentity, identify
+from omni_dp.procs import ProcessIdentity, identify, is_alive
 from omni_dp.runfile import (
     WATCHED,
     ReplicaState,
@@ -92,6 +94,7 @@ class Supervisor:
         self.change = ChangeRunner(self.crew, self.router, self.restart_replica, self.busy,
                                    self.refresh)
         self.sweep_lock = threading.RLock()  # a sweep, or a change reshaping the run's slots
+        self.cut_off: set[int] = set()  # replicas whose restart a dead supervisor left undone
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -100,8 +103,16 @@ class Supervisor:
             signal.signal(sig, lambda *_: self.stop_requested.set())
         me = identify(os.getpid())
         assert me is not None
+        previous = self.state.record.supervisor  # one that died (`omni-dp supervise`), or none
+        if previous is not None and previous.identity != me and is_alive(previous.identity):
+            # never two at once; and never a teardown: the run is the other one's
+            self.say(f"run {self.state.run_id} is supervised by pid {previous.identity.pid}; "
+                     "this supervisor stops without touching it")
+            return ExitCode.USAGE
         self.state.update(supervisor=SupervisorRecord(me, self.detached))
         self.state.event("supervisor_started", pid=me.pid, detached=self.detached)
+        if previous is not None and previous.identity != me:
+            self._take_over(previous)
         watch = DeathWatch()
         try:
             self._loop(watch)
@@ -112,6 +123,19 @@ class Supervisor:
         finally:
             watch.close()
         return self.shutdown()
+
+    def _take_over(self, previous: SupervisorRecord) -> None:
+        """Take back what a supervisor that died left half-done (takeover.py): its cut-off
+        restarts are due at the first sweep, its taken-out replicas go back once healthy."""
+        try:
+            done = take_over(self.crew, previous)
+        except Exception as exc:  # never the supervisor dead for it: the sweep goes on
+            self.state.event("supervisor_takeover_failed", error=repr(exc))
+            self.say(f"warning: taking over from supervisor pid {previous.identity.pid} "
+                     f"failed ({exc!r}); supervising what the record says")
+            return
+        self.cut_off.update(done.cut_off)
+        self.router.not_in_router.update(done.taken_out)
 
     def _loop(self, watch: DeathWatch) -> None:
         supervising = False
@@ -205,6 +229,11 @@ class Supervisor:
 
     def _check_replica(self, index: int) -> None:
         record = self.state.replica(index)
+        if index in self.cut_off:  # taken over half-restarted: through the gates again
+            self.cut_off.discard(index)
+            if record.state is ReplicaState.DOWN:
+                self._restart(index, record.last_error or "its restart was cut off")
+                return
         if record.state not in WATCHED:
             return
         verdict = self.watches[index].observe(record.state, self._look(index))

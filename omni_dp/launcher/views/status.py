@@ -126,7 +126,7 @@ def _shown_state(record: RunRecord, supervisor_alive: bool) -> str:
     if live and record.state is RunPhase.STARTING and not (supervisor_alive or launcher_alive):
         return "abandoned"  # its launch died during bring-up: no one will finish it
     if live and record.state in (RunPhase.RUNNING, RunPhase.DEGRADED) and not supervisor_alive:
-        return "unsupervised"  # its supervisor died: `omni-dp down` still cleans it
+        return "unsupervised"  # its supervisor died: `supervise` takes it over, `down` cleans it
     return record.state.value
 
 
@@ -173,7 +173,8 @@ def format_status(s: dict, command: str = "omni-dp", fmt: str = "table") -> str:
                     "what it started")
     elif s["state"] == "unsupervised":
         tail.append(f"its supervisor is gone: nothing restarts a replica that fails; "
-                    f"`{command} down {s['run_id']}` stops the run")
+                    f"`{command} supervise {s['run_id']}` supervises it again; "
+                    f"`{command} down {s['run_id']}` stops it")
     if fmt == "markdown":
         return _markdown_status(s, head, tail)
     tables = [replica_table(s["replicas"])] if len(gpus) <= 1 else gpu_tables(gpus,
