@@ -94,16 +94,19 @@ class RouterConfig:
         "flag": "--request-timeout", "help": "Seconds a whole proxied request may take."})
     # Generation has no side effects: a request none of whose answer reached the client can
     # go to another replica; never to one it was already sent to (unless restarted since).
-    retries: int = field(default=1, metadata={
+    # 3, not 1: with 2 replicas both dying a few seconds apart (a double fault), a request's
+    # first replica and its retry's both die, and the third try goes to the first one
+    # restarted. Each try goes to a replica it has not tried, within --request-timeout.
+    retries: int = field(default=3, metadata={
         "help": "Times a request is sent again, each time to a replica it was not sent to "
                 "yet (a replica restarted since counts as not tried), when its replica failed "
                 "before any byte of the answer reached the client: connection refused or "
                 "reset, closed before its status line, a 5xx from a replica going away "
                 "(X-Omni-DP-Going-Away), found hung. 0: never."})
-    resumes: int = field(default=1, metadata={
+    resumes: int = field(default=3, metadata={
         "help": "Times a stream cut after its first byte reached the client is continued by "
                 "another replica from the byte the client has (built-in engine, wav and pcm, "
-                "raw or SSE); other streams end cut. 0: never."})
+                "raw or SSE; a speech session's moves); other streams end cut. 0: never."})
     # 30 s: a replica's restart through the supervisor's gates took 3.7-11.8 s here (kill -9
     # to routable, its restart backoff included: bench/results/router_faults.md), a stopped
     # one is routable again a few seconds after it continues, and a model loading on a GPU

@@ -200,15 +200,16 @@ def test_resumes_0_leaves_a_cut_stream_cut():
     assert sample(metrics, "omni_dp_router_streams_cut_total", why="resumes_spent") == 1
 
 
-def test_only_one_resume_per_request():
-    """The replica that resumed it dies too, and another is there: the stream ends cut."""
+def test_only_one_resume_per_request_with_resumes_1():
+    """--resumes 1: the replica that resumed it dies too, and another is there: the stream
+    ends cut."""
 
     async def main():
         bs = [Backend(n, resumable(die_after=d))
               for n, d in (("a", 3000), ("b", 6000), ("c", 6000), ("d", None))]
         async with backends(*bs), \
-                serve(make_config([f"{b.name}={b.url}" for b in bs],
-                                  policy="round_robin")) as served, client() as session:
+                serve(make_config([f"{b.name}={b.url}" for b in bs], policy="round_robin",
+                                  resumes=1)) as served, client() as session:
             result = await read_all(session, served.url + "/v1/audio/speech")
             await served.wait_idle()
             return (*result, [len(b.seen) for b in bs], await scrape(session, served.url))
@@ -339,6 +340,17 @@ def test_whole_events_holds_a_half_event_until_its_end_and_streams_what_never_en
 # --- waiting for a replica to go on (--replica-wait) ----------------------------------------
 
 
+def dies_once(die_after: int):
+    """A stand-in that dies after `die_after` bytes of its first answer; restarted, it
+    streams whole (as a replica its supervisor restarted does)."""
+    dying, whole = resumable(die_after=die_after), resumable()
+
+    async def handler(backend: Backend, request: web.Request, seen) -> web.StreamResponse:
+        return await (dying if len(backend.seen) == 1 else whole)(backend, request, seen)
+
+    return handler
+
+
 async def stream_while(served, session, change) -> tuple:
     """Stream one answer; once the router waits for a replica to resume it, `change()` (the
     supervisor enabling one); (what read_all got, the route's metrics)."""
@@ -373,3 +385,25 @@ def test_a_stream_whose_replica_dies_while_the_other_is_disabled_resumes_once_it
     assert (route["tried"], route["outcome"]) == (["a", "b"], "ok")
     assert route["waited_s"] > 0
 
+
+def test_a_double_fault_mid_stream_is_survived_with_the_default_resumes():
+    """The stream's replica dies, the one that resumed it dies too; the default --resumes
+    leaves it a third replica: the first one, restarted (a new process to this request)."""
+
+    def restart_a(served) -> None:
+        a = served.replica("a")
+        served.router.set_disabled(a, True)
+        served.router.set_disabled(a, False)
+
+    async def main():
+        a, b = Backend("a", dies_once(3 * CHUNK)), Backend("b", dies_once(6 * CHUNK))
+        async with backends(a, b), \
+                serve(make_config([f"a={a.url}", f"b={b.url}"], policy="round_robin",
+                                  failures=100, replica_wait_s=10)) as served, \
+                client() as session:
+            return await stream_while(served, session, lambda: restart_a(served))
+
+    (status, _, body, broken), metrics = run(main())
+    assert (status, broken) == (200, None)
+    assert body == answer(77)
+    assert sample(metrics, "omni_dp_router_resumes_total", reason="midstream") == 2

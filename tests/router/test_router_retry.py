@@ -310,6 +310,31 @@ def test_a_replica_restarted_since_a_request_tried_it_may_take_it_again(caplog):
     assert routes(caplog)["again"]["tried"] == ["a", "a"]
 
 
+def test_a_double_fault_is_survived_with_the_default_retries():
+    """Both replicas die under one request, a few seconds apart (the first one it went to,
+    then the one its retry went to): the default --retries leaves the request a third try,
+    which waits for the first one's restart and is answered there."""
+
+    async def main():
+        a, b = Backend("a", drops_its_first), Backend("b", drops_its_first)
+        async with backends(a, b), \
+                serve(make_config([f"a={a.url}", f"b={b.url}"], policy="round_robin",
+                                  failures=100, replica_wait_s=10)) as served, \
+                client() as session:
+            asking = asyncio.create_task(fetch(session, "POST", served.url + "/x", data=b"{}"))
+            await wait_for_a_waiter(served)  # both tried
+            restart(served, "a")
+            status, headers, _ = await asyncio.wait_for(asking, 3)
+            await served.wait_idle()
+            return status, headers, [len(a.seen), len(b.seen)], await scrape(session,
+                                                                              served.url)
+
+    status, headers, seen, metrics = run(main())
+    assert (status, headers["X-Omni-DP-Replica"]) == (200, "a")
+    assert seen == [2, 1]
+    assert sample(metrics, "omni_dp_router_retries_total", reason="disconnected") == 2
+
+
 def test_a_retry_whose_only_other_replica_is_at_its_cap_waits_for_a_slot():
     """--max-inflight-per-replica 1: b holds a request when a drops another; the retry waits
     for b's slot (given back when b's request ends) instead of a 502 at once."""

@@ -84,10 +84,10 @@ class LaunchOptions:
     # `omni-dp router` when given; None keeps the router's own default (one home for each).
     retries: int | None = field(default=None, metadata={
         "help": "The router's --retries: times a request none of whose answer reached the "
-                "client is sent to another replica.  [default: the router's, 1]"})
+                "client is sent to another replica.  [default: the router's, 3]"})
     resumes: int | None = field(default=None, metadata={
         "help": "The router's --resumes: times a cut stream is continued by another replica "
-                "from the byte the client has.  [default: the router's, 1]"})
+                "from the byte the client has.  [default: the router's, 3]"})
     first_byte_timeout: float | None = field(default=None, metadata={
         "help": "The router's --first-byte-timeout: seconds before a silent replica is "
                 "checked, and ejected as hung if its /health fails too.  [default: the "
