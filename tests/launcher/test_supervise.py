@@ -34,7 +34,14 @@ from omni_dp.launcher.supervision.resume import ResumeFailed, resume
 from omni_dp.procs import ProcessIdentity, identify
 from omni_dp.runfile import ReplicaState, RouterRecord, RunPhase, SupervisorRecord
 
-from support.launcher import SUPERVISION, alive, describe, kill_replica, token_pids
+from support.launcher import (
+    RESTART_TIMEOUT_S,
+    SUPERVISION,
+    alive,
+    describe,
+    kill_replica,
+    token_pids,
+)
 from support.plans import two_replica_plan
 from support.stub_http import StubHttp
 from support.supervision import FakeRouter, make_state, names, supervisor
@@ -300,6 +307,7 @@ def test_supervise_brings_supervision_back_to_a_run_whose_supervisor_was_killed(
     begun = time.monotonic()
     run = runs(2)
     run.launch(*SUPERVISION)
+    launched = time.monotonic()
     old = run.run_json()["supervisor"]
     assert psutil.Process(old["pid"]).create_time() == old["create_time"]
     os.kill(old["pid"], signal.SIGKILL)
@@ -308,7 +316,9 @@ def test_supervise_brings_supervision_back_to_a_run_whose_supervisor_was_killed(
     text = run.cli("status", run.run_id)
     assert f"supervise {run.run_id}` supervises it again" in text.stdout, describe(text)
 
+    asked = time.monotonic()
     done = run.cli("supervise", run.run_id)
+    supervised = time.monotonic()
     assert done.returncode == 0, describe(done)
     new = run.run_json()["supervisor"]
     assert new["pid"] != old["pid"] and new["supervising_since"]
@@ -322,10 +332,12 @@ def test_supervise_brings_supervision_back_to_a_run_whose_supervisor_was_killed(
 
     # The replicas are not the new supervisor's children: it watches them all the same.
     killed = kill_replica(run, 0)
+    # (a start of a tiny replica takes ~5 s on an idle machine, over 20 s on a busy one)
     wait_for("replica 0 restarted by the new supervisor", lambda: (
         (r := run.status()["replicas"][0])["pid"] != killed and r["restarts"] == 1
-        and r["health"] == "healthy"), timeout=30, interval=0.3)
-    wait_for("replica 0 routable again", lambda: _routable(run, 0), timeout=15, interval=0.2)
+        and r["health"] == "healthy"), timeout=2 * RESTART_TIMEOUT_S, interval=0.3)
+    wait_for("replica 0 routable again", lambda: _routable(run, 0), timeout=RESTART_TIMEOUT_S,
+             interval=0.2)
     assert psutil.Process(run.run_json()["replicas"][0]["pid"]).ppid() == new["pid"]
 
     again = run.cli("supervise", run.run_id, "--json")
@@ -337,4 +349,5 @@ def test_supervise_brings_supervision_back_to_a_run_whose_supervisor_was_killed(
     assert down.returncode == 0, describe(down)
     assert token_pids(run.token) == [] and run.leftover_pids() == []
     assert not run.run_dir.exists()
-    print(f"live supervise test: {time.monotonic() - begun:.1f} s")
+    print(f"live supervise test: {time.monotonic() - begun:.1f} s (launch "
+          f"{launched - begun:.1f} s, supervise {supervised - asked:.1f} s)")
