@@ -13,9 +13,8 @@ streamed) speech, or streamed and whole completions for vLLM. The nemesis (soak_
 kill -9 of a replica, SIGSTOP then SIGCONT, kill -9 of a stage process, `omni-dp restart`,
 `omni-dp scale` up and down, a model update (`omni-dp restart RUN -- <changed args>`), kill -9
 of the router (of one worker with --router-workers K > 1; the supervisor restarts a dead
-router), kill -9 of the supervisor (serving goes on; omni-dp has no command to supervise a
-live run again, so the soak starts the detached supervisor's entry point itself, see
-soak_run.revive_supervisor), and overlaps of two. After each event the run must be whole
+router), kill -9 of the supervisor (serving goes on; `omni-dp supervise` brings supervision
+back after --supervisor-down-s), and overlaps of two. After each event the run must be whole
 again (soak_run.py says what that means). The invariants (soak_checks.py) are judged at the
 end; the report (soak_report.py): requests by outcome, each fault with the time to whole,
 the resource curves (PNG), the verdicts. Exit 0 when every invariant holds, 1 otherwise.
@@ -40,23 +39,27 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import aiohttp
 import soak_checks as checks
 from launch_scaling import finish_run, free_port_block, omni_dp, processes_of
-from soak_load import Load, asks
+from soak_load import OK, UNREACHABLE, Load, asks
 from soak_nemesis import FAULTS, OVERLAPS, Nemesis
 from soak_report import latency, markdown, plot
 from soak_run import RunView, files_left, ports_taken
 
-ENGINES = {  # engine: (engine args, the model update's, bounds: interactive, bulk, whole)
+# engine: (engine args, the model update's, bounds in s: interactive, bulk, whole again). A
+# request's bound is the router's --replica-wait (30 s: with no replica to go to, it waits
+# for one before it refuses) plus what the class takes on a loaded replica here.
+ENGINES = {
     "voice": (["--model", "joe", "--voice.process", "voice"], ["--voice-lookahead", "1"],
-              (20.0, 60.0, 180.0)),
+              (45.0, 90.0, 180.0)),
     "seeded": (["--model", "tiny", "--vocoder.process", "vocoder"],
-               ["--max-running-requests", "16"], (20.0, 60.0, 180.0)),
+               ["--max-running-requests", "16"], (45.0, 90.0, 180.0)),
     "vllm": (["--enforce-eager", "--dtype", "float32"], ["--max-num-seqs", "8"],
-             (60.0, 120.0, 600.0)),
+             (90.0, 150.0, 600.0)),
 }
 LIBRARY_FILES = (".ses", "pulse")  # onnxruntime's telemetry file; espeak-ng's libpulse dir
 
@@ -86,7 +89,6 @@ class Soak:
             self.env["OMNI_DP_API_KEY"] = args.api_key
         self.run_id = f"soak-{os.getpid()}"
         self.shape = {str(i) for i in range(args.replicas)}
-        self.reaped: list = []  # processes the soak started itself (revived supervisors)
         self.updated = False
         base, update, _ = ENGINES[args.engine]
         self.engine_args = ([args.vllm_model] if args.engine == "vllm" else []) + base
@@ -203,9 +205,6 @@ class Soak:
         for proc in processes_of(self.state):  # what down could not stop: by pid
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc["pid"], signal.SIGKILL)
-        for popen in self.reaped:
-            if popen.poll() is None:
-                popen.kill()
         return row
 
     def cleanup(self, clean: bool) -> None:
@@ -237,6 +236,10 @@ def summary(soak: Soak, down: dict, launch_error: str | None) -> dict:
                 "clients": a.clients, "sample_every": a.sample_every, "warmup": a.warmup,
                 "count": count, "tolerance": tolerance.describe(), "run_id": soak.run_id},
         "requests": checks.by_outcome(done), "latency": latency(done, a.bounds),
+        "not_ok": [{"cls": d.cls, "form": d.form, "start": round(d.start, 1),
+                    "took": round(d.end - d.start, 2), "outcome": d.outcome,
+                    "status": d.status, "replica": d.replica, "detail": d.detail[:160]}
+                   for d in done if d.outcome not in (OK, UNREACHABLE)],
         "exact": soak.load.exact(), "faults": [dataclasses.asdict(f) for f in faults],
         "drift": drift, "verdicts": [dataclasses.asdict(v) for v in verdicts],
         "stopped_early": (soak.nemesis.stopped_early if soak.nemesis else None) or launch_error,
@@ -261,9 +264,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="clients per class, each sending one request after another "
                         "[default: interactive=2,bulk=1]")
     p.add_argument("--bounds", default=None,
-                   help="the longest a request of each class may take, seconds "
-                        "[default: per engine: voice, seeded interactive=20,bulk=60; "
-                        "vllm interactive=60,bulk=120]")
+                   help="the longest a request of each class may take, seconds: the "
+                        "router's --replica-wait (30 s) plus the class's own time "
+                        "[default: voice, seeded interactive=45,bulk=90; vllm "
+                        "interactive=90,bulk=150]")
     p.add_argument("--whole-bound", type=float, default=None,
                    help="seconds a fault's run has to be whole again [default: 180; vllm 600]")
     p.add_argument("--faults", default=",".join(FAULTS),
@@ -358,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:
         soak.say(f"interrupted ({exc or 'SIGINT'}): downing the run")
         launch_error = f"interrupted ({exc or 'SIGINT'})"
+    except Exception as exc:  # a fault of the soak's own: still down, still a record
+        traceback.print_exc()
+        launch_error = f"the soak failed: {exc!r}"
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the teardown runs to its end
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

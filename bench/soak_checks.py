@@ -9,7 +9,8 @@ sampler recorded — tests call them on records made by hand. Each gives a Verdi
    the run whole again (+ SLACK_S).
 2. bounds: no request took longer than its class's bound.
 3. whole: the run whole again after every fault (soak_run.RunView.problems), within the bound.
-4. commands: every day-two command (restart, scale) exited 0.
+4. commands: every day-two command (restart, scale) exited 0 within the bound, and every fault
+   could be struck.
 5. flat: each role's RSS, open descriptors and threads (every process of the role summed),
    sampled while no fault was going on: the median of its last samples no more than that of
    its first after warm-up, plus the tolerance.
@@ -72,9 +73,12 @@ def answers(done, faults, bound: float) -> Verdict:
         bad.append(d)
     detail = "; ".join(f"{d.cls} {d.form} at {d.start:.1f} s: {d.outcome} {d.status or ''} "
                        f"{d.detail[:120]}".strip() for d in bad[:8])
+    cut = [d for d in done if d.outcome == CUT]
+    by_router = sum(any(a <= d.end <= b for a, b in windows) for d in cut)
     return Verdict("answers", not bad, detail or
                    f"{len(done)} requests: each ok, refused with Retry-After, cut with an error "
-                   "or (router down) unreachable")
+                   f"or (router down) unreachable; of the {len(cut)} cut, {by_router} while a "
+                   "router fault had the router down")
 
 
 def bounds(done, limits: dict[str, float]) -> Verdict:
@@ -97,7 +101,7 @@ def commands(faults) -> Verdict:
     failed = [f for f in faults if f.rc not in (None, 0)]
     return Verdict("commands", not failed, "; ".join(
         f"fault {f.number} {f.kind}: {f.detail[:300]}" for f in failed)
-        or "every restart and scale exited 0")
+        or "every restart and scale exited 0 (and every fault could be struck)")
 
 
 def coverage(faults, kinds: list[str]) -> Verdict:

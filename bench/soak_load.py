@@ -259,21 +259,26 @@ class Load:
             done.outcome, done.detail = judge(ask, self.refs.get(ask.key), bytes(data))
         return done, bytes(data)
 
-    async def references(self, session: aiohttp.ClientSession) -> list[str]:
-        """Each ask answered twice before any fault; what could not be answered, said."""
-        problems = []
-        for ask in self.asks:
+    async def references(self, session: aiohttp.ClientSession, at_once: int = 4) -> list[str]:
+        """Each ask answered twice before any fault (`at_once` asks at a time); what could
+        not be answered, said."""
+        problems: list[str] = []
+        room = asyncio.Semaphore(at_once)
+
+        async def twice(ask: Ask) -> None:
             answers = []
-            for _ in range(2):
-                done, data = await self.send(session, ask)
-                if done.outcome != OK:
-                    problems.append(f"{ask.form} {ask.key[:60]}: {done.outcome} "
-                                    f"{done.status} {done.detail[:200]}")
-                    break
-                answers.append(payload(ask, data))
-            if len(answers) == 2:
-                (first, measure), (second, _) = answers
-                self.refs[ask.key] = Reference(first, measure, first == second)
+            async with room:
+                for _ in range(2):
+                    done, data = await self.send(session, ask)
+                    if done.outcome != OK:
+                        problems.append(f"{ask.form} {ask.key[:60]}: {done.outcome} "
+                                        f"{done.status} {done.detail[:200]}")
+                        return
+                    answers.append(payload(ask, data))
+            (first, measure), (second, _) = answers
+            self.refs[ask.key] = Reference(first, measure, first == second)
+
+        await asyncio.gather(*(twice(ask) for ask in self.asks))
         return problems
 
     async def client(self, session: aiohttp.ClientSession, cls: str, offset: int) -> None:

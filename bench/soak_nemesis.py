@@ -19,12 +19,13 @@ import json
 import os
 import random
 import signal
+import subprocess
 import time
 from dataclasses import dataclass, field
 
 import psutil
 from launch_scaling import omni_dp
-from soak_run import alive, revive_supervisor, supervising
+from soak_run import alive, supervising
 
 OVERLAPS = (("rolling-restart", "replica-kill"), ("supervisor-kill", "stage-kill"),
             ("scale", "router-kill"), ("model-update", "replica-stop"))
@@ -82,7 +83,7 @@ class Ctx:
     """What the faults act on: the run, the commands' environment, the targets' randomness."""
 
     def __init__(self, soak, rng: random.Random) -> None:
-        self.soak = soak  # soak.Soak: view, env, run_id, args, shape, say, reaped
+        self.soak = soak  # soak.Soak: view, env, run_id, args, shape, say
         self.rng = rng
         self.stopped: set[int] = set()  # SIGSTOPped pids, continued whatever happens
 
@@ -103,7 +104,8 @@ class Ctx:
         return index, self.view.replica_pids().get(index, -1)
 
     async def command(self, fault: Fault, begun: asyncio.Event, *argv: str) -> int:
-        """A day-two command; `begun` is set once the supervisor took its first step."""
+        """An omni-dp command on the run; `begun` is set once the supervisor took a day-two
+        change's first step (or the command ended)."""
         started = time.monotonic()
         events = self.view.directory / "events.jsonl"
         watch = asyncio.create_task(self.first_step(events, events.stat().st_size, begun))
@@ -252,6 +254,9 @@ class SupervisorKill:
     kind = "supervisor-kill"
 
     async def strike(self, ctx: Ctx, fault: Fault, begun: asyncio.Event):
+        """kill -9 of the supervisor; serving goes on; after --supervisor-down-s, `omni-dp
+        supervise` (a command since 619af1c; before it, the soak started the supervisor's
+        entry point itself with the run's id and token in its environment)."""
         soak = ctx.soak
         pid = (ctx.view.record().get("supervisor") or {}).get("pid", -1)
         fault.target = f"supervisor pid {pid}, down {soak.args.supervisor_down_s:g} s"
@@ -262,16 +267,14 @@ class SupervisorKill:
         if soak.args.sabotage == "router-stays-dead":  # checking the checks: none comes back
             router = (ctx.view.record().get("router") or {}).get("pid", -1)
             _kill(router, signal.SIGKILL)
-            fault.detail = f"sabotage: router pid {router} killed, no supervisor revived"
+            fault.detail = f"sabotage: router pid {router} killed, no supervisor started"
             return None
-        new = revive_supervisor(ctx.view.directory, soak.env, soak.reaped)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not supervising(ctx.view.directory, new):
-            await asyncio.sleep(0.2)
+        await ctx.command(fault, asyncio.Event(), "supervise")
         fault.action_s = round(time.monotonic() - started, 2)
-        fault.detail = f"revived as pid {new}"
+        new = (ctx.view.record().get("supervisor") or {}).get("pid", -1)
+        fault.detail += f"omni-dp supervise: pid {new}"
         return lambda: [] if supervising(ctx.view.directory, new) else [
-            f"the revived supervisor {new} is not supervising"]
+            f"the new supervisor {new} is not supervising"]
 
 
 FAULTS = {cls.kind: cls for cls in (ReplicaKill, ReplicaStop, StageKill, RollingRestart,
@@ -327,8 +330,15 @@ class Nemesis:
     async def strike(self, fault: Fault, begun: asyncio.Event):
         try:
             return await FAULTS[fault.kind]().strike(self.ctx, fault, begun)
+        except subprocess.TimeoutExpired as exc:  # the command was killed (its group)
+            fault.rc = 124
+            fault.detail += f"{' '.join(map(str, exc.cmd[3:5]))}: no end within {exc.timeout:g} s"
+        except Exception as exc:  # the fault itself failed: said, counted as a failed command
+            fault.rc = -1
+            fault.detail += f"the fault failed: {exc!r}"[:300]
         finally:
             begun.set()  # a kill has begun once struck
+        return None
 
     async def whole(self, faults: list[Fault], checks: list) -> bool:
         deadline = min(f.at for f in faults) + self.soak.args.whole_bound

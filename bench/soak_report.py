@@ -113,6 +113,21 @@ def drift_table(result: dict) -> list[str]:
     return lines
 
 
+def not_ok_table(result: dict, most: int = 40) -> list[str]:
+    """Each request neither ok nor unreachable (the router down), with what its client got:
+    a cut or a refusal is allowed, but each one is shown so it can be explained."""
+    rows = result.get("not_ok") or []
+    if not rows:
+        return []
+    return (["", f"Requests neither ok nor unreachable ({len(rows)}"
+             + (f", the first {most}" if len(rows) > most else "") + "):", "",
+             "| at s | class | form | outcome | status | replica | took s | detail |",
+             "|---:|---|---|---|---:|---|---:|---|"]
+            + [f"| {r['start']} | {r['cls']} | {r['form']} | {r['outcome']} | "
+               f"{r['status'] or '—'} | {r['replica'] or '—'} | {r['took']} | "
+               f"{r['detail'].replace('|', '/')} |" for r in rows[:most]])
+
+
 def markdown(result: dict, png: str | None) -> str:
     run = result["run"]
     head = [f"### {time.strftime('%Y-%m-%d %H:%M', time.localtime(run['started']))} — "
@@ -134,6 +149,7 @@ def markdown(result: dict, png: str | None) -> str:
         f"| {v['name']} | {'yes' if v['ok'] else '**NO**'} | {v['detail'][:600]} |"
         for v in result["verdicts"]]
     body = (head + ["Requests by outcome:", ""] + requests_table(result)
+            + not_ok_table(result)
             + ["", "Faults (times from each fault's start; an overlap's two share the moment "
                "the run was whole again):", ""] + faults_table(result)
             + ["", "Whole again, median by kind: " + "; ".join(whole_by_kind(result)) + ".",

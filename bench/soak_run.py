@@ -15,9 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import subprocess
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,25 +205,6 @@ class RunView:
         return found
 
 
-def revive_supervisor(directory: Path, env: dict, reaped: list) -> int:
-    """What it takes to supervise a run whose supervisor died (omni-dp has no command for it):
-    start the detached supervisor's entry point on the run directory, with the run's id and
-    token (and the router's API key) in its environment, as `launch --detach` does; its
-    output goes on in logs/supervisor.log. The caller waits for run.json to name it."""
-    record = json.loads((directory / "run.json").read_text())
-    child = {**env, "OMNI_DP_RUN_ID": record["run_id"],
-             "OMNI_DP_RUN_TOKEN": (directory / "run_token").read_text().strip(),
-             "PYTHONUNBUFFERED": "1"}
-    with open(directory / "logs" / "supervisor.log", "ab") as log:
-        popen = subprocess.Popen(
-            [sys.executable, "-m", "omni_dp.launcher.supervision.supervisor", str(directory)],
-            env=child, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, close_fds=True)
-    reaped.append(popen)
-    threading.Thread(target=popen.wait, daemon=True).start()  # reaped when it exits
-    return popen.pid
-
-
 def supervising(directory: Path, pid: int) -> bool:
     record = json.loads((directory / "run.json").read_text())
     supervisor = record.get("supervisor") or {}
@@ -257,5 +235,4 @@ def files_left(directory: Path, ignore: tuple[str, ...]) -> list[str]:
                   if not any(p.name.startswith(name) for name in ignore))
 
 
-__all__ = ["RunView", "Sample", "files_left", "ports_taken", "revive_supervisor",
-           "supervising"]
+__all__ = ["RunView", "Sample", "files_left", "ports_taken", "supervising"]

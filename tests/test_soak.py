@@ -33,10 +33,10 @@ import soak_checks as checks  # noqa: E402
 import soak_load as load  # noqa: E402
 from soak_nemesis import FAULTS, OVERLAPS, Fault, coverage_size, events  # noqa: E402
 
-SHORT = ("--engine", "seeded", "--duration", "20s", "--seed", "3", "--gap", "2:3",
-         "--delay", "1:2", "--stop-s", "3", "--supervisor-down-s", "3", "--sample-every", "1",
-         "--status-every", "30", "--whole-bound", "120", "--warmup", "0", "--window", "3s",
-         "--json")
+SHORT = ("--engine", "seeded", "--duration", "20s", "--seed", "3", "--gap", "1:2",
+         "--delay", "1:2", "--stop-s", "3", "--supervisor-down-s", "3", "--sample-every",
+         "0.5", "--status-every", "30", "--whole-bound", "120", "--warmup", "0", "--window",
+         "1.5s", "--json")
 
 
 @pytest.mark.slow
