@@ -2,6 +2,11 @@
 
 A pid is recycled by the kernel; omni-dp only ever signals or trusts a process whose pid AND
 create time match what it recorded, or whose environment carries the run's token.
+
+The create time is the kernel's own: /proc/<pid>/stat's starttime, clock ticks after boot,
+which no clock step moves. psutil's create_time() adds the boot time the kernel derives from the
+wall clock at each read, so after an NTP step the same process reads a different time in
+another process, and a live replica would pass for dead (it happened on a CI machine).
 """
 
 from __future__ import annotations
@@ -13,11 +18,16 @@ from dataclasses import dataclass
 
 import psutil
 
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+# A create time above this is seconds since the epoch (31 years of uptime is none): a record
+# written before omni-dp read starttime. Such a time is compared as it was then, to the second.
+EPOCH_FLOOR = 1e9
+
 
 @dataclass(frozen=True)
 class ProcessIdentity:
     pid: int
-    create_time: float  # psutil's, seconds since the epoch
+    create_time: float  # seconds after boot (start_of); in older records, since the epoch
 
     def to_json(self) -> dict:
         return {"pid": self.pid, "create_time": self.create_time}
@@ -27,23 +37,40 @@ class ProcessIdentity:
         return cls(int(data["pid"]), float(data["create_time"]))
 
 
-def identify(pid: int) -> ProcessIdentity | None:
+def _stat(pid: int) -> tuple[str, float] | None:
+    """(state letter, start in seconds after boot) of a process, None when there is none.
+    Hand-read: psutil has no public call for a start that ignores the wall clock."""
     try:
-        return ProcessIdentity(pid, psutil.Process(pid).create_time())
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:  # no such pid (or no /proc)
         return None
+    fields = raw[raw.rindex(b")") + 2:].split()  # after "pid (comm) ", comm may hold spaces
+    return fields[0].decode(), int(fields[19]) / CLOCK_TICKS  # fields 3 and 22 of proc(5)
+
+
+def start_of(pid: int) -> float | None:
+    """When the process started, in seconds after boot; None when there is no such pid."""
+    stat = _stat(pid)
+    return stat[1] if stat else None
+
+
+def identify(pid: int) -> ProcessIdentity | None:
+    started = start_of(pid)
+    return None if started is None else ProcessIdentity(pid, started)
 
 
 def is_alive(identity: ProcessIdentity) -> bool:
     """The recorded process still exists (not a recycled pid) and is not a zombie."""
-    try:
-        process = psutil.Process(identity.pid)
-        return (
-            process.create_time() == identity.create_time
-            and process.status() != psutil.STATUS_ZOMBIE
-        )
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
+    stat = _stat(identity.pid)
+    if stat is None or stat[0] in ("Z", "X"):
         return False
+    if identity.create_time > EPOCH_FLOOR:  # an older record's time: psutil's, to the second
+        try:
+            return abs(psutil.Process(identity.pid).create_time() - identity.create_time) < 1
+        except psutil.Error:
+            return False
+    return stat[1] == identity.create_time
 
 
 def open_pidfd(pid: int) -> int:

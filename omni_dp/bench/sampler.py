@@ -23,6 +23,7 @@ import psutil
 
 from omni_dp.bench.stats import CLIENT as CLIENT_ROLE
 from omni_dp.cpulist import parse_cpu_list
+from omni_dp.procs import ProcessIdentity, is_alive
 from omni_dp.runfile import GpuRecord, RunFileError, RunRecord, read_run
 
 INTERVAL_S = 0.2
@@ -89,7 +90,7 @@ class _CpuTracker:
         for pid, created in processes:
             with contextlib.suppress(psutil.Error):
                 handle = psutil.Process(pid)
-                if created is None or abs(handle.create_time() - created) < 0.01:
+                if created is None or is_alive(ProcessIdentity(pid, created)):
                     self.handles.append(handle)
         self.first: dict[int, float] = {}
         self.last: dict[int, float] = {}

@@ -143,7 +143,7 @@ def find_daemon_pid(control: MpsControl) -> ProcessIdentity | None:
         pass
     binary = os.path.realpath(control.binary)
     pipe = os.path.realpath(control.pipe_dir)
-    for process in psutil.process_iter(["pid", "exe", "cmdline", "create_time"]):
+    for process in psutil.process_iter(["pid", "exe", "cmdline"]):
         info = process.info
         argv0 = (info.get("cmdline") or [""])[0]
         exe = info.get("exe") or ""
@@ -151,7 +151,7 @@ def find_daemon_pid(control: MpsControl) -> ProcessIdentity | None:
             continue
         env = read_environ(info["pid"]) or {}
         if os.path.realpath(env.get(PIPE_ENV, "")) == pipe:
-            return ProcessIdentity(info["pid"], info["create_time"])
+            return identify(info["pid"])
     return None
 
 

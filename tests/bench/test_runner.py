@@ -27,6 +27,7 @@ from omni_dp.bench.runner import (
 )
 from omni_dp.bench.sampler import NO_RUN, Sampler, count_cpus
 from omni_dp.bench.stats import RAN_OUT
+from omni_dp.procs import start_of
 
 from support.launcher import Run, kill_replica, matching_pids
 from support.plans import gpu_run_record, gpus_json, stored_state
@@ -101,7 +102,7 @@ class FakeNvml:
 
 def test_the_sampler_reads_the_recorded_processes_and_the_gpus(tmp_path, spinner):
     data = gpu_run_record("s", [{"index": 0, "pid": spinner.pid,
-                                 "create_time": spinner.create_time(), "cpus": "0"}],
+                                 "create_time": start_of(spinner.pid), "cpus": "0"}],
                           [{**gpus_json(1)[0], "label": "GPU-abc"}])
     data["device"] = "cuda"
     stored_state(tmp_path / "s", data)

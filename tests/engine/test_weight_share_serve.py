@@ -13,6 +13,7 @@ import time
 import psutil
 import pytest
 
+from omni_dp.procs import start_of
 from omni_dp.sharefile import MANIFEST_FILE, read_manifest
 
 from support.http_client import get, post_json
@@ -44,7 +45,7 @@ def test_leader_follower_and_own_replica_agree_and_the_follower_stops_with_its_l
 
     manifest = read_manifest(share)
     leader_identity = {"pid": leader.pid,
-                       "create_time": psutil.Process(leader.pid).create_time()}
+                       "create_time": start_of(leader.pid)}
     expected = {"share_dir": str(share), "policy": "omni-dp-tts/1",
                 "shared_bytes": manifest.shared_bytes, "private_bytes": manifest.private_bytes,
                 "tensors_shared": len(manifest.shared), "leader": leader_identity}

@@ -530,11 +530,11 @@ def test_a_state_root_others_can_read_is_a_problem(facts):
 
 def test_known_runs_read_from_the_state_root_feed_the_plan(facts):
     from omni_dp.launcher.record.state import RunState
-    from omni_dp.procs import ProcessIdentity
+    from omni_dp.procs import ProcessIdentity, identify
     from omni_dp.runfile import SupervisorRecord
 
     runs_dir = facts.state_root / "runs"
-    me = ProcessIdentity(os.getpid(), psutil.Process().create_time())
+    me = identify(os.getpid())
     recycled = ProcessIdentity(os.getpid(), 1.0)  # same pid, another process
     alive = RunState.create(plan(opts(run_id="alive"), facts))
     alive.update(launcher=None, supervisor=SupervisorRecord(me, detached=True))

@@ -31,7 +31,7 @@ from omni_dp.launcher.changes.request import (
 from omni_dp.launcher.record.state import RunState
 from omni_dp.launcher.supervision import detached
 from omni_dp.launcher.supervision.resume import ResumeFailed, resume
-from omni_dp.procs import ProcessIdentity, identify
+from omni_dp.procs import ProcessIdentity, identify, start_of
 from omni_dp.runfile import ReplicaState, RouterRecord, RunPhase, SupervisorRecord
 
 from support.launcher import (
@@ -309,7 +309,7 @@ def test_supervise_brings_supervision_back_to_a_run_whose_supervisor_was_killed(
     run.launch(*SUPERVISION)
     launched = time.monotonic()
     old = run.run_json()["supervisor"]
-    assert psutil.Process(old["pid"]).create_time() == old["create_time"]
+    assert start_of(old["pid"]) == old["create_time"]
     os.kill(old["pid"], signal.SIGKILL)
     wait_for("the supervisor to die", lambda: not alive(old["pid"]), timeout=10)
     assert run.status()["state"] == "unsupervised"

@@ -30,6 +30,7 @@ from pathlib import Path
 import psutil
 
 from omni_dp.engine.options import DEFAULT_MODEL_ENV  # the seeded default's pin: kept
+from omni_dp.procs import ProcessIdentity, is_alive
 from omni_dp.procs import read_environ as environ
 
 from support.mps import real_control_binary
@@ -58,10 +59,10 @@ def alive(pid: int | None, create_time: float | None = None) -> bool:
     zombie (a daemon's exit waits for a late reaper)."""
     if pid is None:
         return False
+    if create_time is not None:
+        return is_alive(ProcessIdentity(pid, create_time))
     try:
-        process = psutil.Process(pid)
-        return (process.status() != psutil.STATUS_ZOMBIE
-                and (create_time is None or process.create_time() == create_time))
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
 

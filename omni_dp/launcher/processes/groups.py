@@ -30,7 +30,7 @@ import psutil
 from omni_dp.launcher.processes.ours import carries_token, signal_ours
 from omni_dp.launcher.record.state import RunState
 from omni_dp.mps.control import MpsControl, MpsControlError
-from omni_dp.procs import ProcessIdentity, is_alive
+from omni_dp.procs import ProcessIdentity, identify, is_alive
 from omni_dp.runfile import ReplicaRecord
 
 POLL_S = 0.1
@@ -82,16 +82,17 @@ def _sessions(sids: set[int]) -> dict[int, list[ProcessIdentity]]:
     table: dict[int, list[ProcessIdentity]] = {sid: [] for sid in sids}
     if not table:
         return table
-    for process in psutil.process_iter(["pid", "create_time", "status"]):
+    for process in psutil.process_iter(["pid", "status"]):
         info = process.info
-        if info["status"] == psutil.STATUS_ZOMBIE or info["create_time"] is None:
+        if info["status"] == psutil.STATUS_ZOMBIE:
             continue
         try:
             sid = os.getsid(info["pid"])
         except OSError:  # gone meanwhile
             continue
-        if sid in table:
-            table[sid].append(ProcessIdentity(info["pid"], info["create_time"]))
+        identity = identify(info["pid"]) if sid in table else None
+        if identity is not None:
+            table[sid].append(identity)
     return table
 
 

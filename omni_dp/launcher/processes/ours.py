@@ -105,14 +105,15 @@ def token_carriers(token: str, *, exclude: set[int] = frozenset()) -> list[Proce
     """Every live process of this user whose environment carries the run token."""
     uid = os.getuid()
     found = []
-    for process in psutil.process_iter(["pid", "uids", "create_time", "status"]):
+    for process in psutil.process_iter(["pid", "uids", "status"]):
         info = process.info
         if info["pid"] in exclude or info["status"] == psutil.STATUS_ZOMBIE:
             continue
         if info["uids"] is None or info["uids"].real != uid:
             continue
-        if carries_token(info["pid"], token):
-            found.append(ProcessIdentity(info["pid"], info["create_time"]))
+        identity = identify(info["pid"]) if carries_token(info["pid"], token) else None
+        if identity is not None:
+            found.append(identity)
     return found
 
 
