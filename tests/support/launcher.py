@@ -30,7 +30,7 @@ from pathlib import Path
 import psutil
 
 from omni_dp.engine.options import DEFAULT_MODEL_ENV  # the seeded default's pin: kept
-from omni_dp.procs import ProcessIdentity, is_alive
+from omni_dp.procs import ProcessIdentity, is_alive, start_of
 from omni_dp.procs import read_environ as environ
 
 from support.mps import real_control_binary
@@ -271,12 +271,12 @@ class Run:
         sessions = {pid: created for pid, created in self._leaders.items()
                     if alive(pid, created) or not psutil.pid_exists(pid)}
         found = []
-        for process in psutil.process_iter(["pid", "create_time"]):
+        for pid in psutil.pids():
             with contextlib.suppress(OSError):
-                created = sessions.get(os.getsid(process.info["pid"]))
-                if created is not None and process.info["create_time"] >= created \
-                        and alive(process.info["pid"]):
-                    found.append(process.info["pid"])
+                created, started = sessions.get(os.getsid(pid)), start_of(pid)
+                if created is not None and started is not None and started >= created \
+                        and alive(pid):
+                    found.append(pid)
         return sorted(found)
 
     def listening_ports(self) -> list[int]:
