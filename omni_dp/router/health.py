@@ -121,12 +121,14 @@ def _bounded(replica: Replica, why: Ejected, reason: str) -> bool:
     percent = backends.max_ejection_percent
     if may_eject(ejected, total, percent):
         return True
+    first = replica.ejection_suppressed is None  # a flood repeats it every check: said once
     replica.ejection_suppressed = why
     replica.num_suppressed += 1
     backends.on_suppressed(replica, why)
-    log.warning("replica %s not ejected (%s: %s): %d of %d replicas are ejected already, the "
-                "most --max-ejection-percent %d allows; it stays routable",
-                replica.id, why.value, reason, ejected, total, percent)
+    log.log(logging.WARNING if first else logging.DEBUG,
+            "replica %s not ejected (%s: %s): %d of %d replicas are ejected already, the most "
+            "--max-ejection-percent %d allows; it stays routable",
+            replica.id, why.value, reason, ejected, total, percent)
     return False
 
 
