@@ -92,9 +92,11 @@ class Router:
         """`metrics_dir`: this is one of several worker processes sharing their metrics there
         (metrics.py)."""
         self.config = config
-        self.replicas = Backends([Replica(rid, url) for rid, url in config.replicas])
+        self.replicas = Backends([Replica(rid, url) for rid, url in config.replicas],
+                                 max_ejection_percent=config.health.max_ejection_percent)
         self.policy = make_policy(config.policy, config.seed)
         self.metrics = RouterMetrics(lambda: self.replicas, metrics_dir)
+        self.replicas.on_suppressed = self.metrics.count_suppressed
         self._metrics_writer: asyncio.Task | None = None
         self.num_admitted = 0  # requests past admission and not yet answered
         self.num_reading = 0  # requests whose body is being read (before admission)

@@ -41,6 +41,14 @@ class HealthConfig:
     jitter: float = field(default=0.2, metadata={
         "flag": "--health-jitter",
         "help": "Each check interval is scaled by a random factor in [1-J, 1+J]."})
+    # 50: with 2 replicas one may be ejected, never both; 1 of 3, 2 of 4 (health.ejection_bound)
+    max_ejection_percent: int = field(default=50, metadata={
+        "flag": "--max-ejection-percent", "metavar": "PERCENT",
+        "help": "At most this share of the replicas may be ejected at once for failures or a "
+                "hang (rounded down, but at least one: 50 ejects 1 of 2 or 3, 2 of 4). A "
+                "replica due for ejection beyond it stays routable (GET /workers: "
+                "ejection_suppressed). A replica whose port refuses connections is ejected "
+                "whatever the bound, and does not count. 100: no bound."})
     path: str = field(default="/health", metadata={"flag": None})
 
 
@@ -241,6 +249,8 @@ _HEALTH_RULES: tuple[tuple[Callable[[HealthConfig], bool], str], ...] = (
     (lambda h: h.failure_threshold < 1 or h.success_threshold < 1,
      "--health-failures and --health-successes must be at least 1"),
     (lambda h: not 0 <= h.jitter < 1, "--health-jitter must be in [0, 1)"),
+    (lambda h: not 1 <= h.max_ejection_percent <= 100,
+     "--max-ejection-percent must be 1-100"),
 )
 
 

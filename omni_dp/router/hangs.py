@@ -12,6 +12,11 @@ may take c = min(--health-timeout, T / 2), so the router lets go of a request on
 by its timeout T (a resumed stream then waits for another replica to regenerate the answer up
 to its offset). A replica that passes is checked again T - c later, if still late. One check
 per replica at a time, whatever the number of requests waiting on it.
+
+A replica that fails the check while --max-ejection-percent of the replicas are ejected already
+is not ejected (health.record_hang answers False): a flood can make every replica slow to
+answer, /health too, and letting go of its requests would only move them onto replicas as
+slow. It is waited on as a slow one, and checked again T - c later.
 """
 
 from __future__ import annotations
@@ -97,7 +102,9 @@ class HangWatch:
 
     check: Check  # the replica's health check, with its own timeout
     health_timeout_s: float  # --health-timeout: the longest a check may take
-    on_hang: Callable[[Replica, str], None]  # ejects the replica (health.record_hang)
+    # ejects the replica (health.record_hang): True if it is out, False if the bound on
+    # ejections kept it in
+    on_hang: Callable[[Replica, str], bool]
     _waiting: dict[Replica, set[_Waiter]] = field(default_factory=dict)
     _checks: dict[Replica, asyncio.Task] = field(default_factory=dict)
 
@@ -193,13 +200,15 @@ class HangWatch:
         finally:
             self._checks.pop(replica, None)
         waiting = list(self._waiting.get(replica, ()))
-        if ok:  # slow, not hung: each late waiter is checked again a period from now
+        # Slow, not hung (or hung, but kept in by the bound on ejections): each late waiter is
+        # checked again a period from now.
+        if ok or not self.on_hang(
+                replica, f"no {first.what} within {first.timeout_s:g} s, and {reason}"):
             loop = asyncio.get_running_loop()
             for waiter in waiting:
                 if waiter.timer is None and not waiter.expired:
                     waiter.touch(loop.time())
                     self._arm(loop, replica, waiter)
             return
-        self.on_hang(replica, f"no {first.what} within {first.timeout_s:g} s, and {reason}")
         for waiter in waiting:
             waiter.expire(replica)

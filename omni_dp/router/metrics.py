@@ -30,7 +30,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from omni_dp.router.replicas import Backends, Health, Replica
+from omni_dp.router.replicas import Backends, Ejected, Health, Replica
 
 # Up to 4 minutes: long TTS streams must not all land in +Inf.
 # Where several router workers share their metrics: prometheus-client reads it at import.
@@ -176,6 +176,11 @@ class RouterMetrics:
             "omni_dp_router_replica_wait_seconds",
             "Seconds each such wait for a replica to go to lasted.",
             buckets=_BUCKETS, registry=self.registry)
+        self.ejections_suppressed = Counter(
+            "omni_dp_router_ejections_suppressed",
+            "Ejections not done because --max-ejection-percent of the replicas were ejected "
+            "already (the replica stayed routable), by what would have ejected it: failures, "
+            "hang.", ["reason"], registry=self.registry)
         self.client_disconnects = Counter(
             "omni_dp_router_client_disconnects", "Clients gone before the response ended.",
             registry=self.registry)
@@ -216,6 +221,10 @@ class RouterMetrics:
         """One wait for a replica to go to, and how it ended."""
         self.replica_waits.labels(outcome).inc()
         self.replica_wait.observe(seconds)
+
+    def count_suppressed(self, replica: Replica, why: Ejected) -> None:
+        """An ejection not done for the bound on ejections (Backends.on_suppressed)."""
+        self.ejections_suppressed.labels(why.value).inc()
 
     def forget(self, replica_id: str) -> None:
         """Drop the labelled series of a removed replica."""

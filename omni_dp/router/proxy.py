@@ -40,7 +40,7 @@ from yarl import URL
 from omni_dp.contract import GOING_AWAY_HEADER
 from omni_dp.router.exchange import Exchange, Head, RouteRecord, UpstreamFailed
 from omni_dp.router.hangs import HangTimeout
-from omni_dp.router.health import record_failure, record_success
+from omni_dp.router.health import connection_refused, record_failure, record_success
 from omni_dp.router.migration import plan_migration
 from omni_dp.router.policies import RequestContext
 from omni_dp.router.replicas import Replica
@@ -281,7 +281,8 @@ class Forwarder:
                 except UpstreamFailed as exc:
                     router.metrics.upstream_errors.labels(replica.id, exc.kind).inc()
                     if exc.failure:
-                        record_failure(replica, router.config.health, f"{exc.kind}: {exc}")
+                        record_failure(replica, router.config.health, f"{exc.kind}: {exc}",
+                                       refused=connection_refused(exc))
                     if not self._again(ex, exc):
                         return await self._give_up(ex, replica, exc)
         except asyncio.CancelledError:

@@ -40,6 +40,16 @@ class Ejected(str, Enum):
 
     FAILURES = "failures"  # --health-failures in a row: checks, connection errors, 502/504
     HANG = "hang"  # accepted a request, answered nothing in time, and failed a /health check
+    # --health-failures in a row, the last a refused connection: nothing listens on its port
+    # (the process is gone). Not an outlier ejection: never held back by
+    # --max-ejection-percent, and not counted against it.
+    REFUSED = "refused"
+
+    @property
+    def outlier(self) -> bool:
+        """An ejection the router decided on how the replica behaves (failures, a hang), bounded
+        by --max-ejection-percent; a dead process (refused) is not one."""
+        return self is not Ejected.REFUSED
 
 
 class ReplicaError(ValueError):
@@ -128,6 +138,11 @@ class Replica:
     num_hangs: int = 0  # times found hung (Ejected.HANG)
     ejected_reason: Ejected | None = None  # set while ejected; cleared when re-admitted
     ejected_at: float | None = None  # Unix time of that ejection
+    # Set while an ejection was due (failures, hang) but not done, as --max-ejection-percent of
+    # the replicas were ejected already: it stays routable. Cleared by a success, or when it
+    # is ejected after all.
+    ejection_suppressed: Ejected | None = None
+    num_suppressed: int = 0  # ejections not done for the bound
     last_error: str | None = None
     removed: bool = False  # set when taken out of the set; in-flight requests still finish
     # Bumped each time it becomes routable again (healthy after unknown or ejected, enabled
@@ -135,6 +150,8 @@ class Replica:
     generation: int = 0
     # Its Backends' pulse: wakes the requests waiting for a replica to go to.
     on_change: Callable[[], None] = field(default=_nothing, repr=False)
+    # The set it was added to (for the bound on ejections), or None outside any
+    backends: Backends | None = field(default=None, repr=False)
 
     @property
     def routable(self) -> bool:
@@ -162,6 +179,9 @@ class Replica:
             "ejected_reason": self.ejected_reason.value if self.ejected_reason else None,
             "ejected_at": self.ejected_at,
             "hangs": self.num_hangs,
+            "ejection_suppressed": (self.ejection_suppressed.value
+                                    if self.ejection_suppressed else None),
+            "ejections_suppressed": self.num_suppressed,
             "generation": self.generation,
             "consecutive_failures": self.consecutive_failures,
             "last_error": self.last_error,
@@ -190,15 +210,27 @@ class _Dispatched:
         replica.on_change()  # a slot is free: a request waiting for one may take it
 
 
+def _not_counted(replica: Replica, why: Ejected) -> None:
+    pass
+
+
 class Backends:
     """The replicas the router sends to (its backends), replaced as a whole on every change so
-    readers never see half an update."""
+    readers never see half an update.
 
-    def __init__(self, replicas: list[Replica] | None = None) -> None:
+    `max_ejection_percent` bounds the replicas the router's outlier detection (failures, hangs)
+    holds ejected at once (health.py, `may_eject`); `on_suppressed` is told of each ejection
+    not done for it (the router counts them in its metrics)."""
+
+    def __init__(self, replicas: list[Replica] | None = None,
+                 max_ejection_percent: int = 100) -> None:
         self.changed = Pulse()  # a replica may be there for a waiting request now
+        self.max_ejection_percent = max_ejection_percent
+        self.on_suppressed: Callable[[Replica, Ejected], None] = _not_counted
         self._replicas: tuple[Replica, ...] = tuple(replicas or ())
         for replica in self._replicas:
             replica.on_change = self.changed.pulse
+            replica.backends = self
 
     def __iter__(self) -> Iterator[Replica]:
         return iter(self._replicas)
@@ -212,6 +244,15 @@ class Backends:
     def routable(self) -> list[Replica]:
         return [r for r in self._replicas if r.routable]
 
+    def holds(self, replica: Replica) -> bool:
+        """This very record is in the set (a removed one, or another under its id, is not)."""
+        return any(r is replica for r in self._replicas)
+
+    def outlier_ejected(self) -> int:
+        """Replicas ejected now by outlier detection (failures, hang): what the bound counts."""
+        return sum(1 for r in self._replicas if r.health is Health.UNHEALTHY
+                   and r.ejected_reason is not None and r.ejected_reason.outlier)
+
     def add(self, replica: Replica) -> None:
         if self.get(replica.id) is not None:
             raise DuplicateReplica(f"replica id {replica.id!r} already exists")
@@ -219,6 +260,7 @@ class Backends:
             raise DuplicateReplica(f"replica URL {replica.url} is already in the set")
         self._replicas = (*self._replicas, replica)
         replica.on_change = self.changed.pulse
+        replica.backends = self
         self.changed.pulse()
 
     def remove(self, replica_id: str) -> Replica:
