@@ -249,8 +249,12 @@ class Backends:
         return any(r is replica for r in self._replicas)
 
     def outlier_ejected(self) -> int:
-        """Replicas ejected now by outlier detection (failures, hang): what the bound counts."""
-        return sum(1 for r in self._replicas if r.health is Health.UNHEALTHY
+        """Replicas ejected now by outlier detection (failures, hang): what the bound counts. A
+        disabled one is not counted: an admin call took it out of rotation already (a rolling
+        restart's drained replica answers 503 to its checks), and counting it would keep a
+        replica that hangs meanwhile in rotation, its requests stuck on it rather than waiting
+        for the drained one to come back."""
+        return sum(1 for r in self._replicas if r.health is Health.UNHEALTHY and not r.disabled
                    and r.ejected_reason is not None and r.ejected_reason.outlier)
 
     def add(self, replica: Replica) -> None:

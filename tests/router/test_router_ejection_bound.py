@@ -118,6 +118,21 @@ def test_an_ejected_replica_whose_port_then_refuses_frees_its_share():
     assert b.health is Health.UNHEALTHY and b.ejected_reason is Ejected.FAILURES
 
 
+def test_a_disabled_replica_ejected_does_not_use_the_share():
+    """A rolling restart's drained replica answers 503 to its checks and is ejected; it is out
+    of rotation by the admin call already, so the other, hanging meanwhile, is ejected too
+    (its requests then wait for a replica rather than stay stuck on a stopped process)."""
+    backends_, (a, b) = healthy_set(2)
+    cfg = HealthConfig(failure_threshold=1)
+    a.disabled = True  # PUT /workers: drained before its restart
+    record_failure(a, cfg, "/health answered 503")
+    assert a.ejected_reason is Ejected.FAILURES and backends_.outlier_ejected() == 0
+    assert record_hang(b, "no byte within 5 s, and /health did not answer within 2 s")
+    assert b.ejected_reason is Ejected.HANG and b.ejection_suppressed is None
+    a.disabled = False  # enabled again before it is re-admitted: it counts from now on
+    assert backends_.outlier_ejected() == 2
+
+
 def test_a_replica_outside_any_set_is_ejected_as_before():
     replica = Replica("a", "http://127.0.0.1:1", health=Health.HEALTHY)
     assert record_hang(replica, "hung")
