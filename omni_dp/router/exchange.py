@@ -37,6 +37,9 @@ class RouteRecord:
     migrated_at: int | None = None  # the tokens the client had at the last migration
     cut: str | None = None  # why an answer cut after its first byte was not continued
     waited_s: float = 0.0  # seconds spent waiting for a replica to go to (--replica-wait)
+    priority: str = "default"  # its class (classes.py)
+    queued_s: float = 0.0  # seconds spent in its class's queue for an in-flight slot
+    preempted: int = 0  # times it was taken back from a replica for an interactive request
     seed: str | None = None  # the seed the answer was sampled with (its X-Seed)
     bytes: int = 0
     ttfb_s: float | None = None

@@ -38,6 +38,13 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from omni_dp.contract import GOING_AWAY_HEADER
+from omni_dp.router.classes import (
+    PRIORITY_FIELD_PATHS,
+    PRIORITY_HEADER,
+    BadPriority,
+    Priority,
+    with_vllm_priority,
+)
 from omni_dp.router.exchange import Exchange, Head, RouteRecord, UpstreamFailed
 from omni_dp.router.hangs import HangTimeout
 from omni_dp.router.health import record_failure, record_success
@@ -226,8 +233,14 @@ class Forwarder:
 
     async def _route(self, request: web.Request, record: RouteRecord, started: float):
         router = self.router
+        try:
+            priority = router.priority_rules.resolve(request.headers, request.path)
+        except BadPriority as exc:
+            record.status, record.outcome = 400, "invalid_priority"
+            return json_error(400, str(exc), "invalid_priority", record.request_id)
+        record.priority = priority.label
         # Checked before the body is read (a full router answers at once), taken after it.
-        rejection = router.admission_problem()
+        rejection = router.admission_problem(priority)
         if rejection is not None:
             return self._reject(record, *rejection)
         waited = not request.content.is_eof()
@@ -235,12 +248,19 @@ class Forwarder:
         if isinstance(body, web.StreamResponse):
             return body
         if waited:  # again: the body may have taken a while (nothing changed if it was in)
-            rejection = router.admission_problem()
+            rejection = router.admission_problem(priority)
+            if rejection is not None:
+                return self._reject(record, *rejection)
+        if not router.may_enter(priority):  # no slot for its class: it queues for one
+            rejection = await self._queue(record, priority, router.config.queue_timeout(priority))
             if rejection is not None:
                 return self._reject(record, *rejection)
 
         with router.admitted():
             config = router.config
+            if (config.priority_field and request.method == "POST"
+                    and request.path in PRIORITY_FIELD_PATHS):
+                body = with_vllm_priority(body, priority)
             migration = plan_migration(request.method, request.path, body,
                                        config.migration_limit, config.migration_paths,
                                        config.migration_max_seq_len)
@@ -248,6 +268,7 @@ class Forwarder:
                 body = migration.upstream_body(body)
             headers = end_to_end(request.headers)
             headers[REQUEST_ID] = record.request_id
+            headers[PRIORITY_HEADER] = priority.label  # the engine schedules by it
             ex = Exchange(
                 request, body, headers,
                 record=record,
@@ -258,6 +279,16 @@ class Forwarder:
                 migrations_left=config.migration_limit, migration=migration,
             )
             return await self._forward(ex)
+
+    async def _queue(self, record: RouteRecord, priority: Priority, timeout: float,
+                     **how) -> tuple[str, str] | None:
+        """Wait in the class's queue for an in-flight slot (Router.queue_for_slot)."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            return await self.router.queue_for_slot(priority, timeout, **how)
+        finally:
+            record.queued_s = round(record.queued_s + loop.time() - started, 6)
 
     async def _forward(self, ex: Exchange) -> web.StreamResponse:
         """Send the request to one replica after another until one answers it whole, or the

@@ -1,0 +1,181 @@
+"""Priority classes at the router (issue 42): a request's class from X-Omni-DP-Priority (or
+smg's x-smg-priority, or the defaults) decides its place in the queues for in-flight slots
+(interactive, then default, then bulk), the slots kept for interactive requests
+(--reserved-interactive), how long it may queue (--queue-timeout-CLASS), the class header the
+replica gets, and with --priority-field vLLM's `priority` in the body."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from omni_dp.router.classes import Priority
+
+from support.http_client import client, fetch
+from support.router import (
+    Backend,
+    backends,
+    error_body,
+    hold_if_asked,
+    make_config,
+    run,
+    sample,
+    scrape,
+    serve,
+)
+from support.wait import until
+
+
+def post(session, served, path: str = "/v1/audio/speech", priority: str | None = None,
+         data: bytes = b'{"input": "x"}', **headers):
+    if priority is not None:
+        headers["X-Omni-DP-Priority"] = priority
+    return fetch(session, "POST", served.url + path, data=data, headers=headers)
+
+
+async def queued(served, count: int) -> None:
+    await until(lambda: len(served.router.queues) == count, 3, f"{count} request(s) queued")
+
+
+def test_an_interactive_request_overtakes_the_bulk_requests_queued_before_it():
+    """--max-inflight 1, held by a bulk request: two more bulk requests queue, then an
+    interactive one; once the slot frees, the interactive one is the next the replica gets."""
+
+    async def main():
+        async with backends(Backend("a", hold_if_asked)) as (a,), \
+                serve(make_config([f"a={a.url}"], max_inflight=1)) as served, \
+                client() as session:
+            asking = [asyncio.create_task(post(session, served, "/first?hold=1", "bulk"))]
+            await until(lambda: len(a.seen) == 1, 3, "the first request at the replica")
+            for name in ("bulk1", "bulk2"):
+                asking.append(asyncio.create_task(post(session, served, f"/{name}", "bulk")))
+                await queued(served, len(asking) - 1)
+            asking.append(asyncio.create_task(post(session, served, "/inter", "interactive")))
+            await queued(served, 3)
+            depth = [served.router.queues.depth(p) for p in Priority]
+            a.release.set()
+            answers = await asyncio.wait_for(asyncio.gather(*asking), 5)
+            await served.wait_idle()
+            return depth, answers, [seen.raw_path for seen in a.seen], \
+                await scrape(session, served.url)
+
+    depth, answers, order, metrics = run(main())
+    assert [status for status, _, _ in answers] == [200] * 4
+    assert order == ["/first?hold=1", "/inter", "/bulk1", "/bulk2"]
+    assert depth == [1, 0, 2]  # interactive, default, bulk
+    assert sample(metrics, "omni_dp_router_queue_wait_seconds_count", priority="bulk") == 2
+    assert sample(metrics, "omni_dp_router_queue_wait_seconds_count",
+                  priority="interactive") == 1
+    assert sample(metrics, "omni_dp_router_queue_depth", priority="bulk") == 0
+
+
+def test_the_last_slots_are_kept_for_interactive_requests():
+    """--max-inflight 2 --reserved-interactive 1: one default request in flight leaves one
+    slot, which a default request may not take (503 at once, as a full router answers) and
+    an interactive one may."""
+
+    async def main():
+        async with backends(Backend("a", hold_if_asked)) as (a,), \
+                serve(make_config([f"a={a.url}"], max_inflight=2,
+                                  reserved_interactive=1)) as served, client() as session:
+            first = asyncio.create_task(post(session, served, "/first?hold=1"))
+            await until(lambda: len(a.seen) == 1, 3, "the first request at the replica")
+            refused = await post(session, served, "/second")
+            interactive = asyncio.create_task(post(session, served, "/inter?hold=1",
+                                                   "interactive"))
+            await until(lambda: len(a.seen) == 2, 3, "the interactive request at the replica")
+            a.release.set()
+            answers = await asyncio.wait_for(asyncio.gather(first, interactive), 5)
+            await served.wait_idle()
+            return refused, answers
+
+    (status, headers, body), answers = run(main())
+    assert status == 503 and headers["Retry-After"]
+    error = error_body(body)
+    assert error["type"] == "router_full" and "--reserved-interactive" in error["message"]
+    assert [answer[0] for answer in answers] == [200, 200]
+
+
+def test_a_request_whose_queue_timeout_passes_gets_503_naming_its_class():
+    async def main():
+        async with backends(Backend("a", hold_if_asked)) as (a,), \
+                serve(make_config([f"a={a.url}"], max_inflight=1,
+                                  queue_timeout_bulk_s=0.2)) as served, client() as session:
+            first = asyncio.create_task(post(session, served, "/first?hold=1", "interactive"))
+            await until(lambda: len(a.seen) == 1, 3, "the first request at the replica")
+            refused = await post(session, served, "/late", "bulk")
+            a.release.set()
+            await asyncio.wait_for(first, 5)
+            await served.wait_idle()
+            return refused, [seen.raw_path for seen in a.seen], await scrape(session, served.url)
+
+    (status, headers, body), seen, metrics = run(main())
+    assert status == 503 and headers["Retry-After"]
+    error = error_body(body)
+    assert error["type"] == "queue_timeout"
+    assert "bulk request" in error["message"] and "--queue-timeout-bulk" in error["message"]
+    assert seen == ["/first?hold=1"]
+    assert sample(metrics, "omni_dp_router_queue_timeouts_total", priority="bulk") == 1
+    assert sample(metrics, "omni_dp_router_admission_rejections_total",
+                  reason="queue_timeout") == 1
+
+
+def test_a_class_header_that_names_no_class_is_a_400_naming_the_header():
+    async def main():
+        async with backends("a") as (a,), serve(make_config([f"a={a.url}"])) as served, \
+                client() as session:
+            answer = await post(session, served, priority="urgent")
+            return answer, len(a.seen)
+
+    (status, _, body), reached = run(main())
+    assert status == 400 and reached == 0
+    error = error_body(body)
+    assert error["type"] == "invalid_priority"
+    assert "X-Omni-DP-Priority" in error["message"]
+    assert "interactive, default, bulk" in error["message"]
+
+
+def test_the_replica_gets_the_class_in_its_header():
+    """Named by the client, by smg's header (system is interactive; ours wins), or by the
+    route's default (--route-priority)."""
+
+    async def main():
+        async with backends("a") as (a,), \
+                serve(make_config([f"a={a.url}"], route_priorities=(
+                    "/v1/audio/speech=interactive",))) as served, client() as session:
+            asked = [
+                post(session, served, "/v1/x", "bulk"),
+                post(session, served, "/v1/x", **{"x-smg-priority": "system"}),
+                post(session, served, "/v1/x", "bulk", **{"x-smg-priority": "interactive"}),
+                post(session, served, "/v1/audio/speech"),
+                post(session, served, "/v1/x"),
+            ]
+            statuses = [(await ask)[0] for ask in asked]
+            return statuses, [seen.headers["X-Omni-DP-Priority"] for seen in a.seen]
+
+    statuses, classes = run(main())
+    assert statuses == [200] * 5
+    assert classes == ["bulk", "interactive", "bulk", "interactive", "default"]
+
+
+def test_the_priority_field_reaches_a_vllm_replica_only_when_enabled():
+    """--priority-field (launch sets it for vLLM with --scheduling-policy priority): the class
+    as vLLM's `priority` in completions and chat bodies, unless the client set one."""
+
+    async def send_all(priority_field: bool) -> list[dict]:
+        async with backends("a") as (a,), \
+                serve(make_config([f"a={a.url}"], priority_field=priority_field)) as served, \
+                client() as session:
+            for path, priority, body in (
+                    ("/v1/chat/completions", "interactive", {"messages": []}),
+                    ("/v1/completions", "bulk", {"prompt": "x"}),
+                    ("/v1/completions", "bulk", {"prompt": "x", "priority": 5}),
+                    ("/v1/audio/speech", "bulk", {"input": "x"})):
+                status, _, _ = await post(session, served, path, priority,
+                                          data=json.dumps(body).encode())
+                assert status == 200
+            return [json.loads(seen.body) for seen in a.seen]
+
+    enabled, disabled = run(send_all(True)), run(send_all(False))
+    assert [body.get("priority") for body in enabled] == [-1, 1, 5, None]
+    assert [body.get("priority") for body in disabled] == [None, None, 5, None]
