@@ -9,7 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 
+import aiohttp
+
 from omni_dp.router.classes import Priority
+from omni_dp.speech_stream import SPEECH_STREAM_PATH
 
 from support.http_client import client, fetch
 from support.router import (
@@ -179,3 +182,20 @@ def test_the_priority_field_reaches_a_vllm_replica_only_when_enabled():
     enabled, disabled = run(send_all(True)), run(send_all(False))
     assert [body.get("priority") for body in enabled] == [-1, 1, 5, None]
     assert [body.get("priority") for body in disabled] == [None, None, 5, None]
+
+
+def test_a_speech_session_with_a_bad_class_header_is_refused_400():
+    """The WebSocket speech session takes its class like any request (it queues for its
+    in-flight slot too)."""
+
+    async def main():
+        async with backends("a") as (a,), serve(make_config([f"a={a.url}"])) as served, \
+                client() as session:
+            try:
+                await session.ws_connect(served.url + SPEECH_STREAM_PATH,
+                                         headers={"X-Omni-DP-Priority": "urgent"})
+            except aiohttp.WSServerHandshakeError as exc:
+                return exc.status, len(a.seen)
+            raise AssertionError("the session was opened")
+
+    assert run(main()) == (400, 0)
