@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from omni_dp.router.classes import Priority
 from omni_dp.router.config import RouterConfig, is_loopback_address
-from omni_dp.router.exchange import RouteRecord
+from omni_dp.router.exchange import Exchange, RouteRecord
 from omni_dp.router.hangs import HangWatch
 from omni_dp.router.health import HealthChecker, check, mark_healthy, probe, record_hang
 from omni_dp.router.metrics import RouterMetrics
@@ -109,6 +109,9 @@ class Router:
         self.priority_rules = config.priority_rules()
         self.queues = ClassQueues(self.metrics.set_queue_depth)
         self.num_granted = 0
+        # The attempts of bulk requests, run as tasks of their own so that one can be taken
+        # back (cancelled) for an interactive request that waits: task -> its Exchange.
+        self.bulk_attempts: dict[asyncio.Task, Exchange] = {}
         # The lowest each count ever reached: below 0 means a slot was released twice (a bug,
         # logged as one; the tests check both stay at 0).
         self.lowest_admitted = 0
@@ -204,6 +207,8 @@ class Router:
         label = priority.label
         waiter = self.queues.push(priority, head=head)
         self.grant()  # a slot may be free already (nobody of a higher class waits)
+        if priority is Priority.INTERACTIVE and not waiter.done():
+            self.preempt_bulk()
         loop = asyncio.get_running_loop()
         started = loop.time()
         result = None
@@ -234,6 +239,23 @@ class Router:
                 f"({bounded_by or f'--queue-timeout-{label}'}); retry")
         finally:
             self.metrics.queue_wait.labels(label).observe(loop.time() - started)
+
+    def preempt_bulk(self) -> bool:
+        """Take back the latest bulk request sent to a replica whose answer has not begun,
+        and which has a replica it has not tried to go to later: its attempt is cancelled,
+        its in-flight slot goes to the interactive request waiting, and it queues again at
+        the head of the bulk queue (Forwarder._route). True if one was taken back."""
+        for task, ex in reversed(list(self.bulk_attempts.items())):
+            if task.done() or not ex.preemptible():
+                continue
+            if not any(r.routable and not ex.ctx.has_tried(r) for r in self.replicas):
+                continue  # it could go nowhere else: taking it back would only fail it
+            if task.cancel():
+                ex.taken_back = True
+                ex.record.preempted += 1
+                self.metrics.preemptions.inc()
+                return True
+        return False
 
     def reading(self) -> _Slot:
         """Counts a request whose body is being read; the drain cut cancels it too."""

@@ -159,6 +159,11 @@ async def _write_sse_error(response: web.StreamResponse, message: str, kind: str
         await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
 
 
+class Preempted(Exception):
+    """A bulk request's attempt was taken back for an interactive request (its replica's id):
+    it queues again, at the head of the bulk queue."""
+
+
 class Forwarder:
     def __init__(self, router) -> None:
         self.router = router  # omni_dp.router.app.Router: replicas, policy, session, metrics
@@ -256,29 +261,47 @@ class Forwarder:
             if rejection is not None:
                 return self._reject(record, *rejection)
 
-        with router.admitted():
-            config = router.config
-            if (config.priority_field and request.method == "POST"
-                    and request.path in PRIORITY_FIELD_PATHS):
-                body = with_vllm_priority(body, priority)
-            migration = plan_migration(request.method, request.path, body,
-                                       config.migration_limit, config.migration_paths,
-                                       config.migration_max_seq_len)
-            if migration is not None:  # an LLM stream: it asks for its token ids
-                body = migration.upstream_body(body)
-            headers = end_to_end(request.headers)
-            headers[REQUEST_ID] = record.request_id
-            headers[PRIORITY_HEADER] = priority.label  # the engine schedules by it
-            ex = Exchange(
-                request, body, headers,
-                record=record,
-                ctx=RequestContext(path=request.path, request_id=record.request_id),
-                started=started,
-                deadline=asyncio.get_running_loop().time() + config.request_timeout_s,
-                retries_left=config.retries, resumes_left=config.resumes,
-                migrations_left=config.migration_limit, migration=migration,
-            )
-            return await self._forward(ex)
+        ex = None
+        while True:
+            with router.admitted():
+                if ex is None:
+                    ex = self._exchange(request, body, record, started, priority)
+                try:
+                    return await self._forward(ex)
+                except Preempted:
+                    pass  # its slot goes to the interactive request waiting for one
+            # back to the head of the bulk queue: never failed for it, within its deadline
+            rejection = await self._queue(record, priority, ex.time_left(), head=True,
+                                          bounded_by="what was left of --request-timeout")
+            if rejection is not None:
+                return self._reject(record, *rejection)
+            ex.taken_back = False
+
+    def _exchange(self, request: web.Request, body: bytes, record: RouteRecord,
+              started: float, priority: Priority) -> Exchange:
+        """The admitted request as it goes upstream (its body, headers, budgets)."""
+        config = self.router.config
+        if (config.priority_field and request.method == "POST"
+                and request.path in PRIORITY_FIELD_PATHS):
+            body = with_vllm_priority(body, priority)
+        migration = plan_migration(request.method, request.path, body,
+                                   config.migration_limit, config.migration_paths,
+                                   config.migration_max_seq_len)
+        if migration is not None:  # an LLM stream: it asks for its token ids
+            body = migration.upstream_body(body)
+        headers = end_to_end(request.headers)
+        headers[REQUEST_ID] = record.request_id
+        headers[PRIORITY_HEADER] = priority.label  # the engine schedules by it
+        return Exchange(
+            request, body, headers,
+            record=record,
+            ctx=RequestContext(path=request.path, request_id=record.request_id),
+            started=started,
+            deadline=asyncio.get_running_loop().time() + config.request_timeout_s,
+            retries_left=config.retries, resumes_left=config.resumes,
+            migrations_left=config.migration_limit, migration=migration,
+            priority=priority,
+        )
 
     async def _queue(self, record: RouteRecord, priority: Priority, timeout: float,
                      **how) -> tuple[str, str] | None:
@@ -308,6 +331,8 @@ class Forwarder:
                 ex.record.tried.append(replica.id)
                 ex.record.replica, ex.record.attempts = replica.id, ex.record.attempts + 1
                 try:
+                    if ex.priority is Priority.BULK:
+                        return await self._preemptible_attempt(ex, replica)
                     return await self._attempt(ex, replica)
                 except UpstreamFailed as exc:
                     router.metrics.upstream_errors.labels(replica.id, exc.kind).inc()
@@ -323,6 +348,26 @@ class Forwarder:
                 await _write_sse_error(ex.response, message, "drain_timeout", 503)
                 self._close(ex)
             raise
+
+    async def _preemptible_attempt(self, ex: Exchange, replica: Replica) -> web.StreamResponse:
+        """A bulk request's attempt, in a task of its own that Router.preempt_bulk may cancel
+        before the answer's first byte; Preempted when it did."""
+        router = self.router
+        task = asyncio.create_task(self._attempt(ex, replica))
+        router.bulk_attempts[task] = ex
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:  # the client left, or the drain cut: the attempt too
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({task})
+            raise
+        finally:
+            router.bulk_attempts.pop(task, None)
+        if task.cancelled() and ex.taken_back:
+            raise Preempted(replica.id)
+        ex.taken_back = False  # it finished before the cancel reached it
+        return task.result()
 
     def _again(self, ex: Exchange, exc: UpstreamFailed) -> bool:
         """Whether the request goes on to another replica (counted once one takes it)."""

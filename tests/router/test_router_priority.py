@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import aiohttp
 
@@ -21,6 +22,7 @@ from support.router import (
     error_body,
     hold_if_asked,
     make_config,
+    routes,
     run,
     sample,
     scrape,
@@ -199,3 +201,67 @@ def test_a_speech_session_with_a_bad_class_header_is_refused_400():
             raise AssertionError("the session was opened")
 
     assert run(main()) == (400, 0)
+
+
+def test_a_bulk_request_taken_back_for_an_interactive_one_is_answered_by_another_replica(
+        caplog):
+    """--max-inflight 1, held by a bulk request whose replica has not answered yet: an
+    interactive request that arrives takes its slot (the bulk request is taken back, not
+    failed), and the bulk request is sent again once the slot frees, to the other replica."""
+    caplog.set_level(logging.INFO, logger="omni_dp.router.access")
+
+    async def main():
+        async with backends(Backend("a", hold_if_asked), Backend("b", hold_if_asked)) as pair, \
+                serve(make_config([f"a={pair[0].url}", f"b={pair[1].url}"], max_inflight=1,
+                                  queue_timeout_interactive_s=5)) as served, \
+                client() as session:
+            bulk = asyncio.create_task(post(session, served, "/bulk?hold=1", "bulk",
+                                            **{"X-Request-ID": "bulk"}))
+            await until(lambda: sum(len(b.seen) for b in pair) == 1, 3, "the bulk request sent")
+            first = next(b for b in pair if b.seen)
+            other = next(b for b in pair if b is not first)
+            interactive = await post(session, served, "/inter", "interactive")
+            await until(lambda: "/bulk?hold=1" in [s.raw_path for s in other.seen], 3,
+                        "the bulk request sent again")
+            for backend in pair:
+                backend.release.set()
+            bulk_answer = await asyncio.wait_for(bulk, 5)
+            await served.wait_idle()
+            return (first.name, interactive, bulk_answer,
+                    {b.name: [s.raw_path for s in b.seen] for b in pair},
+                    await scrape(session, served.url))
+
+    first, interactive, bulk, seen, metrics = run(main())
+    assert interactive[0] == 200
+    status, headers, _ = bulk
+    assert status == 200 and headers["X-Omni-DP-Replica"] != first
+    other = "b" if first == "a" else "a"
+    assert seen[first][0] == "/bulk?hold=1" and "/bulk?hold=1" in seen[other]
+    assert seen[first].count("/bulk?hold=1") == 1  # never back to the replica it tried
+    assert sample(metrics, "omni_dp_router_preemptions_total") == 1
+    line = routes(caplog)["bulk"]
+    assert line["preempted"] == 1 and line["tried"] == [first, other]
+    assert line["retries"] == [] and line["status"] == 200
+
+
+def test_a_bulk_request_with_no_other_replica_to_go_to_is_not_taken_back():
+    """One replica: taking the bulk request back would leave it nowhere to go; the
+    interactive request waits for the slot instead."""
+
+    async def main():
+        async with backends(Backend("a", hold_if_asked)) as (a,), \
+                serve(make_config([f"a={a.url}"], max_inflight=1)) as served, \
+                client() as session:
+            bulk = asyncio.create_task(post(session, served, "/bulk?hold=1", "bulk"))
+            await until(lambda: len(a.seen) == 1, 3, "the bulk request sent")
+            interactive = asyncio.create_task(post(session, served, "/inter", "interactive"))
+            await queued(served, 1)
+            a.release.set()
+            answers = await asyncio.wait_for(asyncio.gather(bulk, interactive), 5)
+            await served.wait_idle()
+            return answers, [s.raw_path for s in a.seen], await scrape(session, served.url)
+
+    answers, seen, metrics = run(main())
+    assert [answer[0] for answer in answers] == [200, 200]
+    assert seen == ["/bulk?hold=1", "/inter"]
+    assert sample(metrics, "omni_dp_router_preemptions_total") == 0
