@@ -86,3 +86,12 @@ def test_the_default_settings_keep_a_full_router_refusing_default_requests_at_on
     assert config.queue_timeout(Priority.DEFAULT) == 0
     assert config.reserved_interactive == 0 and not config.priority_field
     assert config.priority_rules().resolve({}, "/v1/audio/speech") is Priority.DEFAULT
+
+
+def test_each_router_worker_keeps_its_share_of_the_interactive_slots_and_the_queue():
+    from omni_dp.router.workers import child_config
+
+    config = plan_router(["http://127.0.0.1:1"], workers=2, port=8000, max_inflight=8,
+                         reserved_interactive=3, max_queued=9)
+    child = child_config(config)
+    assert (child.max_inflight, child.reserved_interactive, child.max_queued) == (4, 2, 5)
