@@ -200,6 +200,8 @@ class Router:
         take it with `admitted()`, no await in between), the timeout passes, or the router
         begins stopping ((reason, message) of the 503). `head`: back to the head of its
         queue (a preempted request); `bounded_by`: what set `timeout`, for the message."""
+        if self.stopping:  # its queue was emptied when the drain began (stop_all)
+            return "stopping", "the router is shutting down; retry"
         if not head:
             problem = self._queue_problem(priority)
             if problem is not None:

@@ -265,3 +265,26 @@ def test_a_bulk_request_with_no_other_replica_to_go_to_is_not_taken_back():
     assert [answer[0] for answer in answers] == [200, 200]
     assert seen == ["/bulk?hold=1", "/inter"]
     assert sample(metrics, "omni_dp_router_preemptions_total") == 0
+
+
+def test_a_router_that_begins_stopping_answers_every_queued_request_at_once():
+    """503 saying the router is going away, so a router in front sends it elsewhere."""
+
+    async def main():
+        async with backends(Backend("a", hold_if_asked)) as (a,), \
+                serve(make_config([f"a={a.url}"], max_inflight=1)) as served, \
+                client() as session:
+            first = asyncio.create_task(post(session, served, "/first?hold=1", "bulk"))
+            await until(lambda: len(a.seen) == 1, 3, "the first request at the replica")
+            second = asyncio.create_task(post(session, served, "/second", "bulk"))
+            await queued(served, 1)
+            served.router.begin_drain(5.0)
+            refused = await asyncio.wait_for(second, 3)
+            a.release.set()
+            await asyncio.wait_for(first, 3)
+            return refused, len(served.router.queues), [s.raw_path for s in a.seen]
+
+    (status, headers, body), left, seen = run(main())
+    assert status == 503 and headers["X-Omni-DP-Going-Away"] == "draining"
+    assert error_body(body)["type"] == "stopping"
+    assert left == 0 and seen == ["/first?hold=1"]
