@@ -288,3 +288,50 @@ def test_a_router_that_begins_stopping_answers_every_queued_request_at_once():
     assert status == 503 and headers["X-Omni-DP-Going-Away"] == "draining"
     assert error_body(body)["type"] == "stopping"
     assert left == 0 and seen == ["/first?hold=1"]
+
+
+def test_queued_requests_are_served_interactive_then_default_then_bulk():
+    async def main():
+        async with backends(Backend("a", hold_if_asked)) as (a,), \
+                serve(make_config([f"a={a.url}"], max_inflight=1,
+                                  queue_timeout_default_s=5)) as served, \
+                client() as session:
+            asking = [asyncio.create_task(post(session, served, "/first?hold=1"))]
+            await until(lambda: len(a.seen) == 1, 3, "the first request at the replica")
+            for priority in ("bulk", "default", "interactive"):
+                asking.append(asyncio.create_task(post(session, served, f"/{priority}",
+                                                       priority)))
+                await queued(served, len(asking) - 1)
+            a.release.set()
+            answers = await asyncio.wait_for(asyncio.gather(*asking), 5)
+            await served.wait_idle()
+            return [answer[0] for answer in answers], [s.raw_path for s in a.seen]
+
+    statuses, seen = run(main())
+    assert statuses == [200] * 4
+    assert seen == ["/first?hold=1", "/interactive", "/default", "/bulk"]
+
+
+def test_a_client_that_leaves_while_queued_leaves_no_waiter_behind():
+    async def main():
+        async with backends(Backend("a", hold_if_asked)) as (a,), \
+                serve(make_config([f"a={a.url}"], max_inflight=1)) as served, \
+                client() as session:
+            first = asyncio.create_task(post(session, served, "/first?hold=1", "bulk"))
+            await until(lambda: len(a.seen) == 1, 3, "the first request at the replica")
+            leaving = asyncio.create_task(post(session, served, "/leaving", "bulk"))
+            await queued(served, 1)
+            leaving.cancel()
+            await queued(served, 0)
+            a.release.set()
+            await asyncio.wait_for(first, 3)
+            after = await post(session, served, "/after", "bulk")
+            await served.wait_idle()
+            return after[0], served.router.num_granted, [s.raw_path for s in a.seen], \
+                await scrape(session, served.url)
+
+    status, granted, seen, metrics = run(main())
+    assert status == 200 and granted == 0
+    assert seen == ["/first?hold=1", "/after"]
+    assert sample(metrics, "omni_dp_router_queue_depth", priority="bulk") == 0
+    assert sample(metrics, "omni_dp_router_queue_wait_seconds_count", priority="bulk") == 1
