@@ -4,7 +4,12 @@ Rules that matter for a fleet of same-GPU replicas:
 - admission is checked before the body is read (over the bound → 503 + Retry-After at once)
   and taken only once the body is in: a slow sender holds a reader slot (its own bound, and
   --body-timeout), never an in-flight slot that real requests need;
-- the body and end-to-end headers go upstream untouched; nothing is re-serialised;
+- a request's class (classes.py: interactive, default, bulk) decides its wait for an
+  in-flight slot when none is free for it: in its class's queue, served in class order,
+  within its class's --queue-timeout (queues.py); a bulk request whose answer has not begun
+  may be taken back for an interactive one that waits, and queues again (never failed for it);
+- the body and end-to-end headers go upstream untouched; nothing is re-serialised (but the
+  class header, and vLLM's `priority` field under --priority-field);
 - the answer is relayed chunk by chunk as it arrives (aiohttp sets TCP_NODELAY both ways); its
   head leaves with its first body byte, so a replica that fails in between has sent the client
   nothing;
