@@ -16,13 +16,15 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from omni_dp.router.classes import Priority
 from omni_dp.router.config import RouterConfig, is_loopback_address
-from omni_dp.router.exchange import RouteRecord
+from omni_dp.router.exchange import Exchange, RouteRecord
 from omni_dp.router.hangs import HangWatch
 from omni_dp.router.health import HealthChecker, check, mark_healthy, probe, record_hang
 from omni_dp.router.metrics import RouterMetrics
 from omni_dp.router.policies import RequestContext, make_policy
 from omni_dp.router.proxy import CLIENT_AUTO_HEADERS, Forwarder, json_error
+from omni_dp.router.queues import GRANTED, STOPPING, ClassQueues
 from omni_dp.router.replicas import (
     Backends,
     DuplicateReplica,
@@ -59,7 +61,8 @@ class _Slot:
     """One of a Router's counted slots held by the current task: the count (`num_reading`,
     `num_admitted`) and the lowest it has been; `cut_off`: a slot whose holder cancelled while
     the router cuts off is counted in num_cut_off. A class, not a generator context manager,
-    as it is taken on every request."""
+    as it is taken on every request. An in-flight slot given back goes to the class queues
+    (`cut_off` marks those)."""
 
     __slots__ = ("_count", "_cut_off", "_lowest", "_router", "_task")
 
@@ -83,6 +86,8 @@ class _Slot:
         setattr(router, self._lowest, min(getattr(router, self._lowest), left))
         released(self._count, left)
         router._active.discard(self._task)
+        if self._cut_off:
+            router.grant()
 
 
 class Router:
@@ -101,6 +106,14 @@ class Router:
         self.num_admitted = 0  # requests past admission and not yet answered
         self.num_reading = 0  # requests whose body is being read (before admission)
         self.num_waiting = 0  # admitted requests waiting for a replica to go to (find_replica)
+        # Priority classes: the class of a request that names none, the queues for in-flight
+        # slots, and the slots handed to queued requests that have not taken them yet.
+        self.priority_rules = config.priority_rules()
+        self.queues = ClassQueues(self.metrics.set_queue_depth)
+        self.num_granted = 0
+        # The attempts of bulk requests, run as tasks of their own so that one can be taken
+        # back (cancelled) for an interactive request that waits: task -> its Exchange.
+        self.bulk_attempts: dict[asyncio.Task, Exchange] = {}
         # The lowest each count ever reached: below 0 means a slot was released twice (a bug,
         # logged as one; the tests check both stay at 0).
         self.lowest_admitted = 0
@@ -123,13 +136,15 @@ class Router:
         self.on_change: Callable[[dict], None] = lambda change: None
 
     # --- admission and selection -------------------------------------------------------
-    def admission_problem(self) -> tuple[str, str] | None:
-        """(reason, message) when a new request must be refused now; None to admit it."""
+    def admission_problem(self, priority: Priority = Priority.DEFAULT) -> tuple[str, str] | None:
+        """(reason, message) when a new request must be refused now; None to admit it, or to
+        queue it for a slot (`may_enter` says which)."""
         if self.stopping:
             return "stopping", "the router is shutting down; retry"
-        bound = self.config.inflight_bound(len(self.replicas))
-        if self.num_admitted >= bound:
-            return "router_full", f"the router has {bound} requests in flight; retry shortly"
+        if not self.may_enter(priority):
+            problem = self._queue_problem(priority)
+            if problem is not None:
+                return problem
         routable = self.replicas.routable()
         if not routable:
             if self.config.replica_wait_s > 0:
@@ -139,6 +154,112 @@ class Router:
         if all(r.in_flight >= cap for r in routable):
             return "replicas_full", f"every replica has {cap} requests in flight; retry shortly"
         return None
+
+    def slot_limit(self, priority: Priority) -> int:
+        """The in-flight requests past which one of this class gets no slot: the bound, less
+        --reserved-interactive for the other classes (one slot always stays theirs)."""
+        bound = self.config.inflight_bound(len(self.replicas))
+        if priority is Priority.INTERACTIVE:
+            return bound
+        return bound - min(self.config.reserved_interactive, bound - 1)
+
+    def has_slot(self, priority: Priority) -> bool:
+        return self.num_admitted + self.num_granted < self.slot_limit(priority)
+
+    def may_enter(self, priority: Priority) -> bool:
+        """A slot is free for this class and no request of it or a higher class waits."""
+        return self.has_slot(priority) and not self.queues.ahead_of(priority)
+
+    def _queue_problem(self, priority: Priority) -> tuple[str, str] | None:
+        """Why a request with no slot free for it cannot queue for one; None if it can."""
+        if self.config.queue_timeout(priority) <= 0:
+            bound = self.config.inflight_bound(len(self.replicas))
+            if self.num_admitted + self.num_granted >= bound:
+                return "router_full", f"the router has {bound} requests in flight; retry shortly"
+            return "router_full", (f"the router's free in-flight slots are kept for interactive "
+                                   f"requests (--reserved-interactive "
+                                   f"{self.config.reserved_interactive}); retry shortly")
+        queued = len(self.queues)
+        if queued >= self.config.queue_bound(len(self.replicas)):
+            return "queue_full", (f"{queued} requests wait for an in-flight slot already "
+                                  "(--max-queued); retry shortly")
+        return None
+
+    def _take_slot(self, priority: Priority) -> bool:
+        if not self.has_slot(priority):
+            return False
+        self.num_granted += 1
+        return True
+
+    def grant(self) -> None:
+        """Hand the free in-flight slots to the queued requests, in class order."""
+        if self.queues:
+            self.queues.grant(self._take_slot)
+
+    async def queue_for_slot(self, priority: Priority, timeout: float, *, head: bool = False,
+                             bounded_by: str | None = None) -> tuple[str, str] | None:
+        """Wait in the class's queue until an in-flight slot is handed to this request (None:
+        take it with `admitted()`, no await in between), the timeout passes, or the router
+        begins stopping ((reason, message) of the 503). `head`: back to the head of its
+        queue (a preempted request); `bounded_by`: what set `timeout`, for the message."""
+        if self.stopping:  # its queue was emptied when the drain began (stop_all)
+            return "stopping", "the router is shutting down; retry"
+        if not head:
+            problem = self._queue_problem(priority)
+            if problem is not None:
+                return problem
+        label = priority.label
+        waiter = self.queues.push(priority, head=head)
+        self.grant()  # a slot may be free already (nobody of a higher class waits)
+        if priority is Priority.INTERACTIVE and not waiter.done():
+            self.preempt_bulk()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        result = None
+        try:
+            try:
+                async with _timeout(timeout):
+                    result = await waiter
+            except asyncio.TimeoutError:
+                pass
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled() and waiter.result() == GRANTED:
+                    self.num_granted -= 1  # handed, never taken: to the next one
+                    self.grant()
+                else:
+                    self.queues.discard(priority, waiter)
+                raise
+            if result is None and waiter.done() and not waiter.cancelled():
+                result = waiter.result()  # handed as the timeout passed: taken all the same
+            if result == GRANTED:
+                self.num_granted -= 1
+                return None
+            if result == STOPPING:
+                return "stopping", "the router is shutting down; retry"
+            self.queues.discard(priority, waiter)
+            self.metrics.queue_timeouts.labels(label).inc()
+            return "queue_timeout", (
+                f"no in-flight slot came free for this {label} request within {timeout:g} s "
+                f"({bounded_by or f'--queue-timeout-{label}'}); retry")
+        finally:
+            self.metrics.queue_wait.labels(label).observe(loop.time() - started)
+
+    def preempt_bulk(self) -> bool:
+        """Take back the latest bulk request sent to a replica whose answer has not begun,
+        and which has a replica it has not tried to go to later: its attempt is cancelled,
+        its in-flight slot goes to the interactive request waiting, and it queues again at
+        the head of the bulk queue (Forwarder._route). True if one was taken back."""
+        for task, ex in reversed(list(self.bulk_attempts.items())):
+            if task.done() or not ex.preemptible():
+                continue
+            if not any(r.routable and not ex.ctx.has_tried(r) for r in self.replicas):
+                continue  # it could go nowhere else: taking it back would only fail it
+            if task.cancel():
+                ex.taken_back = True
+                ex.record.preempted += 1
+                self.metrics.preemptions.inc()
+                return True
+        return False
 
     def reading(self) -> _Slot:
         """Counts a request whose body is being read; the drain cut cancels it too."""
@@ -161,6 +282,7 @@ class Router:
         self.drain_deadline = loop.time() + drain_s
         self._cut_timer = loop.call_at(self.drain_deadline, self._cut_off)
         self.replicas.changed.pulse()  # every wait for a replica ends now (find_replica)
+        self.queues.stop_all()  # and every wait for a slot
 
     def _cut_off(self) -> None:
         self.cutting_off = True
@@ -225,6 +347,7 @@ class Router:
             validate_url(url), disabled=disabled,
         )
         self.replicas.add(replica)
+        self.grant()  # the in-flight bound may have grown
         if announce:
             self.on_change(
                 {"op": "add", "id": replica.id, "url": replica.url, "disabled": disabled}
@@ -420,6 +543,7 @@ async def _list_workers(request: web.Request) -> web.Response:
         "policy": router.policy.name,
         "in_flight": router.num_admitted,
         "waiting": router.num_waiting,
+        "queued": {p.label: router.queues.depth(p) for p in Priority},
         "ready": ready,
         "stopping": router.stopping,
         "routable_replicas": routable,

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from omni_dp.contract import API_KEY_ENV, Problems
+from omni_dp.router.classes import PRIORITY_NAMES, Priority, PriorityRules, parse_route_priority
 from omni_dp.router.migration import MIGRATION_PATHS
 from omni_dp.router.policies import POLICIES
 from omni_dp.router.replicas import ReplicaError, validate_id, validate_url
@@ -161,6 +162,40 @@ class RouterConfig:
                 "ids on /v1/completions only (it refuses them on streamed chat): give "
                 "that one alone in front of sglang.  [default: /v1/completions, "
                 "/v1/chat/completions]"})
+    # Priority classes (classes.py): interactive, default, bulk.
+    default_priority: str = field(default="default", metadata={
+        "choices": PRIORITY_NAMES,
+        "help": "The class of a request that names none (X-Omni-DP-Priority or smg's "
+                "x-smg-priority) and whose path has no --route-priority."})
+    route_priorities: tuple[str, ...] = field(default=(), metadata={
+        "flag": "--route-priority", "multiple": True, "metavar": "PATH=CLASS",
+        "help": "The class of requests to PATH (exact) that name none, e.g. "
+                "/v1/audio/speech=interactive; repeat for each."})
+    # 0: every class takes any slot, as before classes existed.
+    reserved_interactive: int = field(default=0, metadata={
+        "help": "In-flight slots (of the --max-inflight bound) only interactive requests may "
+                "take: a default or bulk request waits (or is refused) while no more than "
+                "this many are free."})
+    queue_timeout_interactive_s: float = field(default=30.0, metadata={
+        "flag": "--queue-timeout-interactive",
+        "help": "Seconds an interactive request may wait in its queue for an in-flight slot "
+                "when the router is full; then 503 + Retry-After. 0: refused at once."})
+    # 0: a full router refuses a default request at once (503 router_full), as it always did.
+    queue_timeout_default_s: float = field(default=0.0, metadata={
+        "flag": "--queue-timeout-default",
+        "help": "The same for default requests. 0: refused at once (the router's answer "
+                "when full before classes existed)."})
+    queue_timeout_bulk_s: float = field(default=300.0, metadata={
+        "flag": "--queue-timeout-bulk", "help": "The same for bulk requests."})
+    max_queued: int | None = field(default=None, metadata={  # None: 4 × in-flight bound
+        "help": "Requests waiting in the class queues, all classes together; more get 503 + "
+                "Retry-After at once. [default: 4 × the --max-inflight bound]"})
+    # vLLM honours `priority` only under --scheduling-policy priority and refuses any value
+    # but 0 otherwise: `omni-dp launch` sets this when the engine args ask for it.
+    priority_field: bool = field(default=False, metadata={
+        "help": "Put the class into the JSON body of forwarded completions and chat requests "
+                "as vLLM's `priority` field (-1 interactive, 0 default, 1 bulk), unless the "
+                "client set one: for vLLM replicas run with --scheduling-policy priority."})
     health: HealthConfig = field(default_factory=HealthConfig, metadata={"flag": None})
     # for the random policies; tests fix it
     seed: int | None = field(default=None, metadata={"flag": None})
@@ -169,6 +204,22 @@ class RouterConfig:
         if self.max_inflight is not None:
             return self.max_inflight
         return self.max_inflight_per_replica * max(num_replicas, 1)
+
+    def queue_bound(self, num_replicas: int) -> int:
+        if self.max_queued is not None:
+            return self.max_queued
+        return 4 * self.inflight_bound(num_replicas)
+
+    def queue_timeout(self, priority: Priority) -> float:
+        """Seconds a request of this class may wait for an in-flight slot (0: none)."""
+        return (self.queue_timeout_interactive_s, self.queue_timeout_default_s,
+                self.queue_timeout_bulk_s)[priority]
+
+    def priority_rules(self) -> PriorityRules:
+        """The classes of requests that name none (validated by plan_router)."""
+        return PriorityRules(
+            Priority[self.default_priority.upper()],
+            dict(parse_route_priority(text) for text in self.route_priorities))
 
     def body_reader_bound(self, num_replicas: int) -> int:
         if self.max_body_readers is not None:
@@ -242,6 +293,18 @@ _OPTION_RULES: tuple[tuple[Callable[[RouterConfig], bool], str], ...] = (
      "--migration-max-seq-len must be at least 1, got {migration_max_seq_len}"),
     (lambda c: not c.migration_paths or not set(c.migration_paths) <= set(MIGRATION_PATHS),
      "--migration-path must be one of {migration_choices}, got {migration_given}"),
+    (lambda c: c.default_priority not in PRIORITY_NAMES,
+     "--default-priority must be one of {priority_names}, got {default_priority!r}"),
+    (lambda c: c.reserved_interactive < 0,
+     "--reserved-interactive must be 0 or more, got {reserved_interactive}"),
+    (lambda c: c.max_inflight is not None and c.reserved_interactive >= c.max_inflight > 0,
+     "--reserved-interactive ({reserved_interactive}) must be below --max-inflight "
+     "({max_inflight}), or default and bulk requests never run"),
+    (lambda c: min(c.queue_timeout_interactive_s, c.queue_timeout_default_s,
+                   c.queue_timeout_bulk_s) < 0,
+     "--queue-timeout-interactive, -default and -bulk must be 0 (no queue) or more"),
+    (lambda c: c.max_queued is not None and c.max_queued < 0,
+     "--max-queued must be 0 or more, got {max_queued}"),
 )
 _HEALTH_RULES: tuple[tuple[Callable[[HealthConfig], bool], str], ...] = (
     (lambda h: h.interval_s <= 0 or h.timeout_s <= 0,
@@ -257,8 +320,16 @@ _HEALTH_RULES: tuple[tuple[Callable[[HealthConfig], bool], str], ...] = (
 def _option_problems(config: RouterConfig) -> list[str]:
     values = {**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)},
               "policies": ", ".join(POLICIES), "migration_choices": ", ".join(MIGRATION_PATHS),
-              "migration_given": ", ".join(config.migration_paths) or "none"}
-    return [message.format(**values) for broken, message in _OPTION_RULES if broken(config)]
+              "migration_given": ", ".join(config.migration_paths) or "none",
+              "priority_names": ", ".join(PRIORITY_NAMES)}
+    problems = [message.format(**values) for broken, message in _OPTION_RULES
+                if broken(config)]
+    for text in config.route_priorities:
+        try:
+            parse_route_priority(text)
+        except ValueError as exc:
+            problems.append(str(exc))
+    return problems
 
 
 def _health_problems(health: HealthConfig) -> list[str]:

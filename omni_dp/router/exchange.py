@@ -12,6 +12,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from omni_dp.logs import FIELDS
+from omni_dp.router.classes import Priority
 from omni_dp.router.policies import RequestContext
 from omni_dp.router.resume import NOT_RESUMABLE, Continuable, Resume
 
@@ -37,6 +38,9 @@ class RouteRecord:
     migrated_at: int | None = None  # the tokens the client had at the last migration
     cut: str | None = None  # why an answer cut after its first byte was not continued
     waited_s: float = 0.0  # seconds spent waiting for a replica to go to (--replica-wait)
+    priority: str = "default"  # its class (classes.py)
+    queued_s: float = 0.0  # seconds spent in its class's queue for an in-flight slot
+    preempted: int = 0  # times it was taken back from a replica for an interactive request
     seed: str | None = None  # the seed the answer was sampled with (its X-Seed)
     bytes: int = 0
     ttfb_s: float | None = None
@@ -97,6 +101,14 @@ class Exchange:
     # Why it goes on to another replica (a failure's kind), until one takes it: only then is
     # the retry, resume or migration counted, so one whose wait ran out is not.
     going_on: str | None = None
+    priority: Priority = Priority.DEFAULT
+    # Its attempt was cancelled to free its in-flight slot for an interactive request
+    # (Router.preempt_bulk): it queues again and goes to a replica it has not tried.
+    taken_back: bool = False
+
+    def preemptible(self) -> bool:
+        """Nothing of the answer reached the client, nor was it taken back already."""
+        return self.response is None and self.record.ttfb_s is None and not self.taken_back
 
     def time_left(self) -> float:
         return self.deadline - asyncio.get_running_loop().time()

@@ -30,6 +30,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from omni_dp.router.classes import Priority
 from omni_dp.router.replicas import Backends, Ejected, Health, Replica
 
 # Up to 4 minutes: long TTS streams must not all land in +Inf.
@@ -190,6 +191,27 @@ class RouterMetrics:
         self.ttfb = Histogram(
             "omni_dp_router_ttfb_seconds", "Request start to the first response body byte.",
             buckets=_BUCKETS, registry=self.registry)
+        self.queue_depth = Gauge(
+            "omni_dp_router_queue_depth",
+            "Requests waiting in their class's queue for an in-flight slot.", ["priority"],
+            multiprocess_mode="livesum", registry=self.registry)
+        self.queue_wait = Histogram(
+            "omni_dp_router_queue_wait_seconds",
+            "Seconds each request that queued for an in-flight slot waited, by class (those "
+            "that timed out or left included).", ["priority"], buckets=_BUCKETS,
+            registry=self.registry)
+        self.queue_timeouts = Counter(
+            "omni_dp_router_queue_timeouts",
+            "Requests refused with 503 after waiting their class's --queue-timeout-CLASS for "
+            "an in-flight slot.", ["priority"], registry=self.registry)
+        self.preemptions = Counter(
+            "omni_dp_router_preemptions",
+            "Bulk requests taken back from a replica before their answer began, for a "
+            "waiting interactive request, and queued again.", registry=self.registry)
+        for priority in Priority:  # every class's series exists from the start, at 0
+            self.queue_depth.labels(priority.label).set(0)
+            self.queue_wait.labels(priority.label)
+            self.queue_timeouts.labels(priority.label)
 
         self._requests: dict[tuple[str, int], Counter] = {}
 
@@ -225,6 +247,9 @@ class RouterMetrics:
     def count_suppressed(self, replica: Replica, why: Ejected) -> None:
         """An ejection not done for the bound on ejections (Backends.on_suppressed)."""
         self.ejections_suppressed.labels(why.value).inc()
+
+    def set_queue_depth(self, priority: Priority, depth: int) -> None:
+        self.queue_depth.labels(priority.label).set(depth)
 
     def forget(self, replica_id: str) -> None:
         """Drop the labelled series of a removed replica."""

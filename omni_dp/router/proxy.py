@@ -4,7 +4,12 @@ Rules that matter for a fleet of same-GPU replicas:
 - admission is checked before the body is read (over the bound → 503 + Retry-After at once)
   and taken only once the body is in: a slow sender holds a reader slot (its own bound, and
   --body-timeout), never an in-flight slot that real requests need;
-- the body and end-to-end headers go upstream untouched; nothing is re-serialised;
+- a request's class (classes.py: interactive, default, bulk) decides its wait for an
+  in-flight slot when none is free for it: in its class's queue, served in class order,
+  within its class's --queue-timeout (queues.py); a bulk request whose answer has not begun
+  may be taken back for an interactive one that waits, and queues again (never failed for it);
+- the body and end-to-end headers go upstream untouched; nothing is re-serialised (but the
+  class header, and vLLM's `priority` field under --priority-field);
 - the answer is relayed chunk by chunk as it arrives (aiohttp sets TCP_NODELAY both ways); its
   head leaves with its first body byte, so a replica that fails in between has sent the client
   nothing;
@@ -38,6 +43,13 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from omni_dp.contract import GOING_AWAY_HEADER
+from omni_dp.router.classes import (
+    PRIORITY_FIELD_PATHS,
+    PRIORITY_HEADER,
+    BadPriority,
+    Priority,
+    with_vllm_priority,
+)
 from omni_dp.router.exchange import Exchange, Head, RouteRecord, UpstreamFailed
 from omni_dp.router.hangs import HangTimeout
 from omni_dp.router.health import connection_refused, record_failure, record_success
@@ -152,6 +164,11 @@ async def _write_sse_error(response: web.StreamResponse, message: str, kind: str
         await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
 
 
+class Preempted(Exception):
+    """A bulk request's attempt was taken back for an interactive request (its replica's id):
+    it queues again, at the head of the bulk queue."""
+
+
 class Forwarder:
     def __init__(self, router) -> None:
         self.router = router  # omni_dp.router.app.Router: replicas, policy, session, metrics
@@ -226,8 +243,14 @@ class Forwarder:
 
     async def _route(self, request: web.Request, record: RouteRecord, started: float):
         router = self.router
+        try:
+            priority = router.priority_rules.resolve(request.headers, request.path)
+        except BadPriority as exc:
+            record.status, record.outcome = 400, "invalid_priority"
+            return json_error(400, str(exc), "invalid_priority", record.request_id)
+        record.priority = priority.label
         # Checked before the body is read (a full router answers at once), taken after it.
-        rejection = router.admission_problem()
+        rejection = router.admission_problem(priority)
         if rejection is not None:
             return self._reject(record, *rejection)
         waited = not request.content.is_eof()
@@ -235,29 +258,65 @@ class Forwarder:
         if isinstance(body, web.StreamResponse):
             return body
         if waited:  # again: the body may have taken a while (nothing changed if it was in)
-            rejection = router.admission_problem()
+            rejection = router.admission_problem(priority)
+            if rejection is not None:
+                return self._reject(record, *rejection)
+        if not router.may_enter(priority):  # no slot for its class: it queues for one
+            rejection = await self._queue(record, priority, router.config.queue_timeout(priority))
             if rejection is not None:
                 return self._reject(record, *rejection)
 
-        with router.admitted():
-            config = router.config
-            migration = plan_migration(request.method, request.path, body,
-                                       config.migration_limit, config.migration_paths,
-                                       config.migration_max_seq_len)
-            if migration is not None:  # an LLM stream: it asks for its token ids
-                body = migration.upstream_body(body)
-            headers = end_to_end(request.headers)
-            headers[REQUEST_ID] = record.request_id
-            ex = Exchange(
-                request, body, headers,
-                record=record,
-                ctx=RequestContext(path=request.path, request_id=record.request_id),
-                started=started,
-                deadline=asyncio.get_running_loop().time() + config.request_timeout_s,
-                retries_left=config.retries, resumes_left=config.resumes,
-                migrations_left=config.migration_limit, migration=migration,
-            )
-            return await self._forward(ex)
+        ex = None
+        while True:
+            with router.admitted():
+                if ex is None:
+                    ex = self._exchange(request, body, record, started, priority)
+                try:
+                    return await self._forward(ex)
+                except Preempted:
+                    pass  # its slot goes to the interactive request waiting for one
+            # back to the head of the bulk queue: never failed for it, within its deadline
+            rejection = await self._queue(record, priority, ex.time_left(), head=True,
+                                          bounded_by="what was left of --request-timeout")
+            if rejection is not None:
+                return self._reject(record, *rejection)
+            ex.taken_back = False
+
+    def _exchange(self, request: web.Request, body: bytes, record: RouteRecord,
+              started: float, priority: Priority) -> Exchange:
+        """The admitted request as it goes upstream (its body, headers, budgets)."""
+        config = self.router.config
+        if (config.priority_field and request.method == "POST"
+                and request.path in PRIORITY_FIELD_PATHS):
+            body = with_vllm_priority(body, priority)
+        migration = plan_migration(request.method, request.path, body,
+                                   config.migration_limit, config.migration_paths,
+                                   config.migration_max_seq_len)
+        if migration is not None:  # an LLM stream: it asks for its token ids
+            body = migration.upstream_body(body)
+        headers = end_to_end(request.headers)
+        headers[REQUEST_ID] = record.request_id
+        headers[PRIORITY_HEADER] = priority.label  # the engine schedules by it
+        return Exchange(
+            request, body, headers,
+            record=record,
+            ctx=RequestContext(path=request.path, request_id=record.request_id),
+            started=started,
+            deadline=asyncio.get_running_loop().time() + config.request_timeout_s,
+            retries_left=config.retries, resumes_left=config.resumes,
+            migrations_left=config.migration_limit, migration=migration,
+            priority=priority,
+        )
+
+    async def _queue(self, record: RouteRecord, priority: Priority, timeout: float,
+                     **how) -> tuple[str, str] | None:
+        """Wait in the class's queue for an in-flight slot (Router.queue_for_slot)."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            return await self.router.queue_for_slot(priority, timeout, **how)
+        finally:
+            record.queued_s = round(record.queued_s + loop.time() - started, 6)
 
     async def _forward(self, ex: Exchange) -> web.StreamResponse:
         """Send the request to one replica after another until one answers it whole, or the
@@ -277,6 +336,8 @@ class Forwarder:
                 ex.record.tried.append(replica.id)
                 ex.record.replica, ex.record.attempts = replica.id, ex.record.attempts + 1
                 try:
+                    if ex.priority is Priority.BULK:
+                        return await self._preemptible_attempt(ex, replica)
                     return await self._attempt(ex, replica)
                 except UpstreamFailed as exc:
                     router.metrics.upstream_errors.labels(replica.id, exc.kind).inc()
@@ -293,6 +354,26 @@ class Forwarder:
                 await _write_sse_error(ex.response, message, "drain_timeout", 503)
                 self._close(ex)
             raise
+
+    async def _preemptible_attempt(self, ex: Exchange, replica: Replica) -> web.StreamResponse:
+        """A bulk request's attempt, in a task of its own that Router.preempt_bulk may cancel
+        before the answer's first byte; Preempted when it did."""
+        router = self.router
+        task = asyncio.create_task(self._attempt(ex, replica))
+        router.bulk_attempts[task] = ex
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:  # the client left, or the drain cut: the attempt too
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({task})
+            raise
+        finally:
+            router.bulk_attempts.pop(task, None)
+        if task.cancelled() and ex.taken_back:
+            raise Preempted(replica.id)
+        ex.taken_back = False  # it finished before the cancel reached it
+        return task.result()
 
     def _again(self, ex: Exchange, exc: UpstreamFailed) -> bool:
         """Whether the request goes on to another replica (counted once one takes it)."""

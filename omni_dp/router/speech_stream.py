@@ -26,6 +26,7 @@ import time
 import aiohttp
 from aiohttp import WSMsgType, web
 
+from omni_dp.router.classes import PRIORITY_HEADER, BadPriority
 from omni_dp.router.exchange import RouteRecord
 from omni_dp.router.health import record_failure, record_success
 from omni_dp.router.policies import RequestContext
@@ -85,7 +86,18 @@ class SpeechStreamProxy:
                 record.status, record.outcome = 426, "websocket_required"
                 return json_error(426, "this is a WebSocket endpoint: send Upgrade: websocket",
                                   "websocket_required", request_id)
-            rejection = router.admission_problem()
+            try:
+                priority = router.priority_rules.resolve(request.headers, request.path)
+            except BadPriority as exc:
+                record.status, record.outcome = 400, "invalid_priority"
+                return json_error(400, str(exc), "invalid_priority", request_id)
+            record.priority = priority.label
+            rejection = router.admission_problem(priority)
+            if rejection is None and not router.may_enter(priority):  # it queues for a slot
+                waiting_since = time.perf_counter()
+                rejection = await router.queue_for_slot(priority,
+                                                        router.config.queue_timeout(priority))
+                record.queued_s = round(time.perf_counter() - waiting_since, 6)
             if rejection is not None:
                 reason, message = rejection
                 router.metrics.rejections.labels(reason).inc()
@@ -272,7 +284,8 @@ class _ProxiedSession:
             self.ctx.note_tried(replica)
             self.record.tried.append(replica.id)
             self.record.replica, self.record.attempts = replica.id, self.record.attempts + 1
-            headers = {REQUEST_ID: self.record.request_id}
+            headers = {REQUEST_ID: self.record.request_id,
+                       PRIORITY_HEADER: self.record.priority}
             headers.update({name: self.request.headers[name] for name in _PASSED_HEADERS
                             if name in self.request.headers})
             stall = router.config.stall_timeout_s

@@ -60,14 +60,18 @@ def run_router(config: RouterConfig, drain_s: float = 30.0) -> int:
 
 
 def child_config(config: RouterConfig) -> RouterConfig:
-    """One child's share of the bounds (rounded up, so the sum is at least the whole)."""
+    """One child's share of the bounds (rounded up, so the sum is at least the whole; the
+    slots kept for interactive requests too, as each child keeps its own)."""
     bound, readers, workers = config.max_inflight, config.max_body_readers, config.workers
+    queued = config.max_queued
     return dataclasses.replace(
         config,
         workers=1,
         max_inflight=None if bound is None else math.ceil(bound / workers),
         max_inflight_per_replica=math.ceil(config.max_inflight_per_replica / workers),
         max_body_readers=None if readers is None else math.ceil(readers / workers),
+        reserved_interactive=math.ceil(config.reserved_interactive / workers),
+        max_queued=None if queued is None else math.ceil(queued / workers),
     )
 
 

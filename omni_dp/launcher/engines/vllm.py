@@ -248,3 +248,11 @@ def cache_config_tokens(metrics: str, url: str = "the replica") -> int:
         raise EngineUnreadable(f"{url}/metrics {CACHE_INFO}: {blocks} blocks × {block_size} "
                                  f"= {tokens} tokens, but kv_cache_size_tokens says {reported}")
     return tokens
+
+
+def schedules_by_priority(engine_args: tuple[str, ...]) -> bool:
+    """Whether vLLM runs with --scheduling-policy priority: only then does it honour a
+    request's `priority` field, and it refuses any value but 0 otherwise
+    (vllm/config/scheduler.py `SchedulerPolicy`; the field in
+    vllm/entrypoints/openai/chat_completion/protocol.py and completion/protocol.py)."""
+    return flag_value(engine_args, "--scheduling-policy") == "priority"

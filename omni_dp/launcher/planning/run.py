@@ -9,6 +9,7 @@ from pathlib import Path
 
 from omni_dp.files import private_dir_problem
 from omni_dp.launcher.engines import ENGINES
+from omni_dp.launcher.engines.vllm import schedules_by_priority
 from omni_dp.launcher.planning.checks import (
     migration_problems,
     replica_count_problems,
@@ -92,7 +93,7 @@ def plan_router(o: LaunchOptions, facts: LaunchFacts) -> tuple[RouterPart | None
             "--port", str(o.router_port), "--policy", o.policy,
             "--workers", str(o.router_workers), "--drain-timeout", str(o.drain_timeout),
             "--log-format", o.log_format, *router_fault_args(o))
-    argv += migration_argv(o)
+    argv += migration_argv(o) + priority_argv(o)
     return RouterPart(f"http://{url_host(o.host)}:{o.router_port}", argv), []
 
 
@@ -107,6 +108,15 @@ def migration_argv(o: LaunchOptions) -> tuple[str, ...]:
     if o.migration_max_seq_len is not None:
         argv += ("--migration-max-seq-len", str(o.migration_max_seq_len))
     return argv
+
+
+def priority_argv(o: LaunchOptions) -> tuple[str, ...]:
+    """--priority-field for vLLM replicas run with --scheduling-policy priority (given after
+    `--`): the router then tells vLLM each request's class in its `priority` field. Never
+    otherwise: vLLM refuses a priority other than 0 under its default policy."""
+    if o.engine == "vllm" and schedules_by_priority(o.engine_args):
+        return ("--priority-field",)
+    return ()
 
 
 def url_host(host: str) -> str:
