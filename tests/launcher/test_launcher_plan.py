@@ -1121,6 +1121,12 @@ def test_the_routers_fault_options_are_passed_on_only_when_given(facts):
     given = list(plan(opts(retries=0, resumes=2, first_byte_timeout=1.5, stall_timeout=0.0),
                       facts).router_argv)
     assert [given[given.index(flag) + 1] for flag in fault_flags] == ["0", "2", "1.5", "0.0"]
+    class_flags = ("--replica-wait", "--max-ejection-percent", "--default-priority",
+                   "--reserved-interactive")
+    assert not set(class_flags) & set(plain)
+    given = list(plan(opts(replica_wait=0.0, max_ejection_percent=34, default_priority="bulk",
+                           reserved_interactive=2), facts).router_argv)
+    assert [given[given.index(flag) + 1] for flag in class_flags] == ["0.0", "34", "bulk", "2"]
 
 
 @pytest.mark.parametrize(("changes", "words"), [
@@ -1128,6 +1134,11 @@ def test_the_routers_fault_options_are_passed_on_only_when_given(facts):
     ({"resumes": -2}, "--resumes must be 0 or more"),
     ({"first_byte_timeout": float("nan")}, "--first-byte-timeout must be a number of seconds"),
     ({"stall_timeout": -1.0}, "--stall-timeout must be a number of seconds"),
+    ({"replica_wait": -1.0}, "--replica-wait must be a number of seconds from 0 (no wait)"),
+    ({"max_ejection_percent": 0}, "--max-ejection-percent must be from 1 to 100, got 0"),
+    ({"max_ejection_percent": 101}, "--max-ejection-percent must be from 1 to 100, got 101"),
+    ({"reserved_interactive": -1}, "--reserved-interactive must be 0 or more"),
+    ({"default_priority": "urgent"}, "--default-priority must be interactive, default or bulk"),
 ])
 def test_a_bad_router_fault_option_is_refused_by_name(facts, changes, words):
     with pytest.raises(LaunchPlanError) as refused:
@@ -1144,9 +1155,13 @@ def test_the_launch_help_says_the_routers_own_defaults():
     router = RouterConfig()
     quoted = {"retries": router.retries, "resumes": router.resumes,
               "first_byte_timeout": router.first_byte_timeout_s,
-              "stall_timeout": router.stall_timeout_s}
+              "stall_timeout": router.stall_timeout_s, "replica_wait": router.replica_wait_s,
+              "max_ejection_percent": router.health.max_ejection_percent,
+              "reserved_interactive": router.reserved_interactive}
     for name, default in quoted.items():
         assert f"[default: the router's, {default:g}]" in FIELDS[name].metadata["help"], name
+    assert f"[default: the router's, {router.default_priority}]" in \
+        FIELDS["default_priority"].metadata["help"]
 
 
 def test_the_plan_names_the_model_and_says_when_it_keeps_no_kv(facts):

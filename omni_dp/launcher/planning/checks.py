@@ -144,25 +144,34 @@ def _seconds(o: LaunchOptions) -> list[str]:
 
 
 # The router's options passed through (None: its default), checked as it checks them.
-_ROUTER_COUNTS = ("retries", "resumes")
-_ROUTER_SECONDS = ("first_byte_timeout", "stall_timeout")
+_ROUTER_COUNTS = ("retries", "resumes", "reserved_interactive")
+_ROUTER_SECONDS = ("first_byte_timeout", "stall_timeout", "replica_wait")
+_ROUTER_OTHERS = ("max_ejection_percent", "default_priority")
 
 
 def _router_faults(o: LaunchOptions) -> list[str]:
-    problems = [f"--{name} must be 0 or more, got {getattr(o, name)}" for name in _ROUTER_COUNTS
+    problems = [f"--{name.replace('_', '-')} must be 0 or more, got {getattr(o, name)}"
+                for name in _ROUTER_COUNTS
                 if getattr(o, name) is not None and getattr(o, name) < 0]
+    percent = o.max_ejection_percent
+    if percent is not None and not 1 <= percent <= 100:
+        problems.append(f"--max-ejection-percent must be from 1 to 100, got {percent}")
+    if o.default_priority not in (None, "interactive", "default", "bulk"):
+        problems.append(f"--default-priority must be interactive, default or bulk, got "
+                        f"{o.default_priority!r}")
     for name in _ROUTER_SECONDS:
         seconds = getattr(o, name)
+        zero = "no wait" if name == "replica_wait" else "no limit"
         if seconds is not None and not (math.isfinite(seconds) and 0 <= seconds <= MAX_SECONDS):
             problems.append(f"--{name.replace('_', '-')} must be a number of seconds from 0 "
-                            f"(no limit) to {MAX_SECONDS:.0f}, got {seconds}")
+                            f"({zero}) to {MAX_SECONDS:.0f}, got {seconds}")
     return problems
 
 
 def router_fault_args(o: LaunchOptions) -> list[str]:
     """The router's flags for the options given (the others keep the router's default)."""
     args = []
-    for name in (*_ROUTER_COUNTS, *_ROUTER_SECONDS):
+    for name in (*_ROUTER_COUNTS, *_ROUTER_SECONDS, *_ROUTER_OTHERS):
         if getattr(o, name) is not None:
             args += [f"--{name.replace('_', '-')}", str(getattr(o, name))]
     return args

@@ -95,6 +95,21 @@ class LaunchOptions:
     stall_timeout: float | None = field(default=None, metadata={
         "help": "The router's --stall-timeout: the same for a stream that stops mid-answer.  "
                 "[default: the router's, 5]"})
+    replica_wait: float | None = field(default=None, metadata={
+        "help": "The router's --replica-wait: seconds a request with no replica to go to "
+                "waits for one before 503 + Retry-After.  [default: the router's, 30]"})
+    max_ejection_percent: int | None = field(default=None, metadata={
+        "help": "The router's --max-ejection-percent: the share of replicas it may hold "
+                "ejected at once for failures or a hang (1-100).  [default: the router's, "
+                "50]"})
+    # Priority classes (the router's classes.py); --route-priority is the router's alone.
+    default_priority: str | None = field(default=None, metadata={
+        "choices": ("interactive", "default", "bulk"),
+        "help": "The router's --default-priority: the class of a request that names none "
+                "(X-Omni-DP-Priority).  [default: the router's, default]"})
+    reserved_interactive: int | None = field(default=None, metadata={
+        "help": "The router's --reserved-interactive: in-flight slots only interactive "
+                "requests may take.  [default: the router's, 0]"})
     run_id: str | None = field(default=None, metadata={
         "help": "Name the run (default: run-DATE-TIME-XXXX)."})
     detach: bool = field(default=False, metadata={
