@@ -64,7 +64,8 @@ def test_another_start_or_a_dead_or_zombie_process_is_not_the_recorded_one(sleep
     assert psutil.Process(sleeper.pid).status() == psutil.STATUS_ZOMBIE
     assert not is_alive(recorded)
     sleeper.wait()
-    assert not is_alive(recorded) and identify(sleeper.pid) is None and start_of(sleeper.pid) is None
+    assert not is_alive(recorded)
+    assert identify(sleeper.pid) is None and start_of(sleeper.pid) is None
 
 
 def test_a_record_written_with_psutils_epoch_time_is_still_read(sleeper, clock_step):
