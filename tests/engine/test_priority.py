@@ -8,6 +8,8 @@ from collections import deque
 import pytest
 from test_scheduler import check_invariants, make_request, make_scheduler, step
 
+from omni_dp.engine.options import ServeOptions
+from omni_dp.engine.plan import ServePlanError, plan_serve
 from omni_dp.engine.priority import (
     PRIORITY_HEADER,
     QUEUE_WAIT_BUCKETS,
@@ -148,3 +150,26 @@ def test_scheduler_counts_each_requests_first_wait_by_class():
     assert sum(stats.queue_wait_counts["interactive"]) == 1
     assert sum(stats.queue_wait_counts["default"]) == 0
     assert stats.queue_depth == {"interactive": 0, "default": 0, "bulk": 0}
+
+
+def test_scheduler_gives_bulk_its_share_under_a_continuous_interactive_stream():
+    """One slot; three bulk requests wait while an interactive one arrives for every admission:
+    every 4th admission (the default --priority-share-every) is the oldest bulk request."""
+    scheduler = make_scheduler(64, max_running=1)
+    for index in range(3):
+        scheduler.add_request(classed(f"b{index}", LO))
+    order: list[str] = []
+    arrivals = 0
+    while len(order) < 12:
+        if not scheduler.queues[HI]:  # the stream never runs dry
+            scheduler.add_request(classed(f"i{arrivals}", HI))
+            arrivals += 1
+        output, _ = step(scheduler)
+        order += admitted(output)
+    assert [name for name in order if name.startswith("b")] == ["b0", "b1", "b2"]
+    assert [i for i, name in enumerate(order) if name.startswith("b")] == [3, 7, 11]
+
+
+def test_share_every_below_two_is_a_plan_error():
+    with pytest.raises(ServePlanError, match="--priority-share-every"):
+        plan_serve(ServeOptions(model="tiny", device="cpu", priority_share_every=1))
