@@ -173,3 +173,21 @@ def test_scheduler_gives_bulk_its_share_under_a_continuous_interactive_stream():
 def test_share_every_below_two_is_a_plan_error():
     with pytest.raises(ServePlanError, match="--priority-share-every"):
         plan_serve(ServeOptions(model="tiny", device="cpu", priority_share_every=1))
+
+
+def test_a_requests_class_and_the_stats_by_class_cross_a_process_boundary():
+    """A talker in a stage process gets the class with the request (Add over the wire) and
+    sends its queue depth and waits back (Stats) for the front's /metrics."""
+    from omni_dp.engine import messages  # registers the messages with the wire codec
+    from omni_dp.engine.core import Add
+    from omni_dp.engine.wire import decode, encode
+
+    sent = Add(classed("b", LO))
+    received = decode(encode(sent))
+    assert received.request.priority is LO
+    scheduler = make_scheduler(64, max_running=1)
+    scheduler.add_request(classed("i", HI))
+    step(scheduler)
+    stats = decode(encode(messages.Stats(scheduler.stats()))).stats
+    assert stats.queue_depth == {"interactive": 0, "default": 0, "bulk": 0}
+    assert sum(stats.queue_wait_counts["interactive"]) == 1
