@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from omni_dp.engine.core import Abort, Add, StepOutputs, Stop
 from omni_dp.engine.preprocess import PreparedSpeech, SpeechAsk, TalkerPrompt
+from omni_dp.engine.priority import Priority
 from omni_dp.engine.scheduler import RequestOutput, RequestStatus, SchedulerStats, TalkerRequest
 from omni_dp.engine.wire import register
 
@@ -65,7 +66,7 @@ class StageFailed:
     reason: str
 
 
-for _cls in (RequestStatus, TalkerRequest, RequestOutput, SchedulerStats, TalkerPrompt,
+for _cls in (RequestStatus, Priority, TalkerRequest, RequestOutput, SchedulerStats, TalkerPrompt,
              SpeechAsk, PreparedSpeech, Add, Abort, Stop, StepOutputs):
     register(_cls)
 for _cls in (Prepare, Prepared, Audio, Stats, Ready, StageFailed):

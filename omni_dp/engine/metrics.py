@@ -11,12 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from omni_dp.engine.priority import PRIORITY_NAMES, QUEUE_WAIT_BUCKETS, Priority
 from omni_dp.engine.scheduler import SchedulerStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 MODEL_LABEL = "model_name"
+PRIORITY_LABEL = "priority"
 
 
 class _SchedulerCollector:
@@ -53,6 +55,29 @@ class _SchedulerCollector:
             family = CounterMetricFamily(name, doc, labels=[MODEL_LABEL])
             family.add_metric(self._model, value)
             yield family
+        yield from self._by_priority(stats)
+
+    def _by_priority(self, stats: SchedulerStats):
+        """Queue depth and first wait per priority class (engine/priority.py); every class
+        always, 0 where the engine has none waiting."""
+        depth = GaugeMetricFamily(
+            "omni_dp_queue_depth", "Requests waiting for a slot of the running batch, by "
+            "priority class.", labels=[MODEL_LABEL, PRIORITY_LABEL])
+        wait = HistogramMetricFamily(
+            "omni_dp_queue_wait_seconds", "Time a request waited in the queue before it first "
+            "ran, by priority class.", labels=[MODEL_LABEL, PRIORITY_LABEL])
+        empty = [0] * (len(QUEUE_WAIT_BUCKETS) + 1)
+        for name in PRIORITY_NAMES:
+            labels = [*self._model, name]
+            depth.add_metric(labels, stats.queue_depth.get(name, 0))
+            counts = stats.queue_wait_counts.get(name, empty)
+            cumulative, buckets = 0, []
+            for bound, count in zip((*QUEUE_WAIT_BUCKETS, "+Inf"), counts, strict=True):
+                cumulative += count
+                buckets.append((str(float(bound)) if bound != "+Inf" else bound, cumulative))
+            wait.add_metric(labels, buckets, stats.queue_wait_sum.get(name, 0.0))
+        yield depth
+        yield wait
 
 
 class ReplicaMetrics:
@@ -65,6 +90,13 @@ class ReplicaMetrics:
             "omni_dp_speech_requests", "Speech requests by outcome.", [MODEL_LABEL, "outcome"],
             registry=self.registry,
         )
+        self._by_priority = Counter(
+            "omni_dp_speech_requests_by_priority",
+            "Speech requests (and speech sessions) admitted, by priority class.",
+            [MODEL_LABEL, PRIORITY_LABEL], registry=self.registry,
+        )
+        for name in PRIORITY_NAMES:  # every class from the first scrape, at 0
+            self._by_priority.labels(model_name, name)
         self.audio_seconds = Counter(
             "omni_dp_audio_seconds", "Seconds of audio produced.", [MODEL_LABEL],
             registry=self.registry,
@@ -81,3 +113,7 @@ class ReplicaMetrics:
     def count(self, outcome: str) -> None:
         """One speech request ended with `outcome` (ok, bad_request, rejected, failed, …)."""
         self._requests.labels(self.model_name, outcome).inc()
+
+    def count_priority(self, priority: Priority) -> None:
+        """One speech request (or session) of class `priority` was admitted."""
+        self._by_priority.labels(self.model_name, priority.value).inc()

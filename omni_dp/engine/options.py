@@ -28,6 +28,8 @@ DEFAULT_VOICE_LOOKAHEAD = 2
 # The longest first piece of a voice's answer (--voice-first-piece-chars): about 15 words, 0.2 s
 # of joe's graph on one CPU thread and 4-5 s of speech, which covers speaking the next pieces.
 DEFAULT_VOICE_FIRST_PIECE_CHARS = 80
+# --priority-share-every's default (engine/priority.py, torch-free like this module).
+DEFAULT_PRIORITY_SHARE_EVERY = 4
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,10 @@ class ServeOptions:
         "help": "Largest running batch; more requests wait in the queue."})
     max_queued_requests: int = field(default=256, metadata={
         "help": "Requests that may wait beyond the running batch; more get 503 + Retry-After."})
+    priority_share_every: int = field(default=DEFAULT_PRIORITY_SHARE_EVERY, metadata={
+        "help": "Priority classes (header X-Omni-DP-Priority: interactive, default, bulk): "
+                "queued work runs highest class first, FIFO within a class, but a lower class "
+                "that waits gets at least 1 dispatch in every K (K = this; at least 2)."})
     max_input_chars: int = field(default=OPENAI_MAX_INPUT_CHARS, metadata={
         "help": "Longest accepted input text, in characters after normalisation; longer is a "
                 "400 naming `input` and the limit. The default is OpenAI's bound on `input`; "

@@ -23,12 +23,14 @@ from dataclasses import dataclass
 from omni_dp.engine import messages
 from omni_dp.engine.core import Abort, Add, StepOutputs
 from omni_dp.engine.gpu_busy import busy_answer
+from omni_dp.engine.options import DEFAULT_PRIORITY_SHARE_EVERY
 from omni_dp.engine.preprocess import (
     PreparedSpeech,
     PreprocessError,
     PreprocessLimits,
     SpeechAsk,
 )
+from omni_dp.engine.priority import Priority
 from omni_dp.engine.scheduler import SchedulerStats, TalkerRequest
 from omni_dp.engine.stage_group import process_rows, start_group, wait_until_ready
 from omni_dp.engine.stage_set import LeastLoaded, StageModels, StageSet, VocoderRoute
@@ -67,6 +69,7 @@ class Pipeline:
         threads: int = 1,
         launch_base: dict | None = None,
         log_setup: tuple[str, str] = ("info", "text"),
+        priority_share_every: int = DEFAULT_PRIORITY_SHARE_EVERY,
     ) -> None:
         """`held`: what main holds for its own stages; `launch_base`: the StageLaunch fields
         of every stage process (engine/stage_process.py), when there are any."""
@@ -95,7 +98,7 @@ class Pipeline:
         self.local = StageSet(
             main.stages, held, limits=limits, max_running_requests=max_running_requests,
             to_vocoder=to_vocoder, deliver=self._deliver_threadsafe,
-            on_fatal=self._fatal_threadsafe,
+            on_fatal=self._fatal_threadsafe, priority_share_every=priority_share_every,
         )
         self._preprocessors = [] if self.local.preprocess else (
             self.group.endpoint_of("preprocess") if self.group else [])
@@ -173,15 +176,17 @@ class Pipeline:
         else:
             self.group.send(self._talker, message)
 
-    async def synthesize(self, speech: PreparedSpeech) -> AsyncIterator[bytes]:
-        """Yield the request's PCM chunks as they are decoded; abort it if the caller stops."""
+    async def synthesize(self, speech: PreparedSpeech,
+                         priority: Priority = Priority.DEFAULT) -> AsyncIterator[bytes]:
+        """Yield the request's PCM chunks as they are decoded; abort it if the caller stops.
+        `priority`: its class, the order the talker admits it in (engine/priority.py)."""
         if self.failure is not None:
             raise EngineFailed(self.failure)
         request_id = f"r{next(self._ids)}"
         chunks: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = chunks
         request = TalkerRequest(request_id, list(speech.prompt.token_ids), speech.max_new_tokens,
-                                speech.seed, self.cfg.first_code_id)
+                                speech.seed, self.cfg.first_code_id, priority=priority)
         self._to_talker(Add(request))
         finished = False
         try:

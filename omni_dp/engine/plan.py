@@ -218,6 +218,9 @@ def _limit_problems(options: ServeOptions, threads: int) -> list[str]:
             problems.append(f"--{name.replace('_', '-')} must be at least 1")
     if options.max_queued_requests < 0:
         problems.append("--max-queued-requests must not be negative")
+    if options.priority_share_every < 2:
+        problems.append(f"--priority-share-every must be at least 2 (1 would put bulk first), "
+                        f"got {options.priority_share_every}")
     for name in ("voice_lookahead", "voice_first_piece_chars"):
         if getattr(options, name) < 0:
             problems.append(f"--{name.replace('_', '-')} must not be negative")

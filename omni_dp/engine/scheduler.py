@@ -9,17 +9,26 @@ Shortage policy: running requests go first, oldest first. When one needs a page 
 the newest running request is preempted: its pages are freed, it goes back to the head of the
 queue with its output kept, and its keys/values are recomputed when it is admitted again. No
 request ever fails for lack of pages; one that could not fit even alone is refused at admission.
+
+Admission order: the waiting requests are kept in one FIFO queue per priority class
+(engine/priority.py); each free slot of the running batch goes to the class PriorityPolicy
+selects (the highest that waits, with 1 turn in every --priority-share-every to the longest
+waiting lower class). Each request's first wait in the queue, from its arrival here to its
+first admission, is counted per class for /metrics (omni_dp_queue_wait_seconds).
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import IntEnum
 
 from omni_dp.engine.kv_cache import KVCacheSpec, PageAllocator
+from omni_dp.engine.options import DEFAULT_PRIORITY_SHARE_EVERY
+from omni_dp.engine.priority import Priority, PriorityPolicy, QueueWaits
 
 
 class RequestStatus(IntEnum):
@@ -54,6 +63,8 @@ class TalkerRequest:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
+    priority: Priority = Priority.DEFAULT  # its class: the order it is admitted in
+    queued_at: float | None = None  # time.monotonic() of its arrival here, until first admitted
 
     @property
     def num_tokens(self) -> int:
@@ -101,6 +112,11 @@ class SchedulerStats:
     num_pages_total: int
     num_preemptions_total: int
     num_generated_tokens_total: int
+    # by priority class (engine/priority.py): requests waiting now, and the histogram of each
+    # request's first wait (priority.QueueWaits: per-bucket counts, sum in seconds)
+    queue_depth: dict[str, int] = field(default_factory=dict)
+    queue_wait_counts: dict[str, list[int]] = field(default_factory=dict)
+    queue_wait_sum: dict[str, float] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -111,13 +127,17 @@ class Scheduler:
         end_of_audio: int,
         max_running_requests: int,
         max_prefill_tokens: int = 4096,
+        priority_share_every: int = DEFAULT_PRIORITY_SHARE_EVERY,
     ) -> None:
+        """`priority_share_every`: --priority-share-every (engine/priority.py)."""
         self.kv_spec = kv_spec
         self.end_of_audio = end_of_audio  # the talker output index that ends a request
         self.allocator = PageAllocator(kv_spec.num_pages)
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
-        self.waiting: deque[TalkerRequest] = deque()
+        self.queues: dict[Priority, deque[TalkerRequest]] = {p: deque() for p in Priority}
+        self.policy = PriorityPolicy(priority_share_every)
+        self.queue_waits = QueueWaits()
         self.running: list[TalkerRequest] = []  # kept in arrival order: oldest first
         self.requests: dict[str, TalkerRequest] = {}
         self.num_preemptions_total = 0
@@ -137,7 +157,13 @@ class Scheduler:
         self.check_admissible(len(request.prompt_ids), request.max_new_tokens)
         assert request.request_id not in self.requests, "duplicate request id"
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        request.queued_at = time.monotonic()
+        self.queues[request.priority].append(request)
+
+    @property
+    def waiting(self) -> list[TalkerRequest]:
+        """Every waiting request: by class, highest first, each class oldest first."""
+        return [request for queue in self.queues.values() for request in queue]
 
     def abort_request(self, request_id: str) -> TalkerRequest | None:
         request = self.requests.pop(request_id, None)
@@ -146,15 +172,16 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
-            self.waiting.remove(request)
+            self.queues[request.priority].remove(request)
         self._free_pages(request)
         request.status = RequestStatus.FINISHED_ABORTED
         return request
 
     def has_requests(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running) or any(self.queues.values())
 
     def stats(self) -> SchedulerStats:
+        wait_counts, wait_sums = self.queue_waits.snapshot()
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -162,6 +189,9 @@ class Scheduler:
             num_pages_total=self.allocator.num_pages,
             num_preemptions_total=self.num_preemptions_total,
             num_generated_tokens_total=self.num_generated_tokens_total,
+            queue_depth={p.value: len(queue) for p, queue in self.queues.items()},
+            queue_wait_counts=wait_counts,
+            queue_wait_sum=wait_sums,
         )
 
     # --- one step ----------------------------------------------------------------------
@@ -181,15 +211,21 @@ class Scheduler:
         # No admission in a step that had to preempt: the pool is already short.
         if not preempted:
             prefill_budget = self.max_prefill_tokens
-            while self.waiting and len(self.running) < self.max_running_requests:
-                request = self.waiting[0]
+            while len(self.running) < self.max_running_requests:
+                heads = {p: queue[0].arrival for p, queue in self.queues.items() if queue}
+                chosen = self.policy.select(heads)
+                if chosen is None:
+                    break
+                request = self.queues[chosen][0]
                 num_new = request.num_tokens  # everything: fresh, or recomputed after preemption
                 if num_new > prefill_budget and prefill_budget < self.max_prefill_tokens:
                     break  # over this step's budget; one long prompt alone is always allowed
                 pages = self.allocator.allocate(self.kv_spec.pages_for(num_new))
                 if pages is None:
                     break
-                self.waiting.popleft()
+                self.queues[chosen].popleft()
+                self.policy.dispatched(heads, chosen)
+                self._count_wait(request)
                 request.pages = pages
                 request.num_computed_tokens = 0
                 request.status = RequestStatus.RUNNING
@@ -244,11 +280,20 @@ class Scheduler:
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.num_preemptions_total += 1
-        # Back to the head of the queue, ahead of anything that arrived after it.
+        # Back to the head of its class's queue, ahead of anything that arrived after it.
+        queue = self.queues[request.priority]
         index = 0
-        while index < len(self.waiting) and self.waiting[index].arrival < request.arrival:
+        while index < len(queue) and queue[index].arrival < request.arrival:
             index += 1
-        self.waiting.insert(index, request)
+        queue.insert(index, request)
+
+    def _count_wait(self, request: TalkerRequest) -> None:
+        """A request's first admission: its wait since it arrived, in its class's histogram
+        (a preempted request's later waits are not queue waits of a new request)."""
+        if request.queued_at is None:
+            return
+        self.queue_waits.observe(request.priority, time.monotonic() - request.queued_at)
+        request.queued_at = None
 
     def _finish(self, request: TalkerRequest, status: RequestStatus) -> None:
         self.running.remove(request)

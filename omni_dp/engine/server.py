@@ -69,6 +69,12 @@ from omni_dp.engine.preprocess import (
     PreprocessLimits,
     SpeechAsk,
 )
+from omni_dp.engine.priority import (
+    PRIORITY_HEADER,
+    Priority,
+    PriorityHeaderError,
+    parse_priority,
+)
 from omni_dp.engine.runner import ModelRunner
 from omni_dp.engine.share import ShareInfo
 from omni_dp.engine.share.attach import attach
@@ -148,6 +154,7 @@ def stage_launch_base(plan: ServePlan) -> dict:
         "max_running_requests": plan.options.max_running_requests,
         "max_input_chars": plan.options.max_input_chars,
         "voice_first_piece_chars": plan.options.voice_first_piece_chars,
+        "priority_share_every": plan.options.priority_share_every,
     }
 
 
@@ -196,6 +203,7 @@ class AdmittedSpeech:
     params: SpeechParams
     speech: PreparedSpeech
     resume: ResumeAsk = field(default_factory=ResumeAsk)
+    priority: Priority = Priority.DEFAULT  # X-Omni-DP-Priority: the order its work is queued in
 
     @property
     def seed(self) -> int:
@@ -330,6 +338,7 @@ class ReplicaServer:
                 max_running_requests=self.options.max_running_requests,
                 on_fatal=self._on_fatal, launch_base=stage_launch_base(plan),
                 log_setup=current_log_setup(),
+                priority_share_every=self.options.priority_share_every,
             )
             if self._stop.is_set():
                 return  # a signal while the models were built: start nothing more
@@ -357,7 +366,8 @@ class ReplicaServer:
                                  on_fatal=self._on_fatal, launch_base=stage_launch_base(plan),
                                  log_setup=current_log_setup(),
                                  lookahead=self.options.voice_lookahead,
-                                 first_piece_chars=self.options.voice_first_piece_chars)
+                                 first_piece_chars=self.options.voice_first_piece_chars,
+                                 priority_share_every=self.options.priority_share_every)
         self.pipeline = pipeline  # stopped by run() whatever happens next
         try:
             await asyncio.to_thread(pipeline.load)
@@ -550,7 +560,8 @@ class ReplicaServer:
             self.metrics.count(outcome)
             return self.refused(exc)
         assert self.pipeline is not None
-        synthesis = self.pipeline.synthesize(job.speech)
+        self.metrics.count_priority(job.priority)
+        synthesis = self.pipeline.synthesize(job.speech, job.priority)
         params = job.params
         # aclosing: a handler cancelled while writing (client gone) closes the generator at
         # once, which aborts the request and frees its pages — not whenever GC gets to it.
@@ -586,6 +597,15 @@ class ReplicaServer:
                             "shortly")
         return None
 
+    @staticmethod
+    def priority_of(request: web.Request) -> Priority:
+        """The request's class from X-Omni-DP-Priority (absent: default); an unknown value is
+        a 400 naming the header and the accepted values."""
+        try:
+            return parse_priority(request.headers.get(PRIORITY_HEADER))
+        except PriorityHeaderError as exc:
+            raise ApiError(400, str(exc), PRIORITY_HEADER) from None
+
     def speech_params(self, raw: bytes) -> SpeechParams:
         """A speech body checked field by field (ApiError naming the field) against this
         replica's model: its voices, its bounds, its served names. POST's body and a speech
@@ -603,6 +623,7 @@ class ReplicaServer:
         if (leaving := self.not_ready()) is not None:
             raise leaving
         assert self.pipeline is not None
+        priority = self.priority_of(request)
         limit = self.options.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise ApiError(413, f"body is {request.content_length} bytes; the limit is {limit}")
@@ -635,7 +656,7 @@ class ReplicaServer:
                             self.state.value) from None
         if (full := self.full()) is not None:
             raise full
-        return AdmittedSpeech(params, speech, resume)
+        return AdmittedSpeech(params, speech, resume, priority)
 
     async def _whole(self, job: AdmittedSpeech, chunks, started: float) -> web.Response:
         params = job.params

@@ -28,6 +28,7 @@ from omni_dp.engine.api import ApiError, SpeechParams
 from omni_dp.engine.audio import StreamEncoder
 from omni_dp.engine.pipeline import EngineFailed, RequestCutOff
 from omni_dp.engine.preprocess import PreprocessError, SpeechAsk
+from omni_dp.engine.priority import Priority
 from omni_dp.engine.voice.phonemes import split_sentences
 from omni_dp.speech_stream import (
     AUDIO_DONE,
@@ -53,11 +54,13 @@ class _Server(Protocol):
     pipeline: Any  # Pipeline or VoicePipeline: prepare, synthesize
     options: Any  # ServeOptions: max_input_chars
     plan: Any  # ServePlan: sample_rate
+    metrics: Any  # ReplicaMetrics: count_priority
 
     def not_ready(self) -> ApiError | None: ...  # POST's admission, by the same checks
     def full(self) -> ApiError | None: ...
     def refused(self, exc: ApiError) -> web.Response: ...  # and its answer
     def speech_params(self, raw: bytes) -> SpeechParams: ...  # POST's body check
+    def priority_of(self, request: web.Request) -> Priority: ...  # POST's header check
 
 log = logging.getLogger("omni_dp.serve.speech_stream")
 
@@ -154,14 +157,21 @@ class SpeechStreams:
         refusal = server.not_ready() or server.full()
         if refusal is not None:
             return server.refused(refusal)
+        try:  # the upgrade's X-Omni-DP-Priority: the class of every sentence of the session
+            priority = server.priority_of(request)
+        except ApiError as exc:
+            return server.refused(exc)
+        server.metrics.count_priority(priority)
         await ws.prepare(request)
-        await _Session(self, ws).run()
+        await _Session(self, ws, priority).run()
         return ws
 
 
 class _Session:
-    def __init__(self, streams: SpeechStreams, ws: web.WebSocketResponse) -> None:
+    def __init__(self, streams: SpeechStreams, ws: web.WebSocketResponse,
+                 priority: Priority = Priority.DEFAULT) -> None:
         server = self.server = streams.server
+        self.priority = priority
         self.config_timeout_s = streams.config_timeout_s
         self.idle_timeout_s = streams.idle_timeout_s
         self.ws = ws
@@ -344,7 +354,8 @@ class _Session:
                 await self._sentence_done(sentence, 0, error=True)
                 return
             held = bytearray(encoder.header())
-            async with contextlib.aclosing(server.pipeline.synthesize(speech)) as chunks:
+            async with contextlib.aclosing(
+                    server.pipeline.synthesize(speech, self.priority)) as chunks:
                 async for chunk in chunks:
                     held += await encoder.feed_async(chunk)
                     if self.stream_audio and held:

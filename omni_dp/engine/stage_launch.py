@@ -11,7 +11,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from omni_dp.engine.options import DEFAULT_VOICE_FIRST_PIECE_CHARS
+from omni_dp.engine.options import DEFAULT_PRIORITY_SHARE_EVERY, DEFAULT_VOICE_FIRST_PIECE_CHARS
 from omni_dp.placement.builtin import BUILTIN_PIPELINE
 
 
@@ -48,6 +48,7 @@ class StageLaunch:
     pipeline: str = BUILTIN_PIPELINE.name  # which pipeline's stages (placement/builtin.py)
     # A voice's preprocess: --voice-first-piece-chars (engine/voice/phonemes.speech_pieces)
     voice_first_piece_chars: int = DEFAULT_VOICE_FIRST_PIECE_CHARS
+    priority_share_every: int = DEFAULT_PRIORITY_SHARE_EVERY  # the talker's admission policy
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

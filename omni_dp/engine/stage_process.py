@@ -186,6 +186,7 @@ def serve_tts_stages(spec: StageLaunch, outbox: Outbox, fatal: Callable[[str], N
         max_running_requests=spec.max_running_requests, to_vocoder=to_vocoder,
         deliver=deliver, on_fatal=fatal,
         on_stats=lambda stats: outbox.send(spec.front, messages.Stats(stats)),
+        priority_share_every=spec.priority_share_every,
     )
     stages.start()
     outbox.send(spec.front, messages.Ready(spec.process, os.getpid()))

@@ -18,6 +18,7 @@ from omni_dp.engine.config import ModelConfig
 from omni_dp.engine.core import Abort, Add, StepOutputs, TalkerWorker, VocoderWorker
 from omni_dp.engine.gpu_busy import Recorder
 from omni_dp.engine.kv_cache import KVCache
+from omni_dp.engine.options import DEFAULT_PRIORITY_SHARE_EVERY
 from omni_dp.engine.preprocess import PreparedSpeech, PreprocessLimits, SpeechAsk, prepare
 from omni_dp.engine.scheduler import RequestStatus, Scheduler, SchedulerStats
 from omni_dp.engine.vocoder import ChunkSchedule, Vocoder
@@ -117,8 +118,10 @@ class StageSet:
         deliver: Deliver,
         on_fatal: Callable[[str], None],
         on_stats: Callable[[SchedulerStats], None] | None = None,
+        priority_share_every: int = DEFAULT_PRIORITY_SHARE_EVERY,
     ) -> None:
-        """`to_vocoder`: where the talker's steps go when the vocoder is not in this process."""
+        """`to_vocoder`: where the talker's steps go when the vocoder is not in this process;
+        `priority_share_every`: the talker's admission policy (engine/priority.py)."""
         self.stages = tuple(stages)
         cfg = held.cfg
         self.preprocess = PreprocessStage(cfg, limits) if "preprocess" in stages else None
@@ -135,7 +138,8 @@ class StageSet:
         if "talker" in stages:
             assert held.talker_runner is not None and held.kv_cache is not None
             self.scheduler = Scheduler(held.kv_cache.spec, end_of_audio=cfg.end_of_audio,
-                                       max_running_requests=max_running_requests)
+                                       max_running_requests=max_running_requests,
+                                       priority_share_every=priority_share_every)
             emit = self.vocoder.inbox.put if self.vocoder is not None else to_vocoder
             assert emit is not None, "a talker needs a vocoder: here or through to_vocoder"
             self.talker = TalkerWorker(self.scheduler, held.talker_runner, emit=emit,

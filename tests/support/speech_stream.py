@@ -113,7 +113,7 @@ class StandInPipeline:
         self.asks.append(ask)
         return ask.input
 
-    async def synthesize(self, text: str):
+    async def synthesize(self, text: str, priority=None):
         self.num_in_flight += 1
         try:
             yield b"\x01\x00" * (self.chunk_bytes // 2)
@@ -139,6 +139,8 @@ class StandInReplica:
             pipeline=self.pipeline, options=SimpleNamespace(max_input_chars=max_input_chars),
             plan=SimpleNamespace(sample_rate=24000), not_ready=lambda: None,
             full=lambda: None, refused=ReplicaServer.refused,
+            priority_of=ReplicaServer.priority_of,
+            metrics=SimpleNamespace(count_priority=lambda priority: None),
             speech_params=lambda raw: parse_speech_body(raw, max_new_tokens_limit=2**31 - 1))
         self.streams = SpeechStreams(server, config_timeout_s=config_timeout_s,
                                      idle_timeout_s=idle_timeout_s)

@@ -17,7 +17,11 @@ only as its own sentences finish: it has at most W sentences submitted (one at W
 holds the PCM of at most those and the one streaming, so concurrent requests still take turns
 a few sentences at a time on the workers' FIFO queues (a short request waits behind at most W
 sentences of each other request, not behind a long one's whole text), and the sentences in
-flight are at most W × requests. W = 0 is one sentence at a time, as before lookahead. A
+flight are at most W × requests. W = 0 is one sentence at a time, as before lookahead.
+Priority classes (X-Omni-DP-Priority): a submitted sentence first takes a slot of a
+PriorityGate (engine/priority_gate.py; one slot per voice worker), so when every worker is
+busy an interactive request's next sentence runs before queued default and bulk sentences,
+with bulk kept a share (--priority-share-every). A
 request that ends early (the client gone: the server closes this generator; a cut-off:
 cut_off_all) cancels its window: a sentence still queued on a local worker never starts, one
 already running there runs to its end (a thread cannot be interrupted) and its PCM is dropped;
@@ -40,13 +44,20 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 from omni_dp.engine import messages
 from omni_dp.engine.gpu_busy import ON_CPU, NotRecording, busy_answer
-from omni_dp.engine.options import DEFAULT_VOICE_FIRST_PIECE_CHARS, DEFAULT_VOICE_LOOKAHEAD
+from omni_dp.engine.options import (
+    DEFAULT_PRIORITY_SHARE_EVERY,
+    DEFAULT_VOICE_FIRST_PIECE_CHARS,
+    DEFAULT_VOICE_LOOKAHEAD,
+)
 from omni_dp.engine.pipeline import STAGE_START_TIMEOUT_S, EngineFailed, RequestCutOff
 from omni_dp.engine.placement_plan import main_of
 from omni_dp.engine.preprocess import PreprocessError, SpeechAsk
+from omni_dp.engine.priority import Priority
+from omni_dp.engine.priority_gate import PriorityGate
 from omni_dp.engine.scheduler import SchedulerStats
 from omni_dp.engine.stage_group import process_rows, start_group, wait_until_ready
 from omni_dp.engine.stage_set import LeastLoaded
@@ -68,10 +79,12 @@ class VoicePipeline:
                  launch_base: dict | None = None,
                  log_setup: tuple[str, str] = ("info", "text"),
                  lookahead: int = DEFAULT_VOICE_LOOKAHEAD,
-                 first_piece_chars: int = DEFAULT_VOICE_FIRST_PIECE_CHARS) -> None:
+                 first_piece_chars: int = DEFAULT_VOICE_FIRST_PIECE_CHARS,
+                 priority_share_every: int = DEFAULT_PRIORITY_SHARE_EVERY) -> None:
         """`launch_base`: the StageLaunch fields of every stage process, when there are any.
         `lookahead`: --voice-lookahead; `first_piece_chars`: --voice-first-piece-chars (this
-        process's preprocess; a stage process's reads its launch)."""
+        process's preprocess; a stage process's reads its launch); `priority_share_every`:
+        --priority-share-every (engine/priority.py)."""
         if lookahead < 0:
             raise ValueError(f"lookahead must not be negative, got {lookahead}")
         main = main_of(placement)
@@ -103,6 +116,12 @@ class VoicePipeline:
         self._voices = [] if self.speaks_here else self.group.endpoint_of("voice")
         self._preprocessors = [] if self.prepares_here else self.group.endpoint_of("preprocess")
         self._voice_policy = LeastLoaded(max(1, len(self._voices)))
+        # One slot per voice worker: here main's pool, elsewhere each voice process's pool
+        # (engine/voice/stages.py: one worker per thread of its share).
+        slots = (self.threads[MAIN_PROCESS] if self.speaks_here else
+                 sum(max(1, self.threads.get(p.name, 1)) for p in placement.processes
+                     if "voice" in p.stages))
+        self._gate = PriorityGate(max(1, slots), priority_share_every)
         self._preprocess_policy = LeastLoaded(max(1, len(self._preprocessors)))
         self.recorder = NotRecording(NOT_TIMED_ON_GPU if self.device.startswith("cuda")
                                      else ON_CPU)
@@ -137,10 +156,13 @@ class VoicePipeline:
         """The engine's gauges: sentences submitted now (being spoken, or queued for a worker
         within their requests' windows), requests with none submitted (between two of their
         sentences: lookahead 0 always is, a window only at its end); no KV."""
+        wait_counts, wait_sums = self._gate.waits.snapshot()
         return SchedulerStats(num_running=self._speaking, num_waiting=self._idle,
                               num_pages_used=0,
                               num_pages_total=0, num_preemptions_total=0,
-                              num_generated_tokens_total=0)
+                              num_generated_tokens_total=0,
+                              queue_depth=self._gate.depth(), queue_wait_counts=wait_counts,
+                              queue_wait_sum=wait_sums)
 
     def gpu_busy(self, since: float) -> dict:
         elsewhere = [p.name for p in self.placement.processes
@@ -201,13 +223,22 @@ class VoicePipeline:
         finally:
             self._answers.pop(key, None)
 
-    async def _speak(self, ids: list[int], speech: VoiceSpeech) -> bytes:
-        """One sentence's PCM, spoken here or by the least-loaded voice process."""
+    async def _speak(self, ids: list[int], speech: VoiceSpeech, priority: Priority) -> bytes:
+        """One sentence's PCM, spoken here or by the least-loaded voice process, once the
+        gate gives it a worker's slot (by its request's class)."""
         self._speaking += 1
+        held = False  # a slot of the gate this call must give back
         try:
+            await self._gate.acquire(priority)
+            held = True
             if self.speaks_here:
-                loop = asyncio.get_running_loop()
-                return await loop.run_in_executor(self._worker, self._speak_here, ids, speech)
+                job = self._worker.submit(self._speak_here, ids, speech)
+                # The slot is free when the worker is, not when this call ends: a sentence
+                # cancelled while it runs keeps its worker to the end of the call.
+                job.add_done_callback(partial(_release_on, asyncio.get_running_loop(),
+                                              self._gate))
+                held = False
+                return await asyncio.wrap_future(job)
             index = self._voice_policy.bind()
             try:
                 spoken = await self._ask(self._voices[index], "s", lambda key: Speak(
@@ -216,6 +247,8 @@ class VoicePipeline:
                 self._voice_policy.release(index)
             return spoken.pcm
         finally:
+            if held:
+                self._gate.release()
             self._speaking -= 1
 
     def _speak_here(self, ids: list[int], speech: VoiceSpeech) -> bytes:
@@ -223,13 +256,13 @@ class VoicePipeline:
         return pcm16(self._session.run(ids, length_scale=speech.length_scale,
                                        speaker=speech.prompt.speaker_id))
 
-    async def _spoken(self, ids: list[int], speech: VoiceSpeech) -> bytes:
+    async def _spoken(self, ids: list[int], speech: VoiceSpeech, priority: Priority) -> bytes:
         """One sentence of a window (a task of its own): its PCM, or the error its request
         ends with. A failure of the voice itself (not a cancellation) fails the replica at
         once, even for a sentence still ahead of the one streaming."""
         started = time.perf_counter()
         try:
-            pcm = await self._speak(ids, speech)
+            pcm = await self._speak(ids, speech, priority)
         except EngineFailed:
             raise
         except Exception as exc:  # onnxruntime's errors, or the pool shut down
@@ -251,9 +284,11 @@ class VoicePipeline:
                 self._cut.set_result(None)
         return self._cut
 
-    async def synthesize(self, speech: VoiceSpeech) -> AsyncIterator[bytes]:
+    async def synthesize(self, speech: VoiceSpeech,
+                         priority: Priority = Priority.DEFAULT) -> AsyncIterator[bytes]:
         """Yield each sentence's PCM in order, with up to `lookahead` more being spoken while
-        one streams; stop submitting, and cancel what was submitted, if the caller stops."""
+        one streams; stop submitting, and cancel what was submitted, if the caller stops.
+        `priority`: the request's class, the order its sentences get a worker in."""
         if self.failure is not None:
             raise EngineFailed(self.failure)
         cut = self._cut_signal()
@@ -262,7 +297,7 @@ class VoicePipeline:
 
         def submit(up_to: int) -> None:
             for ids in itertools.islice(upcoming, max(0, up_to - len(window))):
-                window.append(asyncio.create_task(self._spoken(ids, speech)))
+                window.append(asyncio.create_task(self._spoken(ids, speech, priority)))
 
         self._in_flight += 1
         try:
@@ -335,6 +370,12 @@ class VoicePipeline:
                     answer.set_exception(EngineFailed(reason.splitlines()[0]))
             with contextlib.suppress(Exception):
                 self._on_fatal(reason)
+
+
+def _release_on(loop: asyncio.AbstractEventLoop, gate: PriorityGate, _job: object) -> None:
+    """A local sentence's worker is done (in its thread): its slot goes back, on the loop."""
+    with contextlib.suppress(RuntimeError):  # the loop closed: the process is ending
+        loop.call_soon_threadsafe(gate.release)
 
 
 def _consume(task: asyncio.Task) -> None:
