@@ -29,6 +29,45 @@ SEED_HEADER = "X-Omni-DP-Seed"
 RESUME_FROM_HEADER = "X-Omni-DP-Resume-From"
 # Replica → router: this answer can be resumed by byte offset ("bytes"); absent: it cannot.
 RESUMABLE_HEADER = "X-Omni-DP-Resumable"
+# Client → router → replica: the request's class, interactive | default | bulk (docs/contracts.md,
+# "Priority classes"). Both read it alike: case and surrounding spaces ignored.
+PRIORITY_HEADER = "X-Omni-DP-Priority"
+
+
+class Priority(enum.IntEnum):
+    """A request's class; the lower value is served first (the router's queues, a replica's
+    scheduler). It crosses to a stage process by its value."""
+
+    INTERACTIVE = 0
+    DEFAULT = 1
+    BULK = 2
+
+    @property
+    def label(self) -> str:
+        """Its name on the wire, in flags and in metric labels."""
+        return self.name.lower()
+
+    @property
+    def vllm_priority(self) -> int:
+        """vLLM's `priority` request field (lower runs first, 0 its default): -1 / 0 / 1."""
+        return int(self) - 1
+
+
+PRIORITY_NAMES = tuple(p.label for p in Priority)  # in service order
+_BY_LABEL = {p.label: p for p in Priority}
+
+
+class BadPriority(ValueError):
+    """X-Omni-DP-Priority names no class: a 400 naming the header and the accepted values."""
+
+
+def parse_priority(text: str) -> Priority:
+    """A class name (case and surrounding spaces ignored) → its class; else BadPriority."""
+    found = _BY_LABEL.get(text.strip().lower())
+    if found is None:
+        raise BadPriority(f"{PRIORITY_HEADER} must be one of {', '.join(PRIORITY_NAMES)}; "
+                          f"got {text[:64]!r}")
+    return found
 RESUMABLE_BY_BYTES = "bytes"
 # Replica → router: the offset this answer starts at (echoes RESUME_FROM_HEADER, so a replica
 # that ignored it is never spliced into a stream).

@@ -116,4 +116,4 @@ class ReplicaMetrics:
 
     def count_priority(self, priority: Priority) -> None:
         """One speech request (or session) of class `priority` was admitted."""
-        self._by_priority.labels(self.model_name, priority.value).inc()
+        self._by_priority.labels(self.model_name, priority.label).inc()

@@ -20,30 +20,22 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping
-from enum import Enum
 
+from omni_dp.contract import (
+    PRIORITY_HEADER,
+    PRIORITY_NAMES,
+    BadPriority,
+    Priority,
+    parse_priority,
+)
 from omni_dp.engine.options import DEFAULT_PRIORITY_SHARE_EVERY
 
-PRIORITY_HEADER = "X-Omni-DP-Priority"
+# The class, its header and its parsing are the router's too (omni_dp/contract.py).
+__all__ = ["PRIORITY_HEADER", "PRIORITY_NAMES", "BadPriority", "Priority", "PriorityPolicy",
+           "priority_of"]
 # DEFAULT_PRIORITY_SHARE_EVERY (--priority-share-every) is 4: 1 dispatch in every 4 may go to a
 # waiting lower class, so bulk keeps at least a quarter of the workers' turns while it waits,
 # and interactive work waits behind at most one lower-class item per 4 it is given.
-
-
-class Priority(str, Enum):
-    """A request's class, highest first (the declaration order is the rank)."""
-
-    INTERACTIVE = "interactive"
-    DEFAULT = "default"
-    BULK = "bulk"
-
-    @property
-    def rank(self) -> int:
-        return _RANKS[self]
-
-
-_RANKS = {priority: rank for rank, priority in enumerate(Priority)}
-PRIORITY_NAMES = tuple(p.value for p in Priority)
 
 
 # Upper bounds (seconds) of omni_dp_queue_wait_seconds' buckets; +Inf is implied.
@@ -61,27 +53,18 @@ class QueueWaits:
 
     def observe(self, priority: Priority, seconds: float) -> None:
         seconds = max(0.0, seconds)
-        self.counts[priority.value][bisect.bisect_left(QUEUE_WAIT_BUCKETS, seconds)] += 1
-        self.sums[priority.value] += seconds
+        self.counts[priority.label][bisect.bisect_left(QUEUE_WAIT_BUCKETS, seconds)] += 1
+        self.sums[priority.label] += seconds
 
     def snapshot(self) -> tuple[dict[str, list[int]], dict[str, float]]:
         return {name: list(c) for name, c in self.counts.items()}, dict(self.sums)
 
 
-class PriorityHeaderError(ValueError):
-    """The header names no class: a 400 naming the header and the accepted values."""
-
-
-def parse_priority(value: str | None) -> Priority:
-    """The header's value → its class; absent or empty is default. Case and spaces ignored."""
+def priority_of(value: str | None) -> Priority:
+    """The header's value → its class; absent or empty is default (BadPriority otherwise)."""
     if value is None or not value.strip():
         return Priority.DEFAULT
-    try:
-        return Priority(value.strip().lower())
-    except ValueError:
-        raise PriorityHeaderError(
-            f"{PRIORITY_HEADER}: {value[:40]!r} is not a priority class; accepted: "
-            f"{', '.join(PRIORITY_NAMES)} (absent = default)") from None
+    return parse_priority(value)
 
 
 class PriorityPolicy:
@@ -104,7 +87,7 @@ class PriorityPolicy:
     def select(self, heads: Mapping[Priority, int]) -> Priority | None:
         if not heads:
             return None
-        top = min(heads, key=lambda p: p.rank)
+        top = min(heads, key=int)
         lower = {p: arrival for p, arrival in heads.items() if p is not top}
         if lower and self.passed_over >= self.share_every - 1:
             return min(lower, key=lambda p: lower[p])  # the lower classes' longest waiting
@@ -112,6 +95,6 @@ class PriorityPolicy:
 
     def dispatched(self, heads: Mapping[Priority, int], chosen: Priority) -> None:
         """`chosen`'s oldest item went to a worker; `heads` as select saw them."""
-        top = min(heads, key=lambda p: p.rank)
+        top = min(heads, key=int)
         lower_waited = any(p is not top for p in heads)
         self.passed_over = self.passed_over + 1 if lower_waited and chosen is top else 0

@@ -37,7 +37,7 @@ class PriorityGate:
         self._arrivals = itertools.count()
 
     def depth(self) -> dict[str, int]:
-        return {p.value: len(queue) for p, queue in self.queues.items()}
+        return {p.label: len(queue) for p, queue in self.queues.items()}
 
     async def acquire(self, priority: Priority) -> None:
         """Until a slot is this caller's; it must call release() once its work is done. A

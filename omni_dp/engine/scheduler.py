@@ -189,7 +189,7 @@ class Scheduler:
             num_pages_total=self.allocator.num_pages,
             num_preemptions_total=self.num_preemptions_total,
             num_generated_tokens_total=self.num_generated_tokens_total,
-            queue_depth={p.value: len(queue) for p, queue in self.queues.items()},
+            queue_depth={p.label: len(queue) for p, queue in self.queues.items()},
             queue_wait_counts=wait_counts,
             queue_wait_sum=wait_sums,
         )

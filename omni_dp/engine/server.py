@@ -71,9 +71,9 @@ from omni_dp.engine.preprocess import (
 )
 from omni_dp.engine.priority import (
     PRIORITY_HEADER,
+    BadPriority,
     Priority,
-    PriorityHeaderError,
-    parse_priority,
+    priority_of,
 )
 from omni_dp.engine.runner import ModelRunner
 from omni_dp.engine.share import ShareInfo
@@ -602,8 +602,8 @@ class ReplicaServer:
         """The request's class from X-Omni-DP-Priority (absent: default); an unknown value is
         a 400 naming the header and the accepted values."""
         try:
-            return parse_priority(request.headers.get(PRIORITY_HEADER))
-        except PriorityHeaderError as exc:
+            return priority_of(request.headers.get(PRIORITY_HEADER))
+        except BadPriority as exc:
             raise ApiError(400, str(exc), PRIORITY_HEADER) from None
 
     def speech_params(self, raw: bytes) -> SpeechParams:

@@ -11,53 +11,27 @@ There is one API key per router (--api-key), so there is no per-key class.
 
 from __future__ import annotations
 
-import enum
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-PRIORITY_HEADER = "X-Omni-DP-Priority"
+from omni_dp.contract import (
+    PRIORITY_HEADER,
+    PRIORITY_NAMES,
+    BadPriority,
+    Priority,
+    parse_priority,
+)
+
 SMG_PRIORITY_HEADER = "x-smg-priority"
 # Where vLLM reads a `priority` field (--priority-field): its completions and chat requests.
 PRIORITY_FIELD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
-class Priority(enum.IntEnum):
-    """A request's class; the lower value is served first (the queues' order)."""
-
-    INTERACTIVE = 0
-    DEFAULT = 1
-    BULK = 2
-
-    @property
-    def label(self) -> str:
-        """Its name on the wire, in flags and in metric labels."""
-        return self.name.lower()
-
-    @property
-    def vllm_priority(self) -> int:
-        """vLLM's `priority` request field (lower runs first, 0 its default): -1 / 0 / 1."""
-        return int(self) - 1
-
-
-PRIORITY_NAMES = tuple(p.label for p in Priority)  # in service order
 # smg's levels (bulk < default < interactive < system): `system` is our interactive, and an
 # unknown value is `default`, as smg itself takes it.
 _SMG_LEVELS = {"bulk": Priority.BULK, "default": Priority.DEFAULT,
                "interactive": Priority.INTERACTIVE, "system": Priority.INTERACTIVE}
-
-
-class BadPriority(ValueError):
-    """The client's X-Omni-DP-Priority is none of the classes (the router answers 400)."""
-
-
-def parse_priority(text: str) -> Priority:
-    """One of the class names exactly (as in flags and the header); else BadPriority."""
-    for priority in Priority:
-        if text == priority.label:
-            return priority
-    raise BadPriority(f"{PRIORITY_HEADER} must be one of {', '.join(PRIORITY_NAMES)}; "
-                      f"got {text[:64]!r}")
 
 
 def parse_route_priority(text: str) -> tuple[str, Priority]:
@@ -83,8 +57,8 @@ class PriorityRules:
     def resolve(self, headers: Mapping[str, str], path: str) -> Priority:
         """The request's class; BadPriority when X-Omni-DP-Priority is not a class name."""
         ours = headers.get(PRIORITY_HEADER)
-        if ours is not None:
-            return parse_priority(ours.strip())
+        if ours is not None and ours.strip():  # case and spaces ignored, as the engine does
+            return parse_priority(ours)
         smg = headers.get(SMG_PRIORITY_HEADER)
         if smg is not None:
             return _SMG_LEVELS.get(smg.strip().lower(), Priority.DEFAULT)

@@ -13,10 +13,10 @@ from omni_dp.engine.plan import ServePlanError, plan_serve
 from omni_dp.engine.priority import (
     PRIORITY_HEADER,
     QUEUE_WAIT_BUCKETS,
+    BadPriority,
     Priority,
-    PriorityHeaderError,
     PriorityPolicy,
-    parse_priority,
+    priority_of,
 )
 
 HI, MID, LO = Priority.INTERACTIVE, Priority.DEFAULT, Priority.BULK
@@ -64,7 +64,7 @@ def test_bulk_keeps_one_turn_in_every_k_under_a_continuous_interactive_stream():
         assert chosen is not None
         (interactive if chosen is HI else bulk).popleft()
         policy.dispatched(heads, chosen)
-        order.append(chosen.value)
+        order.append(chosen.label)
     for start in range(len(order) - k + 1):  # every window of k turns has a bulk one
         assert "bulk" in order[start:start + k], order
     assert order.count("bulk") == 10 - len(bulk) == len(order) // k
@@ -96,12 +96,12 @@ def test_share_every_below_two_is_refused():
     (None, MID), ("", MID), ("interactive", HI), ("default", MID), ("bulk", LO), (" Bulk ", LO),
 ])
 def test_header_values(value, expected):
-    assert parse_priority(value) is expected
+    assert priority_of(value) is expected
 
 
 def test_unknown_header_value_names_the_header_and_the_classes():
-    with pytest.raises(PriorityHeaderError) as caught:
-        parse_priority("urgent")
+    with pytest.raises(BadPriority) as caught:
+        priority_of("urgent")
     message = str(caught.value)
     assert PRIORITY_HEADER in message and "urgent" in message
     assert all(name in message for name in ("interactive", "default", "bulk"))

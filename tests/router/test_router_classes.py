@@ -35,8 +35,16 @@ def test_a_request_class_comes_from_its_headers_then_its_route_then_the_router(
     assert RULES.resolve(headers, path) is expected
 
 
-@pytest.mark.parametrize("value", ["urgent", "Interactive", "", "0"])
-def test_our_header_takes_the_class_names_exactly(value):
+@pytest.mark.parametrize(("value", "expected"), [
+    (" Interactive ", Priority.INTERACTIVE), ("BULK", Priority.BULK),
+    ("", Priority.DEFAULT),  # empty: named none, so the route's, then the router's
+])
+def test_our_header_ignores_case_and_spaces_as_the_replica_does(value, expected):
+    assert RULES.resolve({"X-Omni-DP-Priority": value}, "/x") is expected
+
+
+@pytest.mark.parametrize("value", ["urgent", "inter active", "0"])
+def test_our_header_takes_the_class_names_only(value):
     with pytest.raises(BadPriority) as caught:
         RULES.resolve({"X-Omni-DP-Priority": value}, "/x")
     assert "X-Omni-DP-Priority" in str(caught.value)
