@@ -67,15 +67,21 @@ class PriorityRules:
         return self.default
 
 
-def with_vllm_priority(body: bytes, priority: Priority) -> bytes:
-    """The JSON object `body` with vLLM's `priority` field for the class added, unless it has
-    one (the client's wins) or is no JSON object (the replica answers that as it would).
+def with_priority_field(body: bytes, priority: Priority, *, low_first: bool = True) -> bytes:
+    """The JSON object `body` with the engine's `priority` field for the class added (-1 / 0 /
+    1 for interactive / default / bulk where lower runs first; negated where higher runs
+    first), unless it has one (the client's wins) or is no JSON object (the replica answers
+    that as it would).
 
     vLLM: `priority: int` on CompletionRequest and ChatCompletionRequest, lower runs first,
     default 0, and any other value is an error unless the engine runs with
     --scheduling-policy priority (vllm/entrypoints/openai/chat_completion/protocol.py and
     completion/protocol.py, `priority: int = Field(default=0, ...)`;
     vllm/config/scheduler.py, `SchedulerPolicy = Literal["fcfs", "priority"]`).
+    sglang: `priority: Optional[int]` on the same requests, honoured under
+    --enable-priority-scheduling, higher first unless --schedule-low-priority-values-first
+    (sglang/srt/entrypoints/openai/protocol.py; srt/managers/scheduler.py
+    `_set_or_validate_priority`).
     The field is spliced in before the closing brace: the client's bytes stay as they were.
     """
     try:
@@ -87,4 +93,5 @@ def with_vllm_priority(body: bytes, priority: Priority) -> bytes:
     end = body.rstrip().rfind(b"}")
     before = body[:end].rstrip()
     comma = b"" if before.endswith(b"{") else b","
-    return before + comma + b'"priority":' + str(priority.vllm_priority).encode() + body[end:]
+    value = priority.vllm_priority if low_first else -priority.vllm_priority
+    return before + comma + b'"priority":' + str(value).encode() + body[end:]

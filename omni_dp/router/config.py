@@ -196,6 +196,11 @@ class RouterConfig:
         "help": "Put the class into the JSON body of forwarded completions and chat requests "
                 "as vLLM's `priority` field (-1 interactive, 0 default, 1 bulk), unless the "
                 "client set one: for vLLM replicas run with --scheduling-policy priority."})
+    priority_field_order: str = field(default="low-first", metadata={
+        "choices": ("low-first", "high-first"),
+        "help": "Which way the engine orders --priority-field's values: low-first (vLLM: "
+                "-1 interactive, 0 default, 1 bulk) or high-first (sglang run with "
+                "--enable-priority-scheduling: 1, 0, -1)."})
     health: HealthConfig = field(default_factory=HealthConfig, metadata={"flag": None})
     # for the random policies; tests fix it
     seed: int | None = field(default=None, metadata={"flag": None})

@@ -48,7 +48,7 @@ from omni_dp.router.classes import (
     PRIORITY_HEADER,
     BadPriority,
     Priority,
-    with_vllm_priority,
+    with_priority_field,
 )
 from omni_dp.router.exchange import Exchange, Head, RouteRecord, UpstreamFailed
 from omni_dp.router.hangs import HangTimeout
@@ -288,7 +288,8 @@ class Forwarder:
         config = self.router.config
         if (config.priority_field and request.method == "POST"
                 and request.path in PRIORITY_FIELD_PATHS):
-            body = with_vllm_priority(body, priority)
+            body = with_priority_field(body, priority,
+                                       low_first=config.priority_field_order == "low-first")
         migration = plan_migration(request.method, request.path, body,
                                    config.migration_limit, config.migration_paths,
                                    config.migration_max_seq_len)

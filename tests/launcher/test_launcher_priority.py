@@ -30,6 +30,18 @@ def test_vllm_with_priority_scheduling_gets_the_priority_field(tmp_path, engine_
     assert router_command.make_context("router", tail).params["priority_field"] is True
 
 
+@pytest.mark.parametrize(("engine_args", "order"), [
+    (("m", "--enable-priority-scheduling"), "high-first"),
+    (("m", "--enable_priority_scheduling", "--schedule-low-priority-values-first"), "low-first"),
+])
+def test_sglang_with_priority_scheduling_gets_the_field_in_its_order(tmp_path, engine_args,
+                                                                     order):
+    argv = router_argv(tmp_path, engine="sglang", engine_args=engine_args)
+    tail = argv[argv.index("router") + 1:]
+    params = router_command.make_context("router", tail).params
+    assert params["priority_field"] is True and params["priority_field_order"] == order
+
+
 @pytest.mark.parametrize("engine, engine_args", [
     ("vllm", ("m",)),
     ("vllm", ("m", "--scheduling-policy", "fcfs")),

@@ -13,7 +13,7 @@ from omni_dp.router.classes import (
     Priority,
     PriorityRules,
     parse_route_priority,
-    with_vllm_priority,
+    with_priority_field,
 )
 from omni_dp.router.config import RouterConfigError, plan_router
 
@@ -61,14 +61,22 @@ def test_vllm_priority_lower_runs_first():
     (b'{ "prompt": "x" }\n', {"prompt": "x", "priority": 1}),
 ])
 def test_the_priority_field_is_spliced_into_a_json_object(body, expected):
-    out = with_vllm_priority(body, Priority.BULK)
+    out = with_priority_field(body, Priority.BULK)
     assert json.loads(out) == expected
     assert out.startswith(body.rstrip()[:-1].rstrip())  # the client's bytes stay as they were
 
 
 @pytest.mark.parametrize("body", [b'{"priority": 7}', b"[1, 2]", b"not json", b""])
 def test_a_client_priority_or_a_body_that_is_no_object_is_left_alone(body):
-    assert with_vllm_priority(body, Priority.INTERACTIVE) == body
+    assert with_priority_field(body, Priority.INTERACTIVE) == body
+
+
+def test_an_engine_that_runs_higher_values_first_gets_them_negated():
+    """sglang under --enable-priority-scheduling runs higher values first (vLLM: lower)."""
+    high = [json.loads(with_priority_field(b"{}", p, low_first=False))["priority"]
+            for p in Priority]
+    low = [json.loads(with_priority_field(b"{}", p))["priority"] for p in Priority]
+    assert high == [1, 0, -1] and low == [-1, 0, 1]
 
 
 def test_route_priority_is_path_equals_class():

@@ -242,3 +242,14 @@ def allocated_tokens(status: int, info: object, where: str) -> int:
                if requested is not None else "") + ")")
     return tokens
 
+
+
+def sglang_priority_order(engine_args: tuple[str, ...]) -> str | None:
+    """How sglang orders a request's `priority` when it runs with --enable-priority-scheduling
+    (None when it does not: then it honours none): higher values first, unless
+    --schedule-low-priority-values-first (sglang/srt/managers/scheduler.py
+    `_set_or_validate_priority`; the flags in srt/server_args.py)."""
+    flags = {arg.split("=", 1)[0].replace("_", "-") for arg in engine_args if arg.startswith("--")}
+    if "--enable-priority-scheduling" not in flags:
+        return None
+    return "low-first" if "--schedule-low-priority-values-first" in flags else "high-first"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from omni_dp.files import private_dir_problem
 from omni_dp.launcher.engines import ENGINES
+from omni_dp.launcher.engines.sglang import sglang_priority_order
 from omni_dp.launcher.engines.vllm import schedules_by_priority
 from omni_dp.launcher.planning.checks import (
     migration_problems,
@@ -111,11 +112,16 @@ def migration_argv(o: LaunchOptions) -> tuple[str, ...]:
 
 
 def priority_argv(o: LaunchOptions) -> tuple[str, ...]:
-    """--priority-field for vLLM replicas run with --scheduling-policy priority (given after
-    `--`): the router then tells vLLM each request's class in its `priority` field. Never
-    otherwise: vLLM refuses a priority other than 0 under its default policy."""
+    """--priority-field for vLLM replicas run with --scheduling-policy priority, or sglang ones
+    run with --enable-priority-scheduling (given after `--`): the router then tells the engine
+    each request's class in its `priority` field, in the engine's order. Never otherwise:
+    vLLM refuses a priority other than 0 under its default policy, and sglang may abort one."""
     if o.engine == "vllm" and schedules_by_priority(o.engine_args):
         return ("--priority-field",)
+    if o.engine == "sglang":
+        order = sglang_priority_order(o.engine_args)
+        if order is not None:
+            return ("--priority-field", "--priority-field-order", order)
     return ()
 
 
