@@ -168,8 +168,8 @@ def markdown(rows: list[dict], args: argparse.Namespace, launch: list[str]) -> s
              f"`bench/priority.py {' '.join(args.argv)}` on {os.cpu_count()} CPUs "
              f"({platform.machine()}), Python {platform.python_version()}; launch "
              f"`{' '.join(launch)}`.", "",
-             "| phase | interactive answers | time to first audio p50 / p90 / p99 s | bulk finished | "
-             "bulk audio s per s | failed |", "|---|---:|---|---:|---:|---|"]
+             "| phase | interactive answers | time to first audio p50 / p90 / p99 s | "
+             "bulk finished | bulk audio s per s | failed |", "|---|---:|---|---:|---:|---|"]
     for r in rows:
         failed = ", ".join(f"{k} ×{v}" for k, v in r["failed"].items()) or "none"
         lines.append(f"| {r['phase']} | {r['interactive']} | {r['ttfa_p50_s']} / "
