@@ -411,13 +411,16 @@ def test_logs_follow_holds_back_a_partial_last_line_until_it_is_whole(fake_run, 
 def test_logs_follow_goes_on_in_a_log_replaced_under_it(fake_run, follow):
     env, directory = fake_run
     log = directory / "logs" / "replica_0.log"
-    followed = follow(env, "--replica", "0", "-n", "0")
-    time.sleep(0.6)
+    followed = follow(env, "--replica", "0", "-n", "1")
+    # Following the old log for sure before it is replaced: with -n 0 and a slow start (a
+    # loaded machine) the follower could open the new log first, at its end, and see nothing.
+    followed.wait_for_line("three")
     append(log, b"last of the old log\n")
     log.rename(log.with_name("replica_0.log.1700000000"))  # as the supervisor does
     log.write_bytes(b"first of the new log\n")
     followed.wait_for_line("first of the new log")
-    assert followed.finish(directory) == ["last of the old log", "first of the new log"]
+    assert followed.finish(directory) == ["three", "last of the old log",
+                                          "first of the new log"]
 
 
 def test_follower_reads_a_truncated_log_from_its_start(tmp_path):
