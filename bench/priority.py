@@ -33,7 +33,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -42,6 +41,8 @@ from pathlib import Path
 
 import aiohttp
 from launch_scaling import finish_run, free_port_block, omni_dp
+
+from omni_dp.bench.stats import percentile
 
 RATE = 24000  # raw PCM's rate (docs/contracts.md, "Sample rate")
 HEADER = "X-Omni-DP-Priority"
@@ -70,14 +71,15 @@ class Phase:
         self.failed[key] = self.failed.get(key, 0) + 1
 
     def row(self) -> dict:
-        fa = sorted(self.first_audio)
+        fa = self.first_audio
         wall = self.ended - self.started
+
+        def ttfa(q: float) -> float | None:
+            value = percentile(fa, q)
+            return None if value is None else round(value, 3)
+
         return {"phase": self.name, "wall_s": round(wall, 1), "interactive": len(fa),
-                "ttfa_p50_s": round(statistics.median(fa), 3) if fa else None,
-                "ttfa_p90_s": round(fa[min(len(fa) - 1, int(0.9 * len(fa)))], 3)
-                if fa else None,
-                "ttfa_p99_s": round(fa[min(len(fa) - 1, int(0.99 * len(fa)))], 3)
-                if fa else None,
+                "ttfa_p50_s": ttfa(50), "ttfa_p90_s": ttfa(90), "ttfa_p99_s": ttfa(99),
                 "bulk": self.bulk_done,
                 "bulk_audio_s_per_s": round(self.bulk_audio_s / wall, 3) if wall else None,
                 "failed": dict(self.failed)}
