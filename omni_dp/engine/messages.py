@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from omni_dp.contract import Priority
 from omni_dp.engine.core import Abort, Add, StepOutputs, Stop
 from omni_dp.engine.preprocess import PreparedSpeech, SpeechAsk, TalkerPrompt
-from omni_dp.engine.priority import Priority
 from omni_dp.engine.scheduler import RequestOutput, RequestStatus, SchedulerStats, TalkerRequest
 from omni_dp.engine.wire import register
 

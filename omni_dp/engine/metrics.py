@@ -13,7 +13,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from omni_dp.engine.priority import PRIORITY_NAMES, QUEUE_WAIT_BUCKETS, Priority
+from omni_dp.contract import PRIORITY_NAMES, Priority
+from omni_dp.engine.priority import QUEUE_WAIT_BUCKETS
 from omni_dp.engine.scheduler import SchedulerStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

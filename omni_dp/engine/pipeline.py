@@ -20,6 +20,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from omni_dp.contract import Priority
 from omni_dp.engine import messages
 from omni_dp.engine.core import Abort, Add, StepOutputs
 from omni_dp.engine.gpu_busy import busy_answer
@@ -30,7 +31,6 @@ from omni_dp.engine.preprocess import (
     PreprocessLimits,
     SpeechAsk,
 )
-from omni_dp.engine.priority import Priority
 from omni_dp.engine.scheduler import SchedulerStats, TalkerRequest
 from omni_dp.engine.stage_group import process_rows, start_group, wait_until_ready
 from omni_dp.engine.stage_set import LeastLoaded, StageModels, StageSet, VocoderRoute

@@ -22,17 +22,12 @@ import bisect
 from collections.abc import Mapping
 
 from omni_dp.contract import (
-    PRIORITY_HEADER,
     PRIORITY_NAMES,
-    BadPriority,
     Priority,
     parse_priority,
 )
 from omni_dp.engine.options import DEFAULT_PRIORITY_SHARE_EVERY
 
-# The class, its header and its parsing are the router's too (omni_dp/contract.py).
-__all__ = ["PRIORITY_HEADER", "PRIORITY_NAMES", "BadPriority", "Priority", "PriorityPolicy",
-           "priority_of"]
 # DEFAULT_PRIORITY_SHARE_EVERY (--priority-share-every) is 4: 1 dispatch in every 4 may go to a
 # waiting lower class, so bulk keeps at least a quarter of the workers' turns while it waits,
 # and interactive work waits behind at most one lower-class item per 4 it is given.

@@ -16,7 +16,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from omni_dp.engine.priority import Priority, PriorityPolicy, QueueWaits
+from omni_dp.contract import Priority
+from omni_dp.engine.priority import PriorityPolicy, QueueWaits
 
 
 @dataclass

@@ -26,9 +26,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from omni_dp.contract import Priority
 from omni_dp.engine.kv_cache import KVCacheSpec, PageAllocator
 from omni_dp.engine.options import DEFAULT_PRIORITY_SHARE_EVERY
-from omni_dp.engine.priority import Priority, PriorityPolicy, QueueWaits
+from omni_dp.engine.priority import PriorityPolicy, QueueWaits
 
 
 class RequestStatus(IntEnum):

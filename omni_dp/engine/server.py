@@ -29,11 +29,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from omni_dp import __version__, logs
 from omni_dp.contract import (
     GOING_AWAY_HEADER,
+    PRIORITY_HEADER,
     RESUMABLE_BY_BYTES,
     RESUMABLE_HEADER,
     RESUME_FROM_HEADER,
     RESUMED_FROM_HEADER,
+    BadPriority,
     ExitCode,
+    Priority,
 )
 from omni_dp.engine.api import (
     OPENAI_MODEL_ALIASES,
@@ -69,12 +72,7 @@ from omni_dp.engine.preprocess import (
     PreprocessLimits,
     SpeechAsk,
 )
-from omni_dp.engine.priority import (
-    PRIORITY_HEADER,
-    BadPriority,
-    Priority,
-    priority_of,
-)
+from omni_dp.engine.priority import priority_of
 from omni_dp.engine.runner import ModelRunner
 from omni_dp.engine.share import ShareInfo
 from omni_dp.engine.share.attach import attach

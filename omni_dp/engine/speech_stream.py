@@ -24,11 +24,11 @@ from typing import Any, Protocol
 
 from aiohttp import WSMsgType, web
 
+from omni_dp.contract import Priority
 from omni_dp.engine.api import ApiError, SpeechParams
 from omni_dp.engine.audio import StreamEncoder
 from omni_dp.engine.pipeline import EngineFailed, RequestCutOff
 from omni_dp.engine.preprocess import PreprocessError, SpeechAsk
-from omni_dp.engine.priority import Priority
 from omni_dp.engine.voice.phonemes import split_sentences
 from omni_dp.speech_stream import (
     AUDIO_DONE,

@@ -16,7 +16,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from omni_dp.router.classes import Priority
+from omni_dp.contract import Priority
 from omni_dp.router.config import RouterConfig, is_loopback_address
 from omni_dp.router.exchange import Exchange, RouteRecord
 from omni_dp.router.hangs import HangWatch

@@ -8,8 +8,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from omni_dp.contract import API_KEY_ENV, Problems
-from omni_dp.router.classes import PRIORITY_NAMES, Priority, PriorityRules, parse_route_priority
+from omni_dp.contract import API_KEY_ENV, PRIORITY_NAMES, Priority, Problems
+from omni_dp.router.classes import PriorityRules, parse_route_priority
 from omni_dp.router.migration import MIGRATION_PATHS
 from omni_dp.router.policies import POLICIES
 from omni_dp.router.replicas import ReplicaError, validate_id, validate_url

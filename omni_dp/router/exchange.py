@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from multidict import CIMultiDict
 
+from omni_dp.contract import Priority
 from omni_dp.logs import FIELDS
-from omni_dp.router.classes import Priority
 from omni_dp.router.policies import RequestContext
 from omni_dp.router.resume import NOT_RESUMABLE, Continuable, Resume
 

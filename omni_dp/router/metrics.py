@@ -30,7 +30,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from omni_dp.router.classes import Priority
+from omni_dp.contract import Priority
 from omni_dp.router.replicas import Backends, Ejected, Health, Replica
 
 # Up to 4 minutes: long TTS streams must not all land in +Inf.

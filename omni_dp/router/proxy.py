@@ -42,14 +42,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from omni_dp.contract import GOING_AWAY_HEADER
-from omni_dp.router.classes import (
-    PRIORITY_FIELD_PATHS,
-    PRIORITY_HEADER,
-    BadPriority,
-    Priority,
-    with_priority_field,
-)
+from omni_dp.contract import GOING_AWAY_HEADER, PRIORITY_HEADER, BadPriority, Priority
+from omni_dp.router.classes import PRIORITY_FIELD_PATHS, with_priority_field
 from omni_dp.router.exchange import Exchange, Head, RouteRecord, UpstreamFailed
 from omni_dp.router.hangs import HangTimeout
 from omni_dp.router.health import connection_refused, record_failure, record_success

@@ -12,7 +12,7 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 
-from omni_dp.router.classes import Priority
+from omni_dp.contract import Priority
 
 GRANTED = "granted"
 STOPPING = "stopping"

@@ -26,7 +26,7 @@ import time
 import aiohttp
 from aiohttp import WSMsgType, web
 
-from omni_dp.router.classes import PRIORITY_HEADER, BadPriority
+from omni_dp.contract import PRIORITY_HEADER, BadPriority
 from omni_dp.router.exchange import RouteRecord
 from omni_dp.router.health import record_failure, record_success
 from omni_dp.router.policies import RequestContext

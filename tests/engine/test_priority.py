@@ -8,16 +8,10 @@ from collections import deque
 import pytest
 from test_scheduler import check_invariants, make_request, make_scheduler, step
 
+from omni_dp.contract import PRIORITY_HEADER, BadPriority, Priority
 from omni_dp.engine.options import ServeOptions
 from omni_dp.engine.plan import ServePlanError, plan_serve
-from omni_dp.engine.priority import (
-    PRIORITY_HEADER,
-    QUEUE_WAIT_BUCKETS,
-    BadPriority,
-    Priority,
-    PriorityPolicy,
-    priority_of,
-)
+from omni_dp.engine.priority import QUEUE_WAIT_BUCKETS, PriorityPolicy, priority_of
 
 HI, MID, LO = Priority.INTERACTIVE, Priority.DEFAULT, Priority.BULK
 

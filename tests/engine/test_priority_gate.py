@@ -10,7 +10,7 @@ import asyncio
 import pytest
 from test_voice_lookahead import Worker, pipeline_of, until, voice_plan_of  # noqa: F401
 
-from omni_dp.engine.priority import Priority
+from omni_dp.contract import Priority
 from omni_dp.engine.priority_gate import PriorityGate
 from omni_dp.engine.voice.preprocess import VoicePrompt, VoiceSpeech
 

@@ -13,9 +13,9 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from omni_dp.contract import PRIORITY_HEADER
 from omni_dp.engine.options import ServeOptions
 from omni_dp.engine.plan import plan_serve
-from omni_dp.engine.priority import PRIORITY_HEADER
 from omni_dp.engine.server import ReplicaServer, State, bind_socket
 
 from support.http_client import get, request

@@ -8,13 +8,8 @@ import json
 
 import pytest
 
-from omni_dp.router.classes import (
-    BadPriority,
-    Priority,
-    PriorityRules,
-    parse_route_priority,
-    with_priority_field,
-)
+from omni_dp.contract import BadPriority, Priority
+from omni_dp.router.classes import PriorityRules, parse_route_priority, with_priority_field
 from omni_dp.router.config import RouterConfigError, plan_router
 
 RULES = PriorityRules(Priority.DEFAULT, {"/v1/audio/speech": Priority.INTERACTIVE})

@@ -12,7 +12,7 @@ import logging
 
 import aiohttp
 
-from omni_dp.router.classes import Priority
+from omni_dp.contract import Priority
 from omni_dp.speech_stream import SPEECH_STREAM_PATH
 
 from support.http_client import client, fetch

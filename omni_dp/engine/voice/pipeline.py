@@ -46,6 +46,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
+from omni_dp.contract import Priority
 from omni_dp.engine import messages
 from omni_dp.engine.gpu_busy import ON_CPU, NotRecording, busy_answer
 from omni_dp.engine.options import (
@@ -56,7 +57,6 @@ from omni_dp.engine.options import (
 from omni_dp.engine.pipeline import STAGE_START_TIMEOUT_S, EngineFailed, RequestCutOff
 from omni_dp.engine.placement_plan import main_of
 from omni_dp.engine.preprocess import PreprocessError, SpeechAsk
-from omni_dp.engine.priority import Priority
 from omni_dp.engine.priority_gate import PriorityGate
 from omni_dp.engine.scheduler import SchedulerStats
 from omni_dp.engine.stage_group import process_rows, start_group, wait_until_ready
