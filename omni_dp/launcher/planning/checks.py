@@ -10,6 +10,7 @@ import re
 import urllib.parse
 from collections.abc import Callable
 
+from omni_dp.contract import PRIORITY_NAMES
 from omni_dp.gateway import normalize_url
 from omni_dp.launcher.engines import ENGINES, reserved_flag_problems
 from omni_dp.launcher.planning.gpus import gpu_option_problems
@@ -156,7 +157,7 @@ def _router_faults(o: LaunchOptions) -> list[str]:
     percent = o.max_ejection_percent
     if percent is not None and not 1 <= percent <= 100:
         problems.append(f"--max-ejection-percent must be from 1 to 100, got {percent}")
-    if o.default_priority not in (None, "interactive", "default", "bulk"):
+    if o.default_priority is not None and o.default_priority not in PRIORITY_NAMES:
         problems.append(f"--default-priority must be interactive, default or bulk, got "
                         f"{o.default_priority!r}")
     for name in _ROUTER_SECONDS:

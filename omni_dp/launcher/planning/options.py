@@ -14,7 +14,7 @@ import yaml
 import yaml.constructor
 import yaml.reader
 
-from omni_dp.contract import API_KEY_ENV
+from omni_dp.contract import API_KEY_ENV, PRIORITY_NAMES
 from omni_dp.launcher.engines.sglang_omni import DEFAULT_ENGINE_STAGE
 from omni_dp.mps.binaries import CONTROL_HELP
 from omni_dp.sizes import parse_size
@@ -104,7 +104,7 @@ class LaunchOptions:
                 "50]"})
     # Priority classes (the router's classes.py); --route-priority is the router's alone.
     default_priority: str | None = field(default=None, metadata={
-        "choices": ("interactive", "default", "bulk"),
+        "choices": PRIORITY_NAMES,
         "help": "The router's --default-priority: the class of a request that names none "
                 "(X-Omni-DP-Priority).  [default: the router's, default]"})
     reserved_interactive: int | None = field(default=None, metadata={
