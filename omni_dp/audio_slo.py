@@ -49,7 +49,7 @@ class PlaybackMeter:
 
     def __init__(self, start: float, timed: bool = True) -> None:
         self.start = start
-        self.timed = timed  # whether `seconds` mean anything (else any chunk is audio)
+        self.timed = timed  # whether `seconds` are seconds (else only whether there is audio)
         self.first: float | None = None  # when the first non-empty audio was written
         self.last: float | None = None  # when the last one was
         self.duration = 0.0  # seconds of audio written
@@ -58,8 +58,9 @@ class PlaybackMeter:
 
     def add(self, at: float, seconds: float) -> float | None:
         """A chunk of `seconds` of audio written at `at`; the interval since the previous
-        chunk of audio, or None for the first (or an empty chunk, which counts for nothing)."""
-        if self.timed and seconds <= 0:
+        chunk of audio, or None for the first (or a chunk without audio: `seconds` 0, which
+        counts for nothing). Untimed, any positive `seconds` says "some audio"."""
+        if seconds <= 0:
             return None
         last, self.last = self.last, at
         if last is None:

@@ -61,7 +61,7 @@ class AudioSloMetrics:
             "e2e_latency_seconds", f"Request arrival to the last audio byte {where} "
             "(completed answers).", _LATENCY_BUCKETS)
         self.duration = histogram(
-            "duration_seconds", f"Seconds of audio in a completed answer, {where}.",
+            "duration_seconds", f"Seconds of audio written {where} in a completed answer.",
             _DURATION_BUCKETS)
         self.rtf = histogram(
             "real_time_factor", "End-to-end latency over audio duration (completed answers; "
@@ -105,7 +105,7 @@ class MeteredAnswer:
     it comes, the rest at `finish`. `who` (the replica at the router) is fixed by the first
     audio's writer."""
 
-    __slots__ = ("fmt", "meter", "metrics", "priority", "series")
+    __slots__ = ("done", "fmt", "meter", "metrics", "priority", "series")
 
     def __init__(self, metrics: AudioSloMetrics, fmt: str, priority: str, start: float,
                  timed: bool = True) -> None:
@@ -114,6 +114,7 @@ class MeteredAnswer:
         self.fmt = fmt
         self.priority = priority
         self.series: AudioSeries | None = None
+        self.done = False  # finished: counted once, whatever path ends it after
 
     def add(self, at: float, seconds: float, who: str) -> None:
         """`seconds` of audio written at `at` (perf_counter), by `who`."""
@@ -126,7 +127,11 @@ class MeteredAnswer:
             self.series.interval.observe(interval)
 
     def finish(self, completed: bool, who: str) -> None:
-        """The answer ended, whole (`completed`) or not; `who` labels it if no audio came."""
+        """The answer ended, whole (`completed`) or not; `who` labels it if no audio came.
+        Only the first call counts."""
+        if self.done:
+            return
+        self.done = True
         series = self.series or self.metrics.series(who, self.fmt, self.priority)
         if not completed:
             series.interrupted.inc()

@@ -101,8 +101,8 @@ def test_a_single_chunk_answer():
 def test_untimed_audio_gives_ttfa_and_e2e_only():
     """mp3 at the router: bytes that do not map to time still say when audio began and ended."""
     meter = PlaybackMeter(start=0.0, timed=False)
-    assert feed(meter, [(0.2, 0.0), (0.9, 0.0), (3.0, 0.0)]) == [
-        None, pytest.approx(0.7), pytest.approx(2.1)]
+    assert feed(meter, [(0.1, 0.0), (0.2, 1.0), (0.9, 1.0), (3.0, 1.0)]) == [
+        None, None, pytest.approx(0.7), pytest.approx(2.1)]
     report = meter.report()
     assert (report.ttfa, report.e2e) == (pytest.approx(0.2), pytest.approx(3.0))
     assert (report.duration, report.rtf, report.underrun) == (None, None, None)
@@ -125,6 +125,7 @@ def test_metered_answers_report_into_the_families():
     cut.add(0.1, 0.5, "r0")
     cut.add(3.0, 0.5, "r0")  # a long stall, but the answer is cut: no underrun counted
     cut.finish(completed=False, who="r0")
+    cut.finish(completed=True, who="r0")  # only the first end counts
 
     assert sample(registry, "t_audio_streams_total", outcome="completed", **labels) == 1
     assert sample(registry, "t_audio_streams_total", outcome="interrupted", **labels) == 1
@@ -147,6 +148,7 @@ def test_an_answer_without_audio_is_labelled_by_who_finished_it():
     registry = CollectorRegistry()
     metrics = AudioSloMetrics("t_audio_", "replica", registry, "to the client")
     answer = MeteredAnswer(metrics, "mp3", "bulk", start=0.0, timed=False)
+    answer.add(0.5, 0.0, "r0")  # no audio in it: the answer is still unlabelled
     answer.finish(completed=False, who="r1")
     labels = {"replica": "r1", "format": "mp3", "priority": "bulk"}
     assert sample(registry, "t_audio_streams_total", outcome="interrupted", **labels) == 1
