@@ -686,10 +686,13 @@ class ReplicaServer:
         else:
             body = encode_whole(params.response_format, bytes(pcm), rate)
         self._record(started, first, len(pcm))
-        # One body: all of its audio reaches the client at once, as the handler returns.
-        answer.add(time.perf_counter(), self._seconds(len(pcm)), self.plan.served_model_name)
-        answer.finish(True, self.plan.served_model_name)
         offset = job.resume.offset or 0
+        # One body: its audio reaches the client at once, as the handler returns (a resumed
+        # one: the part from the router's offset on).
+        sent = (len(body) - offset) / len(body) if body else 0.0
+        answer.add(time.perf_counter(), self._seconds(len(pcm)) * sent,
+                   self.plan.served_model_name)
+        answer.finish(True, self.plan.served_model_name)
         return web.Response(body=body[offset:], headers=self._audio_headers(job))
 
     async def _stream(self, request, job: AdmittedSpeech, chunks, started: float):

@@ -58,8 +58,7 @@ def _response_format(body: bytes) -> str:
         value = json.loads(body).get("response_format", DEFAULT_RESPONSE_FORMAT)
     except (ValueError, AttributeError):
         return DEFAULT_RESPONSE_FORMAT
-    return value if value in _HEADER_BYTES or value in _FORMATS.values() else \
-        DEFAULT_RESPONSE_FORMAT
+    return value if value in _FORMATS.values() else DEFAULT_RESPONSE_FORMAT
 
 
 def _rate(headers) -> int | None:
