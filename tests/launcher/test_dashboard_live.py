@@ -3,7 +3,9 @@ scraping a launched run under load: one launch of two replicas, Prometheus (Debi
 tests/support/prometheus.py) on loopback with storage of its own, scraping every second the
 targets `omni-dp status --prometheus-sd` writes, through the example config the dashboard ships
 with. A query that returns nothing fails the test by its panel's name; so does a series name no
-target exports (the event counters' `or vector(0)` would hide it otherwise)."""
+target exports (the event counters' `or vector(0)` would hide it otherwise). Then one replica is
+killed and the supervisor restarts it: the Restarts panel, which reads no restart counter (there
+is none), must show it for that replica alone."""
 
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ import yaml
 
 from omni_dp.contract import PRIORITY_HEADER
 
-from support.dashboard import GRAFANA, Query, load, metric_names, queries
-from support.launcher import SUPERVISION
+from support.dashboard import GRAFANA, Query, load, metric_names, panels, queries, substitute
+from support.launcher import RESTART_TIMEOUT_S, SUPERVISION, kill_replica
 from support.prometheus import Prometheus, prometheus_path
 from support.wait import wait_for
 
@@ -76,6 +78,25 @@ def exported(metadata: dict, name: str) -> bool:
     return name == "up" or name in metadata or _SUFFIX.sub("", name) in metadata
 
 
+def restarts(prometheus: Prometheus, dashboard: dict, run_id: str) -> dict[str, list[float]]:
+    """The Restarts panel's values per replica (each target's, in order)."""
+    [panel] = [p for p in panels(dashboard) if p["title"] == "Restarts"]
+    found: dict[str, list[float]] = {}
+    for target in panel["targets"]:
+        expr = substitute(target["expr"], {"run": run_id, "replica": ".*"})
+        for sample in prometheus.query(expr):
+            found.setdefault(sample["metric"]["omni_dp_replica"], []).append(
+                float(sample["value"][1]))
+    return found
+
+
+def unexported(prometheus: Prometheus, found: list[Query]) -> list[str]:
+    """Each query's series names that no target declared (Prometheus's metadata API)."""
+    metadata = prometheus.api("metadata")
+    return sorted({f"{q.name}: {name}" for q in found for name in metric_names(q.expr)
+                   if not exported(metadata, name)})
+
+
 def empty_queries(prometheus: Prometheus, found: list[Query]) -> list[str]:
     return [f"{q.name}: {q.expr}" for q in found if not prometheus.query(q.expr)]
 
@@ -98,15 +119,21 @@ def test_every_dashboard_query_returns_data_from_a_launched_run(runs, tmp_path):
         assert send_load(run.router_url, LOAD_S) == []
         time.sleep(3)  # a few more scrapes: the last answers' counts are in
         dashboard = load()
-        metadata = prometheus.api("metadata")
-        unknown = sorted({f"{q.name}: {name}" for q in queries(dashboard, {"run": run.run_id,
-                                                                          "replica": ".*"})
-                          for name in metric_names(q.expr) if not exported(metadata, name)})
+        unknown = unexported(prometheus, queries(dashboard, {"run": run.run_id, "replica": ".*"}))
         assert not unknown, "series no target exports:\n" + "\n".join(unknown)
         for replica in (".*", "0", "1"):  # all, then each replica alone
             found = queries(dashboard, {"run": run.run_id, "replica": replica})
             empty = empty_queries(prometheus, found)
             assert not empty, (f"replica={replica!r}: queries that returned nothing:\n"
                                  + "\n".join(empty))
+        # No series counts restarts: the panel shows what one leaves (a counter reset, the
+        # scrape down and up), for the replica that restarted alone.
+        assert restarts(prometheus, dashboard, run.run_id) == {"0": [0, 0], "1": [0, 0]}
+        kill_replica(run, 1)
+        wait_for("the Restarts panel to show replica 1's restart",
+                 lambda: all(n >= 1 for n in restarts(prometheus, dashboard,
+                                                      run.run_id).get("1", [0])),
+                 timeout=RESTART_TIMEOUT_S + 30)
+        assert restarts(prometheus, dashboard, run.run_id)["0"] == [0, 0]
     finally:
         prometheus.stop()
