@@ -1,6 +1,7 @@
 """deploy/ cannot rot: every YAML document under it (but kustomize's kustomization.yaml, checked
-on its own) validates against the Kubernetes schemas (kubernetes-validate, strict: an unknown or
-misspelt field fails), and the Kubernetes recipe keeps the promises omni-dp needs from its pod,
+on its own, and deploy/grafana/'s Grafana and Prometheus files, tests/test_dashboard.py's)
+validates against the Kubernetes schemas (kubernetes-validate, strict: an unknown or misspelt
+field fails), and the Kubernetes recipe keeps the promises omni-dp needs from its pod,
 checked against omni-dp's own code where it has one (the --config reader, the CLI, the
 teardown bound, the state directory and MPS socket checks).
 
@@ -45,6 +46,7 @@ RECIPE = DEPLOY / "kubernetes"
 # the newest that kubernetes-validate 1.37.0 ships schemas for.
 KUBERNETES_VERSIONS = ("1.30", "1.37")
 KUSTOMIZATION = "kustomization.yaml"  # kustomize's own file, no Kubernetes object
+GRAFANA = DEPLOY / "grafana"  # Grafana's and Prometheus's files, no Kubernetes objects
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
@@ -56,6 +58,8 @@ def _documents() -> list[tuple[Path, int, dict]]:
     """Every YAML document under deploy/ (each a mapping; empty documents are refused too)."""
     found = []
     for path in _yaml_files():
+        if path.is_relative_to(GRAFANA):
+            continue
         with path.open(encoding="utf-8") as f:
             for index, doc in enumerate(yaml.safe_load_all(f)):
                 assert isinstance(doc, dict), f"{path.relative_to(ROOT)} document {index} is " \
