@@ -251,11 +251,14 @@ def _fleet(rows: tuple[ReplicaRow, ...], before: Sweep | None, after: Sweep,
     source = "router" if figures is not None else "replicas"
     if figures is None:
         figures = replicas_audio(before, after)
-    rates = [row.requests_per_s for row in rows]
+    rate = None
+    if window and router.ok and before is not None and before.router.ok:
+        rate = sum(_increase(row.requests or 0, before.router.total(
+            ROUTER + "requests_total", replica=str(row.index))) for row in rows) / window
     return FleetRow(
         len(rows), sum(1 for row in rows if row.routable) if router.ok else None,
         sum(row.in_flight or 0 for row in rows) if router.ok else None,
         sum(row.requests or 0 for row in rows) if router.ok else None,
-        sum(r for r in rates if r is not None) if window and router.ok else None,
+        rate,
         figures.ttfa_p50_s, figures.ttfa_p99_s, figures.rtf, figures.completed,
         figures.underruns, sum(row.restarts for row in rows), source, router.error)
