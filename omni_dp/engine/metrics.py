@@ -13,6 +13,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from omni_dp.audio_slo_metrics import AudioSloMetrics, MeteredAnswer
 from omni_dp.contract import PRIORITY_NAMES, Priority
 from omni_dp.engine.priority import QUEUE_WAIT_BUCKETS
 from omni_dp.engine.scheduler import SchedulerStats
@@ -110,6 +111,14 @@ class ReplicaMetrics:
             "omni_dp_time_to_first_audio_seconds", "Time from request to first audio chunk.",
             [MODEL_LABEL], buckets=_LATENCY_BUCKETS, registry=self.registry,
         ).labels(model_name)
+        # The audio SLOs (omni_dp_audio_*), on the bytes written to the client.
+        self.audio = AudioSloMetrics("omni_dp_audio_", MODEL_LABEL, self.registry,
+                                     "to the client")
+
+    def answer(self, fmt: str, priority: Priority, started: float) -> MeteredAnswer:
+        """The meter of one admitted speech answer in `fmt` (a response_format, or sse),
+        arrived at `started` (perf_counter)."""
+        return MeteredAnswer(self.audio, fmt, priority.label, started)
 
     def count(self, outcome: str) -> None:
         """One speech request ended with `outcome` (ok, bad_request, rejected, failed, …)."""

@@ -658,6 +658,7 @@ class ReplicaServer:
 
     async def _whole(self, job: AdmittedSpeech, chunks, started: float) -> web.Response:
         params = job.params
+        answer = self.metrics.answer(params.response_format, job.priority, started)
         pcm = bytearray()
         first = None
         try:
@@ -666,15 +667,18 @@ class ReplicaServer:
                 pcm += chunk
         except EngineFailed as exc:
             self.metrics.count("failed")
+            answer.finish(False, self.plan.served_model_name)
             return web.json_response(ApiError(500, f"engine failed: {exc}").body(), status=500,
                                      headers={GOING_AWAY_HEADER: State.FAILED.value})
         except RequestCutOff as exc:
             self.metrics.count("cut_off")
+            answer.finish(False, self.plan.served_model_name)
             error = ApiError(503, f"{exc}; retry on another replica")
             return web.json_response(error.body(), status=503, headers={
                 "Retry-After": "1", GOING_AWAY_HEADER: self.state.value})
         except asyncio.CancelledError:
             self.metrics.count("client_disconnected")
+            answer.finish(False, self.plan.served_model_name)
             raise
         rate = self.plan.sample_rate
         if takes_cpu(params.response_format, rate):  # an encoder or the resampler: off the loop
@@ -682,6 +686,9 @@ class ReplicaServer:
         else:
             body = encode_whole(params.response_format, bytes(pcm), rate)
         self._record(started, first, len(pcm))
+        # One body: all of its audio reaches the client at once, as the handler returns.
+        answer.add(time.perf_counter(), self._seconds(len(pcm)), self.plan.served_model_name)
+        answer.finish(True, self.plan.served_model_name)
         offset = job.resume.offset or 0
         return web.Response(body=body[offset:], headers=self._audio_headers(job))
 
@@ -699,36 +706,55 @@ class ReplicaServer:
         first = None
         num_pcm_bytes = 0
         skip = ByteSkip(job.resume.offset or 0)  # a resumed answer: from the router's offset on
+        model = self.plan.served_model_name
+        answer = self.metrics.answer("sse" if sse else params.response_format, job.priority,
+                                     started)
+        # The model's audio seconds not yet written: an encoder (opus, aac) may hold some back,
+        # and they count once its bytes reach the client.
+        pending = 0.0
 
-        async def send(data: bytes) -> None:
-            data = skip(data)
-            if data:
-                await response.write(sse_audio_delta(data) if sse else data)
+        async def send(data: bytes, seconds: float = 0.0) -> None:
+            nonlocal pending
+            pending += seconds
+            sent = skip(data)
+            if sent:
+                await response.write(sse_audio_delta(sent) if sse else sent)
+                answer.add(time.perf_counter(), pending, model)
+                pending = 0.0
+            elif data:  # skipped whole (the client had it from another replica): not sent
+                pending = 0.0
 
         try:
             await send(encoder.header())
             async for chunk in chunks:
                 first = first or time.perf_counter()
                 num_pcm_bytes += len(chunk)
-                await send(await encoder.feed_async(chunk))
+                await send(await encoder.feed_async(chunk), self._seconds(len(chunk)))
             await send(await encoder.finish_async())
             if sse:
                 await response.write(sse_audio_done(self._usage(job, num_pcm_bytes)))
         except (EngineFailed, RequestCutOff) as exc:
             outcome = "failed" if isinstance(exc, EngineFailed) else "cut_off"
             self.metrics.count(outcome)
+            answer.finish(False, model)
             if sse:
                 await response.write(sse_error(str(exc)))
             self._break(request, reset=not sse)
             return response
         except (asyncio.CancelledError, ConnectionResetError):
             self.metrics.count("client_disconnected")
+            answer.finish(False, model)
             raise
         finally:
             encoder.close()
         await response.write_eof()
         self._record(started, first, num_pcm_bytes)
+        answer.finish(True, model)
         return response
+
+    def _seconds(self, num_pcm_bytes: int) -> float:
+        """Seconds of the model's 16-bit mono PCM (at its own rate, before any resampling)."""
+        return num_pcm_bytes / 2 / self.plan.sample_rate
 
     @staticmethod
     def _break(request: web.Request, *, reset: bool) -> None:
