@@ -19,8 +19,9 @@ from dataclasses import replace
 import pytest
 from prometheus_client import generate_latest
 
+from omni_dp.contract import Priority
 from omni_dp.engine.metrics import ReplicaMetrics
-from omni_dp.launcher.views.exposition import Histogram, parse, unreadable
+from omni_dp.launcher.views.exposition import Histogram, Scrape, parse, unreadable
 from omni_dp.launcher.views.top import Sweep, frame, health
 from omni_dp.router.metrics import RouterMetrics
 from omni_dp.router.replicas import Backends, Health, Replica
@@ -54,6 +55,23 @@ class Fleet:
                      {i: unreadable(at, "connection refused") if i in down else
                       parse(generate_latest(m.registry).decode(), at)
                       for i, m in enumerate(self.engines)})
+
+
+def speak(metrics: ReplicaMetrics, chunks: list[tuple[float, float]], completed: bool = True,
+          fmt: str = "pcm", priority: Priority = Priority.DEFAULT) -> None:
+    """One answer arrived at 0 whose chunks of (seconds of audio) were written at (time)."""
+    answer = metrics.answer(fmt, priority, 0.0)
+    for at, seconds in chunks:
+        answer.add(at, seconds, MODEL)
+    answer.finish(completed, MODEL)
+
+
+def without_router_audio(scrape: Scrape) -> Scrape:
+    """The router's scrape as a router without the audio series (older) answers it."""
+    return replace(scrape, samples={k: v for k, v in scrape.samples.items()
+                                    if not k.startswith("omni_dp_router_audio_")},
+                   families=frozenset(f for f in scrape.families
+                                      if not f.startswith("omni_dp_router_audio_")))
 
 
 # --- the pure parts ----------------------------------------------------------------------------
@@ -100,6 +118,44 @@ def test_ttfa_percentiles_are_from_the_bucket_deltas_of_the_window_only():
     assert first.rows[0].ttfa_p50_s == pytest.approx(0.25 + 0.25 * 5 / 60, rel=1e-12)
     assert first.rows[0].requests_per_s is None
     assert frame(record(), after, fleet.look(4.0)).rows[0].ttfa_p50_s is None  # none in it
+
+
+def test_rtf_and_underruns_are_the_replicas_audio_series_over_the_window():
+    """In the window, replica 0 completes a 2 s answer in 1 s (RTF 0.5, no stall) and a 1 s
+    one in 1 s whose player ran dry for 300 ms (RTF 1.0, an underrun over 100 ms), in two
+    formats and classes (summed); one answer is cut (not completed: not counted). The answer
+    before the window, a 2 s stall, is not in it."""
+    fleet = Fleet()
+    engine = fleet.engines[0]
+    speak(engine, [(0.1, 0.5), (2.6, 0.5)])  # before: stalled 2 s
+    before = fleet.look(0.0)
+    speak(engine, [(0.5, 1.0), (1.0, 1.0)])
+    speak(engine, [(0.2, 0.5), (1.0, 0.5)], fmt="wav", priority=Priority.INTERACTIVE)
+    speak(engine, [(0.3, 0.5)], completed=False)
+    after = fleet.look(1.0)
+    shown = frame(record(), before, after)
+    row = shown.rows[0]
+    assert (row.completed, row.underruns) == (2, 1)
+    assert row.rtf == pytest.approx(0.75, rel=1e-12)
+    # TTFA: 0.5, 0.2 and the cut answer's 0.3 -> (0.1, 0.25]: 1, (0.25, 0.5]: 2
+    assert row.ttfa_p50_s == pytest.approx(0.25 + 0.25 * 0.5 / 2, rel=1e-12)
+    since_start = frame(record(), None, after).rows[0]
+    assert (since_start.completed, since_start.underruns) == (3, 2)
+    assert (shown.rows[1].completed, shown.rows[1].underruns, shown.rows[1].rtf) == (
+        None, None, None)  # no answer yet: no series of it
+
+
+def test_the_fleets_audio_is_the_replicas_summed_where_the_router_exports_none():
+    fleet = Fleet()
+    speak(fleet.engines[0], [(0.5, 1.0), (1.0, 1.0)])  # RTF 0.5
+    speak(fleet.engines[1], [(0.2, 0.5), (1.0, 0.5)])  # RTF 1.0, an underrun
+    before, after = fleet.look(0.0), fleet.look(1.0)
+    old = [replace(s, router=without_router_audio(s.router)) for s in (before, after)]
+    shown = frame(record(), None, old[1])
+    assert shown.fleet.audio_source == "replicas"
+    assert (shown.fleet.completed, shown.fleet.underruns) == (2, 1)
+    assert shown.fleet.rtf == pytest.approx(0.75, rel=1e-12)
+    assert frame(record(), *old).fleet.completed == 0  # nothing in the window
 
 
 def test_a_restarted_replica_counts_from_zero_again_and_its_window_is_all_new():
