@@ -101,13 +101,12 @@ def test_ttfa_percentiles_are_from_the_bucket_deltas_of_the_window_only():
     window: p50 = rank 50 of 100, the 10th of the 60 in (0.25, 0.5] -> 0.25 + 0.25 * 10/60;
     p99 the 59th of them. The first frame (since the start) counts the 10 as well."""
     fleet = Fleet()
-    ttfa = fleet.engines[0].first_audio
     for _ in range(10):
-        ttfa.observe(0.02)
+        speak(fleet.engines[0], [(0.02, 0.5)])
     before = fleet.look(0.0)
     for value, times in ((0.04, 40), (0.3, 60)):
         for _ in range(times):
-            ttfa.observe(value)
+            speak(fleet.engines[0], [(value, 0.5)])
     after = fleet.look(2.0)
     row = frame(record(), before, after).rows[0]
     assert row.ttfa_p50_s == pytest.approx(0.25 + 0.25 * 10 / 60, rel=1e-12)
@@ -161,14 +160,24 @@ def test_the_fleets_audio_is_the_replicas_summed_where_the_router_exports_none()
 def test_a_restarted_replica_counts_from_zero_again_and_its_window_is_all_new():
     fleet = Fleet()
     for _ in range(100):
-        fleet.engines[1].first_audio.observe(0.3)
+        speak(fleet.engines[1], [(0.3, 0.5)])
     before = fleet.look(0.0)
     fleet.engines[1] = ReplicaMetrics(lambda: None, MODEL)  # the new process
     for _ in range(4):
-        fleet.engines[1].first_audio.observe(0.007)
+        speak(fleet.engines[1], [(0.007, 0.5)])
     row = frame(record(restarts=(0, 1)), before, fleet.look(1.0)).rows[1]
     assert row.ttfa_p50_s == pytest.approx(0.01 * 0.5, rel=1e-12)  # (0, 0.01]: 2 of 4
-    assert row.restarts == 1
+    assert (row.completed, row.restarts) == (4, 1)
+
+
+def test_a_replica_without_the_audio_slo_series_has_its_ttfa_from_the_older_one():
+    """A replica of before the audio SLOs observes omni_dp_time_to_first_audio_seconds only."""
+    fleet = Fleet()
+    for value in (0.02, 0.2, 0.2, 0.2):
+        fleet.engines[0].first_audio.observe(value)
+    row = frame(record(), None, fleet.look(0.0)).rows[0]
+    assert row.ttfa_p50_s == pytest.approx(0.1 + 0.15 * 1 / 3, rel=1e-12)  # rank 2 of 4
+    assert (row.rtf, row.completed, row.underruns) == (None, None, None)
 
 
 def test_histogram_quantile_follows_prometheus_in_the_inf_bucket_and_without_observations():
@@ -196,7 +205,7 @@ def test_health_is_the_routers_view_unless_the_record_says_it_is_not_serving():
 
 def test_an_unreadable_replica_or_router_is_shown_as_such_with_its_reason():
     fleet = Fleet()
-    fleet.engines[0].first_audio.observe(0.2)
+    speak(fleet.engines[0], [(0.2, 0.5)])
     sweep = fleet.look(0.0, down=(1,))
     rows = frame(record(), None, sweep).rows
     assert rows[0].metrics_error is None and rows[0].ttfa_p50_s is not None

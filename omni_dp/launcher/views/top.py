@@ -38,7 +38,7 @@ class Sweep:
 
 
 @dataclass(frozen=True)
-class Audio:
+class AudioFigures:
     """The audio SLO figures of a window (None: no such series, or no observation in it)."""
 
     ttfa_p50_s: float | None = None
@@ -129,7 +129,7 @@ def _row(replica: ReplicaRecord, before: Sweep | None, after: Sweep,
             rate = _increase(requests, then) / window
     scrape = after.replicas.get(replica.index)
     earlier = before.replicas.get(replica.index) if before else None
-    audio = replica_audio(scrape, earlier) if scrape is not None and scrape.ok else Audio()
+    audio = replica_audio(scrape, earlier) if scrape is not None and scrape.ok else AudioFigures()
     error = None if scrape is None else scrape.error
     return ReplicaRow(
         replica.index, replica.url, replica.state.value,
@@ -179,7 +179,7 @@ def _counter(scrape: Scrape, earlier: Scrape | None, name: str, **labels: str) -
     return _increase(now, earlier.total(name, **labels))
 
 
-def replica_audio(scrape: Scrape, earlier: Scrape | None) -> Audio:
+def replica_audio(scrape: Scrape, earlier: Scrape | None) -> AudioFigures:
     """A replica's audio figures over the window (or since its start, without `earlier`)."""
     return audio(_window(scrape, earlier, _ttfa(scrape)), _window(scrape, earlier, RTF),
                  _window(scrape, earlier, UNDERRUN),
@@ -187,11 +187,12 @@ def replica_audio(scrape: Scrape, earlier: Scrape | None) -> Audio:
 
 
 def _ttfa(scrape: Scrape) -> str:
-    """The TTFA family this replica exports: the audio SLO one, else the older one."""
-    return next((name for name in TTFA if scrape.has(name)), TTFA[0])
+    """The TTFA family to read: the audio SLO one, else (a replica that exports none of it,
+    or no observation yet) the older one where that has observations."""
+    return next((name for name in TTFA if scrape.histogram(name) is not None), TTFA[0])
 
 
-def router_audio(scrape: Scrape, earlier: Scrape | None) -> Audio | None:
+def router_audio(scrape: Scrape, earlier: Scrape | None) -> AudioFigures | None:
     """The router's audio figures over all replicas; None where it exports none."""
     prefix = "omni_dp_router_audio_"
     if not scrape.has(prefix + "ttfa_seconds"):
@@ -209,13 +210,13 @@ def _continuity(scrape: Scrape, earlier: Scrape | None, name: str) -> float | No
 
 
 def audio(ttfa: Histogram | None, rtf: Histogram | None, underrun: Histogram | None,
-          continuity_ok: float | None) -> Audio:
+          continuity_ok: float | None) -> AudioFigures:
     """The figures from the window's histograms and the continuity counter's increase."""
     completed = int(underrun.count) if underrun is not None else None
     underruns = None
     if completed is not None and continuity_ok is not None:
         underruns = max(0, completed - int(continuity_ok))
-    return Audio(ttfa.quantile(0.5) if ttfa else None, ttfa.quantile(0.99) if ttfa else None,
+    return AudioFigures(ttfa.quantile(0.5) if ttfa else None, ttfa.quantile(0.99) if ttfa else None,
                  rtf.mean() if rtf else None, completed, underruns)
 
 
@@ -229,7 +230,7 @@ def _summed(histograms: list[Histogram | None]) -> Histogram | None:
     return total
 
 
-def replicas_audio(before: Sweep | None, after: Sweep) -> Audio:
+def replicas_audio(before: Sweep | None, after: Sweep) -> AudioFigures:
     """The replicas' audio series added together (where the router exports none)."""
     pairs = [(s, before.replicas.get(i) if before else None)
              for i, s in after.replicas.items() if s.ok]
