@@ -260,6 +260,13 @@ def test_both_voice_replicas_answer_behind_the_router(voice_run):
         assert re.search(r"omni_dp_audio_seconds_total\{[^}]*\} [1-9]", metrics)
 
 
+def _answered(url: str) -> int:
+    """The speech requests a replica answered ok, from its own /metrics."""
+    metrics = get(url + "/metrics")[2].decode()
+    ok = re.search(r'omni_dp_speech_requests_total\{[^}]*outcome="ok"[^}]*\} (\S+)', metrics)
+    return int(float(ok.group(1))) if ok else 0
+
+
 def _top(run: Run, interval: float) -> dict:
     """`omni-dp top RUN --once --json`, another process, as a script runs it."""
     result = run.cli("top", run.run_id, "--once", "--json", "--interval", str(interval))
@@ -273,6 +280,7 @@ def test_top_shows_the_runs_replicas_and_the_requests_sent_through_its_router(vo
     in its rates and audio figures, and exactly the requests sent in its counts."""
     run, _ = voice_run
     replicas = [(r["index"], r["url"], r["restarts"]) for r in run.status()["replicas"]]
+    answered = [_answered(url) for _, url, _ in replicas]
     idle = _top(run, 0.5)
     assert [(r["index"], r["url"], r["restarts"]) for r in idle["replicas"]] == replicas
     assert [(r["health"], r["metrics_error"]) for r in idle["replicas"]] == [
@@ -294,10 +302,16 @@ def test_top_shows_the_runs_replicas_and_the_requests_sent_through_its_router(vo
         finally:
             stop.set()
             talking.result(timeout=120)
+    if len(sent) % 2 == 0:  # an odd count: two replicas cannot answer equal shares of it
+        sent.append(post_json(run.router_url + "/v1/audio/speech", {"input": SENTENCES[0]})[0])
     after = _top(run, 0.5)
     assert sent and set(sent) == {200}, sent
     assert after["fleet"]["requests"] - idle["fleet"]["requests"] == len(sent)
     assert sum(r["requests"] for r in after["replicas"]) == after["fleet"]["requests"]
+    # each row is its own replica's: what the router counted for it, the replica answered
+    assert [a["requests"] - i["requests"] for a, i in zip(after["replicas"], idle["replicas"],
+                                                            strict=True)] == [
+        _answered(url) - then for (_, url, _), then in zip(replicas, answered, strict=True)]
     assert busy["basis"] == "window" and busy["window_s"] >= 4
     assert busy["fleet"]["requests_per_s"] > 0, busy["fleet"]
     assert busy["fleet"]["completed"] >= 1 and busy["fleet"]["ttfa_p50_s"] > 0, busy["fleet"]
