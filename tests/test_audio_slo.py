@@ -154,3 +154,29 @@ def test_an_answer_without_audio_is_labelled_by_who_finished_it():
     assert sample(registry, "t_audio_streams_total", outcome="interrupted", **labels) == 1
     # its thresholds exist, at 0, from the series' first use
     assert sample(registry, "t_audio_continuity_ok_total", threshold_ms="200", **labels) == 0
+
+
+def test_a_tally_adds_what_observe_would_have():
+    """Tally writes prometheus-client's private histogram fields: the exposition must be the
+    one per-value observe() gives, bounds and +Inf included."""
+    bounds = (0.01, 0.1, 1.0)
+    values = [0.0, 0.01, 0.0100001, 0.05, 0.1, 0.7, 1.0, 3.5, 1e9]
+    observed, tallied = CollectorRegistry(), CollectorRegistry()
+    from prometheus_client import Histogram
+    from prometheus_client.exposition import generate_latest
+
+    from omni_dp.audio_slo_metrics import Tally
+
+    one = Histogram("h", "h", ["a"], buckets=bounds, registry=observed).labels("x")
+    for value in values:
+        one.observe(value)
+    tally = Tally((*bounds, float("inf")))
+    for value in values:
+        tally.observe(value)
+    tally.add_to(Histogram("h", "h", ["a"], buckets=bounds, registry=tallied).labels("x"))
+
+    def exposition(registry) -> list[bytes]:
+        return [line for line in generate_latest(registry).splitlines()
+                if b"_created" not in line]  # a timestamp of each child's creation
+
+    assert exposition(tallied) == exposition(observed)

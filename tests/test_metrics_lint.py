@@ -78,6 +78,9 @@ def test_router_metrics_are_promtool_clean(replica):
 
     text = asyncio.run(asyncio.wait_for(run(), 60))
     assert "omni_dp_router_requests_total" in text
+    # the audio SLOs of the answer relayed are linted too
+    assert 'omni_dp_router_audio_continuity_ok_total{format="wav"' in text
+    assert "omni_dp_router_audio_underrun_seconds_bucket" in text
     assert lint(text) == ""
 
 
@@ -90,6 +93,11 @@ def test_every_replica_series_names_its_model(start_replica):
         "omni_dp_kv_pages_capacity", "omni_dp_kv_cache_usage_ratio", "omni_dp_preemptions",
         "omni_dp_generated_tokens", "omni_dp_speech_requests", "omni_dp_audio_seconds",
         "omni_dp_request_latency_seconds", "omni_dp_time_to_first_audio_seconds",
+        # the audio SLOs (engine/metrics.py, audio_slo_metrics.py)
+        "omni_dp_audio_ttfa_seconds", "omni_dp_audio_e2e_latency_seconds",
+        "omni_dp_audio_duration_seconds", "omni_dp_audio_real_time_factor",
+        "omni_dp_audio_chunk_interval_seconds", "omni_dp_audio_underrun_seconds",
+        "omni_dp_audio_continuity_ok", "omni_dp_audio_streams",
     }
     assert "omni_dp_kv_pages_total" not in {f.name for f in families}
     for family in families:

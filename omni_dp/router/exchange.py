@@ -13,6 +13,7 @@ from multidict import CIMultiDict
 
 from omni_dp.contract import Priority
 from omni_dp.logs import FIELDS
+from omni_dp.router.audio_slo import RelayedAudio
 from omni_dp.router.policies import RequestContext
 from omni_dp.router.resume import NOT_RESUMABLE, Continuable, Resume
 
@@ -105,6 +106,8 @@ class Exchange:
     # Its attempt was cancelled to free its in-flight slot for an interactive request
     # (Router.preempt_bulk): it queues again and goes to a replica it has not tried.
     taken_back: bool = False
+    # A speech answer's audio as it reaches the client (audio_slo.py), from its first answer.
+    audio: RelayedAudio | None = None
 
     def preemptible(self) -> bool:
         """Nothing of the answer reached the client, nor was it taken back already."""

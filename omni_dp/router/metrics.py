@@ -30,6 +30,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from omni_dp.audio_slo_metrics import AudioSloMetrics
 from omni_dp.contract import Priority
 from omni_dp.router.replicas import Backends, Ejected, Health, Replica
 
@@ -208,6 +209,10 @@ class RouterMetrics:
             "omni_dp_router_preemptions",
             "Bulk requests taken back from a replica before their answer began, for a "
             "waiting interactive request, and queued again.", registry=self.registry)
+        # The audio SLOs of speech answers (omni_dp_router_audio_*), on the bytes written to
+        # the client: router/audio_slo.py. Histograms and counters: multiprocess-safe.
+        self.audio = AudioSloMetrics("omni_dp_router_audio_", "replica", self.registry,
+                                     "to the client")
         for priority in Priority:  # every class's series exists from the start, at 0
             self.queue_depth.labels(priority.label).set(0)
             self.queue_wait.labels(priority.label)
@@ -254,6 +259,7 @@ class RouterMetrics:
     def forget(self, replica_id: str) -> None:
         """Drop the labelled series of a removed replica."""
         self._requests = {k: v for k, v in self._requests.items() if k[0] != replica_id}
+        self.audio.forget(replica_id)
         for metric in (self.requests, self.upstream_errors):
             for labels in list(metric._metrics):  # prometheus_client keeps no public index
                 if labels[0] == replica_id:

@@ -43,6 +43,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from omni_dp.contract import GOING_AWAY_HEADER, PRIORITY_HEADER, BadPriority, Priority
+from omni_dp.router.audio_slo import RelayedAudio
 from omni_dp.router.classes import PRIORITY_FIELD_PATHS, with_priority_field
 from omni_dp.router.exchange import Exchange, Head, RouteRecord, UpstreamFailed
 from omni_dp.router.hangs import HangTimeout
@@ -268,7 +269,10 @@ class Forwarder:
                 try:
                     return await self._forward(ex)
                 except Preempted:
-                    pass  # its slot goes to the interactive request waiting for one
+                    ex.audio = None  # nothing of it reached the client: it starts again
+                finally:
+                    if ex.audio is not None:  # ended any other way than whole: interrupted
+                        ex.audio.finish(False, record.replica)
             # back to the head of the bulk queue: never failed for it, within its deadline
             rejection = await self._queue(record, priority, ex.time_left(), head=True,
                                           bounded_by="what was left of --request-timeout")
@@ -438,6 +442,7 @@ class Forwarder:
                 if ending:
                     await ex.response.write(ending)
                 await ex.response.write_eof()
+                self._completed(ex)
             return ex.response
         return await self._cut(ex, self._why_cut(ex, exc),
                                f"replica {replica.id} failed mid-stream: {exc}")
@@ -543,6 +548,9 @@ class Forwarder:
         headers[REPLICA_HEADER] = replica.id
         record.seed = upstream.headers.get(SEED_RESPONSE_HEADER)
         ex.resume = choose(status, upstream.headers, ex.request.headers, ex.migration)
+        ex.audio = RelayedAudio.of(router.metrics.audio, ex.request.method, ex.request.path,
+                                   ex.body, status, upstream.headers, ex.priority.label,
+                                   ex.started)
         length = upstream.content_length
         if ex.resume.migrates:  # its chunks are rewritten: their length is not the engine's
             length = None
@@ -587,6 +595,9 @@ class Forwarder:
                                  retryable=True) from None
         self._first_byte(ex)
         ex.record.bytes = len(body)
+        if ex.audio is not None:  # the whole answer at once, as the handler returns
+            ex.audio.wrote(body, ex.record.replica)
+            self._completed(ex)
         return web.Response(body=body, status=upstream.status, reason=upstream.reason,
                             headers=headers)
 
@@ -628,7 +639,14 @@ class Forwarder:
         if ex.response is None and not await self._open(ex):
             return ex.response
         await ex.response.write_eof()
+        self._completed(ex)
         return ex.response
+
+    @staticmethod
+    def _completed(ex: Exchange) -> None:
+        """The answer reached the client whole: its audio counts as completed."""
+        if ex.audio is not None:
+            ex.audio.finish(True, ex.record.replica)
 
     async def _open(self, ex: Exchange) -> bool:
         """Send the head to the client (with its first body byte, or at the end); False when
@@ -658,6 +676,8 @@ class Forwarder:
             self._client_left(ex)
             return False
         ex.resume.sent()
+        if ex.audio is not None:
+            ex.audio.wrote(data, ex.record.replica)
         if ex.record.ttfb_s is None:
             self._first_byte(ex)
         ex.record.bytes += len(data)

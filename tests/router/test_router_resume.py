@@ -39,6 +39,7 @@ from support.wait import until
 
 ANSWER_BYTES = 80_000  # over the 64 KiB the router reads whole before it answers
 CHUNK = 1000
+RATE = 24_000  # the stand-ins' X-Sample-Rate: 16-bit mono, so 48,000 bytes a second of audio
 
 
 def answer(seed: int) -> bytes:
@@ -63,7 +64,7 @@ def resumable(die_after: int | None = None, *, sse: bool = False, error_event: b
         seed = int(request.headers.get("X-Omni-DP-Seed", "77"))
         offset = int(request.headers.get("X-Omni-DP-Resume-From", "0")) if honour_offset else 0
         headers = {"Content-Type": "text/event-stream" if sse else "audio/pcm",
-                   "X-Seed": str(seed)}
+                   "X-Seed": str(seed), "X-Sample-Rate": str(RATE)}
         if says_resumable:
             headers["X-Omni-DP-Resumable"] = "bytes"
         if honour_offset and "X-Omni-DP-Resume-From" in request.headers:
@@ -136,6 +137,12 @@ def test_a_raw_stream_cut_mid_body_is_finished_by_another_replica(caplog, whole)
     assert route["resumed_from"] == int(resume["X-Omni-DP-Resume-From"])
     assert route["seed"] == "77"
     assert route["bytes"] == ANSWER_BYTES
+    # one answer to the audio meter, labelled by the replica of its first audio byte
+    audio = {"replica": "a", "format": "pcm", "priority": "default"}
+    assert sample(metrics, "omni_dp_router_audio_streams_total", outcome="completed",
+                  **audio) == 1
+    assert sample(metrics, "omni_dp_router_audio_duration_seconds_sum",
+                  **audio) == pytest.approx(ANSWER_BYTES / 2 / RATE)
 
 
 @pytest.mark.parametrize("error_event", [False, True], ids=["cut-mid-event", "error-event"])
@@ -152,6 +159,11 @@ def test_an_sse_stream_cut_is_finished_as_one_well_formed_stream(error_event):
     assert b_headers[0]["X-Omni-DP-Resume-From"] == str(5 * CHUNK)
     reason = "replica_error" if error_event else "midstream"
     assert sample(metrics, "omni_dp_router_resumes_total", reason=reason) == 1
+    # the audio of the deltas the client got, counted from their base64 (body: no format: wav,
+    # whose 44-byte header the stand-in's pcm does not have, so 44 bytes fewer)
+    audio = {"replica": "a", "format": "sse", "priority": "default"}
+    assert sample(metrics, "omni_dp_router_audio_duration_seconds_sum",
+                  **audio) == pytest.approx((ANSWER_BYTES - 44) / 2 / RATE)
 
 
 def test_a_replica_that_ignores_the_offset_is_never_spliced_in():
@@ -384,6 +396,37 @@ def test_a_stream_whose_replica_dies_while_the_other_is_disabled_resumes_once_it
     route = routes(caplog)["r"]
     assert (route["tried"], route["outcome"]) == (["a", "b"], "ok")
     assert route["waited_s"] > 0
+
+
+def test_a_resumed_streams_gap_is_an_underrun_at_the_router():
+    """The client heard the wait while another replica caught up: the one stream's largest
+    underrun is at least the gap the test made (the other replica held back HOLD_S) less the
+    audio the client had before the cut (one chunk), and the stream is one completed stream of
+    the replica of its first audio byte."""
+    hold_s, buffered_s = 0.6, CHUNK / 2 / RATE
+
+    async def main():
+        a, b = Backend("a", resumable(die_after=CHUNK)), Backend("b", resumable())
+        async with backends(a, b), \
+                serve(make_config([f"a={a.url}", f"b={b.url}"], replica_wait_s=10)) as served, \
+                client() as session:
+            b_replica = served.replica("b")
+            served.router.set_disabled(b_replica, True)  # back in hold_s
+            return await stream_while(served, session, lambda: asyncio.get_running_loop(
+                ).call_later(hold_s, served.router.set_disabled, b_replica, False))
+
+    (status, _, body, broken), metrics = run(main())
+    assert (status, broken, body) == (200, None, answer(77))
+    assert sample(metrics, "omni_dp_router_resumes_total", reason="midstream") == 1
+    audio = {"replica": "a", "format": "pcm", "priority": "default"}
+    assert sample(metrics, "omni_dp_router_audio_streams_total", outcome="completed",
+                  **audio) == 1
+    assert sample(metrics, "omni_dp_router_audio_underrun_seconds_count", **audio) == 1
+    assert sample(metrics, "omni_dp_router_audio_underrun_seconds_sum",
+                  **audio) >= hold_s - buffered_s
+    assert sample(metrics, "omni_dp_router_audio_continuity_ok_total", threshold_ms="500",
+                  **audio) == 0
+    assert total(metrics, "omni_dp_router_audio_streams_total", replica="b") == 0
 
 
 def test_a_double_fault_mid_stream_is_survived_with_the_default_resumes():

@@ -84,21 +84,27 @@ class Replica:
         return json.loads(body)
 
     def metric(self, name: str, default: float | None = None) -> float:
-        """One sample from /metrics: `name`, or `name{label="value",...}` for a labelled one.
+        """One sample from this replica's /metrics (metric_of)."""
+        return metric_of(self.url, name, default)
 
-        The labels given must be among the sample's (every series also has `model_name`).
-        A series /metrics lacks is an AssertionError unless `default` is given: pass it only
-        where the series may legitimately not exist yet (a labelled counter before its first
-        increment). A failed scrape is always an AssertionError.
-        """
-        status, _, body = get(self.url + "/metrics")
-        assert status == 200, f"GET /metrics for {name}: status {status} {body[:200]!r}"
-        wanted_name, _, label_text = name.partition("{")
-        wanted = dict(_LABEL.findall(label_text))
-        for family in text_string_to_metric_families(body.decode()):
-            for sample in family.samples:
-                if sample.name == wanted_name and wanted.items() <= sample.labels.items():
-                    return sample.value
-        if default is None:
-            raise AssertionError(f"/metrics has no series {name}")
-        return default
+
+def metric_of(url: str, name: str, default: float | None = None) -> float:
+    """One sample from `url`/metrics (a replica's or a router's): `name`, or
+    `name{label="value",...}` for a labelled one.
+
+    The labels given must be among the sample's (every replica series also has `model_name`).
+    A series /metrics lacks is an AssertionError unless `default` is given: pass it only
+    where the series may legitimately not exist yet (a labelled counter before its first
+    increment). A failed scrape is always an AssertionError.
+    """
+    status, _, body = get(url + "/metrics")
+    assert status == 200, f"GET /metrics for {name}: status {status} {body[:200]!r}"
+    wanted_name, _, label_text = name.partition("{")
+    wanted = dict(_LABEL.findall(label_text))
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            if sample.name == wanted_name and wanted.items() <= sample.labels.items():
+                return sample.value
+    if default is None:
+        raise AssertionError(f"/metrics has no series {name}")
+    return default
