@@ -315,6 +315,7 @@ def test_top_shows_the_runs_replicas_and_the_requests_sent_through_its_router(vo
     assert busy["basis"] == "window" and busy["window_s"] >= 4
     assert busy["fleet"]["requests_per_s"] > 0, busy["fleet"]
     assert busy["fleet"]["completed"] >= 1 and busy["fleet"]["ttfa_p50_s"] > 0, busy["fleet"]
+    assert busy["fleet"]["audio_source"] == "router"  # what the clients got
     spoke = [r for r in busy["replicas"] if r["completed"]]
     assert spoke and all(r["ttfa_p50_s"] > 0 and r["rtf"] > 0 for r in spoke), busy["replicas"]
 

@@ -19,6 +19,7 @@ from dataclasses import replace
 import pytest
 from prometheus_client import generate_latest
 
+from omni_dp.audio_slo_metrics import MeteredAnswer
 from omni_dp.contract import Priority
 from omni_dp.engine.metrics import ReplicaMetrics
 from omni_dp.launcher.views.exposition import Histogram, Scrape, parse, unreadable
@@ -142,6 +143,27 @@ def test_rtf_and_underruns_are_the_replicas_audio_series_over_the_window():
     assert (since_start.completed, since_start.underruns) == (3, 2)
     assert (shown.rows[1].completed, shown.rows[1].underruns, shown.rows[1].rtf) == (
         None, None, None)  # no answer yet: no series of it
+
+
+def test_the_fleets_audio_is_what_the_router_wrote_to_clients_a_resumed_gap_included():
+    """Each replica wrote its answer without a stall; the router's client heard one answer
+    stall 400 ms (resumed on replica 1 after replica 0 failed): the fleet's underrun, not a
+    replica's."""
+    fleet = Fleet()
+    speak(fleet.engines[0], [(0.1, 1.0), (0.6, 1.0)])
+    speak(fleet.engines[1], [(0.1, 1.0)])
+    before = fleet.look(0.0)
+    speak(fleet.engines[1], [(0.2, 1.0)])
+    relayed = MeteredAnswer(fleet.router.audio, "pcm", Priority.DEFAULT.label, 0.0)
+    relayed.add(0.2, 1.0, "0")
+    relayed.add(1.6, 1.0, "1")  # the player ran dry at 1.2: a 400 ms gap
+    relayed.finish(True, "0")
+    shown = frame(record(), before, fleet.look(1.0))
+    assert shown.fleet.audio_source == "router"
+    assert (shown.fleet.completed, shown.fleet.underruns) == (1, 1)
+    assert shown.fleet.rtf == pytest.approx(1.6 / 2.0, rel=1e-12)
+    assert shown.fleet.ttfa_p50_s == pytest.approx(0.1 + 0.15 * 0.5, rel=1e-12)
+    assert [(r.completed, r.underruns) for r in shown.rows] == [(0, 0), (1, 0)]
 
 
 def test_the_fleets_audio_is_the_replicas_summed_where_the_router_exports_none():
