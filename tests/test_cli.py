@@ -28,6 +28,7 @@ NOTHING_THERE = [
     (["logs"], 1), (["logs", "nope"], 1),
     (["verify-mps"], 1), (["verify-mps", "nope"], 1), (["verify-mps", "--overlap"], 1),
     (["restart", "nope"], 1), (["scale", "nope", "-n", "2"], 1),
+    (["top"], 1), (["top", "nope", "--once"], 1),
     (["down"], 0), (["down", "nope"], 0), (["list"], 0),
     (["status", "../etc"], 2),  # not "nothing there": not a run id at all
 ]

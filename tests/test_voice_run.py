@@ -17,6 +17,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
@@ -257,6 +258,66 @@ def test_both_voice_replicas_answer_behind_the_router(voice_run):
         ok = re.search(r'omni_dp_speech_requests_total\{[^}]*outcome="ok"[^}]*\} (\S+)', metrics)
         assert ok and float(ok.group(1)) >= 1, f"{url} answered no request"
         assert re.search(r"omni_dp_audio_seconds_total\{[^}]*\} [1-9]", metrics)
+
+
+def _answered(url: str) -> int:
+    """The speech requests a replica answered ok, from its own /metrics."""
+    metrics = get(url + "/metrics")[2].decode()
+    ok = re.search(r'omni_dp_speech_requests_total\{[^}]*outcome="ok"[^}]*\} (\S+)', metrics)
+    return int(float(ok.group(1))) if ok else 0
+
+
+def _top(run: Run, interval: float) -> dict:
+    """`omni-dp top RUN --once --json`, another process, as a script runs it."""
+    result = run.cli("top", run.run_id, "--once", "--json", "--interval", str(interval))
+    assert result.returncode == 0, describe(result)
+    return json.loads(result.stdout)
+
+
+def test_top_shows_the_runs_replicas_and_the_requests_sent_through_its_router(voice_run):
+    """`omni-dp top RUN --once --json` on this launch: one row per replica of the run (as
+    `status` lists them, healthy, read); speech sent through the router while it looks shows
+    in its rates and audio figures, and exactly the requests sent in its counts."""
+    run, _ = voice_run
+    replicas = [(r["index"], r["url"], r["restarts"]) for r in run.status()["replicas"]]
+    answered = [_answered(url) for _, url, _ in replicas]
+    idle = _top(run, 0.5)
+    assert [(r["index"], r["url"], r["restarts"]) for r in idle["replicas"]] == replicas
+    assert [(r["health"], r["metrics_error"]) for r in idle["replicas"]] == [
+        ("healthy", None)] * len(replicas)
+    assert (idle["fleet"]["router_error"], idle["fleet"]["routable"]) == (None, len(replicas))
+    sent: list[int] = []
+    stop = threading.Event()
+
+    def talk() -> None:
+        while not stop.is_set() and len(sent) < 40:
+            sent.append(post_json(run.router_url + "/v1/audio/speech",
+                                  {"input": SENTENCES[len(sent) % len(SENTENCES)],
+                                   "response_format": "pcm"})[0])
+
+    with ThreadPoolExecutor(1) as pool:
+        talking = pool.submit(talk)
+        try:
+            busy = _top(run, 4)
+        finally:
+            stop.set()
+            talking.result(timeout=120)
+    if len(sent) % 2 == 0:  # an odd count: two replicas cannot answer equal shares of it
+        sent.append(post_json(run.router_url + "/v1/audio/speech", {"input": SENTENCES[0]})[0])
+    after = _top(run, 0.5)
+    assert sent and set(sent) == {200}, sent
+    assert after["fleet"]["requests"] - idle["fleet"]["requests"] == len(sent)
+    assert sum(r["requests"] for r in after["replicas"]) == after["fleet"]["requests"]
+    # each row is its own replica's: what the router counted for it, the replica answered
+    assert [a["requests"] - i["requests"] for a, i in zip(after["replicas"], idle["replicas"],
+                                                            strict=True)] == [
+        _answered(url) - then for (_, url, _), then in zip(replicas, answered, strict=True)]
+    assert busy["basis"] == "window" and busy["window_s"] >= 4
+    assert busy["fleet"]["requests_per_s"] > 0, busy["fleet"]
+    assert busy["fleet"]["completed"] >= 1 and busy["fleet"]["ttfa_p50_s"] > 0, busy["fleet"]
+    assert busy["fleet"]["audio_source"] == "router"  # what the clients got
+    spoke = [r for r in busy["replicas"] if r["completed"]]
+    assert spoke and all(r["ttfa_p50_s"] > 0 and r["rtf"] > 0 for r in spoke), busy["replicas"]
 
 
 def test_bad_input_gets_the_same_4xx_as_the_seeded_engine(voice_run):

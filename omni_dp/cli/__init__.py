@@ -40,6 +40,10 @@ CLI_COMMANDS: dict[str, LazyCommand] = {
     "status": LazyCommand(
         f"{_COMMANDS}.runs:status",
         "A run's replicas (pid, CPU block, port, health, KV, MPS, restarts), router, daemon."),
+    "top": LazyCommand(
+        f"{_COMMANDS}.top:top",
+        "A live view of a run's replicas (health, in flight, requests/s, TTFA p50/p99, RTF, "
+        "underruns, restarts) and its fleet, from their /metrics."),
     "list": LazyCommand(f"{_COMMANDS}.runs:list_runs",
                         "Every run under the state directory, live or kept after a failure."),
     "logs": LazyCommand(
