@@ -199,7 +199,7 @@ def test_one_trace_crosses_router_replica_and_voice_stage_process(start_replica,
             finally:
                 router.kill()
 
-        status, headers, body = run(main())
+        status, _, body = run(main())
         assert status == 200 and body, body[:200]
         spans = receiver.wait_for(
             lambda got: {"router.request", "router.attempt", "replica.speech"}
