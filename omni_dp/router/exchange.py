@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -16,9 +16,6 @@ from omni_dp.contract import Priority
 from omni_dp.logs import FIELDS
 from omni_dp.router.policies import RequestContext
 from omni_dp.router.resume import NOT_RESUMABLE, Continuable, Resume
-
-if TYPE_CHECKING:
-    from omni_dp.router.tracing import RequestTrace
 
 log = logging.getLogger("omni_dp.router.access")
 
@@ -109,7 +106,9 @@ class Exchange:
     # Its attempt was cancelled to free its in-flight slot for an interactive request
     # (Router.preempt_bulk): it queues again and goes to a replica it has not tried.
     taken_back: bool = False
-    trace: RequestTrace | None = None  # its spans, when the router traces (tracing.py)
+    # Its spans (router/tracing.py's RequestTrace, which imports this module), when the
+    # router traces; None otherwise.
+    trace: Any = None
 
     def preemptible(self) -> bool:
         """Nothing of the answer reached the client, nor was it taken back already."""
