@@ -175,13 +175,15 @@ def test_router_spans_keep_the_client_trace_and_parent_each_attempt(monkeypatch)
 @pytest.mark.slow
 def test_one_trace_crosses_router_replica_and_voice_stage_process(start_replica, tmp_path,
                                                                    monkeypatch):
-    """Router process → replica process → the replica's voice stage process: one trace, the
-    client's, each span the child of the one before it, one voice span per sentence."""
+    """Router process → replica process → the replica's stage processes (preprocess, voice):
+    one trace, the client's, each span the child of the one before it, one voice span per
+    sentence."""
     require_voice()
     for name, value in {**FAST_EXPORT, RUN_ID_ENV: "trace-run", REPLICA_ENV: "r0"}.items():
         monkeypatch.setenv(name, value)
     with OtlpReceiver() as receiver:
-        replica = start_replica("--model", "joe", "--voice.process", "voice",
+        replica = start_replica("--model", "joe", "--preprocess.process", "pre",
+                                "--voice.process", "voice",
                                 "--otlp-traces-endpoint", receiver.endpoint)
         router = RouterProcess(tmp_path / "router.log", "--replica", f"r0={replica.url}",
                                "--otlp-traces-endpoint", receiver.endpoint)
@@ -202,9 +204,9 @@ def test_one_trace_crosses_router_replica_and_voice_stage_process(start_replica,
         status, _, body = run(main())
         assert status == 200 and body, body[:200]
         spans = receiver.wait_for(
-            lambda got: {"router.request", "router.attempt", "replica.speech"}
+            lambda got: {"router.request", "router.attempt", "replica.speech", "stage.preprocess"}
             <= {s.name for s in got} and sum(s.name == "stage.voice" for s in got) >= 2,
-            what="the router's, the replica's and two voice sentences' spans")
+            what="the router's, the replica's, the preprocess's and two sentences' spans")
     assert {s.trace_id for s in spans} == {CLIENT_TRACE}
     one = {s.name: s for s in spans}
     req, attempt, speech = one["router.request"], one["router.attempt"], one["replica.speech"]
@@ -212,6 +214,8 @@ def test_one_trace_crosses_router_replica_and_voice_stage_process(start_replica,
     assert req.parent_id == CLIENT_SPAN
     assert attempt.parent_id == req.span_id
     assert speech.parent_id == attempt.span_id
+    assert one["stage.preprocess"].parent_id == speech.span_id
+    assert one["stage.preprocess"].attributes["omni_dp.stage_process"] == "pre"
     assert all(v.parent_id == speech.span_id for v in voices), json.dumps(
         [dataclasses.asdict(v) for v in voices])
     assert (req.service, speech.service, voices[0].service) == (

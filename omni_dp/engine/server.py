@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import torch
 from aiohttp import HttpVersion11, web
@@ -585,7 +586,10 @@ class ReplicaServer:
             reset_current(token)
             span.end()
 
-    async def _speech(self, request: web.Request, span=None) -> web.StreamResponse:
+    async def _speech(self, request: web.Request,
+                      span: Any = None) -> web.StreamResponse:
+        """A speech request; `span`, its span when the replica traces (its format and class
+        are set on it once known)."""
         started = time.perf_counter()
         try:
             job = await self._admit(request)
@@ -594,8 +598,8 @@ class ReplicaServer:
             self.metrics.count(outcome)
             return self.refused(exc)
         if span is not None:
-            span.set_attributes({"omni_dp.format": (job.params.stream_format == "sse" and "sse")
-                                 or job.params.response_format,
+            sse = job.params.stream_format == "sse"
+            span.set_attributes({"omni_dp.format": "sse" if sse else job.params.response_format,
                                  "omni_dp.priority": job.priority.label})
         assert self.pipeline is not None
         self.metrics.count_priority(job.priority)
