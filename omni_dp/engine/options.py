@@ -108,6 +108,12 @@ class ServeOptions:
                 "vocoder, --talker.gpu_memory_fraction 0.85, --talker.tp_size 2, "
                 "--vocoder.replicas 2, --placement.max_total_gpu_memory_fraction_per_gpu 0.9, "
                 "--placement.fused_stages talker,vocoder. --dry-run prints the process table."})
+    otlp_traces_endpoint: str | None = field(default=None, metadata={
+        "metavar": "URL",
+        "help": "Export a span per request and per stage's work (a voice's sentence, a "
+                "preprocess) to this OTLP/HTTP traces receiver, e.g. "
+                "http://127.0.0.1:4318/v1/traces (vLLM's flag of that name); a request's W3C "
+                "traceparent header is its span's parent. [default: no tracing]"})
     # The dotted --<stage>.<field> options, as (key, value) in command-line order; the CLI
     # collects them (click cannot declare an open set of options).
     placement_overrides: tuple[tuple[str, str], ...] = field(default=(), metadata={"flag": None})

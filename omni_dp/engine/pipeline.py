@@ -36,6 +36,7 @@ from omni_dp.engine.stage_group import process_rows, start_group, wait_until_rea
 from omni_dp.engine.stage_set import LeastLoaded, StageModels, StageSet, VocoderRoute
 from omni_dp.engine.wire import WireError
 from omni_dp.placement.model import MAIN_PROCESS, Placement
+from omni_dp.tracing import current_traceparent
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +159,8 @@ class Pipeline:
         index = self._preprocess_policy.bind()
         try:
             try:
-                self.group.send(self._preprocessors[index], messages.Prepare(request_id, ask))
+                prepare = messages.Prepare(request_id, ask, current_traceparent())
+                self.group.send(self._preprocessors[index], prepare)
             except WireError as exc:  # a value no process boundary carries
                 raise PreprocessError("input", f"the request cannot be sent to the "
                                                f"preprocess stage: {exc}") from None

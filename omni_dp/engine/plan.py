@@ -36,6 +36,7 @@ from omni_dp.files import private_dir_problem
 from omni_dp.placement.model import Placement
 from omni_dp.placement.table import placement_json
 from omni_dp.sizes import format_size
+from omni_dp.tracing import endpoint_problem
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 # What a replica holds besides its weights and KV pool; used only to refuse a plan that cannot
@@ -231,6 +232,8 @@ def _limit_problems(options: ServeOptions, threads: int) -> list[str]:
         problems.append("--drain-timeout must not be negative")
     if not 0 <= options.port <= 65535:
         problems.append(f"--port must be 0-65535, got {options.port}")
+    if (endpoint := endpoint_problem(options.otlp_traces_endpoint)) is not None:
+        problems.append(endpoint)
     return problems
 
 

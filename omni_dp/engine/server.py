@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import torch
 from aiohttp import HttpVersion11, web
@@ -90,6 +91,14 @@ from omni_dp.engine.weights import (
 )
 from omni_dp.net import bind_listening
 from omni_dp.speech_stream import SPEECH_STREAM_PATH
+from omni_dp.tracing import (
+    REPLICA_SERVICE,
+    TRACEPARENT,
+    Tracer,
+    reset_current,
+    set_current,
+    start_tracing,
+)
 
 log = logging.getLogger("omni_dp.serve")
 
@@ -153,6 +162,7 @@ def stage_launch_base(plan: ServePlan) -> dict:
         "max_input_chars": plan.options.max_input_chars,
         "voice_first_piece_chars": plan.options.voice_first_piece_chars,
         "priority_share_every": plan.options.priority_share_every,
+        "otlp_traces_endpoint": plan.options.otlp_traces_endpoint,
     }
 
 
@@ -239,6 +249,7 @@ class ReplicaServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._signals = 0
         self._started_at = time.time()
+        self.tracer: Tracer | None = None  # --otlp-traces-endpoint (started by run)
         self.metrics = ReplicaMetrics(
             lambda: self.pipeline.stats() if self.pipeline else None, plan.served_model_name
         )
@@ -268,6 +279,7 @@ class ReplicaServer:
         loop = self._loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        self.tracer = start_tracing(self.options.otlp_traces_endpoint, REPLICA_SERVICE)
         # handler_cancellation: a client that hangs up cancels its handler at once, which
         # aborts its request and frees its KV pages.
         # shutdown_timeout: by cleanup time our own drain has already waited.
@@ -291,6 +303,8 @@ class ReplicaServer:
             await runner.cleanup()
             if self.pipeline is not None:
                 self.pipeline.stop()
+            if self.tracer is not None:
+                self.tracer.shutdown()
         return self.exit_code
 
     async def _load(self) -> None:
@@ -550,6 +564,32 @@ class ReplicaServer:
         )
 
     async def speech(self, request: web.Request) -> web.StreamResponse:
+        if self.tracer is not None:
+            return await self._traced_speech(request, self.tracer)
+        return await self._speech(request)
+
+    async def _traced_speech(self, request: web.Request, tracer: Tracer) -> web.StreamResponse:
+        """The request in a span whose parent is the caller's traceparent (the router's
+        attempt, or a client's); its stage processes' spans are this one's children."""
+        span = tracer.start("replica.speech", request.headers.get(TRACEPARENT), {
+            "omni_dp.model": self.plan.served_model_name, "url.path": request.path,
+            "http.request.method": request.method}, kind="server")
+        token = set_current(tracer.traceparent(span))
+        try:
+            response = await self._speech(request, span)
+            span.set_attribute("http.response.status_code", response.status)
+            return response
+        except BaseException as exc:  # the client gone (cancelled), or a bug
+            tracer.fail(span, type(exc).__name__)
+            raise
+        finally:
+            reset_current(token)
+            span.end()
+
+    async def _speech(self, request: web.Request,
+                      span: Any = None) -> web.StreamResponse:
+        """A speech request; `span`, its span when the replica traces (its format and class
+        are set on it once known)."""
         started = time.perf_counter()
         try:
             job = await self._admit(request)
@@ -557,6 +597,10 @@ class ReplicaServer:
             outcome = "rejected" if exc.status == 503 else "bad_request"
             self.metrics.count(outcome)
             return self.refused(exc)
+        if span is not None:
+            sse = job.params.stream_format == "sse"
+            span.set_attributes({"omni_dp.format": "sse" if sse else job.params.response_format,
+                                 "omni_dp.priority": job.priority.label})
         assert self.pipeline is not None
         self.metrics.count_priority(job.priority)
         synthesis = self.pipeline.synthesize(job.speech, job.priority)

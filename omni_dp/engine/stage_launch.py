@@ -49,6 +49,7 @@ class StageLaunch:
     # A voice's preprocess: --voice-first-piece-chars (engine/voice/phonemes.speech_pieces)
     voice_first_piece_chars: int = DEFAULT_VOICE_FIRST_PIECE_CHARS
     priority_share_every: int = DEFAULT_PRIORITY_SHARE_EVERY  # the talker's admission policy
+    otlp_traces_endpoint: str | None = None  # --otlp-traces-endpoint: its spans go there too
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -159,6 +159,7 @@ def serve_tts_stages(spec: StageLaunch, outbox: Outbox, fatal: Callable[[str], N
     from omni_dp.engine.links import Inbox
     from omni_dp.engine.preprocess import PreprocessError, PreprocessLimits
     from omni_dp.engine.stage_set import StageSet, VocoderRoute
+    from omni_dp.tracing import stage_work
 
     torch.set_num_threads(spec.threads)
     sys.setswitchinterval(0.00005)  # as the front's (engine/server.py SWITCH_INTERVAL_S)
@@ -195,11 +196,13 @@ def serve_tts_stages(spec: StageLaunch, outbox: Outbox, fatal: Callable[[str], N
     try:
         while not isinstance(message := inbox.recv(None), messages.Stop):
             if isinstance(message, messages.Prepare) and stages.preprocess is not None:
-                try:
-                    speech = stages.preprocess.prepare(message.ask)
-                    answer = messages.Prepared(message.request_id, speech)
-                except PreprocessError as exc:
-                    answer = messages.Prepared(message.request_id, None, exc.field, str(exc))
+                with stage_work("preprocess", spec.process, message.traceparent):
+                    try:
+                        speech = stages.preprocess.prepare(message.ask)
+                        answer = messages.Prepared(message.request_id, speech)
+                    except PreprocessError as exc:
+                        answer = messages.Prepared(message.request_id, None, exc.field,
+                                                   str(exc))
                 outbox.send(spec.front, answer)
             elif not stages.handle(message):
                 log.warning("stage process %s: no stage here takes %s", spec.process,
@@ -238,7 +241,14 @@ def main(argv: list[str]) -> int:
     from omni_dp.logs import setup_logging
 
     setup_logging(spec.log_level, spec.log_format)
+    from omni_dp import tracing
+
+    tracer = tracing.start_tracing(spec.otlp_traces_endpoint, tracing.STAGE_SERVICE,
+                                   {tracing.PROCESS_ATTR: spec.process})
+    tracing.install(tracer)
     code = run(spec)
+    if tracer is not None:  # flush before any exit, os._exit's included
+        tracer.shutdown()
     if spec.tp is not None:
         # gloo's C++ threads outlive destroy_process_group; the interpreter's teardown can
         # then abort the process ("terminate called without an active exception", -6).

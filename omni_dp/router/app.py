@@ -36,6 +36,7 @@ from omni_dp.router.replicas import (
 )
 from omni_dp.router.speech_stream import SpeechStreamProxy
 from omni_dp.speech_stream import SPEECH_STREAM_PATH
+from omni_dp.tracing import ROUTER_SERVICE, Tracer, start_tracing
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout as _timeout
@@ -101,6 +102,7 @@ class Router:
                                  max_ejection_percent=config.health.max_ejection_percent)
         self.policy = make_policy(config.policy, config.seed)
         self.metrics = RouterMetrics(lambda: self.replicas, metrics_dir)
+        self.tracer: Tracer | None = None  # --otlp-traces-endpoint (serve_router starts it)
         self.replicas.on_suppressed = self.metrics.count_suppressed
         self._metrics_writer: asyncio.Task | None = None
         self.num_admitted = 0  # requests past admission and not yet answered
@@ -642,6 +644,8 @@ async def serve_router(
     `metrics_dir` is where they share their metrics.
     """
     router = Router(config, metrics_dir)
+    # In this process (each worker its own): the exporter's thread must not cross a fork.
+    router.tracer = start_tracing(config.otlp_traces_endpoint, ROUTER_SERVICE)
     if attach is not None:
         attach(router)
     stop = asyncio.Event()
@@ -668,6 +672,8 @@ async def serve_router(
         # is left at drain_s (begin_drain), aiohttp whatever is left after that.
         await runner.cleanup()
         await router.stop()
+        if router.tracer is not None:
+            router.tracer.shutdown()
     # Cut off: cancelled past the deadline, or still admitted now (a cancellation not yet run).
     cut_off = router.num_cut_off + router.num_admitted
     if cut_off:

@@ -13,6 +13,7 @@ from omni_dp.router.classes import PriorityRules, parse_route_priority
 from omni_dp.router.migration import MIGRATION_PATHS
 from omni_dp.router.policies import POLICIES
 from omni_dp.router.replicas import ReplicaError, validate_id, validate_url
+from omni_dp.tracing import endpoint_problem
 
 
 class RouterConfigError(Problems):
@@ -201,6 +202,13 @@ class RouterConfig:
         "help": "Which way the engine orders --priority-field's values: low-first (vLLM: "
                 "-1 interactive, 0 default, 1 bulk) or high-first (sglang run with "
                 "--enable-priority-scheduling: 1, 0, -1)."})
+    # OpenTelemetry (omni_dp/tracing.py): vLLM's flag name, so one URL means the same to both.
+    otlp_traces_endpoint: str | None = field(default=None, metadata={
+        "metavar": "URL",
+        "help": "Export a span per request and per attempt to this OTLP/HTTP traces receiver "
+                "(e.g. http://127.0.0.1:4318/v1/traces), and send each replica the attempt's "
+                "W3C traceparent (a client's traceparent is the request's parent). "
+                "[default: no tracing]"})
     health: HealthConfig = field(default_factory=HealthConfig, metadata={"flag": None})
     # for the random policies; tests fix it
     seed: int | None = field(default=None, metadata={"flag": None})
@@ -248,6 +256,8 @@ def plan_router(
     config = RouterConfig(replicas=tuple(replicas), health=health or HealthConfig(), **options)
     problems += _option_problems(config) + _non_finite_problems(config)
     problems += _health_problems(config.health)
+    if (endpoint := endpoint_problem(config.otlp_traces_endpoint)) is not None:
+        problems.append(endpoint)
     if problems:
         raise RouterConfigError(problems)
     return config

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -108,6 +109,9 @@ class Exchange:
     taken_back: bool = False
     # A speech answer's audio as it reaches the client (audio_slo.py), from its first answer.
     audio: RelayedAudio | None = None
+    # Its spans (router/tracing.py's RequestTrace, which imports this module), when the
+    # router traces; None otherwise.
+    trace: Any = None
 
     def preemptible(self) -> bool:
         """Nothing of the answer reached the client, nor was it taken back already."""

@@ -57,6 +57,7 @@ from omni_dp.router.resume import (
     ReplicaErrorEvent,
     choose,
 )
+from omni_dp.router.tracing import RequestTrace
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout as _timeout
@@ -174,8 +175,9 @@ class Forwarder:
         # A request id needs to be unique, not secret: no getrandom syscall per request.
         request_id = request.headers.get(REQUEST_ID) or f"{_ids.getrandbits(128):032x}"
         record = RouteRecord(request_id, request.method, request.path)
+        trace = None if router.tracer is None else RequestTrace(router.tracer, request, record)
         try:
-            return await self._route(request, record, started)
+            return await self._route(request, record, started, trace)
         except asyncio.CancelledError:
             if router.cutting_off:
                 record.outcome = "drain_cut_off"
@@ -187,6 +189,8 @@ class Forwarder:
             record.duration_s = round(time.perf_counter() - started, 6)
             router.metrics.duration.observe(record.duration_s)
             record.log()
+            if trace is not None:
+                trace.end(record)
 
     def _reject(self, record: RouteRecord, reason: str, message: str) -> web.Response:
         self.router.metrics.rejections.labels(reason).inc()
@@ -236,7 +240,8 @@ class Forwarder:
         return json_error(413, exc.text or "request body too large", "body_too_large",
                           record.request_id)
 
-    async def _route(self, request: web.Request, record: RouteRecord, started: float):
+    async def _route(self, request: web.Request, record: RouteRecord, started: float,
+                     trace: RequestTrace | None):
         router = self.router
         try:
             priority = router.priority_rules.resolve(request.headers, request.path)
@@ -266,10 +271,13 @@ class Forwarder:
             with router.admitted():
                 if ex is None:
                     ex = self._exchange(request, body, record, started, priority)
+                    ex.trace = trace
                 try:
                     return await self._forward(ex)
-                except Preempted:
+                except Preempted as exc:  # its slot goes to the interactive request waiting
                     ex.audio = None  # nothing of it reached the client: it starts again
+                    if trace is not None:
+                        trace.event("preempted", replica=str(exc))
                 finally:
                     if ex.audio is not None:  # ended any other way than whole: interrupted
                         ex.audio.finish(False, record.replica)
@@ -334,10 +342,11 @@ class Forwarder:
                 ex.ctx.note_tried(replica)
                 ex.record.tried.append(replica.id)
                 ex.record.replica, ex.record.attempts = replica.id, ex.record.attempts + 1
+                attempt = self._attempt if ex.trace is None else self._traced_attempt
                 try:
                     if ex.priority is Priority.BULK:
-                        return await self._preemptible_attempt(ex, replica)
-                    return await self._attempt(ex, replica)
+                        return await self._preemptible_attempt(ex, replica, attempt)
+                    return await attempt(ex, replica)
                 except UpstreamFailed as exc:
                     router.metrics.upstream_errors.labels(replica.id, exc.kind).inc()
                     if exc.failure:
@@ -354,11 +363,12 @@ class Forwarder:
                 self._close(ex)
             raise
 
-    async def _preemptible_attempt(self, ex: Exchange, replica: Replica) -> web.StreamResponse:
+    async def _preemptible_attempt(self, ex: Exchange, replica: Replica,
+                                   attempt) -> web.StreamResponse:
         """A bulk request's attempt, in a task of its own that Router.preempt_bulk may cancel
         before the answer's first byte; Preempted when it did."""
         router = self.router
-        task = asyncio.create_task(self._attempt(ex, replica))
+        task = asyncio.create_task(attempt(ex, replica))
         router.bulk_attempts[task] = ex
         try:
             await asyncio.wait({task})
@@ -387,19 +397,24 @@ class Forwarder:
         metrics, record = self.router.metrics, ex.record
         kind, ex.going_on = ex.going_on, None
         if ex.response is None:
+            event, offset = "retry", None
             ex.retries_left -= 1
             metrics.retries.labels(kind).inc()
             record.retries.append(kind)
         elif ex.resume.migrates:
+            event, offset = "migration", ex.resume.offset
             ex.migrations_left -= 1
             metrics.migrations.labels(kind).inc()
             record.migrations.append(kind)
             record.migrated_at = ex.resume.offset
         else:
+            event, offset = "resume", ex.resume.offset
             ex.resumes_left -= 1
             metrics.resumes.labels(kind).inc()
             record.resumes.append(kind)
             record.resumed_from = ex.resume.offset
+        if ex.trace is not None:
+            ex.trace.event(event, reason=kind, offset=offset)
 
     def _may_go_on(self, ex: Exchange) -> bool:
         """Whether the budget lets the request go to another replica, and one is there now or
@@ -475,6 +490,12 @@ class Forwarder:
             ex.request.transport.close()
 
     # --- one attempt: one replica ------------------------------------------------------------
+    async def _traced_attempt(self, ex: Exchange, replica: Replica) -> web.StreamResponse:
+        """An attempt in its span (router/tracing.py), its traceparent sent upstream."""
+        assert ex.trace is not None
+        with ex.trace.attempt(ex, replica):
+            return await self._attempt(ex, replica)
+
     async def _attempt(self, ex: Exchange, replica: Replica) -> web.StreamResponse:
         with replica.dispatched():
             upstream = await self._send(ex, replica)

@@ -22,6 +22,7 @@ class Speak:
     ids: list[int]
     length_scale: float
     speaker_id: int
+    traceparent: str | None = None  # the request's span, the parent of this sentence's
 
 
 @dataclass(frozen=True)

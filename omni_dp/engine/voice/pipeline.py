@@ -67,6 +67,7 @@ from omni_dp.engine.voice.phonemes import PhonemizeError
 from omni_dp.engine.voice.preprocess import PHONEMIZER_THREADS, VoicePreprocess, VoiceSpeech
 from omni_dp.engine.wire import WireError
 from omni_dp.placement.model import MAIN_PROCESS, Placement
+from omni_dp.tracing import current_traceparent
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +200,8 @@ class VoicePipeline:
         try:
             try:
                 prepared = await self._ask(self._preprocessors[index], "p",
-                                           lambda key: messages.Prepare(key, ask))
+                                           lambda key: messages.Prepare(
+                    key, ask, current_traceparent()))
             except WireError as exc:  # a value no process boundary carries
                 raise PreprocessError("input", f"the request cannot be sent to the "
                                                f"preprocess stage: {exc}") from None
@@ -242,7 +244,8 @@ class VoicePipeline:
             index = self._voice_policy.bind()
             try:
                 spoken = await self._ask(self._voices[index], "s", lambda key: Speak(
-                    key, ids, speech.length_scale, speech.prompt.speaker_id))
+                    key, ids, speech.length_scale, speech.prompt.speaker_id,
+                    current_traceparent()))
             finally:
                 self._voice_policy.release(index)
             return spoken.pcm

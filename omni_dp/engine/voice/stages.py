@@ -26,6 +26,7 @@ from omni_dp.engine.voice.messages import Speak, Spoken
 from omni_dp.engine.voice.model import VoiceSession, find_voice, pcm16
 from omni_dp.engine.voice.phonemes import PhonemizeError
 from omni_dp.engine.voice.preprocess import PHONEMIZER_THREADS, VoicePreprocess
+from omni_dp.tracing import stage_work
 
 if TYPE_CHECKING:
     from omni_dp.engine.links import Outbox
@@ -61,8 +62,9 @@ class VoiceStages:
     def _prepare(self, message: messages.Prepare) -> None:
         assert self.preprocess is not None
         try:
-            answer = messages.Prepared(message.request_id,
-                                       self.preprocess.prepare(message.ask))
+            with stage_work("preprocess", self.spec.process, message.traceparent):
+                speech = self.preprocess.prepare(message.ask)
+            answer = messages.Prepared(message.request_id, speech)
         except PreprocessError as exc:
             answer = messages.Prepared(message.request_id, None, exc.field, str(exc))
         except PhonemizeError as exc:  # this request's (a 503); the process stays up
@@ -78,8 +80,11 @@ class VoiceStages:
     def _speak(self, message: Speak) -> None:
         assert self.session is not None
         try:
-            samples = self.session.run(message.ids, length_scale=message.length_scale,
-                                       speaker=message.speaker_id)
+            with stage_work("voice", self.spec.process, message.traceparent) as span:
+                samples = self.session.run(message.ids, length_scale=message.length_scale,
+                                           speaker=message.speaker_id)
+                if span is not None:
+                    span.set_attribute("omni_dp.phoneme_ids", len(message.ids))
         except Exception as exc:  # onnxruntime's errors: the replica must be restarted
             self.fatal(f"stage process {self.spec.process}: the voice stage failed: {exc}")
             return

@@ -40,6 +40,7 @@ class BuiltinEngine:
         "--dry-run": "omni-dp launch --dry-run", "--log-format": "omni-dp launch --log-format",
         "--share-weights": "omni-dp launch --share-weights",
         "--share-dir": "omni-dp launch --share-weights (the run's share/ directory)",
+        "--otlp-traces-endpoint": "omni-dp launch --otlp-traces-endpoint",
     })
     kv_profiled = False
     tmp_per_process = False  # no work directory of its own

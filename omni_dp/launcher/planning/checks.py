@@ -22,6 +22,7 @@ from omni_dp.launcher.planning.options import (
 )
 from omni_dp.logs import LOG_FORMATS
 from omni_dp.rundir import RUN_ID
+from omni_dp.tracing import endpoint_problem
 
 POLICIES = ("least_request", "round_robin", "power_of_two", "random")
 
@@ -297,12 +298,17 @@ def router_port_problems(o: LaunchOptions) -> list[str]:
     return []
 
 
+def tracing_problems(o: LaunchOptions) -> list[str]:
+    problem = endpoint_problem(o.otlp_traces_endpoint)
+    return [problem] if problem is not None else []
+
+
 OPTION_CHECKS: tuple[Callable[[LaunchOptions], list[str]], ...] = (
     replica_count_problems, kv_pin_problems, kv_size_problems, _choices,
     router_worker_problems, _engine, run_id_problems, _seconds, _restart_counts,
     memory_headroom_problems, _api_key, _no_gpu_check, replica_port_problems,
     router_port_problems, _share_weights, gpu_option_problems, _register, _router_faults,
-    mps_limit_problems, migration_problems,
+    mps_limit_problems, migration_problems, tracing_problems,
 )
 
 

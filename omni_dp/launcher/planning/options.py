@@ -210,6 +210,12 @@ class LaunchOptions:
         "metavar": "TOKENS",
         "help": "Streams longer than this (prompt plus generated tokens) are not migrated.  "
                 "[default: the router's, no limit]"})
+    otlp_traces_endpoint: str | None = field(default=None, metadata={
+        "metavar": "URL",
+        "help": "OpenTelemetry traces to this OTLP/HTTP receiver (e.g. "
+                "http://127.0.0.1:4318/v1/traces): passed to the router and to every replica "
+                "(builtin: its stage processes too; vllm: its own flag of this name; sglang "
+                "engines: the router's spans only).  [default: no tracing]"})
     # text | json, for the launcher, supervisor, replicas and router; help: the CLI's
     log_format: str = field(default="text", metadata={"help": None})
 

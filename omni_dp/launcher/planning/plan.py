@@ -39,11 +39,13 @@ from omni_dp.launcher.planning.memory import (
 )
 from omni_dp.launcher.planning.options import LaunchOptions, options_record
 from omni_dp.launcher.planning.run import (
+    TRACED_ENGINES,
     RunPart,
     plan_ports,
     plan_router,
     plan_run,
     plan_state_root,
+    tracing_argv,
 )
 from omni_dp.launcher.planning.share_group import LEADER, followers, share_role
 from omni_dp.mps.binaries import MpsBinaries
@@ -301,6 +303,8 @@ def plan_replicas(o: LaunchOptions, facts: LaunchFacts, run: RunPart, gpu: GpuPa
     engine_args = o.engine_args
     if external and facts.model is not None:  # the directory as read (absolute: see facts)
         engine_args = (str(facts.model.path), *split_model(o.engine_args)[1])
+    if o.engine in TRACED_ENGINES:
+        engine_args = (*engine_args, *tracing_argv(o))
     replicas = []
     for i, (port, block) in enumerate(zip(ports, cpus.blocks, strict=True)):
         group = gpu.group_of(i)

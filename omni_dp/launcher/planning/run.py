@@ -94,8 +94,19 @@ def plan_router(o: LaunchOptions, facts: LaunchFacts) -> tuple[RouterPart | None
             "--port", str(o.router_port), "--policy", o.policy,
             "--workers", str(o.router_workers), "--drain-timeout", str(o.drain_timeout),
             "--log-format", o.log_format, *router_fault_args(o))
-    argv += migration_argv(o) + priority_argv(o)
+    argv += migration_argv(o) + priority_argv(o) + tracing_argv(o)
     return RouterPart(f"http://{url_host(o.host)}:{o.router_port}", argv), []
+
+
+# Engines that take --otlp-traces-endpoint URL: ours, and vLLM's flag of that very name.
+TRACED_ENGINES = ("builtin", "vllm")
+
+
+def tracing_argv(o: LaunchOptions) -> tuple[str, ...]:
+    """--otlp-traces-endpoint for the router, and for each replica of an engine that has it."""
+    if o.otlp_traces_endpoint is None:
+        return ()
+    return ("--otlp-traces-endpoint", o.otlp_traces_endpoint)
 
 
 def migration_argv(o: LaunchOptions) -> tuple[str, ...]:
