@@ -4,7 +4,7 @@ Order: supervisor (so no restart races the teardown) → (--register) the fleet 
 the run's workers → router (stops accepting, drains) →
 replica groups (each replica's leader, its session's processes and those recorded with it, also
 the orphans a dead leader left: SIGTERM drains, MPS clients' GPU work is terminated, SIGKILL
-after the bound; replica_groups.py; with --share-weights the followers' groups before the
+after the bound; processes/groups.py; with --share-weights the followers' groups before the
 weight-share leader's) → any process still carrying the run token (a replacement a
 SIGKILLed supervisor never recorded) → MPS, one daemon per GPU: each daemon, once no client is
 left on it, is `quit` and waited for (a daemon a foreign client still holds is left, named; the

@@ -1,5 +1,5 @@
-"""`omni-dp launch`: its flags are the fields of omni_dp/launcher/options.py; the machine is
-read and the plan made by omni_dp/launcher, which then runs it."""
+"""`omni-dp launch`: its flags are the fields of omni_dp/launcher/planning/options.py; the
+machine is read and the plan made by omni_dp/launcher, which then runs it."""
 
 from __future__ import annotations
 

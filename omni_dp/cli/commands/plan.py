@@ -1,5 +1,5 @@
 """`omni-dp plan`: how many replicas fit this machine. Its machine flags are launch's own
-fields (omni_dp/launcher/options.py); the probe and the counting are omni_dp/bench's."""
+fields (omni_dp/launcher/planning/options.py); the probe and the counting are omni_dp/bench's."""
 
 from __future__ import annotations
 

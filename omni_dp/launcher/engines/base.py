@@ -6,7 +6,7 @@ The launcher never looks inside an engine. An adapter says, for its engine: the 
 launcher reserves, how a KV pin is written in the engine's own knobs and what capacity that
 must give, how the capacity actually allocated is read back, and what runs where (the OS
 processes of a replica are found by session, never by the engine's word alone: see
-omni_dp/launcher/processes.py).
+omni_dp/launcher/processes/groups.py).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Reading what an engine allocated from its replica's log, for engines that say it nowhere else.
 
 A replica's log is appended to on every (re)start, each start after a launcher banner
-(omni_dp/launcher/replicas.py). Only the latest start counts: an older start's KV line is what
-a replica held before it was restarted, not what it holds now. Only the log's tail is read, so a
-long-lived replica's large log costs a bounded read. When the tail holds no banner, the latest
-banner lies before it, so every line in the tail belongs to the latest start.
+(omni_dp/launcher/bringup/replicas.py). Only the latest start counts: an older start's KV line
+is what a replica held before it was restarted, not what it holds now. Only the log's tail is
+read, so a long-lived replica's large log costs a bounded read. When the tail holds no banner,
+the latest banner lies before it, so every line in the tail belongs to the latest start.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Starting the run's processes and signalling them — only ever the run's own.
 
 A process is the run's if its pid AND create time match a record, or if its environment carries
-the run token (a replica's processes beyond its leader: replica_groups.py). Everything that
+the run token (a replica's processes beyond its leader: groups.py). Everything that
 signals goes through `signal_ours`, which re-checks that at the moment of signalling; a recycled
 pid is skipped, never signalled.
 """

@@ -1,5 +1,5 @@
 """The supervisor's parts, each with one reason to change (gunicorn's lesson: one owner of the
-loop, simple pieces). The loop itself is omni_dp/launcher/supervisor.py.
+loop, simple pieces). The loop itself is supervisor.py.
 
     restart_policy   when to restart and when to give up (budget, window, backoff)
     slots            what can be restarted, what depends on what, which restarts are running
