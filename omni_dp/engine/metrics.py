@@ -1,9 +1,9 @@
 """Prometheus metrics of one replica, in a registry of its own (no global state).
 
 Every series carries `model_name` (the served model name), as vLLM's and SGLang's do, so their
-dashboards can be adapted by renaming; README.md maps the names. `promtool check metrics` is
-clean (tests/test_metrics_lint.py): counters end in _total, nothing else does, units are base
-units (seconds), every family has HELP.
+dashboards can be adapted by renaming; docs/observability.md maps the names. `promtool check
+metrics` is clean (tests/test_metrics_lint.py): counters end in _total, nothing else does, units
+are base units (seconds), every family has HELP.
 """
 
 from __future__ import annotations

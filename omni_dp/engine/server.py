@@ -257,7 +257,7 @@ class ReplicaServer:
         # OpenAI's TTS models (once each, should the served model be named like one).
         self.model_names = tuple(dict.fromkeys((plan.served_model_name, *OPENAI_MODEL_ALIASES)))
         # Another replica regenerates a wav/pcm answer byte for byte only where sampling does
-        # not depend on batching: a float64 talker (README, Determinism). In float32 or
+        # not depend on batching: a float64 talker (docs/replica.md, Determinism). In float32 or
         # bfloat16 a batch can flip a sample, so a resumed answer could go on differently.
         # A Piper voice never: its noise is drawn inside its graph (engine/voice/pipeline.py).
         self.resumable = plan.dtype == torch.float64 and plan.voice is None

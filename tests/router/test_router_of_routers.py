@@ -56,7 +56,7 @@ class Fleet:
                             ("--replica", f"{host}{i}={self.backends[f'{host}{i}'].url}")]
                 self.hosts[host] = RouterProcess(self.tmp_path / f"host_{host}.log", *HEALTH,
                                                  *replicas, *extra, port=port)
-            # The command the README gives: the host routers are the front's replicas.
+            # The command docs/deployment.md gives: the host routers are the front's replicas.
             self.front = RouterProcess(
                 self.tmp_path / "front.log", *HEALTH, "--replica", f"a={self.hosts['a'].url}",
                 "--replica", f"b={self.hosts['b'].url}", *self.front_args, port=ports[2])

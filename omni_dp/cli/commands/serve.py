@@ -49,7 +49,7 @@ def serve(ctx: click.Context, log_level: str, log_format: str, dry_run: bool,
     option (--<stage>.<field> VALUE: process, device, gpu_memory_fraction, tp_size, devices,
     replicas; --placement.<field> VALUE) puts it elsewhere; the voice's stages are preprocess
     and voice (--voice.process voice --voice.replicas 2), the seeded presets' preprocess,
-    talker and vocoder; see README.md, "Placement".
+    talker and vocoder; see docs/placement.md.
 
     Exit codes: 0 after SIGTERM/SIGINT and draining, 2 bad options (nothing started),
     3 start-up or engine failure (a follower that cannot attach, a stage process that
