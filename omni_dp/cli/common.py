@@ -133,6 +133,7 @@ def log_level_option(help: str, section: str | None = None):
 # (cls=SectionOption). The command holds the titles' order.
 OTHER_OPTIONS = "Other options"  # where an option naming no listed section ends (a test: none)
 OUTPUT = "Output"  # what a command prints instead of running (--dry-run, --json), and --help
+HELP = "Help"  # --help, where a command has no OUTPUT section
 
 
 class SectionOption(click.Option):
@@ -154,9 +155,13 @@ class SectionedCommand(click.Command):
         self.help_section = help_section
 
     def section_of(self, ctx: click.Context, param: click.Parameter) -> str | None:
-        if param is self.get_help_option(ctx):
+        """The section `param` is listed under (None: it names none). The help option is
+        known by its names: click before 8.2 makes a new one each time it is asked for."""
+        if isinstance(param, SectionOption):
+            return param.section
+        if set(param.opts) == set(self.get_help_option_names(ctx)):
             return self.help_section
-        return getattr(param, "section", None)
+        return None
 
     def sectioned_rows(self, ctx: click.Context) -> dict[str, list[tuple[str, str]]]:
         """Each shown option's help row under its section's title, in order; an option
