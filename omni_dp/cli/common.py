@@ -156,10 +156,11 @@ class SectionedCommand(click.Command):
 
     def section_of(self, ctx: click.Context, param: click.Parameter) -> str | None:
         """The section `param` is listed under (None: it names none). The help option is
-        known by its names: click before 8.2 makes a new one each time it is asked for."""
+        known by its names (click before 8.2 makes a new one each time it is asked for; 8.2
+        keeps the first, made with the names of the first context)."""
         if isinstance(param, SectionOption):
             return param.section
-        if set(param.opts) == set(self.get_help_option_names(ctx)):
+        if set(param.opts) & set(self.get_help_option_names(ctx)):
             return self.help_section
         return None
 
