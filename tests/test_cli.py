@@ -187,6 +187,22 @@ def test_help_shows_each_section_title_and_every_option_once_in_its_section(name
     assert max(map(len, text.splitlines())) <= width, f"{name}: wider than {width} columns"
 
 
+def test_an_option_naming_no_section_is_still_shown_under_other_options():
+    """The tests above keep the real commands free of it; should one slip through, its help is
+    still listed (last), never dropped."""
+    from omni_dp.cli.common import OTHER_OPTIONS, SectionedCommand, SectionOption
+
+    command = SectionedCommand(
+        "demo", sections=("First", "Last"), help_section="Last",
+        params=[click.Option(["--plain"], help="Names none."),
+                SectionOption(["--typo"], section="Firts", help="Names an unlisted one."),
+                SectionOption(["--kept"], section="First", help="Listed.")])
+    titles, rows = _help_rows(command.get_help(click.Context(command, terminal_width=80)))
+    assert titles == ["First", "Last", OTHER_OPTIONS]
+    assert rows == {"--kept": ["First"], "--help": ["Last"], "--plain": [OTHER_OPTIONS],
+                    "--typo": [OTHER_OPTIONS]}
+
+
 def test_every_command_loads_by_name_and_as_an_attribute():
     import omni_dp.cli
     from omni_dp.cli import CLI_COMMANDS
