@@ -33,12 +33,12 @@ DEFAULT_PRIORITY_SHARE_EVERY = 4
 
 # `serve --help` lists the flags under these titles, in this order (each field names its own
 # "section"; omni_dp/cli/common.py's SectionedCommand draws them), as vLLM's help groups its.
-SERVER = "Server: address, requests, shutdown"
+SERVER = "Server (address, requests, shutdown)"
 MODEL = "Model and device"
 KV = "KV cache, batching and the queue"
 VOICE = "Piper voice streaming"
 PLACEMENT = "Placement and shared weights"
-OBSERVABILITY = "Observability: traces, logs"
+OBSERVABILITY = "Observability (traces, logs)"
 SERVE_SECTIONS = (SERVER, MODEL, KV, VOICE, PLACEMENT, OBSERVABILITY)
 
 

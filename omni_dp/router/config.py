@@ -25,11 +25,11 @@ class RouterConfigError(Problems):
 LISTEN = "Replicas, address, workers"
 ACCESS = "Access"
 LIMITS = "Limits and timeouts"
-FAILURES = "Failures: retries, resumes, hangs"
+FAILURES = "Failures (retries, resumes, hangs)"
 HEALTH = "Health checks and ejection"
 MIGRATION = "LLM stream migration"
 PRIORITY = "Priority classes"
-OBSERVABILITY = "Observability: traces, logs"
+OBSERVABILITY = "Observability (traces, logs)"
 ROUTER_SECTIONS = (LISTEN, ACCESS, LIMITS, FAILURES, HEALTH, MIGRATION, PRIORITY, OBSERVABILITY)
 
 # The flags of `omni-dp router` are generated from these fields (omni_dp/cli/common.py reads

@@ -31,15 +31,15 @@ GATEWAY_KEY_ENV = "OMNI_DP_GATEWAY_API_KEY"  # the gateway's key: by environment
 
 # `launch --help` lists the flags under these titles, in this order (each field names its own
 # "section"; omni_dp/cli/common.py's SectionedCommand draws them), as vLLM's help groups its.
-RUN = "Run: replicas, GPUs, CPUs, ports"
+RUN = "Run (replicas, GPUs, CPUs, ports)"
 ENGINE = "Engine"
 MEMORY = "Memory and KV cache"
 MPS = "MPS"
 ROUTER = "Router"
-FAILURES = "Router: failures, hangs, stream migration"
+FAILURES = "Router failures, hangs and stream migration"
 GATEWAY = "Fleet gateway"
 SUPERVISION = "Supervision and restarts"
-OBSERVABILITY = "Observability: traces, logs"
+OBSERVABILITY = "Observability (traces, logs)"
 LAUNCH_SECTIONS = (RUN, ENGINE, MEMORY, MPS, ROUTER, FAILURES, GATEWAY, SUPERVISION,
                    OBSERVABILITY)
 
