@@ -78,9 +78,8 @@ def emit(data: dict, text: str, as_json: bool) -> None:
     click.echo(json.dumps(data, indent=2) if as_json else text.rstrip("\n"))
 
 
-def json_option(what: str, section: str | None = None):
-    return click.option("--json", "as_json", is_flag=True, help=f"Print {what} as JSON.",
-                        cls=SectionOption, section=section)
+def json_option(what: str):
+    return click.option("--json", "as_json", is_flag=True, help=f"Print {what} as JSON.")
 
 
 RICH_OR_PLAIN = ("rich at the terminal's width on a terminal, plain fixed-width columns "
@@ -180,9 +179,11 @@ class SectionedCommand(click.Command):
         sections = self.sectioned_rows(ctx)
         # One column of flags across the sections, as in a flat list: write_dl sizes it from
         # the widest flag it is given (up to its col_max, 30), so one row of each is padded.
-        widest = min(max(len(flag) for rows in sections.values() for flag, _ in rows), 30)
+        widest = min(max((len(flag) for rows in sections.values() for flag, _ in rows),
+                         default=0), 30)
         for title, rows in sections.items():
-            padded = next((i for i, (_, text) in enumerate(rows) if text), 0)
+            # a row with help text: a lone flag's padding would trail its line
+            padded = next((i for i, (_, text) in enumerate(rows) if text), None)
             rows = [(flag.ljust(widest), text) if i == padded else (flag, text)
                     for i, (flag, text) in enumerate(rows)]
             with formatter.section(title):
