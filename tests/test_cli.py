@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -121,6 +122,85 @@ def test_the_commands_table_lists_every_command_with_its_own_short_help():
             return group.get_help(ctx)
 
         assert render(cli) == render(eager)
+
+
+# --- --help in titled sections: every option in exactly one -----------------------------------
+SECTIONED = ("launch", "serve", "router")
+
+
+def _sectioned(name: str):
+    """The command, and a context as `omni-dp NAME` makes one (-h, --help; at most 100
+    columns)."""
+    from omni_dp.cli import cli
+
+    command = cli.get_command(None, name)
+    return command, lambda width: click.Context(command, info_name=f"omni-dp {name}",
+                                                terminal_width=width, **cli.context_settings)
+
+
+@pytest.mark.parametrize("name", SECTIONED)
+def test_every_option_names_one_of_its_commands_sections(name):
+    """A new flag without a section (a field's metadata "section", or `section=` on a written
+    option) fails here, before its help would list it under "Other options"."""
+    from omni_dp.cli.common import SectionedCommand
+
+    command, context = _sectioned(name)
+    assert isinstance(command, SectionedCommand)
+    ctx = context(80)
+    unsectioned = [param.opts[0] for param in command.get_params(ctx)
+                   if isinstance(param, click.Option) and not param.hidden
+                   and command.section_of(ctx, param) not in command.sections]
+    assert not unsectioned, f"{name}: options in no section of {command.sections}"
+
+
+def _help_rows(text: str) -> tuple[list[str], dict[str, list[str]]]:
+    """The section titles of a help text, in order, and each flag -> the sections whose rows
+    list it (a row starts 2 columns in, its flags end at 2 spaces or the line's end)."""
+    titles: list[str] = []
+    rows: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if re.fullmatch(r"\S.*:", line):
+            titles.append(line[:-1])
+        elif titles and re.match(r"  -", line):
+            term = re.split(r"\s{2,}", line.strip())[0]
+            for declared in term.split(", "):
+                rows.setdefault(declared.split()[0], []).append(titles[-1])
+    return titles, rows
+
+
+@pytest.mark.parametrize("width", [80, 100])
+@pytest.mark.parametrize("name", SECTIONED)
+def test_help_shows_each_section_title_and_every_option_once_in_its_section(name, width):
+    from omni_dp.cli.common import OTHER_OPTIONS
+
+    command, context = _sectioned(name)
+    ctx = context(width)
+    text = command.get_help(ctx)
+    titles, rows = _help_rows(text)
+    assert OTHER_OPTIONS not in titles, f"{name}: an option names no section of its command"
+    assert titles == list(command.sections), f"{name}: each title once, in order"
+    expected = {flag: [command.section_of(ctx, param)]
+                for param in command.get_params(ctx)
+                if isinstance(param, click.Option) and not param.hidden
+                for flag in (*param.opts, *param.secondary_opts)}
+    assert rows == expected, f"{name}: every flag once, in its own section"
+    assert max(map(len, text.splitlines())) <= width, f"{name}: wider than {width} columns"
+
+
+def test_an_option_naming_no_section_is_still_shown_under_other_options():
+    """The tests above keep the real commands free of it; should one slip through, its help is
+    still listed (last), never dropped."""
+    from omni_dp.cli.common import OTHER_OPTIONS, SectionedCommand, SectionOption
+
+    command = SectionedCommand(
+        "demo", sections=("First", "Last"), help_section="Last",
+        params=[click.Option(["--plain"], help="Names none."),
+                SectionOption(["--typo"], section="Firts", help="Names an unlisted one."),
+                SectionOption(["--kept"], section="First", help="Listed.")])
+    titles, rows = _help_rows(command.get_help(click.Context(command, terminal_width=80)))
+    assert titles == ["First", "Last", OTHER_OPTIONS]
+    assert rows == {"--kept": ["First"], "--help": ["Last"], "--plain": [OTHER_OPTIONS],
+                    "--typo": [OTHER_OPTIONS]}
 
 
 def test_every_command_loads_by_name_and_as_an_attribute():

@@ -12,7 +12,7 @@ import json
 import math
 import sys
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn
 
 import click
@@ -112,15 +112,82 @@ def log_format_attrs(envvar: str | None = None, more: str = "") -> dict[str, Any
             "help": f"{LOG_FORMAT_HELP}{more}{also}"}
 
 
-def log_format_option(envvar: str | None = None, more: str = ""):
+def log_format_option(envvar: str | None = None, more: str = "",
+                      section: str | None = None):
     """`--log-format` for a command without a settings dataclass to take its default from."""
     return click.option("--log-format", default="text", show_default=True,
-                        **log_format_attrs(envvar, more))
+                        cls=SectionOption, section=section, **log_format_attrs(envvar, more))
 
 
-def log_level_option(help: str):
+def log_level_option(help: str, section: str | None = None):
     return click.option("--log-level", default="info", show_default=True,
-                        type=click.Choice(LOG_LEVELS), help=help)
+                        type=click.Choice(LOG_LEVELS), help=help, cls=SectionOption,
+                        section=section)
+
+
+# --- --help in titled sections ------------------------------------------------------------------
+# A long flat list of options is hard to scan; vLLM's --help groups its flags under titles, and
+# so do `launch`, `serve` and `router`. Each option names its section where it is declared: a
+# generated one in its field's metadata ("section"), a written one with `section=`
+# (cls=SectionOption). The command holds the titles' order.
+OTHER_OPTIONS = "Other options"  # where an option naming no listed section ends (a test: none)
+OUTPUT = "Output"  # what a command prints instead of running (--dry-run, --json), and --help
+HELP = "Help"  # --help, where a command has no OUTPUT section
+
+
+class SectionOption(click.Option):
+    """A click option that names the --help section it is listed under."""
+
+    def __init__(self, *args, section: str | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.section = section
+
+
+class SectionedCommand(click.Command):
+    """A command whose --help lists its options under titled sections, in `sections`' order
+    (the help option under `help_section`); a section with no shown option is left out."""
+
+    def __init__(self, *args, sections: Sequence[str], help_section: str, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        assert help_section in sections, f"{help_section!r} is not one of {sections}"
+        self.sections = tuple(sections)
+        self.help_section = help_section
+
+    def section_of(self, ctx: click.Context, param: click.Parameter) -> str | None:
+        """The section `param` is listed under (None: it names none). The help option is
+        known by its names (click before 8.2 makes a new one each time it is asked for; 8.2
+        keeps the first, made with the names of the first context)."""
+        if isinstance(param, SectionOption):
+            return param.section
+        if set(param.opts) & set(self.get_help_option_names(ctx)):
+            return self.help_section
+        return None
+
+    def sectioned_rows(self, ctx: click.Context) -> dict[str, list[tuple[str, str]]]:
+        """Each shown option's help row under its section's title, in order; an option
+        naming no listed section goes under OTHER_OPTIONS, last, rather than nowhere."""
+        rows: dict[str, list[tuple[str, str]]] = {title: [] for title in self.sections}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None or not isinstance(param, click.Option):
+                continue
+            section = self.section_of(ctx, param)
+            rows.setdefault(section if section in rows else OTHER_OPTIONS, []).append(record)
+        return {title: shown for title, shown in rows.items() if shown}
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        sections = self.sectioned_rows(ctx)
+        # One column of flags across the sections, as in a flat list: write_dl sizes it from
+        # the widest flag it is given (up to its col_max, 30), so one row of each is padded.
+        widest = min(max((len(flag) for rows in sections.values() for flag, _ in rows),
+                         default=0), 30)
+        for title, rows in sections.items():
+            # a row with help text: a lone flag's padding would trail its line
+            padded = next((i for i, (_, text) in enumerate(rows) if text), None)
+            rows = [(flag.ljust(widest), text) if i == padded else (flag, text)
+                    for i, (flag, text) in enumerate(rows)]
+            with formatter.section(title):
+                formatter.write_dl(rows)
 
 
 def setup_logging(level: str, log_format: str) -> None:
@@ -134,15 +201,16 @@ def setup_logging(level: str, log_format: str) -> None:
 # written again here. Metadata (all optional): help, flag (the long flag; default --field-name),
 # short ("-n"), metavar, choices, size (a byte size: shown and parsed as 2GiB), envvar,
 # multiple, invert (an is_flag that sets the field to False: --no-retry), deprecated (old
-# spellings: hidden, accepted with a warning; see take_deprecated). The type is the field's.
+# spellings: hidden, accepted with a warning; see take_deprecated), section (the title it is
+# listed under in a SectionedCommand's --help). The type is the field's.
 
 
-class FieldOption(click.Option):
+class FieldOption(SectionOption):
     """A click option generated from a dataclass field (tests compare their defaults)."""
 
     def __init__(self, *args, field: dataclasses.Field, replaces: str | None = None,
                  **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, section=field.metadata.get("section"), **kwargs)
         self.field = field
         self.replaces = replaces  # a deprecated spelling: the dest it stands in for
 

@@ -9,22 +9,32 @@ import click
 from click.core import ParameterSource
 
 from omni_dp.cli.common import (
+    OUTPUT,
     POLICIES,
+    SectionedCommand,
+    SectionOption,
     emit,
     exit_with_problems,
     log_format_attrs,
     options_from,
     take_deprecated,
 )
-from omni_dp.launcher.planning.options import LaunchOptions, load_config_file, merge_options
+from omni_dp.launcher.planning.options import (
+    LAUNCH_SECTIONS,
+    LaunchOptions,
+    load_config_file,
+    merge_options,
+)
 
 
-@click.command(context_settings={"ignore_unknown_options": False})
+@click.command(cls=SectionedCommand, sections=(*LAUNCH_SECTIONS, OUTPUT), help_section=OUTPUT,
+               context_settings={"ignore_unknown_options": False})
 @options_from(LaunchOptions, policy={"type": click.Choice(POLICIES)},
               log_format=log_format_attrs("OMNI_DP_LOG_FORMAT",
                                           " Passed on to the supervisor, replicas and router."))
-@click.option("--dry-run", is_flag=True, help="Print the plan and exit; start nothing.")
-@click.option("--json", "as_json", is_flag=True,
+@click.option("--dry-run", is_flag=True, help="Print the plan and exit; start nothing.",
+              cls=SectionOption, section=OUTPUT)
+@click.option("--json", "as_json", is_flag=True, cls=SectionOption, section=OUTPUT,
               help="With --dry-run: the plan as JSON. With --detach: once the run is up and "
                    "supervised, its summary as one JSON object on stdout (all else on stderr).")
 @click.argument("engine_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- ENGINE ARGS]")

@@ -7,6 +7,9 @@ import sys
 import click
 
 from omni_dp.cli.common import (
+    HELP,
+    SectionedCommand,
+    SectionOption,
     build,
     exit_with_problems,
     finite,
@@ -15,16 +18,26 @@ from omni_dp.cli.common import (
     options_from,
     setup_logging,
 )
-from omni_dp.router.config import HealthConfig, RouterConfig, RouterConfigError, plan_router
+from omni_dp.router.config import (
+    LIMITS,
+    OBSERVABILITY,
+    ROUTER_SECTIONS,
+    HealthConfig,
+    RouterConfig,
+    RouterConfigError,
+    plan_router,
+)
 
 
-@click.command()
+@click.command(cls=SectionedCommand, sections=(*ROUTER_SECTIONS, HELP), help_section=HELP)
 @options_from(RouterConfig)
 @options_from(HealthConfig, prefix="health_")
 @click.option("--drain-timeout", default=30.0, show_default=True, type=float, callback=finite,
+              cls=SectionOption, section=LIMITS,
               help="Seconds in-flight requests may take to finish after SIGTERM.")
-@log_level_option("Least severe log messages written to stderr (route lines are info).")
-@log_format_option("OMNI_DP_LOG_FORMAT")
+@log_level_option("Least severe log messages written to stderr (route lines are info).",
+                  section=OBSERVABILITY)
+@log_format_option("OMNI_DP_LOG_FORMAT", section=OBSERVABILITY)
 def router(log_level: str, log_format: str, drain_timeout: float, **values) -> None:
     """Route HTTP traffic over replicas: one endpoint that keeps every replica driven.
 

@@ -13,6 +13,9 @@ import sys
 import click
 
 from omni_dp.cli.common import (
+    OUTPUT,
+    SectionedCommand,
+    SectionOption,
     exit_with_problems,
     fail,
     log_format_option,
@@ -20,19 +23,20 @@ from omni_dp.cli.common import (
     options_from,
     setup_logging,
 )
-from omni_dp.engine.options import ServeOptions
+from omni_dp.engine.options import OBSERVABILITY, SERVE_SECTIONS, ServeOptions
 
 DEFAULTS = ServeOptions()
 
 
-@click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.command(cls=SectionedCommand, sections=(*SERVE_SECTIONS, OUTPUT), help_section=OUTPUT,
+               context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @options_from(ServeOptions)
-@click.option("--dry-run", is_flag=True,
+@click.option("--dry-run", is_flag=True, cls=SectionOption, section=OUTPUT,
               help="Validate the options, print the plan as JSON on stdout (weights, KV, the "
                    "placement with where each value came from) and the process table on "
                    "stderr, and exit.")
-@log_level_option("Least severe log messages written to stderr.")
-@log_format_option()
+@log_level_option("Least severe log messages written to stderr.", section=OBSERVABILITY)
+@log_format_option(section=OBSERVABILITY)
 @click.pass_context
 def serve(ctx: click.Context, log_level: str, log_format: str, dry_run: bool,
           **kwargs) -> None:

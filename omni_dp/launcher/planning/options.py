@@ -29,195 +29,238 @@ REGISTER_AS = ("replicas", "router")
 GATEWAY_KEY_ENV = "OMNI_DP_GATEWAY_API_KEY"  # the gateway's key: by environment, never on disk
 
 
+# `launch --help` lists the flags under these titles, in this order (each field names its own
+# "section"; omni_dp/cli/common.py's SectionedCommand draws them), as vLLM's help groups its.
+RUN = "Run (replicas, GPUs, CPUs, ports)"
+ENGINE = "Engine"
+MEMORY = "Memory and KV cache"
+MPS = "MPS"
+ROUTER = "Router"
+FAILURES = "Router failures, hangs and stream migration"
+GATEWAY = "Fleet gateway"
+SUPERVISION = "Supervision and restarts"
+OBSERVABILITY = "Observability (traces, logs)"
+LAUNCH_SECTIONS = (RUN, ENGINE, MEMORY, MPS, ROUTER, FAILURES, GATEWAY, SUPERVISION,
+                   OBSERVABILITY)
+
+
 # The flags of `omni-dp launch` are generated from these fields, in this order (omni_dp/cli
 # reads the metadata: help, flag, ...); each default is written here only. A field's flag
 # (without the dashes) is also its --config key.
 @dataclass(frozen=True)
 class LaunchOptions:
     replicas: int = field(default=1, metadata={
+        "section": RUN,
         "short": "-n", "help": "How many complete replicas of the pipeline to run (with "
                                "--gpus: in all, spread over the GPUs)."})
     mps: bool = field(default=False, metadata={
+        "section": MPS,
         "help": "Run the replicas under a private CUDA MPS daemon (one per GPU) and prove "
                 "every GPU process attached."})
     gpu: str = field(default="auto", metadata={  # auto | none | INDEX | GPU-UUID
-        "metavar": "auto|none|INDEX|UUID",
+        "section": RUN, "metavar": "auto|none|INDEX|UUID",
         "help": "The one GPU (auto: GPU 0 when there is one; none: run on CPU); --gpus for "
                 "several."})
     gpus: str | None = field(default=None, metadata={  # all | 0,1,… | GPU-UUID,…
-        "metavar": "all|0,1,…|UUID,…",
+        "section": RUN, "metavar": "all|0,1,…|UUID,…",
         "help": "Several GPUs in one run: one private MPS daemon, CPU cores and memory fit per "
                 "GPU, one router over every replica (exclusive with --gpu)."})
     replicas_per_gpu: int | None = field(default=None, metadata={
-        "metavar": "N",
+        "section": RUN, "metavar": "N",
         "help": "With --gpus: N replicas on each GPU.  [default: --replicas spread evenly; "
                 "one per GPU when --replicas is not given]"})
     cpu_blocks: str = field(default="auto", metadata={  # auto | none | "0-3 4-7 …"
-        "metavar": 'auto|none|"0-3 4-7"',
+        "section": RUN, "metavar": 'auto|none|"0-3 4-7"',
         "help": "CPU cores per replica: auto (disjoint whole cores, GPU's NUMA node first), "
                 "none (unpinned) or one CPU list per replica."})
     kv_cache_bytes: int | None = field(default=None, metadata={
+        "section": MEMORY,
         "size": True, "help": "Pin every replica's KV pool to this many bytes, e.g. 2GiB."})
     max_total_tokens: int | None = field(default=None, metadata={
+        "section": MEMORY,
         "help": "Pin every replica's KV pool to this many tokens."})
     share_weights: bool = field(default=False, metadata={
+        "section": MEMORY,
         "help": "Built-in engine: keep ONE copy of the backbone weights on the device. "
                 "Replica 0 (the leader) loads and publishes them in the run's share/ "
                 "directory; the others (followers) map them read-only. The memory fit is then "
                 "W + N × (KV + private weights + overhead); a dead leader restarts the group."})
     # None: parallel when every replica's KV is a fixed size
     start: str | None = field(default=None, metadata={
-        "choices": START_MODES,
+        "section": RUN, "choices": START_MODES,
         "help": "Start the replicas one after another, or together.  [default: parallel "
                 "(every replica's KV is a fixed size)]"})
     # the router's address; replicas always listen on loopback
     host: str = field(default="127.0.0.1", metadata={
+        "section": ROUTER,
         "help": "Address the router listens on (replicas always listen on 127.0.0.1)."})
-    router_port: int = field(default=8000, metadata={"help": None})
+    router_port: int = field(default=8000, metadata={
+        "section": ROUTER, "help": "Port the router listens on."})
     base_port: int = field(default=8100, metadata={
+        "section": RUN,
         "help": "Replica i listens on BASE_PORT + i."})
     policy: str = field(default="least_request", metadata={  # choices: the router's
+        "section": ROUTER,
         "help": "The router's load-balancing policy."})
     router_workers: int = field(default=1, metadata={
+        "section": ROUTER,
         "help": "Router processes sharing the port (SO_REUSEPORT)."})
     # The router's handling of a replica that fails or hangs under a request: passed to
     # `omni-dp router` when given; None keeps the router's own default (one home for each).
     retries: int | None = field(default=None, metadata={
+        "section": FAILURES,
         "help": "The router's --retries: times a request none of whose answer reached the "
                 "client is sent to another replica.  [default: the router's, 3]"})
     resumes: int | None = field(default=None, metadata={
+        "section": FAILURES,
         "help": "The router's --resumes: times a cut stream is continued by another replica "
                 "from the byte the client has.  [default: the router's, 3]"})
     first_byte_timeout: float | None = field(default=None, metadata={
+        "section": FAILURES,
         "help": "The router's --first-byte-timeout: seconds before a silent replica is "
                 "checked, and ejected as hung if its /health fails too.  [default: the "
                 "router's, 5]"})
     stall_timeout: float | None = field(default=None, metadata={
+        "section": FAILURES,
         "help": "The router's --stall-timeout: the same for a stream that stops mid-answer.  "
                 "[default: the router's, 5]"})
     replica_wait: float | None = field(default=None, metadata={
+        "section": FAILURES,
         "help": "The router's --replica-wait: seconds a request with no replica to go to "
                 "waits for one before 503 + Retry-After.  [default: the router's, 30]"})
     max_ejection_percent: int | None = field(default=None, metadata={
+        "section": FAILURES,
         "help": "The router's --max-ejection-percent: the share of replicas it may hold "
                 "ejected at once for failures or a hang (1-100).  [default: the router's, "
                 "50]"})
     # Priority classes (the router's classes.py); --route-priority is the router's alone.
     default_priority: str | None = field(default=None, metadata={
-        "choices": PRIORITY_NAMES,
+        "section": ROUTER, "choices": PRIORITY_NAMES,
         "help": "The router's --default-priority: the class of a request that names none "
                 "(X-Omni-DP-Priority).  [default: the router's, default]"})
     reserved_interactive: int | None = field(default=None, metadata={
+        "section": ROUTER,
         "help": "The router's --reserved-interactive: in-flight slots only interactive "
                 "requests may take.  [default: the router's, 0]"})
     run_id: str | None = field(default=None, metadata={
+        "section": RUN,
         "help": "Name the run (default: run-DATE-TIME-XXXX)."})
     detach: bool = field(default=False, metadata={
+        "section": RUN,
         "help": "Return once the run is verified; a background supervisor keeps it up."})
     config_file: str | None = field(default=None, compare=False, metadata={
-        "flag": "--config", "metavar": "FILE",
+        "section": RUN, "flag": "--config", "metavar": "FILE",
         "help": "A YAML file with these settings (dashes or underscores); flags win."})
     engine: str = field(default="builtin", metadata={
-        "choices": ENGINE_NAMES,
+        "section": ENGINE, "choices": ENGINE_NAMES,
         "help": "What each replica runs: the built-in TTS pipeline, or an external engine "
                 "with the model and its own arguments after `--`."})
     engine_python: str | None = field(default=None, metadata={
-        "metavar": "PATH",
+        "section": ENGINE, "metavar": "PATH",
         "help": "The Python interpreter that has the engine installed (vllm, sglang, "
                 "sglang_omni).  [default: this omni-dp's interpreter]"})
     engine_overhead: int | None = field(default=None, metadata={
-        "size": True, "metavar": "SIZE",
+        "section": ENGINE, "size": True, "metavar": "SIZE",
         "help": "Memory one replica holds beyond weights and KV (external engines), for the "
                 "fit check.  [default: the engine's estimate]"})
     engine_stage: str = field(default=DEFAULT_ENGINE_STAGE, metadata={
+        "section": ENGINE,
         "help": "sglang-omni: the pipeline stage whose engine holds the KV cache (the stage "
                 "name is model-specific; tts_engine is Higgs TTS's)."})
     # what follows `--` on the command line
     engine_args: tuple[str, ...] = field(default=(), metadata={"flag": None})
     mps_control: str | None = field(default=None, metadata={
-        "metavar": "PATH", "help": CONTROL_HELP})
+        "section": MPS, "metavar": "PATH", "help": CONTROL_HELP})
     # Per-replica MPS caps: off unless asked (a cap takes away the headroom a host-bound
     # replica uses, and some SM caps make cuBLAS pick wrong BF16 kernels: a capped replica
     # passes a BF16 GEMM check before it serves).
     mps_thread_percentage: float | None = field(default=None, metadata={
-        "metavar": "P",
+        "section": MPS, "metavar": "P",
         "help": "With --mps: cap each replica process at P% (1-100) of the GPU's SMs "
                 "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; P × N may exceed 100). Each capped "
                 "replica passes a BF16 GEMM check under its cap before it starts.  [default: "
                 "uncapped]"})
     mps_memory_limit: int | None = field(default=None, metadata={
-        "size": True, "metavar": "SIZE",
+        "section": MPS, "size": True, "metavar": "SIZE",
         "help": "With --mps: cap the device memory each replica process may pin, e.g. 8GiB "
                 "(CUDA_MPS_PINNED_DEVICE_MEM_LIMIT); refused below a replica's planned "
                 "footprint.  [default: uncapped]"})
     # --mps where NVML sees no GPU: exercises the daemon only
     no_gpu_check: bool = field(default=False, metadata={
+        "section": MPS,
         "help": "With --mps where NVML sees no GPU: start the daemon anyway (exercises the "
                 "machinery; attach verification cannot pass without GPU clients)."})
     # per replica start, seconds
     start_timeout: float | None = field(default=None, metadata={
-        "deprecated": ("--health-timeout",),
+        "section": SUPERVISION, "deprecated": ("--health-timeout",),
         "help": "Seconds a replica may take to become healthy (formerly --health-timeout).  "
                 "[default: the engine's: builtin 300, vllm 600, sglang 900, sglang-omni "
                 "1200]"})
     drain_timeout: float = field(default=30.0, metadata={
+        "section": SUPERVISION,
         "help": "Seconds in-flight requests get when a replica or the router stops."})
     check_interval: float = field(default=2.0, metadata={  # supervision sweep
+        "section": SUPERVISION,
         "help": "Seconds between supervision sweeps."})
     # consecutive failed /health before a restart
     restart_after_failures: int = field(default=3, metadata={
-        "deprecated": ("--health-failures",),
+        "section": SUPERVISION, "deprecated": ("--health-failures",),
         "help": "Consecutive failed /health checks before a replica is restarted (formerly "
                 "--health-failures)."})
     restart_budget: int = field(default=5, metadata={
+        "section": SUPERVISION,
         "help": "Restarts per replica within --restart-window before it is marked failed."})
-    restart_window: float = field(default=600.0, metadata={"help": None})
+    restart_window: float = field(default=600.0, metadata={
+        "section": SUPERVISION, "help": "Seconds over which --restart-budget counts a "
+                                        "replica's restarts."})
     on_mps_fault: str = field(default="restart", metadata={
-        "choices": MPS_FAULT_ACTIONS,
+        "section": MPS, "choices": MPS_FAULT_ACTIONS,
         "help": "If the MPS daemon dies or logs a fault: restart it and every replica, or "
                 "stop the run."})
     # fraction of device memory kept free by the fit check
     memory_headroom: float = field(default=0.05, metadata={
+        "section": MEMORY,
         "help": "Fraction of GPU memory the fit check keeps free."})
     # The router's API key; kept out of run.json, argv and repr (it goes by environment).
     api_key: str | None = field(default=None, repr=False, metadata={
-        "envvar": API_KEY_ENV, "metavar": "KEY",
+        "section": ROUTER, "envvar": API_KEY_ENV, "metavar": "KEY",
         "help": "The router requires `Authorization: Bearer KEY` (but on /health, /ready, "
                 "/live, /metrics); the supervisor's admin calls send it. Passed by "
                 f"environment, never written to the run's state. Also read from {API_KEY_ENV}."})
     register: str | None = field(default=None, metadata={
-        "metavar": "URL",
+        "section": GATEWAY, "metavar": "URL",
         "help": "Register with this fleet gateway (the SGLang model gateway's worker API) "
                 "each replica once it passed its gates (or this host's router: "
                 "--register-as router); out while it restarts, removed on teardown. "
                 f"Its API key, if any, from {GATEWAY_KEY_ENV}."})
     register_as: str = field(default="replicas", metadata={
-        "choices": REGISTER_AS,
+        "section": GATEWAY, "choices": REGISTER_AS,
         "help": "What --register hands the gateway: every replica (the gateway balances "
                 "them; it must reach 127.0.0.1, so run it on this host) or this host's router."})
     register_url: str | None = field(default=None, metadata={
-        "metavar": "URL",
+        "section": GATEWAY, "metavar": "URL",
         "help": "With --register-as router: the URL the gateway reaches this host's router "
                 "at.  [default: the router's own URL]"})
     # The router's LLM stream migration (vllm; sglang: completions). None: not passed, the
     # router's default (off; no limit), written there only.
     migration_limit: int | None = field(default=None, metadata={
-        "metavar": "N",
+        "section": FAILURES, "metavar": "N",
         "help": "The router continues a streamed completion or chat cut by its replica's "
                 "failure on another replica, token for token, up to N times (vllm; sglang: "
                 "completions only).  [default: the router's, 0: off]"})
     migration_max_seq_len: int | None = field(default=None, metadata={
-        "metavar": "TOKENS",
+        "section": FAILURES, "metavar": "TOKENS",
         "help": "Streams longer than this (prompt plus generated tokens) are not migrated.  "
                 "[default: the router's, no limit]"})
     otlp_traces_endpoint: str | None = field(default=None, metadata={
-        "metavar": "URL",
+        "section": OBSERVABILITY, "metavar": "URL",
         "help": "OpenTelemetry traces to this OTLP/HTTP receiver (e.g. "
                 "http://127.0.0.1:4318/v1/traces): passed to the router and to every replica "
                 "(builtin: its stage processes too; vllm: its own flag of this name; sglang "
                 "engines: the router's spans only).  [default: no tracing]"})
     # text | json, for the launcher, supervisor, replicas and router; help: the CLI's
-    log_format: str = field(default="text", metadata={"help": None})
+    log_format: str = field(default="text", metadata={
+        "section": OBSERVABILITY, "help": None})
 
 
 def setting_name(f: dataclasses.Field) -> str:
