@@ -13,11 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from omni_dp.procs import ProcessIdentity
-
-
-class Malformed(ValueError):
-    """A field that is missing or of the wrong type; the message names it."""
-
+from omni_dp.records import Malformed
 
 REQUIRED: Any = object()
 _JSON_KINDS = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"),

@@ -104,7 +104,7 @@ class RunState:
         atomic_write(plan.run_dir / TOKEN_FILE, token + "\n")
         record = RunRecord(
             run_id=plan.run_id, created_at=time.time(), state=RunPhase.STARTING,
-            gpu=plan.gpu_label, device=plan.device, plan=PlanRecord.from_json(plan.to_json()),
+            gpu=plan.gpu_label, device=plan.device, plan=plan.record(),
             launcher=identify(os.getpid()),  # `omni-dp launch`, until it hands off
             replicas=tuple(replica_record(r) for r in plan.replicas),
             gpus=plan.gpus,
