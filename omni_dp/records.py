@@ -55,6 +55,30 @@ class Shape:
 PLAIN = Shape()
 
 
+class Hex(bytes):
+    """Bytes a record holds as a hex string in its JSON (a CUDA IPC handle): JSON has no bytes,
+    and hex is what a person reading the file can compare."""
+
+
+def _encode_hook(value: Any) -> Any:
+    if isinstance(value, Hex):
+        return value.hex()
+    raise NotImplementedError(type(value).__name__)
+
+
+def _decode_hook(kind: type, value: Any) -> Any:
+    if kind is object:  # a free-form value (PlanRecord.options): as JSON has it
+        return value
+    if kind is Hex:
+        if not isinstance(value, str):
+            raise ValueError(f"is {json_kind(value)}, not a hex string")
+        try:
+            return Hex(bytes.fromhex(value))
+        except ValueError:
+            raise ValueError("is not hex") from None
+    raise NotImplementedError(kind.__name__)
+
+
 def _shape(cls: type) -> Shape:
     return getattr(cls, "JSON_SHAPE", PLAIN)
 
@@ -157,14 +181,17 @@ def to_json(record: Any) -> dict:
     """The record's JSON: builtins json.dumps writes (tuples as lists, enums by value).
     Through asdict first: a record msgspec built keeps its defaults on the class, not in its
     __dict__, and msgspec's encoder reads the __dict__ (it would drop them)."""
-    return _from_fields(type(record), _lists(msgspec.to_builtins(dataclasses.asdict(record))))
+    return _from_fields(type(record), _lists(msgspec.to_builtins(
+        dataclasses.asdict(record), enc_hook=_encode_hook)))
 
 
 def from_json(data: Any, cls: type[T], where: str = "") -> T:
     """The record of parsed JSON; Malformed naming what is wrong (`where`: the record's place
-    in its document, "plan", for the message)."""
+    in its document, "plan", for the message). A record's own checks (its __post_init__, which
+    msgspec runs) raise ValueError(".key is …") for one of its keys, or ValueError("…") for
+    the record as a whole; the message is placed at the record's path in the document."""
     try:
-        return msgspec.convert(_to_fields(cls, data), cls, strict=True)
+        return msgspec.convert(_to_fields(cls, data), cls, strict=True, dec_hook=_decode_hook)
     except msgspec.ValidationError as exc:
         raise Malformed(_message(cls, str(exc), where)) from None
 
@@ -234,7 +261,11 @@ def _message(cls: type, error: str, where: str) -> str:
                      if isinstance(a, type) and issubclass(a, enum.Enum)), None)
         allowed = f", not one of {', '.join(str(m.value) for m in kind)}" if kind else ""
         return f"{at} is {bad[1]}{allowed}"
-    return f"{at}: {what}"
+    if not path:
+        return what.lstrip(".")
+    if what.startswith("."):
+        return f"{path}{what}"
+    return f"{at} {what}" if what.startswith("is ") else f"{at}: {what}"
 
 
 class Record:

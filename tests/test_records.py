@@ -29,6 +29,14 @@ from omni_dp.runfile import (
     SupervisorRecord,
     read_run,
 )
+from omni_dp.sharefile import (
+    MANIFEST_FILE,
+    Buffer,
+    CudaIpcHandle,
+    ModelIdentity,
+    TensorEntry,
+    read_manifest,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 RUN_JSON = FIXTURES / "run-232a526.json"
@@ -140,3 +148,26 @@ def test_a_malformed_run_json_is_still_a_run_file_error(tmp_path):
     with pytest.raises(RunFileError, match=r"run\.json is malformed: plan\.supervision\."
                                            r"health_timeout is a string, not a number$"):
         read_run(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["weights-segment-232a526.json", "weights-cuda-232a526.json"])
+def test_a_share_manifest_written_before_reads_and_is_written_back_byte_for_byte(tmp_path,
+                                                                                name):
+    (tmp_path / MANIFEST_FILE).write_text((FIXTURES / name).read_text())
+    (tmp_path / MANIFEST_FILE).chmod(0o600)
+    manifest = read_manifest(tmp_path)
+    assert (manifest.format, manifest.architecture, manifest.policy, manifest.dtype,
+            manifest.run_id, manifest.created_at) == (1, "omni-dp-tts", "omni-dp-tts/1",
+                                                      "float32", "run-test-0001", 1700000002.0)
+    assert manifest.model == ModelIdentity("preset tiny, seed 0", "ab" * 32)
+    assert manifest.leader == ProcessIdentity(4100, 123456.5)
+    assert manifest.shared == (TensorEntry("talker.embed.weight", "float32", (16, 8), 0, 0, 512),)
+    assert manifest.private == (TensorEntry("talker.norm.weight", "bfloat16", (8,), 0, 512, 16),)
+    [buffer] = manifest.buffers
+    if manifest.device == "cpu":
+        assert buffer == Buffer("segment", 576, "weights.bin", "cd" * 32)
+    else:
+        assert buffer == Buffer("cuda_ipc", 576, ipc=CudaIpcHandle(
+            0, bytes(range(64)), 576, 0, b"\x01" * 16, 8, b"", False))
+        assert buffer.ipc is not None and buffer.ipc.args()[1] == bytes(range(64))
+    assert json.dumps(manifest.to_json(), indent=1) + "\n" == (FIXTURES / name).read_text()
