@@ -241,6 +241,16 @@ def _item(hint: Any) -> Any:
     return args[-1] if args else None
 
 
+def _allowed(hint: Any) -> list[str]:
+    """The values an enum or a Literal (or either | None) allows, as JSON spells them."""
+    for a in (hint, *typing.get_args(hint)):
+        if isinstance(a, type) and issubclass(a, enum.Enum):
+            return [str(m.value) for m in a]
+        if typing.get_origin(a) is typing.Literal:
+            return [str(v) for v in typing.get_args(a)]
+    return []
+
+
 def _message(cls: type, error: str, where: str) -> str:
     match = _AT.match(error)
     assert match is not None
@@ -257,10 +267,8 @@ def _message(cls: type, error: str, where: str) -> str:
     if expected := re.match(r"Expected `(.+)`, got `(.+)`", what):
         return f"{at} is {_kinds(expected[2])}, not {_kinds(expected[1])}"
     if bad := re.match(r"Invalid enum value (.+)", what):
-        kind = next((a for a in (hint, *typing.get_args(hint))
-                     if isinstance(a, type) and issubclass(a, enum.Enum)), None)
-        allowed = f", not one of {', '.join(str(m.value) for m in kind)}" if kind else ""
-        return f"{at} is {bad[1]}{allowed}"
+        allowed = _allowed(hint)
+        return f"{at} is {bad[1]}" + (f", not one of {', '.join(allowed)}" if allowed else "")
     if not path:
         return what.lstrip(".")
     if what.startswith("."):

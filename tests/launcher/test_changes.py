@@ -26,6 +26,7 @@ from omni_dp.launcher.changes.request import (
     REQUEST_FILE,
     ChangeRefused,
     ChangeRequest,
+    Relaunch,
     Step,
     finish,
     read_change,
@@ -92,7 +93,7 @@ def test_a_rolling_restart_is_one_replica_at_a_time_with_the_runs_own_plan(tmp_p
     state = launched(tmp_path, cpu_facts(tmp_path))
     request = plan_restart(state.record)
     assert steps(request) == [("restart", 0), ("restart", 1)]
-    assert all(s.launch is None for s in request.steps)  # the recorded argv, env and block
+    assert all(s.relaunch is None for s in request.steps)  # the recorded argv, env and block
     assert request.plan is None and request.summary == "rolling restart of replicas 0, 1"
     assert request.drain_timeout == state.supervision.drain_timeout
     assert steps(plan_restart(state.record, replicas=[1])) == [("restart", 1)]
@@ -151,10 +152,10 @@ def test_a_model_update_restarts_every_replica_with_its_new_launch(tmp_path):
                            replan=replanner(facts))
     assert steps(request) == [("restart", 0), ("restart", 1)]
     for step, old in zip(request.steps, state.replicas, strict=True):
-        assert step.launch["argv"][-4:] == ["--model", "tiny", "--seed", "3"]
-        assert step.launch["argv"][:-4] == list(old.argv)  # port, block, threads: as they were
-        assert step.launch["cpus"] == old.cpus
-    assert request.plan["engine_args"] == ["--model", "tiny", "--seed", "3"]
+        assert step.relaunch.argv[-4:] == ("--model", "tiny", "--seed", "3")
+        assert step.relaunch.argv[:-4] == old.argv  # port, block, threads: as they were
+        assert step.relaunch.cpus == old.cpus
+    assert request.plan.engine_args == ("--model", "tiny", "--seed", "3")
     assert request.summary == "model update of replicas 0, 1 to `--model tiny --seed 3`"
     with pytest.raises(ChangePlanError, match="give no --replica"):
         plan_restart(state.record, replicas=[0], engine_args=("--model", "tiny"))
@@ -181,9 +182,9 @@ def test_scaling_up_adds_replicas_and_moves_the_others_into_their_new_blocks(tmp
     request = plan_scale(state.record, 2, replan=replanner(facts))
     assert steps(request) == [("add", 1), ("restart", 0)]  # the new one serves first
     add, restart = request.steps
-    assert add.launch["cpus"] == "1" and add.launch["port"] == state.replica(0).port + 1
-    assert restart.launch["cpus"] == "0"
-    assert request.plan["replicas"] == 2 and request.plan["options"]["replicas"] == 2
+    assert add.added.cpus == "1" and add.added.port == state.replica(0).port + 1
+    assert restart.relaunch.cpus == "0"
+    assert request.plan.replicas == 2 and request.plan.options["replicas"] == 2
     assert "replicas 0 restart into their new CPU blocks, one at a time" in request.summary
 
 
@@ -264,10 +265,48 @@ def test_an_unreadable_request_is_set_aside_not_made(tmp_path):
     assert not (tmp_path / CHANGE_FILE).exists()
 
 
+@pytest.mark.parametrize(("edit", "why"), [
+    (lambda steps: steps[1].update(action="grow"),
+     "change.steps[1].action is 'grow', not one of restart, add, remove"),
+    (lambda steps: steps[1]["launch"].pop("port"), "change.steps[1].launch has no 'port'"),
+    (lambda steps: steps[1].update(launch=None),
+     "change.steps[1].launch: an add step, and only one, carries the replica's record"),
+    (lambda steps: steps[0].update(launch={"argv": "serve", "env": {}, "cpus": None}),
+     "change.steps[0].launch.argv is a string, not a list"),
+])
+def test_a_malformed_request_is_refused_whole_before_any_step(tmp_path, edit, why):
+    """Every step is typed when the request is taken: a bad second step is refused with the
+    first (which would otherwise have run), said, and set aside."""
+    state = launched(tmp_path, cpu_facts(tmp_path))
+    added = dataclasses.replace(state.replica(1), index=2, port=state.replica(1).port + 1)
+    data = ChangeRequest("scale", (Step("restart", 0), Step("add", 2, added=added)),
+                         "scale to 3", 5.0, plan=dataclasses.replace(state.plan, replicas=3)
+                         ).to_json()
+    edit(data["steps"])
+    (state.directory / REQUEST_FILE).write_text(json.dumps(data))
+    said: list[str] = []
+    assert take(state.directory, said.append) is None
+    assert not (state.directory / CHANGE_FILE).exists()  # never running: no step was made
+    assert (state.directory / f"{REQUEST_FILE}.unreadable").exists()
+    [refusal] = said
+    assert refusal.endswith(f"{REQUEST_FILE} cannot be read: {why}")
+
+
+def test_a_step_cannot_be_built_wrong_where_it_is_written():
+    with pytest.raises(ValueError, match="an add step, and only one, carries"):
+        Step("add", 1)
+    with pytest.raises(ValueError, match="a remove step carries no new launch"):
+        Step("remove", 1, relaunch=Relaunch(("serve",), {}, None))
+
+
 def test_a_request_round_trips_whole(tmp_path):
-    request = ChangeRequest("scale", (Step("add", 2, {"index": 2}), Step("remove", 3)),
-                            "scale from 4 to 3", 5.0, plan={"replicas": 3}, gpus=[{"slot": 0}],
-                            wait_healthy=12.5)
+    state = launched(tmp_path, cpu_facts(tmp_path))
+    added = dataclasses.replace(state.replica(1), index=2, port=state.replica(1).port + 1)
+    request = ChangeRequest("scale", (Step("add", 2, added=added), Step("remove", 3),
+                                      Step("restart", 0, relaunch=Relaunch(("serve",), {}, "0"))),
+                            "scale from 4 to 3", 5.0,
+                            plan=dataclasses.replace(state.plan, replicas=3),
+                            gpus=state.record.gpus, wait_healthy=12.5)
     assert ChangeRequest.from_json(json.loads(json.dumps(request.to_json()))) == request
     older = {k: v for k, v in request.to_json().items() if k != "wait_healthy"}
     assert ChangeRequest.from_json(older).wait_healthy == OLD_REQUEST_WAIT_S

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from omni_dp.launcher.changes.request import ChangeRequest, Step, finish
 from omni_dp.launcher.supervision.crew import Crew
@@ -31,7 +31,7 @@ from omni_dp.launcher.supervision.others_healthy import NotHealthy, not_healthy
 from omni_dp.launcher.supervision.replica_restart import Progress, ReplicaRestart
 from omni_dp.launcher.supervision.router_link import RouterLink
 from omni_dp.launcher.supervision.slots import Busy, Slot
-from omni_dp.runfile import GpuRecord, PlanRecord, ReplicaRecord, ReplicaState
+from omni_dp.runfile import GpuRecord, PlanRecord, ReplicaState
 
 SLOT_WAIT_S = 600.0  # for a restart the sweep began on the same replica to end
 WAIT_POLL_S = 0.5  # how often a step waiting for the others looks again
@@ -104,7 +104,7 @@ class ChangeRunner:
                 self._out_and_drained(change, i)
                 if self.crew.state.replica(i).state is not ReplicaState.RESTARTING:
                     self.crew.state.update_replica(i, state=ReplicaState.RESTARTING)
-            relaunch = (lambda i: self._relaunch(i, step)) if step.launch else None
+            relaunch = (lambda i: self._relaunch(i, step)) if step.relaunch else None
             passed = self.restart.cycle(members, Progress(), relaunch=relaunch)
         if passed is None:
             raise StepFailed("the run is being torn down")
@@ -115,7 +115,8 @@ class ChangeRunner:
 
     def _add(self, change: ChangeRequest, step: Step) -> None:
         state = self.crew.state
-        record = ReplicaRecord.from_json(step.launch or {})
+        record = step.added
+        assert record is not None  # an add step carries it (Step.__post_init__)
         state.set_scale((*state.replicas, record),
                         self._plan_with(len(state.replicas) + 1, change),
                         self._gpus(change))
@@ -245,24 +246,23 @@ class ChangeRunner:
                     drained=drained, seconds=round(time.monotonic() - started, 2), **refused)
 
     def _relaunch(self, index: int, step: Step) -> None:
-        launch = step.launch or {}
-        self.crew.state.update_replica(index, argv=tuple(launch["argv"]),
-                                       env=dict(launch["env"]), cpus=launch.get("cpus"))
+        launch = step.relaunch
+        assert launch is not None
+        self.crew.state.update_replica(index, argv=launch.argv, env=dict(launch.env),
+                                       cpus=launch.cpus)
 
     def _record_plan(self, change: ChangeRequest) -> None:
         """The plan the run now follows (a model update's engine arguments, a scale's count)."""
         if change.plan is not None and change.kind == "restart":
-            self.crew.state.set_plan(PlanRecord.from_json(change.plan))
+            self.crew.state.set_plan(change.plan)
 
     def _plan_with(self, replicas: int, change: ChangeRequest) -> PlanRecord:
         """The plan as the record goes through a scale: the new one's, counting what is there
         now (each step adds or removes one)."""
-        plan = PlanRecord.from_json(change.plan or {})
-        return PlanRecord.from_json({**plan.to_json(), "replicas": replicas})
+        return replace(change.plan or self.crew.state.plan, replicas=replicas)
 
     def _gpus(self, change: ChangeRequest) -> tuple[GpuRecord, ...]:
-        return tuple(GpuRecord.from_json(g) for g in change.gpus or []) or \
-            self.crew.state.record.gpus
+        return change.gpus or self.crew.state.record.gpus
 
     def _last_error(self, index: int) -> str:
         state = self.crew.state

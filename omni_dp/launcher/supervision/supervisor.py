@@ -294,9 +294,14 @@ class Supervisor:
         thread of its own, one at a time (the next waits, asked, until this one ended)."""
         if self.busy.holder(CHANGE) is not None or self.stop_requested.is_set():
             return
-        change = take(self.state.directory)
+        change = take(self.state.directory, self._change_refused)
         if change is not None:
             self.busy.start(CHANGE, self.change, change, name=f"change-{change.id}")
+
+    def _change_refused(self, why: str) -> None:
+        """A request that does not parse: refused whole, before any step, and said."""
+        self.state.event("change_refused", error=why)
+        self.crew.say(f"change refused: {why}")
 
     def _check_hangs(self) -> None:
         """Replicas the router found hung and has not re-admitted within the grace: each
