@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from omni_dp.cli import cli
 from omni_dp.cli.commands import changes as change_commands
+from omni_dp.launcher.changes.follow import describe
 from omni_dp.launcher.changes.plan import (
     RESTART_MARGIN_S,
     ChangePlanError,
@@ -38,6 +39,7 @@ from omni_dp.launcher.planning.facts import KnownRun, LaunchFacts
 from omni_dp.launcher.planning.options import LaunchOptions
 from omni_dp.launcher.planning.plan import plan_launch
 from omni_dp.launcher.planning.topology import Core, CpuTopology
+from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.record.state import RunState
 from omni_dp.procs import ProcessIdentity
 from omni_dp.runfile import ReplicaState
@@ -349,3 +351,32 @@ def test_wait_healthy_goes_from_the_command_line_to_the_request(tmp_path, monkey
         shown = " ".join(CliRunner().invoke(cli, [command, "--help"]).output.split()
                          ).replace("- ", "-")
         assert "0: do not wait" in shown and "--start-timeout plus 60 s" in shown, shown
+
+
+# --- events: one enum, written and read ------------------------------------------------------
+
+
+def test_an_event_is_written_only_by_its_name_in_the_enum(tmp_path):
+    state = launched(tmp_path, cpu_facts(tmp_path))
+    with pytest.raises(TypeError, match="an event is named by an Event, not 'change_stpe'"):
+        state.event("change_stpe", change="x")  # a typo no reader would ever match
+    state.event(Event.CHANGE_STEP, change="x", step=1, action="restart", replica=0)
+    [line] = [e for e in state.events() if e.get("change") == "x"]
+    assert line["event"] == "change_step" and describe(line) == "step 1: restart replica 0"
+
+
+def test_no_event_name_is_dead():
+    """Writers and readers name events by the enum alone, every name in it is used by the
+    launcher's modules (written, or read back by follow.py), and none they use is missing."""
+    import ast
+    from pathlib import Path
+
+    import omni_dp.launcher as launcher
+
+    written: set[str] = set()
+    for path in Path(launcher.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                    node.value.id == "Event":
+                written.add(node.attr)
+    assert written == {e.name for e in Event}  # and none named that is not one

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 from omni_dp.launcher.changes.request import ChangeRequest, Step, finish
+from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.others_healthy import NotHealthy, not_healthy
 from omni_dp.launcher.supervision.replica_restart import Progress, ReplicaRestart
@@ -61,7 +62,7 @@ class ChangeRunner:
     def __call__(self, change: ChangeRequest) -> None:
         """The change thread's body: whatever goes wrong is recorded, never raised."""
         state = self.crew.state
-        state.event("change_started", change=change.id, kind=change.kind,
+        state.event(Event.CHANGE_STARTED, change=change.id, kind=change.kind,
                     summary=change.summary, steps=[s.to_json() for s in change.steps])
         self.crew.say(f"change {change.id}: {change.summary}")
         error = None
@@ -77,21 +78,21 @@ class ChangeRunner:
             error = "the run is being torn down"
         finish(state.directory, change, error)
         if error:
-            state.event("change_failed", change=change.id, error=error)
+            state.event(Event.CHANGE_FAILED, change=change.id, error=error)
             self.crew.say(f"change {change.id} failed: {error}")
         else:
-            state.event("change_done", change=change.id)
+            state.event(Event.CHANGE_DONE, change=change.id)
             self.crew.say(f"change {change.id} done: {change.summary}")
 
     def _step(self, change: ChangeRequest, step: Step, n: int) -> None:
         if self.crew.stop.is_set() or self.crew.gate.closed:
             raise StepFailed("the run is being torn down")
         started = time.monotonic()
-        self.crew.state.event("change_step", change=change.id, step=n, action=step.action,
+        self.crew.state.event(Event.CHANGE_STEP, change=change.id, step=n, action=step.action,
                               replica=step.replica)
         {"restart": self._restart, "add": self._add, "remove": self._remove}[step.action](
             change, step)
-        self.crew.state.event("change_step_done", change=change.id, step=n,
+        self.crew.state.event(Event.CHANGE_STEP_DONE, change=change.id, step=n,
                               action=step.action, replica=step.replica,
                               seconds=round(time.monotonic() - started, 2))
 
@@ -132,7 +133,7 @@ class ChangeRunner:
         try:
             self.crew.replicas.measure_memory(passed)
         except Exception as exc:  # it passed: a figure missing is no failure
-            self.crew.state.event("memory_measure_failed", replicas=passed, error=repr(exc))
+            self.crew.state.event(Event.MEMORY_MEASURE_FAILED, replicas=passed, error=repr(exc))
 
     def _remove(self, change: ChangeRequest, step: Step) -> None:
         state = self.crew.state
@@ -187,7 +188,7 @@ class ChangeRunner:
         for; whom it did not wait for is said."""
         while unready := self._not_healthy(members):
             if change.wait_healthy == 0:
-                self.crew.state.event("change_not_waiting", change=change.id, replica=index,
+                self.crew.state.event(Event.CHANGE_NOT_WAITING, change=change.id, replica=index,
                                       taking_out=members, others=[u.to_json() for u in unready])
                 return
             waited = self.crew.clock() - waiting.since
@@ -196,7 +197,7 @@ class ChangeRunner:
             if stuck:
                 raise StepFailed(self._stuck(change, members, stuck, waited))
             if {u.index for u in unready} - waiting.said:
-                self.crew.state.event("change_waiting", change=change.id, replica=index,
+                self.crew.state.event(Event.CHANGE_WAITING, change=change.id, replica=index,
                                       taking_out=members, others=[u.to_json() for u in unready],
                                       bound_s=change.wait_healthy)
                 waiting.said.update(u.index for u in unready)
@@ -207,7 +208,7 @@ class ChangeRunner:
                 waiting: Waiting) -> None:
         """The wait is over, every one waited for found healthy: said with how long it took."""
         if waiting.said and change.wait_healthy != 0:
-            self.crew.state.event("change_waited", change=change.id, replica=index,
+            self.crew.state.event(Event.CHANGE_WAITED, change=change.id, replica=index,
                                   taking_out=members, others=sorted(waiting.said),
                                   seconds=round(self.crew.clock() - waiting.since, 2))
 
@@ -242,7 +243,7 @@ class ChangeRunner:
         started = time.monotonic()
         drained = out and self.router.drain(index, change.drain_timeout)
         refused = {} if out else {"error": state.replica(index).last_error}
-        state.event("change_drained", change=change.id, replica=index, out_of_router=out,
+        state.event(Event.CHANGE_DRAINED, change=change.id, replica=index, out_of_router=out,
                     drained=drained, seconds=round(time.monotonic() - started, 2), **refused)
 
     def _relaunch(self, index: int, step: Step) -> None:
