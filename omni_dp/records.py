@@ -1,12 +1,16 @@
 """One way a record crosses a file or a process: its JSON is derived from its fields.
 
-A record is a frozen dataclass; `to_json` turns it into JSON-ready builtins and `from_json`
-builds it back, every field's type checked by msgspec (enums by value, tuples from lists, a
-bool is no integer), so no record spells its keys out by hand and no field can be read into
-another's place. A record whose JSON is not simply its fields — a key renamed, a process
-identity written into the record's own object, a key left out while null, a key older files
-lack — says how in a `Shape` (its class attribute `JSON_SHAPE`): files written before still
-read, and are written as they were.
+A record is a frozen dataclass deriving from `Record`; its `to_json` (`encode`) turns it into
+JSON-ready builtins and its `from_json` (`decode`) builds it back, every field's type checked by
+msgspec (enums by value, tuples from lists, a bool is no integer), so no record spells its keys
+out by hand and no field can be read into another's place. A record whose JSON is not simply
+its fields — a key renamed, a process identity written into the record's own object, a key
+left out while null, a key older files lack — says how in a `Shape` (its class attribute
+`JSON_SHAPE`): files written before still read, and are written as they were. A record's own
+checks are its __post_init__, run as it is built and as it is read.
+
+A record msgspec built keeps a field left at its default on the class, not in the instance's
+__dict__: read fields by attribute (dataclasses.asdict, replace), never through vars().
 
 What does not parse is a `Malformed` naming the key in the JSON document, in the words of the
 documents' readers: "replicas[1] has no 'port'", "created_at is a string, not a number".
@@ -177,7 +181,7 @@ def _lists(value: Any) -> Any:
     return value
 
 
-def to_json(record: Any) -> dict:
+def encode(record: Any) -> dict:
     """The record's JSON: builtins json.dumps writes (tuples as lists, enums by value).
     Through asdict first: a record msgspec built keeps its defaults on the class, not in its
     __dict__, and msgspec's encoder reads the __dict__ (it would drop them)."""
@@ -185,7 +189,7 @@ def to_json(record: Any) -> dict:
         dataclasses.asdict(record), enc_hook=_encode_hook)))
 
 
-def from_json(data: Any, cls: type[T], where: str = "") -> T:
+def decode(data: Any, cls: type[T], where: str = "") -> T:
     """The record of parsed JSON; Malformed naming what is wrong (`where`: the record's place
     in its document, "plan", for the message). A record's own checks (its __post_init__, which
     msgspec runs) raise ValueError(".key is …") for one of its keys, or ValueError("…") for
@@ -281,8 +285,8 @@ class Record:
     derives from this writes no to_json or from_json of its own)."""
 
     def to_json(self) -> dict:
-        return to_json(self)
+        return encode(self)
 
     @classmethod
     def from_json(cls: type[T], data: Any, where: str = "") -> T:
-        return from_json(data, cls, where)
+        return decode(data, cls, where)
