@@ -46,16 +46,6 @@ class ReplicaProcesses:
     index: int
     processes: tuple[DeclaredProcess, ...]
 
-    @classmethod
-    def from_json(cls, index: int, processes: list[dict]) -> ReplicaProcesses:
-        """From a replica's `processes` list (/get_server_info, run.json)."""
-        return cls(int(index), tuple(
-            DeclaredProcess(int(p["pid"]), str(p["role"]), str(p["device"]),
-                            float(p["create_time"]) if p.get("create_time") is not None
-                            else None)
-            for p in processes
-        ))
-
 
 @dataclass
 class ClientMatch:
