@@ -172,21 +172,23 @@ def _flattened(data: dict, name: str, kind: Any) -> dict:
     return out
 
 
-def _lists(value: Any) -> Any:
-    """JSON's builtins only: msgspec keeps a tuple a tuple, JSON reads it back a list."""
-    if isinstance(value, dict):
-        return {key: _lists(item) for key, item in value.items()}
+def _plain(value: Any) -> Any:
+    """A record as dicts and lists, field by field through getattr: a record msgspec built
+    keeps a default on the class, not in its __dict__, which msgspec's encoder reads (it would
+    drop the field); and JSON reads a tuple back as a list, a mapping as a dict."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_lists(item) for item in value]
+        return [_plain(item) for item in value]
     return value
 
 
 def encode(record: Any) -> dict:
-    """The record's JSON: builtins json.dumps writes (tuples as lists, enums by value).
-    Through asdict first: a record msgspec built keeps its defaults on the class, not in its
-    __dict__, and msgspec's encoder reads the __dict__ (it would drop them)."""
-    return _from_fields(type(record), _lists(msgspec.to_builtins(
-        dataclasses.asdict(record), enc_hook=_encode_hook)))
+    """The record's JSON: builtins json.dumps writes (enums by value, Hex as hex)."""
+    return _from_fields(type(record), msgspec.to_builtins(_plain(record),
+                                                          enc_hook=_encode_hook))
 
 
 def decode(data: Any, cls: type[T], where: str = "") -> T:

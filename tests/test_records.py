@@ -6,7 +6,9 @@ written back byte for byte."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 
@@ -19,6 +21,7 @@ from omni_dp.runfile import (
     GatewayRecord,
     GpuRecord,
     PlanRecord,
+    ReplicaRecord,
     ReplicaState,
     RouterPlan,
     RunFileError,
@@ -125,6 +128,14 @@ def test_a_record_read_back_equals_the_one_written_defaults_included():
     back = SupervisorRecord.from_json(json.loads(json.dumps(record.to_json())))
     assert back == record and back.to_json() == {"pid": 1, "create_time": 2.5,
                                                   "detached": False}
+
+
+def test_a_read_only_mapping_in_a_record_is_written_as_an_object():
+    replica = ReplicaRecord(0, 8100, "http://127.0.0.1:8100", None, ("serve",),
+                            MappingProxyType({"A": "1"}), "replica_0.log")
+    assert replica.to_json()["env"] == {"A": "1"}
+    assert ReplicaRecord.from_json(json.loads(json.dumps(replica.to_json()))) == replace(
+        replica, env={"A": "1"})
 
 
 @pytest.mark.parametrize(("data", "why"), [
