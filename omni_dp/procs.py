@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import psutil
 
+from omni_dp.records import Record
+
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # A create time above this is seconds since the epoch (31 years of uptime is none): a record
 # written before omni-dp read starttime. Such a time is compared as it was then, to the second.
@@ -25,16 +27,9 @@ EPOCH_FLOOR = 1e9
 
 
 @dataclass(frozen=True)
-class ProcessIdentity:
+class ProcessIdentity(Record):
     pid: int
     create_time: float  # seconds after boot (start_of); in older records, since the epoch
-
-    def to_json(self) -> dict:
-        return {"pid": self.pid, "create_time": self.create_time}
-
-    @classmethod
-    def from_json(cls, data: dict) -> ProcessIdentity:
-        return cls(int(data["pid"]), float(data["create_time"]))
 
 
 def _stat(pid: int) -> tuple[str, float] | None:

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from omni_dp.jsonfields import JsonFields, Malformed
 from omni_dp.mps.attach import DeclaredProcess, ReplicaProcesses
-from omni_dp.mps.daemon import DaemonLimits, DaemonRecord
+from omni_dp.mps.daemon import DaemonRecord
 from omni_dp.procs import ProcessIdentity, is_alive
+from omni_dp.records import Malformed, Record, Shape, json_kind
 from omni_dp.rundir import RUN_FILE, RUN_ID, TOKEN_FILE, run_dir, runs_dir, state_dir
 
 SCHEMA = 2
@@ -85,8 +85,6 @@ REPLICA_TRANSITIONS: Mapping[ReplicaState, frozenset[ReplicaState]] = {
 }
 # The states the supervisor's sweep checks (a restart owns the others).
 WATCHED = frozenset({_R.HEALTHY, _R.UNHEALTHY, _R.DOWN})
-_RUN_PHASES = tuple(p.value for p in RunPhase)
-_REPLICA_STATES = tuple(s.value for s in ReplicaState)
 
 
 # A replica in these states runs as the process that passed its gates: a weight-share leader
@@ -107,27 +105,33 @@ def check_transition(old: enum.Enum, new: enum.Enum,
                                 "allowed transition")
 
 
-def _fields(data: Mapping | JsonFields, where: str) -> JsonFields:
-    return data if isinstance(data, JsonFields) else JsonFields(data, where)
+def _read_run(data: dict) -> dict:
+    """A run.json of either schema in the fields' layout: schema 1's single
+    `{"mps": {"daemon": …}}` is GPU slot 0's daemon, and its one GPU (no `gpus`) slot 0."""
+    mps = data.pop("mps", None)
+    if mps is not None and not isinstance(mps, Mapping):
+        raise Malformed(f"mps is {json_kind(mps)}, not an object")
+    if mps is not None:
+        data["daemons"] = mps["daemons"] if "daemons" in mps else [mps.get("daemon")]
+    data["schema"] = SCHEMA  # written back in this schema's form, whichever it was read from
+    plan = data.get("plan")
+    if not data.get("gpus") and isinstance(plan, Mapping):
+        data["gpus"] = [{"slot": 0, "label": data.get("gpu"),
+                         "numa_node": plan.get("gpu_numa_node")}]
+    return data
 
 
-def _daemon(f: JsonFields) -> DaemonRecord:
-    limits = f.object("limits", optional=True)  # absent before caps were offered: none set
-    return DaemonRecord(f.identity(), f.str("binary"), f.str("pipe_dir"), f.str("log_dir"),
-                        f.str("gpu_uuid", None, optional=True),
-                        f.str("server_binary", None, optional=True), f.int("gpu", 0),
-                        DaemonLimits(limits.number("thread_percentage", None, optional=True),
-                                     limits.int("memory_limit_bytes", None, optional=True))
-                        if limits else DaemonLimits())
-
-
-def _daemons(mps: JsonFields | None) -> tuple[DaemonRecord, ...]:
-    """Schema 2's `{"daemons": [...]}`, or schema 1's single `{"daemon": {...}}` (GPU slot 0)."""
-    if mps is None:
-        return ()
-    if "daemons" in mps.data:
-        return tuple(_daemon(d) for d in mps.items("daemons"))
-    return (_daemon(mps.object("daemon")),)
+def _write_run(data: dict) -> dict:
+    """The fields' layout as run.json has it: the daemons under "mps" (null without one), the
+    schema first and the replicas last, for a reader with `cat`."""
+    out = {"schema": data.pop("schema")}
+    replicas = data.pop("replicas")
+    for key, value in data.items():
+        if key == "daemons":
+            out["mps"] = {"daemons": value} if value else None
+        else:
+            out[key] = value
+    return {**out, "replicas": replicas}
 
 
 def gpu_key(gpu_count: int, index: int | None, slot: int) -> int | None:
@@ -141,8 +145,12 @@ def gpu_key(gpu_count: int, index: int | None, slot: int) -> int | None:
 
 
 @dataclass(frozen=True)
-class SupervisionSettings:
+class SupervisionSettings(Record):
     """How the supervisor watches and restarts (from the launch options)."""
+
+    # run.json keeps the keys of schema 1, named before the launch flags were renamed
+    JSON_SHAPE = Shape(keys={"restart_after_failures": "health_failures",
+                             "start_timeout": "health_timeout"})
 
     check_interval: float
     restart_after_failures: int  # consecutive failed /health before a restart
@@ -152,41 +160,15 @@ class SupervisionSettings:
     start_timeout: float  # seconds for one replica to start
     drain_timeout: float
 
-    def to_json(self) -> dict:
-        # run.json keeps the keys of schema 1, named before the launch flags were renamed
-        return {"check_interval": self.check_interval,
-                "health_failures": self.restart_after_failures,
-                "restart_budget": self.restart_budget, "restart_window": self.restart_window,
-                "on_mps_fault": self.on_mps_fault, "health_timeout": self.start_timeout,
-                "drain_timeout": self.drain_timeout}
-
-    @classmethod
-    def from_json(cls, d: Mapping | JsonFields) -> SupervisionSettings:
-        f = _fields(d, "plan.supervision")
-        return cls(f.number("check_interval"), f.int("health_failures"),
-                   f.int("restart_budget"), f.number("restart_window"), f.str("on_mps_fault"),
-                   f.number("health_timeout"), f.number("drain_timeout"))
-
-
 @dataclass(frozen=True)
-class RouterPlan:
+class RouterPlan(Record):
     url: str
     policy: str
     workers: int
     argv: tuple[str, ...]
 
-    def to_json(self) -> dict:
-        return {"url": self.url, "policy": self.policy, "workers": self.workers,
-                "argv": list(self.argv)}
-
-    @classmethod
-    def from_json(cls, d: Mapping | JsonFields) -> RouterPlan:
-        f = _fields(d, "plan.router")
-        return cls(f.str("url"), f.str("policy"), f.int("workers"), f.strings("argv"))
-
-
 @dataclass(frozen=True)
-class GpuRecord:
+class GpuRecord(Record):
     """One GPU of the run (a slot: replicas and a daemon name it by `slot`, its position in
     RunRecord.gpus), or the CPU ("cpu") for a run without one."""
 
@@ -203,20 +185,16 @@ class GpuRecord:
             return self.label
         return f"GPU {self.index}" + (f" ({self.name})" if self.name else "")
 
-    def to_json(self) -> dict:
-        return {"slot": self.slot, "label": self.label, "index": self.index,
-                "numa_node": self.numa_node, "name": self.name}
-
-    @classmethod
-    def from_json(cls, d: Mapping | JsonFields) -> GpuRecord:
-        f = _fields(d, "gpus[]")
-        return cls(f.int("slot"), f.str("label"), f.int("index", None, optional=True),
-                   f.int("numa_node", None, optional=True), f.str("name", None, optional=True))
-
-
 @dataclass(frozen=True)
-class PlanRecord:
+class PlanRecord(Record):
     """What run.json keeps of the launch plan: what the run was asked to be."""
+
+    # keys a run.json written before them lacks (a null command, too, is the default)
+    JSON_SHAPE = Shape(absent={"config_file": None, "gpu_numa_node": None,
+                               "kv_cache_bytes": None, "max_total_tokens": None,
+                               "expected_kv_tokens": None, "log_format": "text",
+                               "warnings": [], "command": "omni-dp", "api_key_set": False},
+                       null_is_absent=("command",))
 
     replicas: int
     engine: str
@@ -250,87 +228,31 @@ class PlanRecord:
     mps_thread_percentage: float | None = None
     mps_memory_limit: int | None = None
 
-    def to_json(self) -> dict:
-        return {
-            "replicas": self.replicas, "engine": self.engine,
-            "engine_args": list(self.engine_args), "config_file": self.config_file,
-            "device": self.device, "gpu": self.gpu, "gpu_numa_node": self.gpu_numa_node,
-            "mps": self.mps, "start": self.start, "cpu_blocks": self.cpu_blocks,
-            "kv_cache_bytes": self.kv_cache_bytes, "max_total_tokens": self.max_total_tokens,
-            "expected_kv_tokens": self.expected_kv_tokens, "router": self.router.to_json(),
-            "supervision": self.supervision.to_json(), "log_format": self.log_format,
-            "warnings": list(self.warnings), "command": self.command,
-            "api_key_set": self.api_key_set, "share_weights": self.share_weights,
-            "register": self.register, "register_as": self.register_as,
-            "register_url": self.register_url, "replicas_per_gpu": self.replicas_per_gpu,
-            "options": dict(self.options) if self.options is not None else None,
-            "mps_thread_percentage": self.mps_thread_percentage,
-            "mps_memory_limit": self.mps_memory_limit,
-        }
-
-    @classmethod
-    def from_json(cls, d: Mapping | JsonFields) -> PlanRecord:
-        f = _fields(d, "plan")
-        return cls(
-            f.int("replicas"), f.str("engine"), f.strings("engine_args"),
-            f.str("config_file", None, optional=True), f.str("device"), f.str("gpu"),
-            f.int("gpu_numa_node", None, optional=True), f.bool("mps"), f.str("start"),
-            f.str("cpu_blocks"), f.int("kv_cache_bytes", None, optional=True),
-            f.int("max_total_tokens", None, optional=True),
-            f.int("expected_kv_tokens", None, optional=True),
-            RouterPlan.from_json(f.object("router")),
-            SupervisionSettings.from_json(f.object("supervision")),
-            f.str("log_format", "text"), f.strings("warnings", ()),
-            f.str("command", None, optional=True) or "omni-dp", f.bool("api_key_set", False),
-            f.bool("share_weights", False), f.str("register", None, optional=True),
-            f.str("register_as", "replicas"), f.str("register_url", None, optional=True),
-            f.int("replicas_per_gpu", None, optional=True),
-            dict(options.data) if (options := f.object("options", optional=True)) else None,
-            f.number("mps_thread_percentage", None, optional=True),
-            f.int("mps_memory_limit", None, optional=True),
-        )
-
-
 @dataclass(frozen=True)
-class SupervisorRecord:
+class SupervisorRecord(Record):
+    JSON_SHAPE = Shape(flat=("identity",), omit_none=("supervising_since",),
+                       absent={"detached": False})
+
     identity: ProcessIdentity
     detached: bool
     supervising_since: float | None = None  # set once its loop has run a first sweep
 
-    def to_json(self) -> dict:
-        data = {**self.identity.to_json(), "detached": self.detached}
-        if self.supervising_since is not None:
-            data["supervising_since"] = self.supervising_since
-        return data
-
-    @classmethod
-    def from_json(cls, d: Mapping | JsonFields) -> SupervisorRecord:
-        f = _fields(d, "supervisor")
-        return cls(f.identity(), f.bool("detached", False),
-                   f.number("supervising_since", None, optional=True))
-
-
 @dataclass(frozen=True)
-class RouterRecord:
+class RouterRecord(Record):
+    JSON_SHAPE = Shape(flat=("identity",))
+
     identity: ProcessIdentity
     pgid: int
     url: str
     argv: tuple[str, ...]
     log: str
 
-    def to_json(self) -> dict:
-        return {**self.identity.to_json(), "pgid": self.pgid, "url": self.url,
-                "argv": list(self.argv), "log": self.log}
-
-    @classmethod
-    def from_json(cls, d: Mapping | JsonFields) -> RouterRecord:
-        f = _fields(d, "router")
-        return cls(f.identity(), f.int("pgid"), f.str("url"), f.strings("argv"), f.str("log"))
-
-
 @dataclass(frozen=True)
-class ReplicaRecord:
+class ReplicaRecord(Record):
     """One replica: what the plan fixed (port, block, argv, env) and what it is now."""
+
+    # its process as "pid", "create_time" (null until started); "cpus" absent: unpinned
+    JSON_SHAPE = Shape(flat=("identity",), absent={"cpus": None})
 
     index: int
     port: int
@@ -345,11 +267,11 @@ class ReplicaRecord:
     state: ReplicaState = ReplicaState.PLANNED
     kv_tokens: int | None = None
     mps_attached: bool | None = None
-    restarts: tuple[float, ...] = ()  # when each restart began (time.time())
-    last_error: str | None = None
     # Its measured private memory once healthy (CPU: USS of its processes; CUDA: NVML's used
     # GPU memory of its processes); None until measured or where it cannot be measured
     memory_bytes: int | None = None
+    restarts: tuple[float, ...] = ()  # when each restart began (time.time())
+    last_error: str | None = None
     gpu: int = 0  # the slot of the GPU it runs on (RunRecord.gpus); fixed by the plan
 
     @property
@@ -359,49 +281,8 @@ class ReplicaRecord:
     def declared(self) -> ReplicaProcesses:
         return ReplicaProcesses(self.index, self.processes)
 
-    def to_json(self) -> dict:
-        ident = self.identity
-        return {
-            "index": self.index, "port": self.port, "url": self.url, "cpus": self.cpus,
-            "argv": list(self.argv), "env": dict(self.env), "log": self.log,
-            "pid": ident.pid if ident else None,
-            "create_time": ident.create_time if ident else None, "pgid": self.pgid,
-            "processes": [_process_json(p) for p in self.processes],
-            "state": self.state.value, "kv_tokens": self.kv_tokens,
-            "mps_attached": self.mps_attached, "memory_bytes": self.memory_bytes,
-            "restarts": list(self.restarts), "last_error": self.last_error, "gpu": self.gpu,
-        }
-
-    @classmethod
-    def from_json(cls, d: Mapping | JsonFields) -> ReplicaRecord:
-        f = _fields(d, "replica")
-        state = f.str("state")
-        if state not in _REPLICA_STATES:
-            raise Malformed(f"{f.path('state')} is {state!r}, not one of "
-                             f"{', '.join(_REPLICA_STATES)}")
-        return cls(
-            f.int("index"), f.int("port"), f.str("url"), f.str("cpus", None, optional=True),
-            f.strings("argv"), f.string_map("env"), f.str("log"), f.maybe_identity(),
-            f.int("pgid", None, optional=True),
-            tuple(DeclaredProcess(p.int("pid"), p.str("role"), p.str("device"),
-                                  p.number("create_time", None, optional=True))
-                  for p in f.items("processes", ())),
-            ReplicaState(state), f.int("kv_tokens", None, optional=True),
-            f.bool("mps_attached", None, optional=True), f.numbers("restarts", ()),
-            f.str("last_error", None, optional=True),
-            memory_bytes=f.int("memory_bytes", None, optional=True), gpu=f.int("gpu", 0),
-        )
-
-
-def _process_json(p: DeclaredProcess) -> dict:
-    data: dict = {"pid": p.pid, "role": p.role, "device": p.device}
-    if p.create_time is not None:  # absent in a run.json written before sessions were read
-        data["create_time"] = p.create_time
-    return data
-
-
 @dataclass(frozen=True)
-class ShareRecord:
+class ShareRecord(Record):
     """--share-weights, as proven: the leader's manifest read and checked after its wave."""
 
     leader: int  # the replica that loaded and published the weights
@@ -425,39 +306,16 @@ class ShareRecord:
             return None
         return replace(self, followers=tuple(i for i in self.followers if i != index))
 
-    def to_json(self) -> dict:
-        return {"leader": self.leader, "followers": list(self.followers),
-                "directory": self.directory, "policy": self.policy,
-                "shared_bytes": self.shared_bytes, "private_bytes": self.private_bytes,
-                "tensors": self.tensors, "leader_pid": self.leader_pid,
-                "published_at": self.published_at}
-
-    @classmethod
-    def from_json(cls, d: Mapping | JsonFields) -> ShareRecord:
-        f = _fields(d, "share")
-        followers = f.numbers("followers")
-        if not all(isinstance(i, int) for i in followers):
-            raise Malformed(f"{f.path('followers')} must hold replica indices")
-        return cls(f.int("leader"), tuple(int(i) for i in followers), f.str("directory"),
-                   f.str("policy"), f.int("shared_bytes"), f.int("private_bytes"),
-                   f.int("tensors"), f.int("leader_pid", None, optional=True),
-                   f.number("published_at", None, optional=True))
-
-
 @dataclass(frozen=True)
-class GatewayEntry:
+class GatewayEntry(Record):
     """One worker this run registered with the fleet gateway, as the gateway named it."""
 
     target: str  # the URL the gateway was given (a replica's, or the router's)
     replica: int | None  # None: the router
     worker_id: str
 
-    def to_json(self) -> dict:
-        return {"target": self.target, "replica": self.replica, "worker_id": self.worker_id}
-
-
 @dataclass(frozen=True)
-class GatewayRecord:
+class GatewayRecord(Record):
     """--register: the gateway, and what of this run it lists (each entry proven listed and
     healthy there when it was added; removed here once the gateway no longer lists it)."""
 
@@ -471,19 +329,13 @@ class GatewayRecord:
     def without(self, target: str) -> GatewayRecord:
         return replace(self, entries=tuple(e for e in self.entries if e.target != target))
 
-    def to_json(self) -> dict:
-        return {"url": self.url, "entries": [e.to_json() for e in self.entries]}
-
-    @classmethod
-    def from_json(cls, d: Mapping | JsonFields) -> GatewayRecord:
-        f = _fields(d, "gateway")
-        return cls(f.str("url"), tuple(
-            GatewayEntry(e.str("target"), e.int("replica", None, optional=True),
-                         e.str("worker_id")) for e in f.items("entries", ())))
-
-
 @dataclass(frozen=True)
-class RunRecord:
+class RunRecord(Record):
+    """A run.json: schema 2's layout written, schema 1's read too (`_read_run`)."""
+
+    JSON_SHAPE = Shape(read=_read_run, write=_write_run, absent={"launcher": None},
+                       paths={"daemons": "mps.daemons"})
+
     run_id: str
     created_at: float
     state: RunPhase
@@ -536,53 +388,6 @@ class RunRecord:
         """This record with the daemon of record.gpu's slot replaced (or added)."""
         others = tuple(d for d in self.daemons if d.gpu != record.gpu)
         return replace(self, daemons=tuple(sorted((*others, record), key=lambda d: d.gpu)))
-
-    def to_json(self) -> dict:
-        return {
-            "schema": self.schema, "run_id": self.run_id, "created_at": self.created_at,
-            "state": self.state.value, "gpu": self.gpu, "device": self.device,
-            "plan": self.plan.to_json(),
-            "launcher": self.launcher.to_json() if self.launcher else None,
-            "supervisor": self.supervisor.to_json() if self.supervisor else None,
-            "router": self.router.to_json() if self.router else None,
-            "mps": {"daemons": [d.to_json() for d in self.daemons]} if self.daemons else None,
-            "share": self.share.to_json() if self.share else None,
-            "gpus": [g.to_json() for g in self.gpus],
-            "gateway": self.gateway.to_json() if self.gateway else None,
-            "replicas": [r.to_json() for r in self.replicas],
-        }
-
-    @classmethod
-    def from_json(cls, d: Mapping | JsonFields) -> RunRecord:
-        """The record of a parsed run.json; a ValueError naming the field that is missing or of
-        the wrong type (read_run turns it into a RunFileError naming the file)."""
-        f = _fields(d, "")
-        state = f.str("state")
-        if state not in _RUN_PHASES:
-            raise Malformed(f"state is {state!r}, not one of {', '.join(_RUN_PHASES)}")
-        launcher = f.object("launcher", optional=True)
-        supervisor = f.object("supervisor", optional=True)
-        router = f.object("router", optional=True)
-        mps = f.object("mps", optional=True)
-        share = f.object("share", optional=True)
-        gateway = f.object("gateway", optional=True)
-        plan = PlanRecord.from_json(f.object("plan"))
-        gpu = f.str("gpu")
-        # Schema 1 had one GPU (or the CPU) and no `gpus`: it is slot 0.
-        gpus = tuple(GpuRecord.from_json(g) for g in f.items("gpus", ())) or (
-            GpuRecord(0, gpu, None, plan.gpu_numa_node),)
-        return cls(
-            f.str("run_id"), f.number("created_at"), RunPhase(state), gpu,
-            f.str("device"), plan,
-            launcher.maybe_identity() if launcher else None,
-            tuple(ReplicaRecord.from_json(r) for r in f.items("replicas")),
-            SupervisorRecord.from_json(supervisor) if supervisor else None,
-            RouterRecord.from_json(router) if router else None,
-            # written back in this schema's form, whichever it was read from
-            _daemons(mps), SCHEMA,
-            ShareRecord.from_json(share) if share else None, gpus,
-            GatewayRecord.from_json(gateway) if gateway else None,
-        )
 
     def with_replica(self, index: int, **fields: Any) -> RunRecord:
         """This record with one replica's fields changed (their types and its state change
@@ -725,8 +530,6 @@ def read_run(directory: Path) -> tuple[RunRecord, str]:
         return RunRecord.from_json(data), token
     except Malformed as exc:
         raise RunFileError(f"{directory / RUN_FILE} is malformed: {exc}") from None
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise RunFileError(f"{directory / RUN_FILE} is malformed: {exc!r}") from None
 
 
 def run_dirs(root: Path | None = None) -> list[Path]:

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omni_dp.files import atomic_write
-from omni_dp.jsonfields import JsonFields, Malformed
 from omni_dp.procs import ProcessIdentity
+from omni_dp.records import Hex, Malformed, Record, Shape
 
 FORMAT = 1
 MANIFEST_FILE = "weights.json"
@@ -49,67 +49,54 @@ class ShareFileError(Exception):
 
 
 @dataclass(frozen=True)
-class ModelIdentity:
+class ModelIdentity(Record):
     source: str  # "preset tiny, seed 0", or the weights directory
     digest: str  # sha256 (hex) of the config and the seed, or of the directory's files
 
-    def to_json(self) -> dict:
-        return {"source": self.source, "digest": self.digest}
+
+_HANDLES = (("handle", False), ("ref_counter_handle", False),
+            ("event_handle", True))  # empty when the leader's stream needs no waiting on
 
 
 @dataclass(frozen=True)
-class CudaIpcHandle:
+class CudaIpcHandle(Record):
     """What torch's `UntypedStorage._share_cuda_()` returns for one storage, as JSON can hold
     it (bytes as hex); `UntypedStorage._new_shared_cuda(*handle.args())` opens it."""
 
     device: int  # in the leader's numbering; the manifest's `device` names the GPU by UUID
-    handle: bytes
+    handle: Hex
     storage_size: int
     storage_offset: int
-    ref_counter_handle: bytes
+    ref_counter_handle: Hex
     ref_counter_offset: int
-    event_handle: bytes
+    event_handle: Hex
     event_sync_required: bool
 
-    def args(self) -> tuple:
-        return (self.device, self.handle, self.storage_size, self.storage_offset,
-                self.ref_counter_handle, self.ref_counter_offset, self.event_handle,
-                self.event_sync_required)
-
-    def to_json(self) -> dict:
-        return {"device": self.device, "handle": self.handle.hex(),
-                "storage_size": self.storage_size, "storage_offset": self.storage_offset,
-                "ref_counter_handle": self.ref_counter_handle.hex(),
-                "ref_counter_offset": self.ref_counter_offset,
-                "event_handle": self.event_handle.hex(),
-                "event_sync_required": self.event_sync_required}
-
-    @classmethod
-    def from_json(cls, f: JsonFields) -> CudaIpcHandle:
-        counts = {}
+    def __post_init__(self) -> None:
+        """The checks a follower makes before it opens a handle (the leader's are the same)."""
         for key in ("device", "storage_size", "storage_offset", "ref_counter_offset"):
-            counts[key] = f.int(key)
-            if counts[key] < 0:
-                raise Malformed(f"{f.path(key)} is negative")
-        handles = {}
-        # The event handle is empty when the leader's stream needs no waiting on.
-        for key, may_be_empty in (("handle", False), ("ref_counter_handle", False),
-                                  ("event_handle", True)):
-            handles[key] = value = _hex(f, key)
+            if getattr(self, key) < 0:
+                raise ValueError(f".{key} is negative")
+        for key, may_be_empty in _HANDLES:
+            value = getattr(self, key)
+            object.__setattr__(self, key, Hex(value))  # torch's bytes, written as hex
             if not value and not may_be_empty:
-                raise Malformed(f"{f.path(key)} is empty")
+                raise ValueError(f".{key} is empty")
             if len(value) > MAX_IPC_HANDLE_BYTES:
-                raise Malformed(f"{f.path(key)} is {len(value)} bytes, more than "
-                                f"{MAX_IPC_HANDLE_BYTES}")
-        return cls(counts["device"], handles["handle"], counts["storage_size"],
-                   counts["storage_offset"], handles["ref_counter_handle"],
-                   counts["ref_counter_offset"], handles["event_handle"],
-                   f.bool("event_sync_required"))
+                raise ValueError(f".{key} is {len(value)} bytes, more than "
+                                 f"{MAX_IPC_HANDLE_BYTES}")
+
+    def args(self) -> tuple:
+        return (self.device, bytes(self.handle), self.storage_size, self.storage_offset,
+                bytes(self.ref_counter_handle), self.ref_counter_offset,
+                bytes(self.event_handle), self.event_sync_required)
 
 
 @dataclass(frozen=True)
-class Buffer:
+class Buffer(Record):
     """One flat buffer the tensors are views of: the CPU segment file, or one CUDA storage."""
+
+    JSON_SHAPE = Shape(omit_none=("file", "sha256", "ipc"))  # a segment's keys, or the handle
 
     kind: str  # segment | cuda_ipc
     nbytes: int
@@ -117,37 +104,24 @@ class Buffer:
     sha256: str | None = None  # segment: of its bytes, as the leader wrote them
     ipc: CudaIpcHandle | None = None  # cuda_ipc
 
-    def to_json(self) -> dict:
-        data: dict = {"kind": self.kind, "nbytes": self.nbytes}
-        if self.kind == "segment":
-            data |= {"file": self.file, "sha256": self.sha256}
-        else:
-            data["ipc"] = self.ipc.to_json() if self.ipc else None
-        return data
-
-    @classmethod
-    def from_json(cls, f: JsonFields) -> Buffer:
-        kind = f.str("kind")
-        if kind not in BUFFER_KINDS:
-            raise Malformed(f"{f.path('kind')} is {kind!r}, not one of {', '.join(BUFFER_KINDS)}")
-        nbytes = f.int("nbytes")
-        if nbytes < 0:
-            raise Malformed(f"{f.path('nbytes')} is negative")
-        if kind == "segment":
-            name = f.str("file")
-            if name != SEGMENT_FILE:  # never a path: the segment lives beside the manifest
-                raise Malformed(f"{f.path('file')} is {name!r}, not {SEGMENT_FILE!r}")
-            digest = f.str("sha256")
-            if len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
-                raise Malformed(f"{f.path('sha256')} is not a sha256 hex digest")
-            return cls(kind, nbytes, file=name, sha256=digest)
-        ipc = f.object("ipc")
-        assert ipc is not None
-        return cls(kind, nbytes, ipc=CudaIpcHandle.from_json(ipc))
+    def __post_init__(self) -> None:
+        if self.kind not in BUFFER_KINDS:
+            raise ValueError(f".kind is {self.kind!r}, not one of {', '.join(BUFFER_KINDS)}")
+        if self.nbytes < 0:
+            raise ValueError(".nbytes is negative")
+        if self.kind == "cuda_ipc":
+            if self.ipc is None:
+                raise ValueError(".ipc is null, not an object")
+            return
+        if self.file != SEGMENT_FILE:  # never a path: the segment lives beside the manifest
+            raise ValueError(f".file is {self.file!r}, not {SEGMENT_FILE!r}")
+        digest = self.sha256 or ""
+        if len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
+            raise ValueError(".sha256 is not a sha256 hex digest")
 
 
 @dataclass(frozen=True)
-class TensorEntry:
+class TensorEntry(Record):
     """One tensor: a view of `nbytes` at `offset` of buffer `buffer`."""
 
     name: str  # as in the model's state dict, prefixed by its network: "talker.norm.weight"
@@ -157,35 +131,34 @@ class TensorEntry:
     offset: int
     nbytes: int
 
-    def to_json(self) -> dict:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
-                "buffer": self.buffer, "offset": self.offset, "nbytes": self.nbytes}
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f".dtype is {self.dtype!r}, not one of {', '.join(DTYPES)}")
+        if len(self.shape) > MAX_DIMS or not all(d >= 0 for d in self.shape):
+            raise ValueError(f".shape is not a list of at most {MAX_DIMS} non-negative "
+                             "integers")
+        if self.nbytes != math.prod(self.shape) * ITEMSIZE[self.dtype]:
+            raise ValueError(f"nbytes {self.nbytes} is not {self.shape} × "
+                             f"{ITEMSIZE[self.dtype]} bytes")
+        if self.offset < 0 or self.offset % ALIGN:
+            raise ValueError(f".offset {self.offset} is not a non-negative multiple of {ALIGN}")
 
-    @classmethod
-    def from_json(cls, f: JsonFields) -> TensorEntry:
-        dtype = f.str("dtype")
-        if dtype not in DTYPES:
-            raise Malformed(f"{f.path('dtype')} is {dtype!r}, not one of {', '.join(DTYPES)}")
-        shape = f.numbers("shape")
-        if len(shape) > MAX_DIMS or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise Malformed(f"{f.path('shape')} is not a list of at most {MAX_DIMS} "
-                            "non-negative integers")
-        entry = cls(f.str("name"), dtype, tuple(int(d) for d in shape), f.int("buffer"),
-                    f.int("offset"), f.int("nbytes"))
-        numel = 1
-        for d in entry.shape:
-            numel *= d
-        if entry.nbytes != numel * ITEMSIZE[dtype]:
-            raise Malformed(f"{f.where}: nbytes {entry.nbytes} is not {entry.shape} × "
-                            f"{ITEMSIZE[dtype]} bytes")
-        if entry.offset < 0 or entry.offset % ALIGN:
-            raise Malformed(f"{f.path('offset')} {entry.offset} is not a non-negative multiple "
-                            f"of {ALIGN}")
-        return entry
+
+def _read_format(data: dict) -> dict:
+    """A manifest of another format is refused by its number, before any other key is read."""
+    version = data.get("format", "absent")
+    if version == "absent":
+        raise Malformed("the top level has no 'format'")
+    if isinstance(version, int) and not isinstance(version, bool) and version != FORMAT:
+        raise Malformed(f"format is {version}; this omni-dp reads format {FORMAT}")
+    return data
 
 
 @dataclass(frozen=True)
-class ShareManifest:
+class ShareManifest(Record):
+    JSON_SHAPE = Shape(read=_read_format,
+                       write=lambda data: {"format": data.pop("format"), **data})
+
     architecture: str  # the model's (config.ARCHITECTURE); its share policy decides the sets
     policy: str  # the policy's name and version, e.g. "omni-dp-tts/1"
     model: ModelIdentity
@@ -199,6 +172,11 @@ class ShareManifest:
     created_at: float
     format: int = FORMAT
 
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.created_at):  # json reads NaN, Infinity
+            raise ValueError(f".created_at is {self.created_at}, not a finite number")
+        self.check_layout()
+
     @property
     def shared_bytes(self) -> int:
         return sum(t.nbytes for t in self.shared)
@@ -206,39 +184,6 @@ class ShareManifest:
     @property
     def private_bytes(self) -> int:
         return sum(t.nbytes for t in self.private)
-
-    def to_json(self) -> dict:
-        return {
-            "format": self.format, "architecture": self.architecture, "policy": self.policy,
-            "model": self.model.to_json(), "dtype": self.dtype, "device": self.device,
-            "run_id": self.run_id, "leader": self.leader.to_json(),
-            "buffers": [b.to_json() for b in self.buffers],
-            "shared": [t.to_json() for t in self.shared],
-            "private": [t.to_json() for t in self.private],
-            "created_at": self.created_at,
-        }
-
-    @classmethod
-    def from_json(cls, data: object) -> ShareManifest:
-        """The manifest of parsed JSON; Malformed naming the first field that is wrong."""
-        f = JsonFields(data, "")
-        version = f.int("format")
-        if version != FORMAT:
-            raise Malformed(f"format is {version}; this omni-dp reads format {FORMAT}")
-        model = f.object("model")
-        leader = f.object("leader")
-        assert model is not None and leader is not None
-        manifest = cls(
-            f.str("architecture"), f.str("policy"),
-            ModelIdentity(model.str("source"), model.str("digest")), f.str("dtype"),
-            f.str("device"), f.str("run_id"), leader.identity(),
-            tuple(Buffer.from_json(b) for b in f.items("buffers")),
-            tuple(TensorEntry.from_json(t) for t in f.items("shared")),
-            tuple(TensorEntry.from_json(t) for t in f.items("private")),
-            _finite(f, "created_at"), version,
-        )
-        manifest.check_layout()
-        return manifest
 
     def check_layout(self) -> None:
         """Names unique; every tensor inside its buffer; no two tensors overlapping."""
@@ -329,18 +274,3 @@ def read_manifest(directory: Path) -> ShareManifest:
         return ShareManifest.from_json(data)
     except Malformed as exc:
         raise ShareFileError(f"the weight-share manifest {path} is malformed: {exc}") from None
-
-
-def _finite(f: JsonFields, key: str) -> float:
-    value = f.number(key)
-    if isinstance(value, float) and not math.isfinite(value):  # json reads NaN, Infinity
-        raise Malformed(f"{f.path(key)} is {value}, not a finite number")
-    return value
-
-
-def _hex(f: JsonFields, key: str) -> bytes:
-    text = f.str(key)
-    try:
-        return bytes.fromhex(text)
-    except ValueError:
-        raise Malformed(f"{f.path(key)} is not hex") from None

@@ -322,12 +322,13 @@ def _set(value, *path):
     (_set("sleeping", "state"), "state is 'sleeping', not one of starting, running"),
     (_set("fine", "replicas", 0, "state"), "replicas[0].state is 'fine', not one of planned"),
     (_set({"0": "x"}, "replicas"), "replicas is an object, not a list"),
-    (_set([1, "a"], "replicas", 0, "argv"), "replicas[0].argv is a list, not a list of strings"),
-    (_set({"A": 1}, "replicas", 0, "env"), "replicas[0].env is an object, not an object of "
-                                           "strings"),
+    (_set([1, "a"], "replicas", 0, "argv"), "replicas[0].argv[0] is an integer, not a string"),
+    (_set({"A": 1}, "replicas", 0, "env"), "a value of replicas[0].env is an integer, not a "
+                                           "string"),
     (_set([{"pid": 1, "role": "main"}], "replicas", 0, "processes"),
      "replicas[0].processes[0] has no 'device'"),
-    (_set({"daemon": {"pid": 1}}, "mps"), "mps.daemon has no 'create_time'"),
+    # schema 1's one daemon is read as slot 0's of schema 2
+    (_set({"daemon": {"pid": 1}}, "mps"), "mps.daemons[0] has no 'create_time'"),
     (_set({"daemons": [{"pid": 1}]}, "mps"), "mps.daemons[0] has no 'create_time'"),
     (_set([], "router"), "router is a list, not an object"),
     (_set("5", "plan", "supervision", "health_failures"),

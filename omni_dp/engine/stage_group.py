@@ -128,7 +128,7 @@ class StageGroup:
         for process in self.remote:
             spec = self._launch(process, tp_port)
             child = subprocess.Popen([sys.executable, "-m", "omni_dp.engine.stage_process",
-                                      spec.to_json(), str(os.getpid())],
+                                      spec.argv_word(), str(os.getpid())],
                                      stdin=subprocess.DEVNULL)
             self.children[process.name] = child
             threading.Thread(target=self._watch, args=(process.name, child),

@@ -7,16 +7,16 @@ process's entry point.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 
 from omni_dp.engine.options import DEFAULT_PRIORITY_SHARE_EVERY, DEFAULT_VOICE_FIRST_PIECE_CHARS
 from omni_dp.placement.builtin import BUILTIN_PIPELINE
+from omni_dp.records import Record
 
 
 @dataclass(frozen=True)
-class TPRank:
+class TPRank(Record):
     rank: int
     size: int
     store_port: int  # the rendezvous the front opened (tensor_parallel.open_store)
@@ -24,7 +24,7 @@ class TPRank:
 
 
 @dataclass(frozen=True)
-class StageLaunch:
+class StageLaunch(Record):
     """Everything a stage process needs, from its front's plan (argv: JSON)."""
 
     process: str
@@ -51,12 +51,10 @@ class StageLaunch:
     priority_share_every: int = DEFAULT_PRIORITY_SHARE_EVERY  # the talker's admission policy
     otlp_traces_endpoint: str | None = None  # --otlp-traces-endpoint: its spans go there too
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
+    def argv_word(self) -> str:
+        """The launch as the one argv word the stage process reads (`read`)."""
+        return json.dumps(self.to_json())
 
     @classmethod
-    def from_json(cls, text: str) -> StageLaunch:
-        data = json.loads(text)
-        tp = data.pop("tp")
-        data["stages"], data["vocoders"] = tuple(data["stages"]), tuple(data["vocoders"])
-        return cls(**data, tp=TPRank(**tp) if tp else None)
+    def read(cls, word: str) -> StageLaunch:
+        return cls.from_json(json.loads(word), "stage launch")

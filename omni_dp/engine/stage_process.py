@@ -236,7 +236,7 @@ def main(argv: list[str]) -> int:
     # instead of letting it drain. It stops on the front's Stop, or dies with the front.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    spec = StageLaunch.from_json(argv[1])
+    spec = StageLaunch.read(argv[1])
     die_with_parent(int(argv[2]))
     from omni_dp.logs import setup_logging
 

@@ -17,6 +17,7 @@ from omni_dp.launcher.bringup.replicas import ReplicaControl
 from omni_dp.launcher.bringup.steps import BringUpFailed, StartProgress, bring_up
 from omni_dp.launcher.engines.replica_api import GateFailed
 from omni_dp.launcher.planning.plan import LaunchPlan
+from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.record.state import RunState
 from omni_dp.launcher.supervision.detached import start_supervisor
 from omni_dp.launcher.supervision.supervisor import Supervisor
@@ -60,7 +61,7 @@ def launch(plan: LaunchPlan, out: LaunchOutput) -> int:
     say = out.say
     state = RunState.create(plan)
     state.api_key = plan.options.api_key  # in memory: for the router's env and admin calls
-    state.event("run_created", plan=plan.to_json())
+    state.event(Event.RUN_CREATED, plan=plan.to_json())
     replicas = ReplicaControl(state)
     # SIGTERM/SIGINT during bring-up interrupt it; afterwards they only set `stop`, which the
     # supervisor (or the hand-off) acts on, so no moment is left where a signal kills this
@@ -89,7 +90,7 @@ def launch(plan: LaunchPlan, out: LaunchOutput) -> int:
         say("bring-up interrupted; tearing down" if interrupted else f"bring-up FAILED: {why}")
         if not interrupted:
             state.set_phase(RunPhase.FAILED)
-        state.event("bringup_failed", error=why)
+        state.event(Event.BRINGUP_FAILED, error=why)
         result = teardown(state, drain_timeout=state.requested_drain(5.0),
                           keep_state=not interrupted, say=say,
                           reap=[*replicas.popens.values()])
@@ -137,7 +138,7 @@ def _hand_off(state: RunState, reap: list, stop: threading.Event,
     for line in result.leftovers:
         say(f"left behind: {line}")
     if not interrupted:
-        state.event("handoff_failed", supervisor_pid=start.pid, exit=start.exit_code)
+        state.event(Event.HANDOFF_FAILED, supervisor_pid=start.pid, exit=start.exit_code)
         say(f"the state is kept for diagnosis in {state.directory}; remove it with "
             f"`{state.plan.command} down {state.run_id}`"
             if state.directory.exists() else "nothing is left of the run" if result.clean

@@ -32,6 +32,7 @@ from omni_dp.launcher.processes.groups import (
     unproven_orphans,
 )
 from omni_dp.launcher.processes.ours import signal_ours, stop_processes, token_carriers, wait_gone
+from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.record.state import RunState
 from omni_dp.mps.control import MpsControlError
 from omni_dp.mps.daemon import DaemonRecord, MpsDaemon, MpsDaemonError
@@ -58,7 +59,7 @@ def teardown(state: RunState, *, drain_timeout: float, keep_state: bool = False,
              reap: list = ()) -> TeardownResult:
     result = TeardownResult()
     me = os.getpid()
-    state.event("teardown_started", by_pid=me)
+    state.event(Event.TEARDOWN_STARTED, by_pid=me)
     # A failed run stays "failed" (kept for diagnosis); a stopped one had every recorded
     # process confirmed gone already.
     if state.record.state not in (RunPhase.FAILED, RunPhase.STOPPED):
@@ -82,7 +83,7 @@ def teardown(state: RunState, *, drain_timeout: float, keep_state: bool = False,
     else:
         if result.clean:
             _drop_share_segment(state)
-        state.event("teardown_finished", leftovers=result.leftovers)
+        state.event(Event.TEARDOWN_FINISHED, leftovers=result.leftovers)
         if state.record.state not in (RunPhase.FAILED, RunPhase.STOPPED):
             state.set_phase(RunPhase.STOPPED if result.clean else RunPhase.STOPPING)
     return result
@@ -95,7 +96,7 @@ def _drop_share_segment(state: RunState) -> None:
     with contextlib.suppress(FileNotFoundError):
         size = segment.stat().st_size
         segment.unlink()
-        state.event("share_segment_removed", path=str(segment), bytes=size)
+        state.event(Event.SHARE_SEGMENT_REMOVED, path=str(segment), bytes=size)
 
 
 def _stop_owner(state: RunState, role: str, drain_timeout: float, result: TeardownResult,
@@ -168,7 +169,7 @@ def _stop_replicas(state: RunState, drain_timeout: float, result: TeardownResult
         f"(drain ≤ {drain_timeout:g} s)"
         + (f"; replica(s) {', '.join(map(str, orphaned))} lost their leader, stopping the "
            "processes it left" if orphaned else ""))
-    state.event("replicas_stopping", replicas=[
+    state.event(Event.REPLICAS_STOPPING, replicas=[
         {"index": i, "leader": group.leader.pid if group.leader else None,
          "leader_alive": i not in orphaned, "pids": [p.pid for p in processes]}
         for i, (group, processes) in live.items()])
@@ -177,7 +178,7 @@ def _stop_replicas(state: RunState, drain_timeout: float, result: TeardownResult
         survivors += stop_groups([live[i][0] for i in wave], state.token, drain_timeout,
                                  grace_s=10.0, reap=reap, before_kill=mps_terminator(
                                      state, gpus=replica_gpus(state, wave)))
-    state.event("replicas_stopped", indices=list(live), survivors=[s.pid for s in survivors])
+    state.event(Event.REPLICAS_STOPPED, indices=list(live), survivors=[s.pid for s in survivors])
     _note(result, survivors, "replica")
     _note_unproven(state, groups, result)
     for i in live:
@@ -194,7 +195,7 @@ def _note_unproven(state: RunState, groups: list[ReplicaGroup],
                 f"pid {orphan.pid} is in the session of a replica's dead leader (pid "
                 f"{group.leader.pid}) but was never recorded as the run's, so it was not "
                 f"signalled (inspect: ps -o pid,lstart,args -s {group.leader.pid})")
-            state.event("unproven_orphan", pid=orphan.pid, session=group.leader.pid)
+            state.event(Event.UNPROVEN_ORPHAN, pid=orphan.pid, session=group.leader.pid)
 
 
 def _stop_token_carriers(state: RunState, result: TeardownResult,
@@ -270,7 +271,7 @@ def _quit_daemon(state: RunState, record: DaemonRecord, result: TeardownResult,
     except MpsDaemonError as exc:
         result.leftovers.append(f"MPS daemon{of} pid {record.identity.pid}: {exc}")
     else:
-        state.event("mps_daemon_stopped", gpu=record.gpu, pid=record.identity.pid)
+        state.event(Event.MPS_DAEMON_STOPPED, gpu=record.gpu, pid=record.identity.pid)
 
 
 def _of_gpu(record: RunRecord, gpu: int) -> str:

@@ -19,13 +19,16 @@ from omni_dp.contract import REPLICA_ENV, TOKEN_ENV
 from omni_dp.files import atomic_write
 from omni_dp.mps.control import MpsControl, MpsControlError
 from omni_dp.procs import ProcessIdentity, is_alive, read_environ
+from omni_dp.records import Record, Shape
 
 TEXT_ARTIFACT = "mps_attach.txt"
 JSON_ARTIFACT = "mps_attach.json"
 
 
 @dataclass(frozen=True)
-class DeclaredProcess:
+class DeclaredProcess(Record):
+    JSON_SHAPE = Shape(omit_none=("create_time",))  # absent in a run.json from before it
+
     pid: int
     role: str
     device: str  # "cpu" or "cuda:N"
@@ -42,16 +45,6 @@ class DeclaredProcess:
 class ReplicaProcesses:
     index: int
     processes: tuple[DeclaredProcess, ...]
-
-    @classmethod
-    def from_json(cls, index: int, processes: list[dict]) -> ReplicaProcesses:
-        """From a replica's `processes` list (/get_server_info, run.json)."""
-        return cls(int(index), tuple(
-            DeclaredProcess(int(p["pid"]), str(p["role"]), str(p["device"]),
-                            float(p["create_time"]) if p.get("create_time") is not None
-                            else None)
-            for p in processes
-        ))
 
 
 @dataclass

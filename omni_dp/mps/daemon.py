@@ -28,6 +28,7 @@ from omni_dp.mps.control import (
 )
 from omni_dp.mps.faults import fault_lines
 from omni_dp.procs import ProcessIdentity, identify, is_alive, read_environ
+from omni_dp.records import Record, Shape
 
 PID_FILE = "nvidia-cuda-mps-control.pid"  # documented; Debian's 535 build writes none
 CONTROL_LOG = "control.log"
@@ -53,7 +54,7 @@ class MpsDaemonError(Exception):
 
 
 @dataclass(frozen=True)
-class DaemonLimits:
+class DaemonLimits(Record):
     """The client defaults the daemon was given, as it read them back (None: not set, so
     uncapped); limits are read when its server starts, so these hold for every client."""
 
@@ -64,19 +65,14 @@ class DaemonLimits:
     def any(self) -> bool:
         return self.thread_percentage is not None or self.memory_limit_bytes is not None
 
-    def to_json(self) -> dict:
-        return {"thread_percentage": self.thread_percentage,
-                "memory_limit_bytes": self.memory_limit_bytes}
-
-    @classmethod
-    def from_json(cls, data: dict | None) -> DaemonLimits:
-        data = data or {}
-        return cls(data.get("thread_percentage"), data.get("memory_limit_bytes"))
-
 
 @dataclass(frozen=True)
-class DaemonRecord:
+class DaemonRecord(Record):
     """What run.json keeps about the daemon."""
+
+    # its process as "pid", "create_time"; no "gpu_uuid" or null limits in older records
+    JSON_SHAPE = Shape(flat=("identity",), absent={"gpu_uuid": None},
+                       null_is_absent=("limits",))
 
     identity: ProcessIdentity
     binary: str
@@ -86,18 +82,6 @@ class DaemonRecord:
     server_binary: str | None = None  # records written before it was kept have none
     gpu: int = 0  # the run's GPU slot it serves (RunRecord.gpus); one daemon per GPU
     limits: DaemonLimits = DaemonLimits()
-
-    def to_json(self) -> dict:
-        return {**self.identity.to_json(), "binary": self.binary, "pipe_dir": self.pipe_dir,
-                "log_dir": self.log_dir, "gpu_uuid": self.gpu_uuid,
-                "server_binary": self.server_binary, "gpu": self.gpu,
-                "limits": self.limits.to_json()}
-
-    @classmethod
-    def from_json(cls, data: dict) -> DaemonRecord:
-        return cls(ProcessIdentity.from_json(data), data["binary"], data["pipe_dir"],
-                   data["log_dir"], data.get("gpu_uuid"), data.get("server_binary"),
-                   int(data.get("gpu", 0)), DaemonLimits.from_json(data.get("limits")))
 
     def control(self) -> MpsControl:
         """The control client for this daemon: the same pair whoever stops, checks or

@@ -25,6 +25,7 @@ from omni_dp.router.metrics import RouterMetrics
 from omni_dp.router.policies import RequestContext, make_policy
 from omni_dp.router.proxy import CLIENT_AUTO_HEADERS, Forwarder, json_error
 from omni_dp.router.queues import GRANTED, STOPPING, ClassQueues
+from omni_dp.router.relay import ReplicaAdded, ReplicaRemoved, ReplicaUpdated, SiblingChange
 from omni_dp.router.replicas import (
     Backends,
     DuplicateReplica,
@@ -135,7 +136,7 @@ class Router:
         self.hangs: HangWatch | None = None
         self.stopping = False
         # Called with each admin change made here, so sibling router processes can apply it.
-        self.on_change: Callable[[dict], None] = lambda change: None
+        self.on_change: Callable[[SiblingChange], None] = lambda change: None
 
     # --- admission and selection -------------------------------------------------------
     def admission_problem(self, priority: Priority = Priority.DEFAULT) -> tuple[str, str] | None:
@@ -351,9 +352,7 @@ class Router:
         self.replicas.add(replica)
         self.grant()  # the in-flight bound may have grown
         if announce:
-            self.on_change(
-                {"op": "add", "id": replica.id, "url": replica.url, "disabled": disabled}
-            )
+            self.on_change(ReplicaAdded(replica.id, replica.url, disabled))
         if self.probe_session is not None:
             await probe(self.probe_session, replica, self.config.health)
         return replica
@@ -371,7 +370,7 @@ class Router:
         if was_disabled and not disabled:
             mark_healthy(replica)
         if announce:
-            self.on_change({"op": "update", "id": replica.id, "disabled": disabled})
+            self.on_change(ReplicaUpdated(replica.id, disabled))
         log.info("replica %s %s", replica.id,
                  "disabled" if disabled else f"enabled (health {replica.health.value})")
 
@@ -379,20 +378,18 @@ class Router:
         replica = self.replicas.remove(replica_id)
         self.metrics.forget(replica_id)
         if announce:
-            self.on_change({"op": "remove", "id": replica_id})
+            self.on_change(ReplicaRemoved(replica_id))
         return replica
 
-    async def apply_change(self, change: dict) -> None:
+    async def apply_change(self, change: SiblingChange) -> None:
         """Apply a change a sibling process made, without announcing it again."""
         try:
-            if change["op"] == "add":
-                await self.add_replica(
-                    change["url"], change["id"], change["disabled"], announce=False
-                )
-            elif change["op"] == "update" and (replica := self.replicas.get(change["id"])):
-                self.set_disabled(replica, change["disabled"], announce=False)
-            elif change["op"] == "remove" and self.replicas.get(change["id"]):
-                self.remove_replica(change["id"], announce=False)
+            if isinstance(change, ReplicaAdded):
+                await self.add_replica(change.url, change.id, change.disabled, announce=False)
+            elif isinstance(change, ReplicaUpdated) and (replica := self.replicas.get(change.id)):
+                self.set_disabled(replica, change.disabled, announce=False)
+            elif isinstance(change, ReplicaRemoved) and self.replicas.get(change.id):
+                self.remove_replica(change.id, announce=False)
         except ReplicaError as exc:
             log.warning("could not apply %s from a sibling: %s", change, exc)
 

@@ -30,7 +30,7 @@ def stage():
         max_input_chars=100, inbox=endpoint(directory, "vocoder"),
         front=endpoint(directory, "main"), vocoders=(), log_level="info", log_format="text")
     child = subprocess.Popen([sys.executable, "-m", "omni_dp.engine.stage_process",
-                              spec.to_json(), str(os.getpid())],
+                              spec.argv_word(), str(os.getpid())],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         ready = front.recv(60)

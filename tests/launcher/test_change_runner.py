@@ -10,6 +10,7 @@ stops at its first failed step, that the command exits 3 then — and that the c
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 
@@ -128,7 +129,7 @@ def restart(*replicas: int, wait: float = 30.0) -> ChangeRequest:
 
 
 def scale_down(state, to: int, wait: float = 30.0) -> ChangeRequest:
-    plan = {**state.record.plan.to_json(), "replicas": to}
+    plan = dataclasses.replace(state.record.plan, replicas=to)
     return ChangeRequest("scale", tuple(Step("remove", i)
                                         for i in range(len(state.replicas) - 1, to - 1, -1)),
                          f"scale to {to}", drain_timeout=5.0, plan=plan, wait_healthy=wait)
@@ -293,12 +294,12 @@ def test_a_replica_the_router_does_not_add_fails_the_scale_up_with_the_routers_w
     run = a_run(tmp_path, replicas=1)
     state, sup, router, timeline = run.state, run.sup, run.router, run.timeline
     router.refuse["add"] = (409, {"error": "id 1 exists"})
-    new = {**state.replica(0).to_json(), "index": 1, "port": 41001,
-           "url": "http://replica-1.test", "identity": None, "pgid": None,
-           "state": "starting", "restarts": []}
-    plan = {**state.record.plan.to_json(), "replicas": 2}
+    new = dataclasses.replace(state.replica(0), index=1, port=41001,
+                              url="http://replica-1.test", identity=None, pgid=None,
+                              state=ReplicaState.STARTING, restarts=())
+    plan = dataclasses.replace(state.record.plan, replicas=2)
     outcome, _ = followed(state, sup, ChangeRequest(
-        "scale", (Step("add", 1, new),), "scale to 2", drain_timeout=5.0, plan=plan))
+        "scale", (Step("add", 1, added=new),), "scale to 2", drain_timeout=5.0, plan=plan))
     assert not outcome.ok
     assert outcome.error == "the router did not add replica 1: answered 409 (id 1 exists)"
     assert ("start", 1) not in timeline  # never started outside the router

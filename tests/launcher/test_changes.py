@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from omni_dp.cli import cli
 from omni_dp.cli.commands import changes as change_commands
+from omni_dp.launcher.changes.follow import describe
 from omni_dp.launcher.changes.plan import (
     RESTART_MARGIN_S,
     ChangePlanError,
@@ -26,6 +27,7 @@ from omni_dp.launcher.changes.request import (
     REQUEST_FILE,
     ChangeRefused,
     ChangeRequest,
+    Relaunch,
     Step,
     finish,
     read_change,
@@ -37,6 +39,7 @@ from omni_dp.launcher.planning.facts import KnownRun, LaunchFacts
 from omni_dp.launcher.planning.options import LaunchOptions
 from omni_dp.launcher.planning.plan import plan_launch
 from omni_dp.launcher.planning.topology import Core, CpuTopology
+from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.record.state import RunState
 from omni_dp.procs import ProcessIdentity
 from omni_dp.runfile import ReplicaState
@@ -92,7 +95,7 @@ def test_a_rolling_restart_is_one_replica_at_a_time_with_the_runs_own_plan(tmp_p
     state = launched(tmp_path, cpu_facts(tmp_path))
     request = plan_restart(state.record)
     assert steps(request) == [("restart", 0), ("restart", 1)]
-    assert all(s.launch is None for s in request.steps)  # the recorded argv, env and block
+    assert all(s.relaunch is None for s in request.steps)  # the recorded argv, env and block
     assert request.plan is None and request.summary == "rolling restart of replicas 0, 1"
     assert request.drain_timeout == state.supervision.drain_timeout
     assert steps(plan_restart(state.record, replicas=[1])) == [("restart", 1)]
@@ -151,10 +154,10 @@ def test_a_model_update_restarts_every_replica_with_its_new_launch(tmp_path):
                            replan=replanner(facts))
     assert steps(request) == [("restart", 0), ("restart", 1)]
     for step, old in zip(request.steps, state.replicas, strict=True):
-        assert step.launch["argv"][-4:] == ["--model", "tiny", "--seed", "3"]
-        assert step.launch["argv"][:-4] == list(old.argv)  # port, block, threads: as they were
-        assert step.launch["cpus"] == old.cpus
-    assert request.plan["engine_args"] == ["--model", "tiny", "--seed", "3"]
+        assert step.relaunch.argv[-4:] == ("--model", "tiny", "--seed", "3")
+        assert step.relaunch.argv[:-4] == old.argv  # port, block, threads: as they were
+        assert step.relaunch.cpus == old.cpus
+    assert request.plan.engine_args == ("--model", "tiny", "--seed", "3")
     assert request.summary == "model update of replicas 0, 1 to `--model tiny --seed 3`"
     with pytest.raises(ChangePlanError, match="give no --replica"):
         plan_restart(state.record, replicas=[0], engine_args=("--model", "tiny"))
@@ -181,9 +184,9 @@ def test_scaling_up_adds_replicas_and_moves_the_others_into_their_new_blocks(tmp
     request = plan_scale(state.record, 2, replan=replanner(facts))
     assert steps(request) == [("add", 1), ("restart", 0)]  # the new one serves first
     add, restart = request.steps
-    assert add.launch["cpus"] == "1" and add.launch["port"] == state.replica(0).port + 1
-    assert restart.launch["cpus"] == "0"
-    assert request.plan["replicas"] == 2 and request.plan["options"]["replicas"] == 2
+    assert add.added.cpus == "1" and add.added.port == state.replica(0).port + 1
+    assert restart.relaunch.cpus == "0"
+    assert request.plan.replicas == 2 and request.plan.options["replicas"] == 2
     assert "replicas 0 restart into their new CPU blocks, one at a time" in request.summary
 
 
@@ -264,10 +267,48 @@ def test_an_unreadable_request_is_set_aside_not_made(tmp_path):
     assert not (tmp_path / CHANGE_FILE).exists()
 
 
+@pytest.mark.parametrize(("edit", "why"), [
+    (lambda steps: steps[1].update(action="grow"),
+     "change.steps[1].action is 'grow', not one of restart, add, remove"),
+    (lambda steps: steps[1]["launch"].pop("port"), "change.steps[1].launch has no 'port'"),
+    (lambda steps: steps[1].update(launch=None),
+     "change.steps[1].launch: an add step, and only one, carries the replica's record"),
+    (lambda steps: steps[0].update(launch={"argv": "serve", "env": {}, "cpus": None}),
+     "change.steps[0].launch.argv is a string, not a list"),
+])
+def test_a_malformed_request_is_refused_whole_before_any_step(tmp_path, edit, why):
+    """Every step is typed when the request is taken: a bad second step is refused with the
+    first (which would otherwise have run), said, and set aside."""
+    state = launched(tmp_path, cpu_facts(tmp_path))
+    added = dataclasses.replace(state.replica(1), index=2, port=state.replica(1).port + 1)
+    data = ChangeRequest("scale", (Step("restart", 0), Step("add", 2, added=added)),
+                         "scale to 3", 5.0, plan=dataclasses.replace(state.plan, replicas=3)
+                         ).to_json()
+    edit(data["steps"])
+    (state.directory / REQUEST_FILE).write_text(json.dumps(data))
+    said: list[str] = []
+    assert take(state.directory, said.append) is None
+    assert not (state.directory / CHANGE_FILE).exists()  # never running: no step was made
+    assert (state.directory / f"{REQUEST_FILE}.unreadable").exists()
+    [refusal] = said
+    assert refusal.endswith(f"{REQUEST_FILE} cannot be read: {why}")
+
+
+def test_a_step_cannot_be_built_wrong_where_it_is_written():
+    with pytest.raises(ValueError, match="an add step, and only one, carries"):
+        Step("add", 1)
+    with pytest.raises(ValueError, match="a remove step carries no new launch"):
+        Step("remove", 1, relaunch=Relaunch(("serve",), {}, None))
+
+
 def test_a_request_round_trips_whole(tmp_path):
-    request = ChangeRequest("scale", (Step("add", 2, {"index": 2}), Step("remove", 3)),
-                            "scale from 4 to 3", 5.0, plan={"replicas": 3}, gpus=[{"slot": 0}],
-                            wait_healthy=12.5)
+    state = launched(tmp_path, cpu_facts(tmp_path))
+    added = dataclasses.replace(state.replica(1), index=2, port=state.replica(1).port + 1)
+    request = ChangeRequest("scale", (Step("add", 2, added=added), Step("remove", 3),
+                                      Step("restart", 0, relaunch=Relaunch(("serve",), {}, "0"))),
+                            "scale from 4 to 3", 5.0,
+                            plan=dataclasses.replace(state.plan, replicas=3),
+                            gpus=state.record.gpus, wait_healthy=12.5)
     assert ChangeRequest.from_json(json.loads(json.dumps(request.to_json()))) == request
     older = {k: v for k, v in request.to_json().items() if k != "wait_healthy"}
     assert ChangeRequest.from_json(older).wait_healthy == OLD_REQUEST_WAIT_S
@@ -310,3 +351,32 @@ def test_wait_healthy_goes_from_the_command_line_to_the_request(tmp_path, monkey
         shown = " ".join(CliRunner().invoke(cli, [command, "--help"]).output.split()
                          ).replace("- ", "-")
         assert "0: do not wait" in shown and "--start-timeout plus 60 s" in shown, shown
+
+
+# --- events: one enum, written and read ------------------------------------------------------
+
+
+def test_an_event_is_written_only_by_its_name_in_the_enum(tmp_path):
+    state = launched(tmp_path, cpu_facts(tmp_path))
+    with pytest.raises(TypeError, match="an event is named by an Event, not 'change_stpe'"):
+        state.event("change_stpe", change="x")  # a typo no reader would ever match
+    state.event(Event.CHANGE_STEP, change="x", step=1, action="restart", replica=0)
+    [line] = [e for e in state.events() if e.get("change") == "x"]
+    assert line["event"] == "change_step" and describe(line) == "step 1: restart replica 0"
+
+
+def test_no_event_name_is_dead():
+    """Writers and readers name events by the enum alone, every name in it is used by the
+    launcher's modules (written, or read back by follow.py), and none they use is missing."""
+    import ast
+    from pathlib import Path
+
+    import omni_dp.launcher as launcher
+
+    written: set[str] = set()
+    for path in Path(launcher.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                    node.value.id == "Event":
+                written.add(node.attr)
+    assert written == {e.name for e in Event}  # and none named that is not one

@@ -670,7 +670,8 @@ def test_down_during_bring_up_stops_the_launch_and_everything_it_started(runs):
         [sys.executable, "-c", _SLOW_GATES, *run.launch_argv(detach=False)], env=run.env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
     try:
-        wait_for("both replicas to start", lambda: run.run_dir.exists() and all(
+        # run.json, not the directory: it is made first, the record written just after
+        wait_for("both replicas to start", lambda: (run.run_dir / "run.json").exists() and all(
             r["pid"] for r in run.run_json()["replicas"]), timeout=60)
         replica_pids = [r["pid"] for r in run.run_json()["replicas"]]
         assert run.run_json()["launcher"]["pid"] == launcher.pid

@@ -650,7 +650,7 @@ def test_status_of_a_run_whose_launch_was_killed_during_bring_up_says_abandoned(
         [sys.executable, "-c", _STALLED_LAUNCH, *run.launch_argv(detach=False)], env=run.env,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
     try:
-        wait_for("the replica to start", lambda: run.run_dir.exists() and all(
+        wait_for("the replica to start", lambda: (run.run_dir / "run.json").exists() and all(
             r["pid"] for r in run.run_json()["replicas"]), timeout=60)
         wait_for("the replica to be healthy", lambda: get(
             f"http://127.0.0.1:{run.base_port}/health", timeout=2)[0] == 200,

@@ -17,6 +17,7 @@ from omni_dp.contract import TOKEN_ENV
 from omni_dp.launcher.bringup.gates import kv_problems
 from omni_dp.launcher.planning.options import LaunchOptions
 from omni_dp.launcher.processes.ours import child_env
+from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.record.state import RunState
 from omni_dp.mps.attach import DeclaredProcess
 from omni_dp.procs import identify
@@ -35,7 +36,7 @@ def test_run_state_is_private_and_written_atomically(tmp_path) -> None:
         assert stat.S_IMODE(os.stat(state.directory / name).st_mode) == 0o600
     assert len(state.token) == 32 and state.token not in (state.directory / "run.json").read_text()
     state.update_replica(1, kv_tokens=1024)
-    state.event("kv_checked", ok=True)
+    state.event(Event.KV_CHECKED, ok=True)
     again = RunState.load(state.directory)
     assert again.replica(1).kv_tokens == 1024 and again.token == state.token
     assert [e["event"] for e in again.events()] == ["kv_checked"]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 
 import pytest
 from aiohttp import web
 
+from omni_dp.router.relay import ReplicaAdded, ReplicaRemoved, ReplicaUpdated
 from omni_dp.router.replicas import Health
 
 from support.http_client import client, fetch
@@ -573,9 +575,30 @@ def test_an_enable_relayed_from_a_sibling_process_is_routable_at_once():
     async def main():
         async with backends("a") as (a,), serve(make_config([f"a={a.url}"])) as served:
             router = served.router
-            await router.apply_change({"op": "update", "id": "a", "disabled": True})
+            await router.apply_change(ReplicaUpdated("a", True))
             served.replica("a").health = Health.UNHEALTHY  # ejected while it restarted
-            await router.apply_change({"op": "update", "id": "a", "disabled": False})
+            await router.apply_change(ReplicaUpdated("a", False))
             return served.replica("a").routable
 
     assert run(main()) is True
+
+
+def test_a_change_is_announced_to_the_sibling_processes_typed():
+    """What one router process tells its siblings (--workers K) is a typed change, which
+    survives the pipe (pickled) and applies there as it was made."""
+    async def main():
+        async with backends("a", "b") as (a, b), serve(make_config([f"a={a.url}"])) as served:
+            router, sent = served.router, []
+            router.on_change = sent.append
+            await router.add_replica(b.url, "b", True)
+            router.set_disabled(served.replica("b"), False)
+            router.remove_replica("b")
+            for change in sent:  # as a sibling receives them
+                await router.apply_change(pickle.loads(pickle.dumps(change)))
+            return sent, sorted(r.id for r in router.replicas)
+
+    sent, ids = run(main())
+    assert [type(c) for c in sent] == [ReplicaAdded, ReplicaUpdated, ReplicaRemoved]
+    assert (sent[0].id, sent[0].disabled, sent[1], sent[2]) == (
+        "b", True, ReplicaUpdated("b", False), ReplicaRemoved("b"))
+    assert ids == ["a"]  # re-applied in order: added again, enabled, removed again

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from omni_dp.procs import ProcessIdentity
+from omni_dp.records import Record
 
 
 class ShareError(Exception):
@@ -32,7 +33,7 @@ class ShareError(Exception):
 
 
 @dataclass(frozen=True)
-class ShareInfo:
+class ShareInfo(Record):
     """What a sharing replica reports on /get_server_info (`weight_share`)."""
 
     role: str  # leader | follower
@@ -42,8 +43,3 @@ class ShareInfo:
     private_bytes: int
     tensors_shared: int
     leader: ProcessIdentity
-
-    def to_json(self) -> dict:
-        return {"role": self.role, "share_dir": self.share_dir, "policy": self.policy,
-                "shared_bytes": self.shared_bytes, "private_bytes": self.private_bytes,
-                "tensors_shared": self.tensors_shared, "leader": self.leader.to_json()}

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from omni_dp.gateway import Gateway, GatewayError, GatewayWorker, SglangGateway
 from omni_dp.launcher.planning.options import GATEWAY_KEY_ENV
+from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.record.state import RunState
 from omni_dp.runfile import GatewayEntry, GatewayRecord
 
@@ -57,7 +58,7 @@ class GatewayLink:
         self._record(GatewayEntry(target, index, worker_id=""))
         worker = self.gateway.register(target, wait_s=wait_s)
         self._record(GatewayEntry(target, index, worker.worker_id))
-        self.state.event("gateway_registered", replica=index, target=target,
+        self.state.event(Event.GATEWAY_REGISTERED, replica=index, target=target,
                          worker_id=worker.worker_id, already=worker.already_registered,
                          replaced=worker.replaced_id)
         return worker
@@ -72,7 +73,7 @@ class GatewayLink:
         removed = self.gateway.deregister(target)
         if self.state.record.gateway is not None:
             self.state.change_gateway(lambda record: record.without(target))
-        self.state.event("gateway_deregistered", replica=index, target=target, listed=removed)
+        self.state.event(Event.GATEWAY_DEREGISTERED, replica=index, target=target, listed=removed)
         return removed
 
     def _record(self, entry: GatewayEntry) -> None:

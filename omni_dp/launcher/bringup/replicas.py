@@ -38,6 +38,7 @@ from omni_dp.launcher.processes.groups import (
     stop_replicas,
 )
 from omni_dp.launcher.processes.ours import child_env, spawn
+from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.record.state import RunState, append_private
 from omni_dp.mps.attach import AttachReport, DeclaredProcess
 from omni_dp.mps.runs import verify_and_record
@@ -106,7 +107,7 @@ class ReplicaControl:
         self.state.update_replica(index, identity=started.identity, pgid=started.pid,
                                   processes=(), state=ReplicaState.STARTING, kv_tokens=None,
                                   mps_attached=None, memory_bytes=None)
-        self.state.event("replica_started", replica=index, pid=started.pid,
+        self.state.event(Event.REPLICA_STARTED, replica=index, pid=started.pid,
                          cpus=record.cpus, port=record.port)
 
     def wait_healthy(self, index: int, timeout_s: float) -> dict | None:
@@ -117,7 +118,7 @@ class ReplicaControl:
         seconds = wait_healthy(record.url, record.identity, self.state.logs / record.log,
                                timeout_s, exit_code=popen.poll if popen else lambda: None,
                                on_poll=lambda: self.remember_session(index))
-        self.state.event("replica_healthy", replica=index, seconds=round(seconds, 2))
+        self.state.event(Event.REPLICA_HEALTHY, replica=index, seconds=round(seconds, 2))
         return self.numeric_check(index) if self.capped else None
 
     @property
@@ -137,7 +138,7 @@ class ReplicaControl:
         if not isinstance(facts, dict) or facts.get("passed") is not True:
             raise GateFailed(f"is healthy but its BF16 GEMM check did not pass ({path}); it "
                              "must not serve")
-        self.state.event("replica_numeric_check", replica=index, **{
+        self.state.event(Event.REPLICA_NUMERIC_CHECK, replica=index, **{
             key: facts.get(key) for key in ("device", "relative_error", "threshold", "sm_count",
                                             "mem_get_info", "caps")})
         return facts
@@ -174,7 +175,7 @@ class ReplicaControl:
         where it keeps one, is cross-checked against the session."""
         processes = tuple(self.find_processes(index))
         self.state.update_replica(index, processes=processes)
-        self.state.event("replica_processes", replica=index,
+        self.state.event(Event.REPLICA_PROCESSES, replica=index,
                          processes=[{"pid": p.pid, "role": p.role, "device": p.device}
                                     for p in processes])
         return processes
@@ -237,7 +238,7 @@ class ReplicaControl:
             if serving:
                 expected = Counter(serving).most_common(1)[0][0]
         problems = kv_problems(tokens, expected)
-        self.state.event("kv_checked", tokens={str(i): t for i, t in tokens.items()},
+        self.state.event(Event.KV_CHECKED, tokens={str(i): t for i, t in tokens.items()},
                          expected=expected, ok=not problems)
         if problems:
             raise GateFailed(problems[0])
@@ -268,7 +269,7 @@ class ReplicaControl:
         # No follower is proven attached to this leader yet: each is added by its own gate.
         record = share_record(manifest, self.share_dir)
         self.state.update(share=record)
-        self.state.event("share_published", replica=LEADER, pid=manifest.leader.pid,
+        self.state.event(Event.SHARE_PUBLISHED, replica=LEADER, pid=manifest.leader.pid,
                          bytes=record.shared_bytes, private_bytes=record.private_bytes,
                          tensors=record.tensors, policy=record.policy)
 
@@ -288,7 +289,7 @@ class ReplicaControl:
         if not self.state.add_follower(index, leader.pid):
             raise GateFailed(f"{what}: the run records no share published by the leader it is "
                              f"attached to (pid {leader.pid})")
-        self.state.event("share_attached", replica=index, leader_pid=leader.pid)
+        self.state.event(Event.SHARE_ATTACHED, replica=index, leader_pid=leader.pid)
 
     def _check_mapped(self, index: int, what: str) -> None:
         """On the CPU, see for ourselves that the replica's process maps the run's segment
@@ -315,7 +316,7 @@ class ReplicaControl:
                                    on_gpu.get(replica.gpu))
             self.state.update_replica(i, memory_bytes=value)
             measured[str(i)] = value
-        self.state.event("memory_measured", device=self.state.plan.device, bytes=measured)
+        self.state.event(Event.MEMORY_MEASURED, device=self.state.plan.device, bytes=measured)
 
     def verify_attachment(self, slot: int) -> AttachReport:
         """Every CUDA process of every started replica on GPU slot `slot` must be a client of
@@ -335,7 +336,7 @@ class ReplicaControl:
             verdict = verdicts.get(r.index)
             self.state.update_replica(r.index, mps_attached=bool(
                 report.passed and verdict is not None and verdict.passed))
-        self.state.event("mps_verified", gpu=slot, result=report.result,
+        self.state.event(Event.MPS_VERIFIED, gpu=slot, result=report.result,
                          problems=report.problems)
         return report
 
@@ -359,7 +360,7 @@ class ReplicaControl:
             # survived is still found by it, and the others are dead by pid + create time.
             self.state.update_replica(i, state=ReplicaState.STOPPED)
         if left:
-            self.state.event("replica_stop_incomplete", survivors=left)
+            self.state.event(Event.REPLICA_STOP_INCOMPLETE, survivors=left)
             raise GateFailed("still running after SIGKILL: " + ", ".join(left)
                              + " (inspect: ps -o pid,stat,wchan,args -p PID)")
 

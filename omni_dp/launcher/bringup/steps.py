@@ -26,6 +26,7 @@ from omni_dp.launcher.engines.replica_api import GateFailed
 from omni_dp.launcher.planning.plan import LaunchPlan
 from omni_dp.launcher.planning.share_group import LEADER, followers, start_waves
 from omni_dp.launcher.processes.ours import Started, child_env, spawn, stop_processes
+from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.record.state import RunState
 from omni_dp.mps.attach import format_text
 from omni_dp.mps.control import MpsControl, MpsControlError
@@ -80,7 +81,7 @@ def start_daemon(state: RunState, slot: int, binary: str,
     except (MpsDaemonError, MpsControlError) as exc:
         raise BringUpFailed(f"the MPS daemon for {gpu.title} did not start: {exc}") from None
     state.set_daemon(daemon)
-    state.event("mps_daemon_started", gpu=slot, pid=daemon.identity.pid,
+    state.event(Event.MPS_DAEMON_STARTED, gpu=slot, pid=daemon.identity.pid,
                 pipe_dir=daemon.pipe_dir, binary=daemon.binary,
                 server_binary=daemon.server_binary, limits=daemon.limits.to_json())
     return daemon
@@ -113,7 +114,7 @@ def start_router(state: RunState) -> Started:
                                 f"lines of {log}:\n{log_tail(log)}")
         status, _ = http_json("GET", router.url + "/ready", timeout=2.0)
         if status == 200:
-            state.event("router_ready", pid=started.pid, url=router.url)
+            state.event(Event.ROUTER_READY, pid=started.pid, url=router.url)
             return started
         if time.monotonic() > deadline:
             # Stopped, not left running: recorded as alive, it would never be restarted.
@@ -270,5 +271,5 @@ def bring_up(plan: LaunchPlan, state: RunState, replicas: ReplicaControl,
         except GatewayError as exc:
             raise BringUpFailed(f"--register: {exc}") from None
     state.set_phase(RunPhase.RUNNING)
-    state.event("run_ready")
+    state.event(Event.RUN_READY)
     return RunUp(router, tuple(checks))

@@ -21,6 +21,7 @@ from omni_dp.launcher.changes.request import (
     read_change,
     submit,
 )
+from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.record.state import EVENTS_FILE
 from omni_dp.procs import ProcessIdentity, is_alive
 
@@ -51,14 +52,14 @@ class Outcome:
     def note(self, event: dict) -> None:
         """What the --json outcome keeps of one of the change's events."""
         name = event.get("event")
-        if name == "change_step_done":
+        if name == Event.CHANGE_STEP_DONE:
             self.steps.append({k: event.get(k) for k in ("action", "replica", "seconds")})
-        if name == "change_drained" and not event.get("out_of_router"):
+        if name == Event.CHANGE_DRAINED and not event.get("out_of_router"):
             self.stopped_in_router.append(event.get("replica"))
-        if name == "change_waited":
+        if name == Event.CHANGE_WAITED:
             self.waits.append({"replica": event.get("replica"), "others": event.get("others"),
                                "seconds": event.get("seconds"), "waited": True})
-        if name == "change_not_waiting":
+        if name == Event.CHANGE_NOT_WAITING:
             self.waits.append({"replica": event.get("replica"),
                                "others": [o.get("replica") for o in event.get("others") or []],
                                "seconds": 0.0, "waited": False})
@@ -139,22 +140,23 @@ def _not_waiting(event: dict) -> str:
 def describe(event: dict) -> str | None:
     """A progress line for one event of the change (None: not one to say)."""
     name, i = event.get("event"), event.get("replica")
-    lines: dict[str, Callable[[], str | None]] = {
-        "change_step": lambda: f"step {event['step']}: {event['action']} replica {i}",
-        "change_waiting": lambda: _waiting(event),
-        "change_waited": lambda: _waited(event),
-        "change_not_waiting": lambda: _not_waiting(event),
-        "change_drained": lambda: _drained(event),
-        "restart_completed": lambda: f"replica {i}: passed its gates "
-                                     f"({', '.join(event.get('gates') or [])}), "
-                                     + ("back in the router" if event.get("in_router") else
-                                        "NOT back in the router"),
-        "restart_failed": lambda: f"replica {i}: failed: {event.get('error')}",
-        "router_added": lambda: f"replica {i}: in the router (out of rotation until its gates)",
-        "router_removed": lambda: f"replica {i}: out of the router for good",
-        "router_admin_failed": lambda: (f"replica {i}: warning: {event.get('error')}"
-                                        if event.get("action") == "removed" else None),
-        "change_step_done": lambda: f"step {event['step']} done in {event['seconds']} s",
+    lines: dict[Event, Callable[[], str | None]] = {
+        Event.CHANGE_STEP: lambda: f"step {event['step']}: {event['action']} replica {i}",
+        Event.CHANGE_WAITING: lambda: _waiting(event),
+        Event.CHANGE_WAITED: lambda: _waited(event),
+        Event.CHANGE_NOT_WAITING: lambda: _not_waiting(event),
+        Event.CHANGE_DRAINED: lambda: _drained(event),
+        Event.RESTART_COMPLETED: lambda: f"replica {i}: passed its gates "
+                                         f"({', '.join(event.get('gates') or [])}), "
+                                         + ("back in the router" if event.get("in_router")
+                                            else "NOT back in the router"),
+        Event.RESTART_FAILED: lambda: f"replica {i}: failed: {event.get('error')}",
+        Event.ROUTER_ADDED: lambda: f"replica {i}: in the router (out of rotation until its "
+                                    "gates)",
+        Event.ROUTER_REMOVED: lambda: f"replica {i}: out of the router for good",
+        Event.ROUTER_ADMIN_FAILED: lambda: (f"replica {i}: warning: {event.get('error')}"
+                                            if event.get("action") == "removed" else None),
+        Event.CHANGE_STEP_DONE: lambda: f"step {event['step']} done in {event['seconds']} s",
     }
     say = lines.get(name)
     return say() if say else None
@@ -179,9 +181,9 @@ def ask_and_follow(directory: Path, request: ChangeRequest, supervisor: ProcessI
             line = describe(event)  # a restart's own events carry no change id: said too
             if line:
                 say(line)
-            if event.get("event") in ("change_done", "change_failed") and \
+            if event.get("event") in (Event.CHANGE_DONE, Event.CHANGE_FAILED) and \
                     event.get("change") == request.id:
-                outcome.ok = event["event"] == "change_done"
+                outcome.ok = event["event"] == Event.CHANGE_DONE
                 outcome.error = event.get("error")
                 outcome.seconds = time.monotonic() - started
                 return outcome

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from omni_dp.contract import Problems
 from omni_dp.cpulist import format_cpu_list
 from omni_dp.gpus import GpuFacts
-from omni_dp.launcher.changes.request import ChangeRequest, Step
+from omni_dp.launcher.changes.request import ChangeRequest, Relaunch, Step
 from omni_dp.launcher.planning.checks import check_options
 from omni_dp.launcher.planning.facts import LaunchFacts, gather_facts
 from omni_dp.launcher.planning.memory import memory_formula
@@ -95,15 +95,14 @@ def _freed(gpu: GpuFacts | None, held: int) -> GpuFacts | None:
     return dataclasses.replace(gpu, memory_used_bytes=max(0, gpu.memory_used_bytes - held))
 
 
-def _launch(r) -> dict:
+def _launch(r) -> Relaunch:
     """A planned replica's launch, as a restart step carries it."""
-    return {"argv": list(r.argv), "env": dict(r.env),
-            "cpus": format_cpu_list(r.cpus) if r.cpus else None}
+    return Relaunch(tuple(r.argv), dict(r.env), format_cpu_list(r.cpus) if r.cpus else None)
 
 
-def _changed(old: ReplicaRecord, launch: dict) -> bool:
-    return (list(old.argv) != launch["argv"] or dict(old.env) != launch["env"]
-            or old.cpus != launch["cpus"])
+def _changed(old: ReplicaRecord, launch: Relaunch) -> bool:
+    return (tuple(old.argv) != launch.argv or dict(old.env) != dict(launch.env)
+            or old.cpus != launch.cpus)
 
 
 def _group(record: RunRecord, index: int) -> list[int]:
@@ -150,13 +149,13 @@ def plan_restart(record: RunRecord, *, replicas: list[int] | None = None,
     if engine_args is not None:  # planned whatever else is wrong: every problem at once
         try:
             new = _replanned(record, {"engine_args": tuple(engine_args)}, replan)
-            plan = new.to_json()
+            plan = new.record()
             launches = {r.index: _launch(r) for r in new.replicas}
         except ChangePlanError as exc:
             problems += exc.problems
     if problems:
         raise ChangePlanError(problems)
-    steps = tuple(Step("restart", i, launches.get(i)) for i in order)
+    steps = tuple(Step("restart", i, relaunch=launches.get(i)) for i in order)
     what = (f"model update of replicas {_names(order)} to `{shlex.join(engine_args)}`"
             if engine_args is not None else f"rolling restart of replicas {_names(order)}")
     grouped = [i for i in order if len(_group(record, i)) > 1]
@@ -222,13 +221,13 @@ def plan_scale(record: RunRecord, target: int, *, per_gpu: bool = False,
         if total == 1 and now > 1:  # the survivor restarting would leave nothing serving
             kept_as_is.append(r.index)
             continue
-        restarts.append(Step("restart", r.index, launch))
+        restarts.append(Step("restart", r.index, relaunch=launch))
     if total > now:
-        steps = [*(Step("add", r.index, replica_record(r).to_json())
-                   for r in new.replicas[now:]), *restarts]
+        steps = [*(Step("add", r.index, added=replica_record(r)) for r in new.replicas[now:]),
+                 *restarts]
     else:
         steps = [*(Step("remove", i) for i in range(now - 1, total - 1, -1)), *restarts]
-    plan = new.to_json()
+    plan = new.record()
     what = f"scale from {now} to {total} replicas" + (
         f"; replicas {_names([s.replica for s in restarts])} restart into their new CPU "
         "blocks, one at a time" if restarts else "") + (
@@ -236,7 +235,7 @@ def plan_scale(record: RunRecord, target: int, *, per_gpu: bool = False,
         "threads: restarting the only one left serving would drop requests)"
         if kept_as_is else "")
     return ChangeRequest("scale", tuple(steps), what, _drain(record, drain_timeout),
-                         plan=plan, gpus=[g.to_json() for g in new.gpus],
+                         plan=plan, gpus=new.gpus,
                          wait_healthy=wait_bound(record, wait_healthy))
 
 

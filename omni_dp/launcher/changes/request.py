@@ -16,15 +16,17 @@ import json
 import os
 import secrets
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 from omni_dp.files import atomic_write
-from omni_dp.jsonfields import JsonFields, Malformed
+from omni_dp.records import Record, Shape
+from omni_dp.runfile import GpuRecord, PlanRecord, ReplicaRecord
 
 REQUEST_FILE = "change_request.json"  # written by the command, taken by the supervisor
 CHANGE_FILE = "change.json"  # the change the supervisor took: running, then done or failed
-KINDS = ("restart", "scale")
 # A request without wait_healthy (written by an omni-dp before it) waits as long as the
 # default of a run with the builtin engine's start timeout (300 s) would (plan.wait_bound)
 OLD_REQUEST_WAIT_S = 360.0
@@ -34,75 +36,88 @@ class ChangeRefused(Exception):
     """A change that cannot be asked for now (another one runs); the message says which."""
 
 
+StepAction = Literal["restart", "add", "remove"]
+ChangeKind = Literal["restart", "scale"]
+ChangeState = Literal["requested", "running", "done", "failed"]
+
+
 @dataclass(frozen=True)
-class Step:
+class Relaunch(Record):
+    """A restart's new launch of its replica (a model update, a new CPU block)."""
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    cpus: str | None
+
+
+def _read_step(data: dict) -> dict:
+    """A step's "launch" is a restart's Relaunch, or an added replica's whole record."""
+    data["added" if data.get("action") == "add" else "relaunch"] = data.pop("launch", None)
+    return data
+
+
+def _write_step(data: dict) -> dict:
+    added, relaunch = data.pop("added"), data.pop("relaunch")
+    return {**data, "launch": added if added is not None else relaunch}
+
+
+@dataclass(frozen=True)
+class Step(Record):
     """One step of a change, on one replica:
-    - restart: out of the router, drained, stopped, started (with `launch`, its new argv/env/
-      block, when given), through every gate, back in;
-    - add: a new replica (`launch` is its whole record), started through the gates, then in;
-    - remove: out of the router, drained, stopped, gone from the router and the record."""
+    - restart: out of the router, drained, stopped, started (with `relaunch`, its new argv/
+      env/block, when given), through every gate, back in;
+    - add: a new replica (`added`, its whole record), started through the gates, then in;
+    - remove: out of the router, drained, stopped, gone from the router and the record.
+    Typed whole when the request is read: a step that does not parse refuses the request
+    before any step is made."""
 
-    action: str  # restart | add | remove
+    JSON_SHAPE = Shape(read=_read_step, write=_write_step,
+                       paths={"relaunch": "launch", "added": "launch"})
+
+    action: StepAction
     replica: int
-    launch: dict | None = None  # restart: {"argv", "env", "cpus"}; add: the replica's record
+    relaunch: Relaunch | None = None
+    added: ReplicaRecord | None = None
 
-    def to_json(self) -> dict:
-        return {"action": self.action, "replica": self.replica, "launch": self.launch}
-
-    @classmethod
-    def from_json(cls, f: JsonFields) -> Step:
-        action = f.str("action")
-        if action not in ("restart", "add", "remove"):
-            raise Malformed(f"{f.path('action')} is {action!r}, not restart, add or remove")
-        launch = f.object("launch", optional=True)
-        return cls(action, f.int("replica"), dict(launch.data) if launch else None)
+    def __post_init__(self) -> None:
+        if (self.action == "add") != (self.added is not None):
+            raise ValueError(".launch: an add step, and only one, carries the replica's record")
+        if self.added is not None and self.added.index != self.replica:
+            raise ValueError(f".launch is replica {self.added.index}'s record, not "
+                             f"{self.replica}'s")
+        if self.relaunch is not None and self.action != "restart":
+            raise ValueError(f".launch: a {self.action} step carries no new launch")
 
 
 @dataclass(frozen=True)
-class ChangeRequest:
-    kind: str  # restart | scale
+class ChangeRequest(Record):
+    kind: ChangeKind
     steps: tuple[Step, ...]
     summary: str  # one line, said by the command and in the events
     drain_timeout: float  # per replica: requests in flight get this long
-    plan: dict | None = None  # the run.json plan after the change (None: unchanged)
-    gpus: list | None = None  # the run.json gpus after a scale
+    plan: PlanRecord | None = None  # the run's plan after the change (None: unchanged)
+    gpus: tuple[GpuRecord, ...] | None = None  # the run's GPU slots after a scale
     id: str = field(default_factory=lambda: secrets.token_hex(4))
     by_pid: int = field(default_factory=os.getpid)
     ts: float = field(default_factory=time.time)
-    state: str = "requested"  # requested | running | done | failed
+    state: ChangeState = "requested"
     error: str | None = None
     # before a step takes its replica out, every other replica must be healthy: waited for at
     # most this long, then the step fails (0: not waited for)
     wait_healthy: float = OLD_REQUEST_WAIT_S
 
-    def to_json(self) -> dict:
-        return {"id": self.id, "kind": self.kind, "summary": self.summary,
-                "steps": [s.to_json() for s in self.steps], "drain_timeout": self.drain_timeout,
-                "wait_healthy": self.wait_healthy, "plan": self.plan, "gpus": self.gpus,
-                "by_pid": self.by_pid, "ts": self.ts, "state": self.state, "error": self.error}
-
-    @classmethod
-    def from_json(cls, data: object) -> ChangeRequest:
-        f = JsonFields(data, "change")
-        kind = f.str("kind")
-        if kind not in KINDS:
-            raise Malformed(f"change.kind is {kind!r}, not one of {', '.join(KINDS)}")
-        plan = f.object("plan", optional=True)
-        gpus = f.items("gpus", None) if f.data.get("gpus") is not None else None
-        return cls(kind, tuple(Step.from_json(s) for s in f.items("steps")), f.str("summary"),
-                   f.number("drain_timeout"), dict(plan.data) if plan else None,
-                   [dict(g.data) for g in gpus] if gpus is not None else None, f.str("id"),
-                   f.int("by_pid"), f.number("ts"), f.str("state"),
-                   f.str("error", None, optional=True),
-                   wait_healthy=f.number("wait_healthy", OLD_REQUEST_WAIT_S))
-
 
 def read_change(directory: Path, name: str = CHANGE_FILE) -> ChangeRequest | None:
     """The change recorded under `name` (None: none, or one that cannot be read)."""
     try:
-        return ChangeRequest.from_json(json.loads((directory / name).read_text()))
-    except (OSError, ValueError, Malformed):
+        return _read(directory / name)
+    except (OSError, ValueError):
         return None
+
+
+def _read(path: Path) -> ChangeRequest:
+    """OSError, or ValueError (Malformed) naming what does not parse."""
+    return ChangeRequest.from_json(json.loads(path.read_text()), "change")
 
 
 def submit(directory: Path, request: ChangeRequest) -> None:
@@ -123,16 +138,20 @@ def submit(directory: Path, request: ChangeRequest) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def take(directory: Path) -> ChangeRequest | None:
+def take(directory: Path, refused: Callable[[str], None] = lambda why: None
+         ) -> ChangeRequest | None:
     """The supervisor's side: the request, now running (None: no request, or one that cannot
-    be read, which is set aside as failed so the next one may come)."""
+    be read — every step typed — which is set aside as failed so the next one may come, and
+    `refused` told why, before any step is made)."""
     path = directory / REQUEST_FILE
     if not path.exists():
         return None
-    request = read_change(directory, REQUEST_FILE)
-    if request is None:
+    try:
+        request = _read(path)
+    except (OSError, ValueError) as exc:
         with contextlib.suppress(OSError):
             os.replace(path, directory / f"{REQUEST_FILE}.unreadable")
+        refused(f"{path} cannot be read: {exc}")
         return None
     running = replace(request, state="running")
     atomic_write(directory / CHANGE_FILE, json.dumps(running.to_json()) + "\n")

@@ -22,7 +22,7 @@ from omni_dp.launcher.engines.base import (
     ReplicaLaunch,
 )
 from omni_dp.launcher.engines.replica_api import GateFailed, server_info
-from omni_dp.mps.attach import DeclaredProcess, ReplicaProcesses
+from omni_dp.mps.attach import DeclaredProcess
 
 DRY_RUN_TIMEOUT_S = 120
 
@@ -132,7 +132,8 @@ class BuiltinEngine:
     def reported_processes(self, url: str) -> list[DeclaredProcess] | None:
         try:
             info = server_info(url)
-            return list(ReplicaProcesses.from_json(0, info["processes"]).processes)
+            return [DeclaredProcess.from_json(p, f"processes[{i}]")
+                    for i, p in enumerate(info["processes"])]
         except GateFailed as exc:
             raise EngineUnreadable(str(exc)) from None
         except (KeyError, TypeError, ValueError) as exc:  # a malformed list is no list

@@ -56,7 +56,7 @@ from omni_dp.rundir import (
     numeric_check_file,
     share_dir,
 )
-from omni_dp.runfile import GpuRecord, gpu_key
+from omni_dp.runfile import GpuRecord, PlanRecord, RouterPlan, SupervisionSettings, gpu_key
 from omni_dp.sizes import format_size
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
@@ -197,36 +197,34 @@ class LaunchPlan:
             return "tokens: the engine's count from the bytes, read back and compared"
         return f"{s.kv_tokens} tokens"
 
-    def to_json(self) -> dict:
+    def record(self) -> PlanRecord:
+        """What run.json keeps of this plan (`to_json` is its JSON, for --dry-run --json and
+        the run_created event)."""
         o = self.options
-        return {
-            "replicas": len(self.replicas), "engine": o.engine, "engine_args": list(o.engine_args),
-            "config_file": o.config_file,
-            "device": self.device, "gpu": self.gpu_label, "gpu_numa_node": self.gpu_numa_node,
-            "mps": o.mps, "start": self.start, "cpu_blocks": o.cpu_blocks,
-            "kv_cache_bytes": o.kv_cache_bytes, "max_total_tokens": o.max_total_tokens,
-            "expected_kv_tokens": self.expected_kv_tokens,
-            "router": {"url": self.router_url, "policy": o.policy, "workers": o.router_workers,
-                       "argv": list(self.router_argv)},
-            "supervision": {"check_interval": o.check_interval,
-                            "health_failures": o.restart_after_failures,
-                            "restart_budget": o.restart_budget,
-                            "restart_window": o.restart_window,
-                            "on_mps_fault": o.on_mps_fault,
-                            "health_timeout": self.start_timeout,
-                            "drain_timeout": o.drain_timeout},
-            "log_format": o.log_format,  # the supervisor's and the replica log banners'
-            "warnings": list(self.warnings),
-            "command": self.command,  # for the commands the detached supervisor prints
-            "api_key_set": o.api_key is not None,  # the key itself never goes to disk
-            "share_weights": o.share_weights,
-            "register": o.register, "register_as": o.register_as,
-            "register_url": o.register_url,
-            "replicas_per_gpu": o.replicas_per_gpu,
-            "options": options_record(o),
-            "mps_thread_percentage": o.mps_thread_percentage,
-            "mps_memory_limit": o.mps_memory_limit,
-        }
+        return PlanRecord(
+            replicas=len(self.replicas), engine=o.engine, engine_args=tuple(o.engine_args),
+            config_file=o.config_file, device=self.device, gpu=self.gpu_label,
+            gpu_numa_node=self.gpu_numa_node, mps=o.mps, start=self.start,
+            cpu_blocks=o.cpu_blocks, kv_cache_bytes=o.kv_cache_bytes,
+            max_total_tokens=o.max_total_tokens, expected_kv_tokens=self.expected_kv_tokens,
+            router=RouterPlan(self.router_url, o.policy, o.router_workers,
+                              tuple(self.router_argv)),
+            supervision=SupervisionSettings(
+                check_interval=o.check_interval, restart_after_failures=o.restart_after_failures,
+                restart_budget=o.restart_budget, restart_window=o.restart_window,
+                on_mps_fault=o.on_mps_fault, start_timeout=self.start_timeout,
+                drain_timeout=o.drain_timeout),
+            log_format=o.log_format,  # the supervisor's and the replica log banners'
+            warnings=tuple(self.warnings),
+            command=self.command,  # for the commands the detached supervisor prints
+            api_key_set=o.api_key is not None,  # the key itself never goes to disk
+            share_weights=o.share_weights, register=o.register, register_as=o.register_as,
+            register_url=o.register_url, replicas_per_gpu=o.replicas_per_gpu,
+            options=options_record(o), mps_thread_percentage=o.mps_thread_percentage,
+            mps_memory_limit=o.mps_memory_limit)
+
+    def to_json(self) -> dict:
+        return self.record().to_json()
 
     def gpus_json(self) -> list[dict]:
         """Each GPU slot with its replicas (run.json keeps them as the record's `gpus`)."""

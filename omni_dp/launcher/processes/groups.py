@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import psutil
 
 from omni_dp.launcher.processes.ours import carries_token, signal_ours
+from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.record.state import RunState
 from omni_dp.mps.control import MpsControl, MpsControlError
 from omni_dp.procs import ProcessIdentity, identify, is_alive
@@ -353,14 +354,14 @@ def _terminate_clients(state: RunState, gpu: int, control: MpsControl,
     try:
         servers = control.server_list()
     except MpsControlError as exc:
-        state.event("mps_clients_terminated", gpu=gpu, server=None, pids=[], clients=[],
+        state.event(Event.MPS_CLIENTS_TERMINATED, gpu=gpu, server=None, pids=[], clients=[],
                     error=str(exc))
         return
     for server in servers:
         try:
             clients = set(control.client_list(server))
         except MpsControlError as exc:
-            state.event("mps_clients_terminated", gpu=gpu, server=server, pids=[], clients=[],
+            state.event(Event.MPS_CLIENTS_TERMINATED, gpu=gpu, server=server, pids=[], clients=[],
                         error=str(exc))
             continue
         targets = [s for s in survivors if s.pid in clients]
@@ -381,7 +382,7 @@ def _terminate_on(state: RunState, gpu: int, control: MpsControl, server: int,
     deadline = time.monotonic() + wait_s
     while any(is_alive(t) for t in targets) and time.monotonic() < deadline:
         time.sleep(POLL_S)
-    state.event("mps_clients_terminated", gpu=gpu, server=server,
+    state.event(Event.MPS_CLIENTS_TERMINATED, gpu=gpu, server=server,
                 pids=[t.pid for t in targets],
                 clients=[{"pid": t.pid, "went": not is_alive(t), "error": errors.get(t.pid)}
                          for t in targets], error=None)

@@ -48,6 +48,7 @@ from typing import Any
 from omni_dp.cpulist import format_cpu_list
 from omni_dp.files import atomic_write, make_private_dir
 from omni_dp.launcher.planning.plan import LaunchPlan, ReplicaPlan
+from omni_dp.launcher.record.events import Event
 from omni_dp.mps.daemon import DaemonRecord
 from omni_dp.procs import identify
 from omni_dp.rundir import RUN_FILE, TOKEN_FILE, logs_dir
@@ -104,7 +105,7 @@ class RunState:
         atomic_write(plan.run_dir / TOKEN_FILE, token + "\n")
         record = RunRecord(
             run_id=plan.run_id, created_at=time.time(), state=RunPhase.STARTING,
-            gpu=plan.gpu_label, device=plan.device, plan=PlanRecord.from_json(plan.to_json()),
+            gpu=plan.gpu_label, device=plan.device, plan=plan.record(),
             launcher=identify(os.getpid()),  # `omni-dp launch`, until it hands off
             replicas=tuple(replica_record(r) for r in plan.replicas),
             gpus=plan.gpus,
@@ -220,8 +221,12 @@ class RunState:
             self.update(share=share.with_follower(index))
             return True
 
-    def event(self, name: str, **fields) -> None:
-        line = json.dumps({"ts": round(time.time(), 3), "event": name, **fields})
+    def event(self, name: Event, **fields) -> None:
+        """One line of events.jsonl; `name` an Event (TypeError for a plain string: a name no
+        reader knows is a bug where it is written)."""
+        if not isinstance(name, Event):
+            raise TypeError(f"an event is named by an Event, not {name!r}")
+        line = json.dumps({"ts": round(time.time(), 3), "event": name.value, **fields})
         with self._lock:
             if self.removed:
                 return

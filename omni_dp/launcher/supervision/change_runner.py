@@ -23,15 +23,16 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from omni_dp.launcher.changes.request import ChangeRequest, Step, finish
+from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.others_healthy import NotHealthy, not_healthy
 from omni_dp.launcher.supervision.replica_restart import Progress, ReplicaRestart
 from omni_dp.launcher.supervision.router_link import RouterLink
 from omni_dp.launcher.supervision.slots import Busy, Slot
-from omni_dp.runfile import GpuRecord, PlanRecord, ReplicaRecord, ReplicaState
+from omni_dp.runfile import GpuRecord, PlanRecord, ReplicaState
 
 SLOT_WAIT_S = 600.0  # for a restart the sweep began on the same replica to end
 WAIT_POLL_S = 0.5  # how often a step waiting for the others looks again
@@ -61,7 +62,7 @@ class ChangeRunner:
     def __call__(self, change: ChangeRequest) -> None:
         """The change thread's body: whatever goes wrong is recorded, never raised."""
         state = self.crew.state
-        state.event("change_started", change=change.id, kind=change.kind,
+        state.event(Event.CHANGE_STARTED, change=change.id, kind=change.kind,
                     summary=change.summary, steps=[s.to_json() for s in change.steps])
         self.crew.say(f"change {change.id}: {change.summary}")
         error = None
@@ -77,21 +78,21 @@ class ChangeRunner:
             error = "the run is being torn down"
         finish(state.directory, change, error)
         if error:
-            state.event("change_failed", change=change.id, error=error)
+            state.event(Event.CHANGE_FAILED, change=change.id, error=error)
             self.crew.say(f"change {change.id} failed: {error}")
         else:
-            state.event("change_done", change=change.id)
+            state.event(Event.CHANGE_DONE, change=change.id)
             self.crew.say(f"change {change.id} done: {change.summary}")
 
     def _step(self, change: ChangeRequest, step: Step, n: int) -> None:
         if self.crew.stop.is_set() or self.crew.gate.closed:
             raise StepFailed("the run is being torn down")
         started = time.monotonic()
-        self.crew.state.event("change_step", change=change.id, step=n, action=step.action,
+        self.crew.state.event(Event.CHANGE_STEP, change=change.id, step=n, action=step.action,
                               replica=step.replica)
         {"restart": self._restart, "add": self._add, "remove": self._remove}[step.action](
             change, step)
-        self.crew.state.event("change_step_done", change=change.id, step=n,
+        self.crew.state.event(Event.CHANGE_STEP_DONE, change=change.id, step=n,
                               action=step.action, replica=step.replica,
                               seconds=round(time.monotonic() - started, 2))
 
@@ -104,7 +105,7 @@ class ChangeRunner:
                 self._out_and_drained(change, i)
                 if self.crew.state.replica(i).state is not ReplicaState.RESTARTING:
                     self.crew.state.update_replica(i, state=ReplicaState.RESTARTING)
-            relaunch = (lambda i: self._relaunch(i, step)) if step.launch else None
+            relaunch = (lambda i: self._relaunch(i, step)) if step.relaunch else None
             passed = self.restart.cycle(members, Progress(), relaunch=relaunch)
         if passed is None:
             raise StepFailed("the run is being torn down")
@@ -115,7 +116,8 @@ class ChangeRunner:
 
     def _add(self, change: ChangeRequest, step: Step) -> None:
         state = self.crew.state
-        record = ReplicaRecord.from_json(step.launch or {})
+        record = step.added
+        assert record is not None  # an add step carries it (Step.__post_init__)
         state.set_scale((*state.replicas, record),
                         self._plan_with(len(state.replicas) + 1, change),
                         self._gpus(change))
@@ -131,7 +133,7 @@ class ChangeRunner:
         try:
             self.crew.replicas.measure_memory(passed)
         except Exception as exc:  # it passed: a figure missing is no failure
-            self.crew.state.event("memory_measure_failed", replicas=passed, error=repr(exc))
+            self.crew.state.event(Event.MEMORY_MEASURE_FAILED, replicas=passed, error=repr(exc))
 
     def _remove(self, change: ChangeRequest, step: Step) -> None:
         state = self.crew.state
@@ -186,7 +188,7 @@ class ChangeRunner:
         for; whom it did not wait for is said."""
         while unready := self._not_healthy(members):
             if change.wait_healthy == 0:
-                self.crew.state.event("change_not_waiting", change=change.id, replica=index,
+                self.crew.state.event(Event.CHANGE_NOT_WAITING, change=change.id, replica=index,
                                       taking_out=members, others=[u.to_json() for u in unready])
                 return
             waited = self.crew.clock() - waiting.since
@@ -195,7 +197,7 @@ class ChangeRunner:
             if stuck:
                 raise StepFailed(self._stuck(change, members, stuck, waited))
             if {u.index for u in unready} - waiting.said:
-                self.crew.state.event("change_waiting", change=change.id, replica=index,
+                self.crew.state.event(Event.CHANGE_WAITING, change=change.id, replica=index,
                                       taking_out=members, others=[u.to_json() for u in unready],
                                       bound_s=change.wait_healthy)
                 waiting.said.update(u.index for u in unready)
@@ -206,7 +208,7 @@ class ChangeRunner:
                 waiting: Waiting) -> None:
         """The wait is over, every one waited for found healthy: said with how long it took."""
         if waiting.said and change.wait_healthy != 0:
-            self.crew.state.event("change_waited", change=change.id, replica=index,
+            self.crew.state.event(Event.CHANGE_WAITED, change=change.id, replica=index,
                                   taking_out=members, others=sorted(waiting.said),
                                   seconds=round(self.crew.clock() - waiting.since, 2))
 
@@ -241,28 +243,27 @@ class ChangeRunner:
         started = time.monotonic()
         drained = out and self.router.drain(index, change.drain_timeout)
         refused = {} if out else {"error": state.replica(index).last_error}
-        state.event("change_drained", change=change.id, replica=index, out_of_router=out,
+        state.event(Event.CHANGE_DRAINED, change=change.id, replica=index, out_of_router=out,
                     drained=drained, seconds=round(time.monotonic() - started, 2), **refused)
 
     def _relaunch(self, index: int, step: Step) -> None:
-        launch = step.launch or {}
-        self.crew.state.update_replica(index, argv=tuple(launch["argv"]),
-                                       env=dict(launch["env"]), cpus=launch.get("cpus"))
+        launch = step.relaunch
+        assert launch is not None
+        self.crew.state.update_replica(index, argv=launch.argv, env=dict(launch.env),
+                                       cpus=launch.cpus)
 
     def _record_plan(self, change: ChangeRequest) -> None:
         """The plan the run now follows (a model update's engine arguments, a scale's count)."""
         if change.plan is not None and change.kind == "restart":
-            self.crew.state.set_plan(PlanRecord.from_json(change.plan))
+            self.crew.state.set_plan(change.plan)
 
     def _plan_with(self, replicas: int, change: ChangeRequest) -> PlanRecord:
         """The plan as the record goes through a scale: the new one's, counting what is there
         now (each step adds or removes one)."""
-        plan = PlanRecord.from_json(change.plan or {})
-        return PlanRecord.from_json({**plan.to_json(), "replicas": replicas})
+        return replace(change.plan or self.crew.state.plan, replicas=replicas)
 
     def _gpus(self, change: ChangeRequest) -> tuple[GpuRecord, ...]:
-        return tuple(GpuRecord.from_json(g) for g in change.gpus or []) or \
-            self.crew.state.record.gpus
+        return change.gpus or self.crew.state.record.gpus
 
     def _last_error(self, index: int) -> str:
         state = self.crew.state

@@ -15,6 +15,7 @@ from pathlib import Path
 from omni_dp.launcher.bringup.steps import BringUpFailed, start_daemon, start_replicas
 from omni_dp.launcher.engines.replica_api import GateFailed
 from omni_dp.launcher.processes.ours import stop_processes
+from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.router_link import RouterLink
 from omni_dp.mps.daemon import CONTROL_LOG, DaemonRecord, MpsDaemon, MpsDaemonError
@@ -43,7 +44,7 @@ class GroupRestart:
             self._bring_back(record.gpu, indices)
         except (BringUpFailed, GateFailed, MpsDaemonError, OSError) as exc:
             gpu = self.crew.state.record.gpu_title(record.gpu)
-            self.crew.state.event("mps_restart_failed", gpu=record.gpu, error=str(exc))
+            self.crew.state.event(Event.MPS_RESTART_FAILED, gpu=record.gpu, error=str(exc))
             self.crew.say("restarting after the MPS fault" + (f" on {gpu}" if gpu else "")
                           + f" failed: {exc}; stopping the run")
             self.crew.fail()
@@ -79,7 +80,7 @@ class GroupRestart:
             crew.state.update_replica(i, last_error=None)
         out = [i for i in indices if not self.router.set_disabled(i, False)]
         self.router.not_in_router.update(out)
-        crew.state.event("mps_restarted", gpu=gpu, replicas=indices, not_in_router=out)
+        crew.state.event(Event.MPS_RESTARTED, gpu=gpu, replicas=indices, not_in_router=out)
         done = ("MPS daemon and every replica restarted and verified" if named is None else
                 f"MPS daemon of {named} and its replica(s) {', '.join(map(str, indices))} "
                 "restarted and verified")

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.supervision.crew import Crew, Probe
 from omni_dp.launcher.supervision.restart_policy import GiveUp, RestartPolicy
 from omni_dp.mps.daemon import DaemonHealth, DaemonRecord
@@ -68,7 +69,7 @@ class MpsWatch:
         if fault is None:
             return None
         act = self.decide(crew.clock(), fault)
-        crew.state.event("mps_fault", gpu=self.gpu, detail=fault, action=act.action,
+        crew.state.event(Event.MPS_FAULT, gpu=self.gpu, detail=fault, action=act.action,
                          restarts_in_window=act.restarts_in_window)
         clients = ", ".join(str(r.index) for r in run.replicas_on(self.gpu))
         crew.say(f"{fault}: " + ("every replica is suspect" if gpu is None else

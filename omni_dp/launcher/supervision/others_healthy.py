@@ -16,21 +16,20 @@ from dataclasses import dataclass
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.router_link import Routing
 from omni_dp.launcher.supervision.slots import LEFT_OUT, Busy, Slot
+from omni_dp.records import Record, Shape
 from omni_dp.runfile import ReplicaRecord, ReplicaState
 
 
 @dataclass(frozen=True)
-class NotHealthy:
-    """Another replica that is not healthy now."""
+class NotHealthy(Record):
+    """Another replica that is not healthy now (as the change_waiting event says it)."""
+
+    JSON_SHAPE = Shape(keys={"index": "replica"})
 
     index: int
     why: str  # short, for the waiting line: "restarting", "its process is gone", …
     last_error: str | None  # the record's, for the failure's message
     hopeless: bool  # failed or stopped, and no restart owns it
-
-    def to_json(self) -> dict:
-        return {"replica": self.index, "why": self.why, "last_error": self.last_error,
-                "hopeless": self.hopeless}
 
 
 def not_healthy(crew: Crew, busy: Busy, routing: dict[int, Routing] | None,

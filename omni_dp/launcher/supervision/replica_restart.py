@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from omni_dp.launcher.engines.replica_api import GateFailed
 from omni_dp.launcher.planning.share_group import LEADER, start_waves
+from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.restart_policy import GiveUp
 from omni_dp.launcher.supervision.router_link import RouterLink
@@ -85,7 +86,7 @@ class ReplicaRestart:
             self._down(i, f"restart failed: {error}")
         if stop_error is not None:
             self.router.not_in_router.update(down)
-        crew.state.event("restart_failed", replica=index, group=members, error=error,
+        crew.state.event(Event.RESTART_FAILED, replica=index, group=members, error=error,
                          passed=sorted(progress.passed), stopped=down, ungated=ungated,
                          **({"stop_error": stop_error} if stop_error else {}))
         kept = sorted(progress.passed)
@@ -114,7 +115,7 @@ class ReplicaRestart:
         # Only the failed replica's history is charged: a dependent restarted with it did not
         # fail on its own (its own crashes are charged when it restarts alone).
         state.update_replica(index, restarts=decision.history)
-        state.event("restart_started", replica=index, reason=reason, attempt=decision.attempt,
+        state.event(Event.RESTART_STARTED, replica=index, reason=reason, attempt=decision.attempt,
                     backoff_s=decision.delay,
                     **({"group": members} if len(members) > 1 else {}))
         if crew.stop.wait(decision.delay):
@@ -158,7 +159,7 @@ class ReplicaRestart:
             try:
                 crew.replicas.measure_memory(up)
             except Exception as exc:  # every member passed: a figure missing is no failure
-                state.event("memory_measure_failed", replicas=up, error=repr(exc))
+                state.event(Event.MEMORY_MEASURE_FAILED, replicas=up, error=repr(exc))
                 crew.say(f"replica(s) {', '.join(map(str, up))}: restarted, but measuring "
                          f"their memory failed: {exc!r}")
         return up
@@ -182,7 +183,7 @@ class ReplicaRestart:
         self.router.not_in_router.update(members)
         if new and not self.crew.gate.closed:
             for i in new:
-                state.event("restart_deferred", replica=i, reason=why)
+                state.event(Event.RESTART_DEFERRED, replica=i, reason=why)
             self.crew.say(f"replica(s) {', '.join(map(str, new))}: not restarted alone, {why}; "
                           f"the restart of replica {LEADER}'s group brings it back")
         return True
@@ -240,7 +241,7 @@ class ReplicaRestart:
         state.update_replica(index, state=ReplicaState.HEALTHY, last_error=None)
         back = self.router.enable(index)
         pid = state.replica(index).pid
-        state.event("restart_completed", replica=index, pid=pid, in_router=back, gates=gates)
+        state.event(Event.RESTART_COMPLETED, replica=index, pid=pid, in_router=back, gates=gates)
         done = f"replica {index}: restarted (pid {pid}), passed its gates ({', '.join(gates)}), "
         self.crew.say(done + ("back in the router" if back else
                               "but NOT back in the router (above); retrying at every sweep"))
@@ -256,7 +257,7 @@ class ReplicaRestart:
             said = why if i == index else f"{why} (of replica {index}, which it depends on)"
             # failed, the leader no longer publishes: run.json's share is null (with_replica)
             self.crew.state.update_replica(i, state=ReplicaState.FAILED, last_error=said)
-            self.crew.state.event("replica_failed", replica=i, reason=said)
+            self.crew.state.event(Event.REPLICA_FAILED, replica=i, reason=said)
             self.crew.say(f"replica {i}: {said}; it stays out of the router")
 
     def _failed(self, index: int, error: str) -> None:
@@ -264,7 +265,7 @@ class ReplicaRestart:
             return
         first = error.splitlines()[0]
         self._down(index, first)
-        self.crew.state.event("restart_failed", replica=index, error=error)
+        self.crew.state.event(Event.RESTART_FAILED, replica=index, error=error)
         self.crew.say(f"replica {index}: restart failed: {first}")
 
     def _down(self, index: int, error: str) -> None:

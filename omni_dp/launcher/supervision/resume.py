@@ -30,6 +30,7 @@ from pathlib import Path
 
 from omni_dp.blocking_http import http_json
 from omni_dp.contract import API_KEY_ENV
+from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.record.state import RunState
 from omni_dp.launcher.supervision.detached import (
     SUPERVISOR_HANDOFF_S,
@@ -184,7 +185,7 @@ def _start(state: RunState, previous_pid: int | None, say: Callable[[str], None]
     why = start.why_not()
     stopped = start.exit_code is not None or stop_unsupervising(start)
     resumed.error = why
-    state.event("supervisor_resume_failed", pid=start.pid, previous_pid=previous_pid,
+    state.event(Event.SUPERVISOR_RESUME_FAILED, pid=start.pid, previous_pid=previous_pid,
                 exit=start.exit_code, interrupted=start.interrupted, stopped=stopped)
     left = ("" if start.exit_code is not None else
             f"; it is stopped (SIGKILL: pid {start.pid})" if stopped else

@@ -15,6 +15,7 @@ from omni_dp.blocking_http import http_json
 from omni_dp.contract import API_KEY_ENV
 from omni_dp.launcher.bringup.gateway_link import REGISTER_WAIT_S, GatewayLink
 from omni_dp.launcher.bringup.steps import BringUpFailed, start_router
+from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.hang_watch import replica_index
 from omni_dp.launcher.supervision.restart_policy import GiveUp
@@ -75,10 +76,11 @@ class RouterLink:
         action = "disabled" if disabled else "enabled"
         done = 200 <= status < 300
         if done:
-            state.event("router_" + action, replica=index, status=status)
+            state.event(Event.ROUTER_DISABLED if disabled else Event.ROUTER_ENABLED,
+                        replica=index, status=status)
         else:
             error = admin_error(index, disabled, status, body)
-            state.event("router_admin_failed", replica=index, action=action, status=status,
+            state.event(Event.ROUTER_ADMIN_FAILED, replica=index, action=action, status=status,
                         error=error)
             if warn:
                 state.update_replica(index, last_error=error)
@@ -102,7 +104,7 @@ class RouterLink:
                  else self.gateway.bring_back(index, wait_s))
         if error is None:
             return True
-        self.crew.state.event("gateway_admin_failed", replica=index,
+        self.crew.state.event(Event.GATEWAY_ADMIN_FAILED, replica=index,
                               action="deregister" if disabled else "register", error=error)
         if warn:
             self.crew.state.update_replica(index, last_error=error)
@@ -140,13 +142,14 @@ class RouterLink:
 
     def _said(self, action: str, index: int, status: int, body: object) -> str | None:
         if 200 <= status < 300:
-            self.crew.state.event("router_" + action, replica=index, status=status)
+            done = {"added": Event.ROUTER_ADDED, "removed": Event.ROUTER_REMOVED}[action]
+            self.crew.state.event(done, replica=index, status=status)
             return None
         said = body.get("error") if isinstance(body, dict) else None
         verb = {"added": "add", "removed": "remove"}[action]
         error = (f"the router did not {verb} replica {index}: answered {status or 'nothing'}"
                  + (f" ({said})" if said else ""))
-        self.crew.state.event("router_admin_failed", replica=index, action=action,
+        self.crew.state.event(Event.ROUTER_ADMIN_FAILED, replica=index, action=action,
                               status=status, error=error)
         self.crew.say(f"warning: {error}")
         return error
@@ -218,12 +221,12 @@ class RouterLink:
         if isinstance(decision, GiveUp):
             why = f"restart budget exhausted ({decision.reason})"
             self.crew.say(f"the router died; {why}; stopping the run")
-            state.event("router_died", pid=pid)
-            state.event("router_failed", reason=why)
+            state.event(Event.ROUTER_DIED, pid=pid)
+            state.event(Event.ROUTER_FAILED, reason=why)
             self.crew.fail()
             return None
         self.crew.say("the router died; restarting it")
-        state.event("router_died", pid=pid)
+        state.event(Event.ROUTER_DIED, pid=pid)
         self.restarts = decision.history
         return decision.delay
 
@@ -238,7 +241,7 @@ class RouterLink:
             try:
                 router = start_router(self.crew.state)
             except (BringUpFailed, OSError) as exc:  # OSError: its argv cannot be run
-                self.crew.state.event("router_restart_failed", error=str(exc))
+                self.crew.state.event(Event.ROUTER_RESTART_FAILED, error=str(exc))
                 first = (str(exc).splitlines() or [""])[0]
                 self.crew.say(f"the router restart failed: {first}")
                 return

@@ -27,6 +27,7 @@ from pathlib import Path
 from omni_dp.contract import API_KEY_ENV, ExitCode
 from omni_dp.launcher.bringup.replicas import ReplicaControl
 from omni_dp.launcher.changes.request import take
+from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.record.state import RunState
 from omni_dp.launcher.supervision.change_runner import ChangeRunner
 from omni_dp.launcher.supervision.crew import Crew
@@ -110,7 +111,7 @@ class Supervisor:
                      "this supervisor stops without touching it")
             return ExitCode.USAGE
         self.state.update(supervisor=SupervisorRecord(me, self.detached))
-        self.state.event("supervisor_started", pid=me.pid, detached=self.detached)
+        self.state.event(Event.SUPERVISOR_STARTED, pid=me.pid, detached=self.detached)
         if previous is not None and previous.identity != me:
             self._take_over(previous)
         watch = DeathWatch()
@@ -118,7 +119,7 @@ class Supervisor:
             self._loop(watch)
         except Exception as exc:  # the loop itself: never leave the run unsupervised silently
             self.exit_code = ExitCode.RUNTIME
-            self.state.event("supervisor_failed", error=repr(exc))
+            self.state.event(Event.SUPERVISOR_FAILED, error=repr(exc))
             self.say(f"the supervision loop failed ({exc!r}); tearing the run down")
         finally:
             watch.close()
@@ -130,7 +131,7 @@ class Supervisor:
         try:
             done = take_over(self.crew, previous)
         except Exception as exc:  # never the supervisor dead for it: the sweep goes on
-            self.state.event("supervisor_takeover_failed", error=repr(exc))
+            self.state.event(Event.SUPERVISOR_TAKEOVER_FAILED, error=repr(exc))
             self.say(f"warning: taking over from supervisor pid {previous.identity.pid} "
                      f"failed ({exc!r}); supervising what the record says")
             return
@@ -143,12 +144,12 @@ class Supervisor:
             try:
                 self.sweep()
             except Exception as exc:  # a sweep must never take the supervisor down
-                self.state.event("supervisor_check_failed", error=repr(exc))
+                self.state.event(Event.SUPERVISOR_CHECK_FAILED, error=repr(exc))
             if not supervising:  # the heartbeat `launch --detach` waits for before it says so
                 supervising = True
                 record = self.state.record.supervisor
                 # the event first: whoever sees the heartbeat in run.json finds the event
-                self.state.event("supervisor_supervising", pid=os.getpid())
+                self.state.event(Event.SUPERVISOR_SUPERVISING, pid=os.getpid())
                 self.state.update(supervisor=replace(record, supervising_since=time.time()))
             watch.wait(self._watched(), self.interval)
 
@@ -261,7 +262,7 @@ class Supervisor:
                                        f"is {self.state.replica(i).state.value}: left as it is")
                            for i in left))
         for i in left:
-            self.state.event("restart_left_out", replica=i, group_of=index,
+            self.state.event(Event.RESTART_LEFT_OUT, replica=i, group_of=index,
                              state=self.state.replica(i).state.value)
         self.state.update_replica(index, state=ReplicaState.RESTARTING, last_error=reason)
         for i in others:
@@ -294,9 +295,14 @@ class Supervisor:
         thread of its own, one at a time (the next waits, asked, until this one ended)."""
         if self.busy.holder(CHANGE) is not None or self.stop_requested.is_set():
             return
-        change = take(self.state.directory)
+        change = take(self.state.directory, self._change_refused)
         if change is not None:
             self.busy.start(CHANGE, self.change, change, name=f"change-{change.id}")
+
+    def _change_refused(self, why: str) -> None:
+        """A request that does not parse: refused whole, before any step, and said."""
+        self.state.event(Event.CHANGE_REFUSED, error=why)
+        self.crew.say(f"change refused: {why}")
 
     def _check_hangs(self) -> None:
         """Replicas the router found hung and has not re-admitted within the grace: each
@@ -311,7 +317,7 @@ class Supervisor:
             if record is None or record.state not in WATCHED or \
                     self._replica_skipped(hung.index):
                 continue
-            self.state.event("replica_hung", replica=hung.index, since=hung.since,
+            self.state.event(Event.REPLICA_HUNG, replica=hung.index, since=hung.since,
                              error=hung.error)
             self._restart(hung.index, f"hung: the router took it out ({hung.error})")
 

@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass, field
 
 from omni_dp.launcher.changes.request import finish, read_change
+from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.hang_watch import replica_index
 from omni_dp.runfile import WATCHED, ReplicaState, SupervisorRecord
@@ -64,9 +65,9 @@ def take_over(crew: Crew, previous: SupervisorRecord) -> TakeOver:
     if change is not None and change.state == "running":
         error = f"cut off: {why}; what its steps did stays"
         finish(state.directory, change, error)
-        state.event("change_failed", change=change.id, error=error)
+        state.event(Event.CHANGE_FAILED, change=change.id, error=error)
         done.change = change.id
-    state.event("supervisor_resumed", pid=os.getpid(), previous_pid=done.previous_pid,
+    state.event(Event.SUPERVISOR_RESUMED, pid=os.getpid(), previous_pid=done.previous_pid,
                 cut_off=done.cut_off, taken_out=sorted(done.taken_out), change=done.change)
     crew.say(f"supervising run {state.run_id} again, after supervisor pid {done.previous_pid}"
              + "".join(f"; {what}" for what in _said(done)))
