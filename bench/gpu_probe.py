@@ -33,7 +33,7 @@ DEPENDENCIES = {
     "click": "click", "numpy": "numpy", "psutil": "psutil", "nvidia-ml-py": "pynvml",
     "pyyaml": "yaml", "prometheus-client": "prometheus_client", "safetensors": "safetensors",
     "soundfile": "soundfile", "samplerate": "samplerate", "python-json-logger": "pythonjsonlogger",
-    "pyzmq": "zmq",
+    "pyzmq": "zmq", "msgspec": "msgspec",
     "msgpack": "msgpack", "rich": "rich", "matplotlib": "matplotlib",
     "uvloop": "uvloop",  # the `fast` extra
     "cffi": "cffi",  # soundfile's: not in the image, carried with it
