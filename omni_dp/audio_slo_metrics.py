@@ -128,8 +128,14 @@ class AudioSloMetrics:
         return found
 
     def forget(self, who: str) -> None:
-        """Drop the cached children of a removed replica (their series stay exported)."""
+        """Drop a removed replica's series, as the router drops its other per-replica series
+        (a scrape names only the replicas it routes to; the soak checks it after a scale)."""
         self._series = {k: v for k, v in self._series.items() if k[0] != who}
+        for family in (self.ttfa, self.e2e, self.duration, self.rtf, self.interval,
+                       self.underrun, self.continuity, self.streams):
+            for labels in list(family._metrics):  # prometheus_client keeps no public index
+                if labels[0] == who:
+                    family.remove(*labels)
 
 
 class MeteredAnswer:

@@ -102,3 +102,23 @@ def test_pcm_without_a_sample_rate_is_untimed():
     assert registry.get_sample_value("t_ttfa_seconds_count",
                                      {"replica": "r", "format": "pcm", "priority": "bulk"}) == 1
     assert duration(registry, "pcm") == 0
+
+
+def test_a_removed_replicas_audio_series_go_with_it_and_the_others_stay():
+    """The router drops every series of a replica it no longer routes to (RouterMetrics.forget,
+    checked by the soak after a scale): its audio series too."""
+    from omni_dp.router.metrics import RouterMetrics
+
+    metrics = RouterMetrics(lambda: [])
+    for replica in ("1", "2"):
+        audio = RelayedAudio.of(metrics.audio, "POST", "/v1/audio/speech", b"{}", 200,
+                                CIMultiDict({"Content-Type": "audio/pcm",
+                                             "X-Sample-Rate": "24000"}), "bulk", 0.0)
+        audio.wrote(b"\0" * 4800, replica)
+        audio.finish(True, replica)
+    metrics.forget("2")
+    text = metrics.exposition().decode()
+    audio_lines = [line for line in text.splitlines()
+                   if line.startswith("omni_dp_router_audio_")]
+    assert not [line for line in audio_lines if 'replica="2"' in line]
+    assert [line for line in audio_lines if 'replica="1"' in line]
