@@ -39,7 +39,8 @@ class Sweep:
 
 @dataclass(frozen=True)
 class AudioFigures:
-    """The audio SLO figures of a window (None: no such series, or no observation in it)."""
+    """The audio SLO figures of a window (None: no such series, or no observation in it).
+    Its field names are ReplicaRow's and FleetRow's own: the rows take them by name."""
 
     ttfa_p50_s: float | None = None
     ttfa_p99_s: float | None = None
@@ -132,10 +133,10 @@ def _row(replica: ReplicaRecord, before: Sweep | None, after: Sweep,
     audio = replica_audio(scrape, earlier) if scrape is not None and scrape.ok else AudioFigures()
     error = None if scrape is None else scrape.error
     return ReplicaRow(
-        replica.index, replica.url, replica.state.value,
-        health(replica.state, healthy, routable), healthy, routable, in_flight, requests, rate,
-        audio.ttfa_p50_s, audio.ttfa_p99_s, audio.rtf, audio.completed, audio.underruns,
-        len(replica.restarts), error)
+        index=replica.index, url=replica.url, state=replica.state.value,
+        health=health(replica.state, healthy, routable), healthy=healthy, routable=routable,
+        in_flight=in_flight, requests=requests, requests_per_s=rate, **asdict(audio),
+        restarts=len(replica.restarts), metrics_error=error)
 
 
 def health(state: ReplicaState, healthy: bool | None, routable: bool | None) -> str:
@@ -257,9 +258,9 @@ def _fleet(rows: tuple[ReplicaRow, ...], before: Sweep | None, after: Sweep,
         rate = sum(_increase(row.requests or 0, before.router.total(
             ROUTER + "requests_total", replica=str(row.index))) for row in rows) / window
     return FleetRow(
-        len(rows), sum(1 for row in rows if row.routable) if router.ok else None,
-        sum(row.in_flight or 0 for row in rows) if router.ok else None,
-        sum(row.requests or 0 for row in rows) if router.ok else None,
-        rate,
-        figures.ttfa_p50_s, figures.ttfa_p99_s, figures.rtf, figures.completed,
-        figures.underruns, sum(row.restarts for row in rows), source, router.error)
+        replicas=len(rows),
+        routable=sum(1 for row in rows if row.routable) if router.ok else None,
+        in_flight=sum(row.in_flight or 0 for row in rows) if router.ok else None,
+        requests=sum(row.requests or 0 for row in rows) if router.ok else None,
+        requests_per_s=rate, **asdict(figures), restarts=sum(row.restarts for row in rows),
+        audio_source=source, router_error=router.error)
