@@ -60,7 +60,10 @@ MIN_VOICE_RECALL = 24 / 27
 # 6.46-6.68 s through the servers. The recognizer hears a rate 9% off as well as the right one
 # (a WAV header of 24000 Hz on the voice's 22050: 27 words of 27 still) while the seconds fall
 # 8.1%: ± 4.5% (4 standard deviations, beyond every run measured) fails that, and any larger
-# drift, at once.
+# drift. The voice's durations have a long tail all the same: one CI run heard 6.94 s (+5.2%,
+# two of the four sentences 12% longer than their means, where 40 draws through a placed replica
+# here never passed +5.4% on any one of them, sd 1.0% on the sum). A draw outside the band is
+# therefore heard again: a wrong rate is off every time, a tail twice in a row all but never.
 VOICE_SECONDS, VOICE_SECONDS_TOLERANCE = 6.6, 0.045
 MAX_SEEDED_RECALL = 0.2
 # Bodies each engine must refuse alike: (status, the field named).
@@ -144,11 +147,17 @@ def _listen(url: str, name: str) -> tuple[float, float, list[tuple]]:
 
 
 def assert_spoken_like_the_voice(url: str, name: str) -> None:
+    """Heard as the voice is, and as long as the voice speaks: a draw outside the band is
+    listened to once more (see VOICE_SECONDS), so only a length off twice fails."""
     recall, seconds, results = _listen(url, name)
     assert recall >= MIN_VOICE_RECALL, results
-    assert abs(seconds / VOICE_SECONDS - 1) <= VOICE_SECONDS_TOLERANCE, (
-        f"{name}: SENTENCES lasted {seconds:.2f} s; the voice speaks them in {VOICE_SECONDS} s "
-        f"± {VOICE_SECONDS_TOLERANCE:.1%} (a wrong sample rate?)", results)
+    if abs(seconds / VOICE_SECONDS - 1) <= VOICE_SECONDS_TOLERANCE:
+        return
+    again, second_results = _listen(url, name + " (again)")[1:]
+    assert abs(again / VOICE_SECONDS - 1) <= VOICE_SECONDS_TOLERANCE, (
+        f"{name}: SENTENCES lasted {seconds:.2f} s, then {again:.2f} s; the voice speaks them in "
+        f"{VOICE_SECONDS} s ± {VOICE_SECONDS_TOLERANCE:.1%} (a wrong sample rate?)",
+        results, second_results)
 
 
 def test_the_voice_is_understood_and_the_seeded_preset_is_not(voice_run):
