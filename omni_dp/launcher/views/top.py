@@ -243,24 +243,41 @@ def replicas_audio(before: Sweep | None, after: Sweep) -> AudioFigures:
                  else None)
 
 
-def _fleet(rows: tuple[ReplicaRow, ...], before: Sweep | None, after: Sweep,
-           window: float | None) -> FleetRow:
+def _fleet_audio(before: Sweep | None, after: Sweep) -> tuple[AudioFigures, str]:
+    """The fleet's audio and where it was read: the router's series, where bytes leave for the
+    client, or the replicas' added together where the router exports none."""
     router = after.router
-    figures = None
     if router.ok:
         earlier = before.router if before is not None and before.router.ok else None
         figures = router_audio(router, earlier)
-    source = "router" if figures is not None else "replicas"
-    if figures is None:
-        figures = replicas_audio(before, after)
-    rate = None
-    if window and router.ok and before is not None and before.router.ok:
-        rate = sum(_increase(row.requests or 0, before.router.total(
-            ROUTER + "requests_total", replica=str(row.index))) for row in rows) / window
+        if figures is not None:
+            return figures, "router"
+    return replicas_audio(before, after), "replicas"
+
+
+def _fleet_rate(rows: tuple[ReplicaRow, ...], before: Sweep | None, after: Sweep,
+                window: float | None) -> float | None:
+    """Requests a second over the window, from the router's counts (None without two sweeps)."""
+    if not window or before is None or not (after.router.ok and before.router.ok):
+        return None
+    earlier = before.router
+    return sum(_increase(row.requests or 0, earlier.total(
+        ROUTER + "requests_total", replica=str(row.index))) for row in rows) / window
+
+
+def _fleet(rows: tuple[ReplicaRow, ...], before: Sweep | None, after: Sweep,
+           window: float | None) -> FleetRow:
+    router = after.router
+    figures, source = _fleet_audio(before, after)
+
+    def routed(count: int) -> int | None:  # the router's own figures, none when it is down
+        return count if router.ok else None
+
     return FleetRow(
         replicas=len(rows),
-        routable=sum(1 for row in rows if row.routable) if router.ok else None,
-        in_flight=sum(row.in_flight or 0 for row in rows) if router.ok else None,
-        requests=sum(row.requests or 0 for row in rows) if router.ok else None,
-        requests_per_s=rate, **asdict(figures), restarts=sum(row.restarts for row in rows),
-        audio_source=source, router_error=router.error)
+        routable=routed(sum(1 for row in rows if row.routable)),
+        in_flight=routed(sum(row.in_flight or 0 for row in rows)),
+        requests=routed(sum(row.requests or 0 for row in rows)),
+        requests_per_s=_fleet_rate(rows, before, after, window), **asdict(figures),
+        restarts=sum(row.restarts for row in rows), audio_source=source,
+        router_error=router.error)
