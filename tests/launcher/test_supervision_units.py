@@ -1182,3 +1182,50 @@ def test_a_restarted_replica_is_verified_against_its_own_gpus_daemon(tmp_path):
     assert verified == [("verify_attachment", 1)]
     assert said[-1] == (f"replica 3: restarted (pid {state.replica(3).pid}), passed its gates "
                         "(health, processes, KV, MPS attachment), back in the router")
+
+
+def test_two_threads_telling_the_same_follower_to_wait_say_it_once(tmp_path):
+    """The followers told to wait are one set shared by every restart thread: "which are
+    new?" and "now they are told" are one step, so a thread that comes between them (here:
+    while the first writes the follower down) finds it told already."""
+    state = make_state(tmp_path, replicas=3, share=True)
+    sup, world, said = supervisor(state)
+    world.live.discard(1000)  # the leader is gone
+    write, second = state.update_replica, []
+
+    def update_replica(index, **fields):
+        if threading.current_thread().name == "first" and not second:
+            other = threading.Thread(target=sup.restart_replica._leader_gone, args=([1],),
+                                     name="second")
+            second.append(other)
+            other.start()
+            other.join(5)
+        write(index, **fields)
+
+    state.update_replica = update_replica
+    first = threading.Thread(target=sup.restart_replica._leader_gone, args=([1],),
+                             name="first")
+    first.start()
+    first.join(5)
+    assert second and not second[0].is_alive()
+    assert [e["replica"] for e in events(state) if e["event"] == "restart_deferred"] == [1]
+    assert len([s for s in said if "not restarted alone" in s]) == 1
+
+
+def test_shared_indices_add_new_reports_each_index_new_to_one_caller_only():
+    from omni_dp.launcher.supervision.indices import SharedIndices
+
+    shared, told = SharedIndices(), []
+    start = threading.Barrier(8)
+
+    def claim():
+        start.wait(5)
+        for i in range(2000):
+            told.extend(shared.add_new([i]))
+
+    threads = [threading.Thread(target=claim) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(told) == list(range(2000)) and shared == set(range(2000))

@@ -29,6 +29,7 @@ from omni_dp.launcher.engines.replica_api import GateFailed
 from omni_dp.launcher.planning.share_group import LEADER, start_waves
 from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.supervision.crew import Crew
+from omni_dp.launcher.supervision.indices import SharedIndices
 from omni_dp.launcher.supervision.restart_policy import GiveUp
 from omni_dp.launcher.supervision.router_link import RouterLink
 from omni_dp.runfile import ReplicaState, can_transition
@@ -50,7 +51,8 @@ class ReplicaRestart:
         self.crew = crew
         self.router = router
         self.passed = passed  # told when a restarted replica passed every gate
-        self._waiting: set[int] = set()  # followers said to wait for their gone leader
+        # followers said to wait for their gone leader; shared by every restart thread
+        self._waiting = SharedIndices()
 
     def __call__(self, index: int, reason: str, group: list[int] | None = None) -> None:
         """The restart thread's body: whatever goes wrong leaves the group down (the next
@@ -175,10 +177,9 @@ class ReplicaRestart:
         if self.crew.probe.alive(state.replica(LEADER).identity):
             return False
         why = f"waiting for its leader (replica {LEADER}), which is gone"
-        new = [i for i in members if i not in self._waiting]
+        new = self._waiting.add_new(members)  # one step: no two threads say the same wait
         for i in members:
             self._down(i, why)
-        self._waiting.update(members)
         # down, out of the router: put back should it answer healthy after all
         self.router.not_in_router.update(members)
         if new and not self.crew.gate.closed:
