@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
@@ -31,7 +30,7 @@ from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.others_healthy import NotHealthy, not_healthy
 from omni_dp.launcher.supervision.replica_restart import Progress, ReplicaRestart
 from omni_dp.launcher.supervision.router_link import RouterLink
-from omni_dp.launcher.supervision.slots import Busy, Slot
+from omni_dp.launcher.supervision.slots import Busy, Slot, replica_group, run_slots
 from omni_dp.runfile import GpuRecord, PlanRecord, ReplicaState
 
 SLOT_WAIT_S = 600.0  # for a restart the sweep began on the same replica to end
@@ -51,13 +50,12 @@ class StepFailed(Exception):
 
 
 class ChangeRunner:
-    def __init__(self, crew: Crew, router: RouterLink, restart: ReplicaRestart, busy: Busy,
-                 refresh: Callable[[], None]) -> None:
+    def __init__(self, crew: Crew, router: RouterLink, restart: ReplicaRestart,
+                 busy: Busy) -> None:
         self.crew = crew
         self.router = router
         self.restart = restart
-        self.busy = busy
-        self.refresh = refresh  # the supervisor's slots and watches follow a changed record
+        self.busy = busy  # the loop's slots follow a reshaped record at its next sweep
 
     def __call__(self, change: ChangeRequest) -> None:
         """The change thread's body: whatever goes wrong is recorded, never raised."""
@@ -121,7 +119,6 @@ class ChangeRunner:
         state.set_scale((*state.replicas, record),
                         self._plan_with(len(state.replicas) + 1, change),
                         self._gpus(change))
-        self.refresh()
         refused = self.router.add(record.index, record.url)
         if refused is not None:
             raise StepFailed(refused)
@@ -148,7 +145,6 @@ class ChangeRunner:
             self.router.not_in_router.discard(index)
             state.set_scale(state.replicas[:index], self._plan_with(index, change),
                             self._gpus(change))
-        self.refresh()
         if refused is not None:  # the run is smaller, but the router still lists it
             raise StepFailed(f"replica {index} is stopped and gone from the run, but {refused}"
                              " (its health checks keep it out of rotation)")
@@ -157,8 +153,7 @@ class ChangeRunner:
 
     def restart_group(self, index: int) -> list[int]:
         """The replica and its dependents (a weight-share leader's followers)."""
-        return [index, *(s.index for s in self.busy.deps.dependents(Slot.replica(index))
-                         if s.kind == "replica" and s.index is not None)]
+        return replica_group(run_slots(self.crew.state.record), index)
 
     @contextmanager
     def _taking_out(self, change: ChangeRequest, index: int, members: list[int]):

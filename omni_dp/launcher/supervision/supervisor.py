@@ -35,7 +35,8 @@ from omni_dp.launcher.supervision.death_watch import DeathWatch
 from omni_dp.launcher.supervision.hang_watch import HangReports
 from omni_dp.launcher.supervision.mps_restart import GroupRestart
 from omni_dp.launcher.supervision.mps_watch import MpsWatch
-from omni_dp.launcher.supervision.replica_restart import ReplicaRestart
+from omni_dp.launcher.supervision.outcomes import GatesPassed, Outcomes
+from omni_dp.launcher.supervision.replica_restart import ReplicaRestart, give_up
 from omni_dp.launcher.supervision.replica_watch import ReplicaWatch, Seen
 from omni_dp.launcher.supervision.restart_policy import RestartPolicy
 from omni_dp.launcher.supervision.router_link import RouterLink
@@ -88,13 +89,12 @@ class Supervisor:
         # one watch per GPU's daemon, by GPU slot: its own budget, its own clients' logs
         self.mps = {slot.index: MpsWatch(self.crew.policy, s.on_mps_fault, slot.index)
                     for slot in self.busy.deps.slots if slot.kind == "mps"}
-        self.restart_replica = ReplicaRestart(self.crew, self.router, self._passed)
+        self.outcomes = Outcomes()  # what the threads report; the loop alone applies it
+        self.restart_replica = ReplicaRestart(self.crew, self.router, self.outcomes)
         self.restart_group = GroupRestart(self.crew, self.router,
                                           {gpu: w.scanner for gpu, w in self.mps.items()},
-                                          self._passed)
-        self.change = ChangeRunner(self.crew, self.router, self.restart_replica, self.busy,
-                                   self.refresh)
-        self.sweep_lock = threading.RLock()  # a sweep, or a change reshaping the run's slots
+                                          self.outcomes)
+        self.change = ChangeRunner(self.crew, self.router, self.restart_replica, self.busy)
         self.cut_off: set[int] = set()  # replicas whose restart a dead supervisor left undone
 
     # --- the loop -------------------------------------------------------------------------
@@ -163,6 +163,7 @@ class Supervisor:
                 if i is not None and not self.busy.skipped(slot) and self.crew.probe.alive(i)]
 
     def shutdown(self) -> int:
+        self.apply_outcomes()  # what a thread reported as the loop ended
         self.say("tearing the run down")
         self.crew.gate.close()
         failed = self.exit_code != 0  # stopped by a fault: keep the state for diagnosis
@@ -189,23 +190,32 @@ class Supervisor:
 
     # --- one sweep: check every slot nobody restarts, dispatch what is due ------------------
 
-    def sweep(self) -> None:
-        with self.sweep_lock:
-            self._sweep()
+    def apply_outcomes(self) -> None:
+        """Apply what the threads reported, in order: the loop is the only one to change its
+        watches, and the records a thread's end leaves."""
+        for outcome in self.outcomes.take():
+            if isinstance(outcome, GatesPassed):
+                if outcome.index in self.watches:  # gone already: a scale removed it
+                    self.watches[outcome.index].reset()
+            elif not self.crew.gate.closed:  # GaveUp; once teardown began, teardown owns it
+                give_up(self.crew, outcome)
 
-    def refresh(self) -> None:
+    def follow_record(self) -> None:
         """The slots and watches of the run as its record now is (a scale added or removed a
-        replica); between sweeps."""
-        with self.sweep_lock:
-            record = self.state.record
-            for r in record.replicas:
-                self.watches.setdefault(r.index, ReplicaWatch(self.state.supervision
-                                                              .restart_after_failures))
-            for gone in set(self.watches) - {r.index for r in record.replicas}:
-                del self.watches[gone]
-            self.busy.deps = run_slots(record)
+        replica): compared at every sweep, so the change that reshaped the record never
+        touches the loop's own state."""
+        record = self.state.record
+        indices = [r.index for r in record.replicas]
+        if sorted(self.watches) == indices:
+            return
+        for index in indices:
+            self.watches.setdefault(index, ReplicaWatch(self.state.supervision
+                                                        .restart_after_failures))
+        for gone in set(self.watches) - set(indices):
+            del self.watches[gone]
+        self.busy.deps = run_slots(record)
 
-    def _sweep(self) -> None:
+    def sweep(self) -> None:
         if self.state.removed:
             self.say(f"the run directory {self.state.directory} was removed; tearing the run "
                      "down from memory")
@@ -214,11 +224,16 @@ class Supervisor:
         check = {"replica": lambda slot: self._check_replica(slot.index),
                  "router": lambda _: self._check_router(),
                  "mps": lambda slot: self._check_mps(slot.index)}
+        self.apply_outcomes()
+        self.follow_record()
         for slot in self.busy.deps.order():
             if self.stop_requested.is_set():
                 return
             if not self.busy.skipped(slot):
+                # after the look at the slot: a thread that let it go reported before it did
+                self.apply_outcomes()
                 check[slot.kind](slot)
+        self.apply_outcomes()
         self.router.retry_enable(skip=self._replica_skipped)
         self._check_hangs()
         self._check_change()
@@ -229,6 +244,8 @@ class Supervisor:
         return self.busy.skipped(Slot.replica(index))
 
     def _check_replica(self, index: int) -> None:
+        if index >= len(self.state.replicas):  # a scale removed it during this sweep
+            return
         record = self.state.replica(index)
         if index in self.cut_off:  # taken over half-restarted: through the gates again
             self.cut_off.discard(index)
@@ -278,9 +295,6 @@ class Supervisor:
             return Seen(alive=True, health=probe.health(record.url, min(2.0, self.interval)))
         popen = self.replicas.popens.get(index)
         return Seen(alive=False, exit_code=popen.poll() if popen else None)
-
-    def _passed(self, index: int) -> None:
-        self.watches[index].reset()
 
     def _check_router(self) -> None:
         router = self.state.record.router
