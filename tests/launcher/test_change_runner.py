@@ -507,3 +507,31 @@ def _supervise_once(state, sup) -> None:
     while (change := take(state.directory)) is None:
         threading.Event().wait(0.05)
     sup.change(change)
+
+
+# --- a change planned from an older run ---------------------------------------------------
+
+
+def test_a_change_planned_before_another_one_reshaped_the_run_fails_before_any_step(
+        tmp_path, capsys):
+    """Planned from 3 replicas, taken once another change left 2: it touches nothing (the
+    step list would remove the wrong replica), fails, and the command exits 3 saying so."""
+    from omni_dp.launcher.changes.request import basis_of
+
+    run = a_run(tmp_path)
+    state, sup, timeline = run.state, run.sup, run.timeline
+    planned = dataclasses.replace(scale_down(state, 2), basis=basis_of(state.record))
+    state.set_scale(state.replicas[:2], dataclasses.replace(state.plan, replicas=2),
+                    state.record.gpus)  # what another change did meanwhile
+    state.update(supervisor=SupervisorRecord(identify(_pid()), detached=True))
+    done = threading.Thread(target=_supervise_once, args=(state, sup), daemon=True)
+    done.start()
+    with pytest.raises(SystemExit) as exited:
+        _ask("scale", state, planned, as_json=False)
+    done.join(10)
+    assert exited.value.code == ExitCode.RUNTIME == 3
+    last = capsys.readouterr().out.strip()
+    assert "changed after this change was planned" in last and "ask again" in last, last
+    assert timeline == []  # nothing taken out, drained, stopped or removed
+    assert len(state.replicas) == 2
+    assert [e["event"] for e in state.events()].count("change_step_done") == 0

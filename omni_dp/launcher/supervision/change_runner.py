@@ -24,7 +24,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
-from omni_dp.launcher.changes.request import ChangeRequest, Step, finish
+from omni_dp.launcher.changes.request import ChangeRequest, Step, finish, out_of_date
 from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.others_healthy import NotHealthy, not_healthy
@@ -85,6 +85,10 @@ class ChangeRunner:
     def _step(self, change: ChangeRequest, step: Step, n: int) -> None:
         if self.crew.stop.is_set() or self.crew.gate.closed:
             raise StepFailed("the run is being torn down")
+        # the step acts on the run as it is now, never on the one it was planned from
+        stale = out_of_date(change, step, self.crew.state.record, first=n == 1)
+        if stale is not None:
+            raise StepFailed(stale)
         started = time.monotonic()
         self.crew.state.event(Event.CHANGE_STEP, change=change.id, step=n, action=step.action,
                               replica=step.replica)
@@ -134,10 +138,7 @@ class ChangeRunner:
 
     def _remove(self, change: ChangeRequest, step: Step) -> None:
         state = self.crew.state
-        index = step.replica
-        if index != len(state.replicas) - 1:
-            raise StepFailed(f"replica {index} is not the highest-numbered one: scale removes "
-                             "from the top")
+        index = step.replica  # the highest-numbered one: out_of_date checked it
         with self._taking_out(change, index, [index]):
             self._out_and_drained(change, index)
             self.crew.replicas.stop([index], change.drain_timeout)
