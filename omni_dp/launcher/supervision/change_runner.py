@@ -28,6 +28,7 @@ from omni_dp.launcher.changes.request import ChangeRequest, Step, finish, out_of
 from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.others_healthy import NotHealthy, not_healthy
+from omni_dp.launcher.supervision.outcomes import StepEnded
 from omni_dp.launcher.supervision.replica_restart import Progress, ReplicaRestart
 from omni_dp.launcher.supervision.router_link import RouterLink
 from omni_dp.launcher.supervision.slots import Busy, Slot, replica_group, run_slots
@@ -57,21 +58,88 @@ class ChangeRunner:
         self.restart = restart
         self.busy = busy  # the loop's slots follow a reshaped record at its next sweep
 
+    # --- the change, as the loop makes it: one step per thread, the rest its own -----------
+
     def __call__(self, change: ChangeRequest) -> None:
-        """The change thread's body: whatever goes wrong is recorded, never raised."""
-        state = self.crew.state
-        state.event(Event.CHANGE_STARTED, change=change.id, kind=change.kind,
-                    summary=change.summary, steps=[s.to_json() for s in change.steps])
-        self.crew.say(f"change {change.id}: {change.summary}")
+        """The whole change in the calling thread, as the loop makes it (one step after the
+        other, each checked against the run as it is then); what goes wrong is recorded."""
+        self.begin(change)
         error = None
+        for n in range(1, len(change.steps) + 1):
+            error = self.dispatch(change, n) or self.apply(change, self.run_step(change, n))
+            if error is not None:
+                break
+        self.end(change, error)
+
+    def begin(self, change: ChangeRequest) -> None:
+        """The loop: the change taken, said."""
+        self.crew.state.event(Event.CHANGE_STARTED, change=change.id, kind=change.kind,
+                              summary=change.summary,
+                              steps=[s.to_json() for s in change.steps])
+        self.crew.say(f"change {change.id}: {change.summary}")
+
+    def dispatch(self, change: ChangeRequest, n: int) -> str | None:
+        """The loop, before step n's thread: the step checked against the run as it is now
+        (never the one it was planned from), said, and what it records first (an added
+        replica); why the change ends here instead, else None."""
+        step = change.steps[n - 1]
+        if self.crew.stop.is_set() or self.crew.gate.closed:
+            return "the run is being torn down"
+        stale = out_of_date(change, step, self.crew.state.record, first=n == 1)
+        if stale is not None:
+            return stale
         try:
-            for n, step in enumerate(change.steps, 1):
-                self._step(change, step, n)
-            self._record_plan(change)
+            self.crew.state.event(Event.CHANGE_STEP, change=change.id, step=n,
+                                  action=step.action, replica=step.replica)
+            if step.action == "add":
+                self._record_added(change, step)
+        except Exception as exc:  # an unwritable run.json: said, never fatal
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def run_step(self, change: ChangeRequest, n: int) -> StepEnded:
+        """The step's thread: its blocking waits (the others healthy, the drain, the stop, the
+        gates); how it ended, for the loop to apply. Never raises."""
+        step = change.steps[n - 1]
+        started = time.monotonic()
+        error, removed = None, None
+        try:
+            if step.action == "remove":
+                removed, error = self._remove(change, step)
+            else:
+                {"restart": self._restart, "add": self._add}[step.action](change, step)
         except StepFailed as exc:
             error = str(exc)
         except Exception as exc:  # a bug or an unwritable run.json: said, never fatal
             error = f"{type(exc).__name__}: {exc}"
+        return StepEnded(change.id, n, round(time.monotonic() - started, 2), error, removed)
+
+    def apply(self, change: ChangeRequest, ended: StepEnded) -> str | None:
+        """The loop: what the step's thread reported, in the record (a removed replica gone
+        from it) and the events; why the change ends here, else None."""
+        step = change.steps[ended.step - 1]
+        try:
+            if ended.removed is not None:
+                state = self.crew.state
+                state.set_scale(state.replicas[:ended.removed],
+                                self._plan_with(ended.removed, change), self._gpus(change))
+            if ended.error is not None:
+                return ended.error
+            self.crew.state.event(Event.CHANGE_STEP_DONE, change=change.id, step=ended.step,
+                                  action=step.action, replica=step.replica,
+                                  seconds=ended.seconds)
+        except Exception as exc:  # an unwritable run.json: said, never fatal
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def end(self, change: ChangeRequest, error: str | None) -> None:
+        """The loop: the plan the run now follows, and how the change ended, recorded, said."""
+        state = self.crew.state
+        if error is None:
+            try:
+                self._record_plan(change)
+            except Exception as exc:  # an unwritable run.json: said, never fatal
+                error = f"{type(exc).__name__}: {exc}"
         if self.crew.gate.closed and error is None and change.steps:
             error = "the run is being torn down"
         finish(state.directory, change, error)
@@ -81,22 +149,6 @@ class ChangeRunner:
         else:
             state.event(Event.CHANGE_DONE, change=change.id)
             self.crew.say(f"change {change.id} done: {change.summary}")
-
-    def _step(self, change: ChangeRequest, step: Step, n: int) -> None:
-        if self.crew.stop.is_set() or self.crew.gate.closed:
-            raise StepFailed("the run is being torn down")
-        # the step acts on the run as it is now, never on the one it was planned from
-        stale = out_of_date(change, step, self.crew.state.record, first=n == 1)
-        if stale is not None:
-            raise StepFailed(stale)
-        started = time.monotonic()
-        self.crew.state.event(Event.CHANGE_STEP, change=change.id, step=n, action=step.action,
-                              replica=step.replica)
-        {"restart": self._restart, "add": self._add, "remove": self._remove}[step.action](
-            change, step)
-        self.crew.state.event(Event.CHANGE_STEP_DONE, change=change.id, step=n,
-                              action=step.action, replica=step.replica,
-                              seconds=round(time.monotonic() - started, 2))
 
     # --- the steps --------------------------------------------------------------------------
 
@@ -116,13 +168,18 @@ class ChangeRunner:
             raise StepFailed(f"replica {', '.join(map(str, failed))} did not pass its gates "
                              f"after the restart: {self._last_error(failed[0])}")
 
-    def _add(self, change: ChangeRequest, step: Step) -> None:
+    def _record_added(self, change: ChangeRequest, step: Step) -> None:
+        """The loop, before an add step's thread: the new replica in the record."""
         state = self.crew.state
+        assert step.added is not None  # an add step carries it (Step.__post_init__)
+        state.set_scale((*state.replicas, step.added),
+                        self._plan_with(len(state.replicas) + 1, change), self._gpus(change))
+
+    def _add(self, change: ChangeRequest, step: Step) -> None:
+        """Into the router (out of rotation), started through the gates (recorded already:
+        dispatch)."""
         record = step.added
-        assert record is not None  # an add step carries it (Step.__post_init__)
-        state.set_scale((*state.replicas, record),
-                        self._plan_with(len(state.replicas) + 1, change),
-                        self._gpus(change))
+        assert record is not None
         refused = self.router.add(record.index, record.url)
         if refused is not None:
             raise StepFailed(refused)
@@ -136,19 +193,20 @@ class ChangeRunner:
         except Exception as exc:  # it passed: a figure missing is no failure
             self.crew.state.event(Event.MEMORY_MEASURE_FAILED, replicas=passed, error=repr(exc))
 
-    def _remove(self, change: ChangeRequest, step: Step) -> None:
-        state = self.crew.state
+    def _remove(self, change: ChangeRequest, step: Step) -> tuple[int, str | None]:
+        """Out, drained, stopped, gone from the router: the replica stopped, for the loop to
+        drop from the record (apply), and why the step still failed (the router kept it)."""
         index = step.replica  # the highest-numbered one: out_of_date checked it
         with self._taking_out(change, index, [index]):
             self._out_and_drained(change, index)
             self.crew.replicas.stop([index], change.drain_timeout)
             refused = self.router.remove(index)
             self.router.not_in_router.discard(index)
-            state.set_scale(state.replicas[:index], self._plan_with(index, change),
-                            self._gpus(change))
-        if refused is not None:  # the run is smaller, but the router still lists it
-            raise StepFailed(f"replica {index} is stopped and gone from the run, but {refused}"
-                             " (its health checks keep it out of rotation)")
+        if refused is None:
+            return index, None
+        # the run is smaller, but the router still lists it
+        return index, (f"replica {index} is stopped and gone from the run, but {refused} "
+                       "(its health checks keep it out of rotation)")
 
     # --- helpers ----------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ did there.
 from __future__ import annotations
 
 import queue
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -28,7 +29,20 @@ class GaveUp:
     why: str
 
 
-Outcome = GatesPassed | GaveUp
+@dataclass(frozen=True)
+class StepEnded:
+    """A change's step thread ended: step n (from 1) of change `change`, how long it took,
+    why it failed (None: it passed), and the replica a remove stopped, which the loop drops
+    from the record."""
+
+    change: str
+    step: int
+    seconds: float
+    error: str | None = None
+    removed: int | None = None
+
+
+Outcome = GatesPassed | GaveUp | StepEnded
 
 
 class Outcomes:
@@ -36,9 +50,13 @@ class Outcomes:
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        self.wake: Callable[[], None] | None = None  # the loop's, while it runs
 
     def report(self, outcome: Outcome) -> None:
         self._queue.put(outcome)
+        wake = self.wake
+        if wake is not None:
+            wake()
 
     def take(self) -> list[Outcome]:
         """Everything reported so far, in order."""

@@ -21,12 +21,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from omni_dp.contract import API_KEY_ENV, ExitCode
 from omni_dp.launcher.bringup.replicas import ReplicaControl
-from omni_dp.launcher.changes.request import take
+from omni_dp.launcher.changes.request import ChangeRequest, take
 from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.record.state import RunState
 from omni_dp.launcher.supervision.change_runner import ChangeRunner
@@ -35,7 +35,7 @@ from omni_dp.launcher.supervision.death_watch import DeathWatch
 from omni_dp.launcher.supervision.hang_watch import HangReports
 from omni_dp.launcher.supervision.mps_restart import GroupRestart
 from omni_dp.launcher.supervision.mps_watch import MpsWatch
-from omni_dp.launcher.supervision.outcomes import GatesPassed, Outcomes
+from omni_dp.launcher.supervision.outcomes import GatesPassed, Outcomes, StepEnded
 from omni_dp.launcher.supervision.replica_restart import ReplicaRestart, give_up
 from omni_dp.launcher.supervision.replica_watch import ReplicaWatch, Seen
 from omni_dp.launcher.supervision.restart_policy import RestartPolicy
@@ -61,6 +61,14 @@ from omni_dp.runfile import (
 )
 
 __all__ = ["DeathWatch", "Supervisor", "main"]
+
+
+@dataclass
+class Changing:
+    """The change the loop is making: the next of its steps to begin (from 1)."""
+
+    change: ChangeRequest
+    next: int = 1
 
 
 def _stamped(line: str) -> None:
@@ -95,6 +103,7 @@ class Supervisor:
                                           {gpu: w.scanner for gpu, w in self.mps.items()},
                                           self.outcomes)
         self.change = ChangeRunner(self.crew, self.router, self.restart_replica, self.busy)
+        self.changing: Changing | None = None  # the change being made, the loop's alone
         self.cut_off: set[int] = set()  # replicas whose restart a dead supervisor left undone
 
     # --- the loop -------------------------------------------------------------------------
@@ -115,6 +124,7 @@ class Supervisor:
         if previous is not None and previous.identity != me:
             self._take_over(previous)
         watch = DeathWatch()
+        self.outcomes.wake = watch.wake  # a thread's report wakes the loop to apply it
         try:
             self._loop(watch)
         except Exception as exc:  # the loop itself: never leave the run unsupervised silently
@@ -122,6 +132,7 @@ class Supervisor:
             self.state.event(Event.SUPERVISOR_FAILED, error=repr(exc))
             self.say(f"the supervision loop failed ({exc!r}); tearing the run down")
         finally:
+            self.outcomes.wake = None
             watch.close()
         return self.shutdown()
 
@@ -164,6 +175,8 @@ class Supervisor:
 
     def shutdown(self) -> int:
         self.apply_outcomes()  # what a thread reported as the loop ended
+        if self.changing is not None:  # its step, if one runs, fails against the teardown
+            self._end_change("the run is being torn down")
         self.say("tearing the run down")
         self.crew.gate.close()
         failed = self.exit_code != 0  # stopped by a fault: keep the state for diagnosis
@@ -197,6 +210,8 @@ class Supervisor:
             if isinstance(outcome, GatesPassed):
                 if outcome.index in self.watches:  # gone already: a scale removed it
                     self.watches[outcome.index].reset()
+            elif isinstance(outcome, StepEnded):
+                self._step_ended(outcome)
             elif not self.crew.gate.closed:  # GaveUp; once teardown began, teardown owns it
                 give_up(self.crew, outcome)
 
@@ -305,13 +320,51 @@ class Supervisor:
             self.busy.start(ROUTER, self.router.restart, delay, self.reap, name="router-restart")
 
     def _check_change(self) -> None:
-        """A day-two change asked for (omni-dp restart, omni-dp scale): taken and made in a
-        thread of its own, one at a time (the next waits, asked, until this one ended)."""
-        if self.busy.holder(CHANGE) is not None or self.stop_requested.is_set():
+        """A day-two change (omni-dp restart, omni-dp scale), made by the loop one step per
+        sweep: each step checked against the record as it is when it begins, its blocking part
+        in a thread of its own (the run stays watched), its outcome applied here. One change
+        at a time (the next waits, asked, until this one ended)."""
+        if self.busy.holder(CHANGE) is not None:
+            return  # a step runs
+        self.apply_outcomes()  # the step that just ended reported before it let go
+        if self.changing is None:
+            if self.stop_requested.is_set():
+                return
+            change = take(self.state.directory, self._change_refused)
+            if change is None:
+                return
+            self.change.begin(change)
+            self.changing = Changing(change)
+        changing = self.changing
+        if changing.next > len(changing.change.steps):
+            self._end_change(None)
             return
-        change = take(self.state.directory, self._change_refused)
-        if change is not None:
-            self.busy.start(CHANGE, self.change, change, name=f"change-{change.id}")
+        error = self.change.dispatch(changing.change, changing.next)
+        if error is not None:
+            self._end_change(error)
+            return
+        self.busy.start(CHANGE, self._run_step, changing.change, changing.next,
+                        name=f"change-{changing.change.id}-{changing.next}")
+
+    def _run_step(self, change: ChangeRequest, n: int) -> None:
+        """A step's thread: its blocking part, reported."""
+        self.outcomes.report(self.change.run_step(change, n))
+
+    def _step_ended(self, ended: StepEnded) -> None:
+        changing = self.changing
+        if changing is None or changing.change.id != ended.change or \
+                changing.next != ended.step:
+            return  # not the step the loop handed out (the change ended meanwhile)
+        error = self.change.apply(changing.change, ended)
+        if error is not None:
+            self._end_change(error)
+        else:
+            changing.next += 1
+
+    def _end_change(self, error: str | None) -> None:
+        assert self.changing is not None
+        change, self.changing = self.changing.change, None
+        self.change.end(change, error)
 
     def _change_refused(self, why: str) -> None:
         """A request that does not parse: refused whole, before any step, and said."""
