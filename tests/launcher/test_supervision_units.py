@@ -846,6 +846,8 @@ def test_an_mps_fault_restarts_every_dependent_replica_and_no_sweep_touches_them
         groups.append((record.identity.pid, fault, indices, delay))
         began.set()
         release.wait(10)
+        for i in indices:  # it ends, as a restart whose start failed: down, watched again
+            state.update_replica(i, state=ReplicaState.DOWN, last_error="start failed")
 
     replica_restarts: list[int] = []
     sup.restart_group = group_restart
@@ -862,7 +864,9 @@ def test_an_mps_fault_restarts_every_dependent_replica_and_no_sweep_touches_them
         for _ in range(3):  # meanwhile: no sweep looks at the replicas or the daemon
             sup.sweep()
         assert replica_restarts == [] and world.daemon_checks == 1
-        assert [r.state for r in state.replicas] == [H, H] and sup.watches[1].failures == 0
+        # restarting, written by the loop as it handed them over (the thread only waits)
+        assert [r.state for r in state.replicas] == [R, R] and sup.watches[1].failures == 0
+        assert {r.last_error for r in state.replicas} == {"the MPS daemon is gone"}
         assert sup._watched() == [state.record.router.identity]
         [fault] = [e for e in events(state) if e["event"] == "mps_fault"]
         assert (fault["action"], fault["restarts_in_window"]) == ("restart", 0)

@@ -1,6 +1,10 @@
 """The supervisor makes a day-two change (omni_dp/launcher/changes): the steps in order, each on
-one replica (or a weight-share leader's group), in a thread of its own so the rest of the run
-stays watched. While a step works on a replica it holds that replica's slot: the sweep leaves it
+one replica (or a weight-share leader's group). The loop makes the change, one step per sweep
+(begin, dispatch, apply, end: it alone writes what a change records around its steps), checking
+each step against the record as it is when the step begins (changes.request.out_of_date: a
+change planned from another run acts on nothing); the step's blocking part runs in a thread of
+its own (run_step) so the rest of the run stays watched, and reports a StepEnded the loop
+applies. While a step works on a replica it holds that replica's slot: the sweep leaves it
 alone, and the step waits for a restart the sweep began to end first.
 
 - restart: out of the router → drained (the router's in-flight count for it reaches 0, or the

@@ -21,7 +21,6 @@ from omni_dp.launcher.supervision.outcomes import GatesPassed, Outcomes
 from omni_dp.launcher.supervision.router_link import RouterLink
 from omni_dp.mps.daemon import CONTROL_LOG, DaemonRecord, MpsDaemon, MpsDaemonError
 from omni_dp.mps.faults import FaultScanner
-from omni_dp.runfile import ReplicaState
 
 
 class GroupRestart:
@@ -37,9 +36,8 @@ class GroupRestart:
         """The restart thread's body: the daemon of record (GPU slot record.gpu) and these
         replicas, its clients."""
         try:
-            for i in indices:
+            for i in indices:  # restarting, recorded by the loop when it handed them over
                 self.router.set_disabled(i, True)
-                self.crew.state.update_replica(i, state=ReplicaState.RESTARTING, last_error=fault)
             if self.crew.stop.wait(delay) or not self._replace_daemon(record, indices):
                 return
             self._bring_back(record.gpu, indices)

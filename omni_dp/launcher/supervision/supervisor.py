@@ -3,7 +3,10 @@ what it decides and does is in small parts, omni_dp/launcher/supervision/.
 
 Every sweep it checks each slot — each GPU's MPS daemon (with --mps) before its clients, each
 replica (process alive by pid + create time, GET /health), the router — and hands a restart to a
-thread of its own, so the rest stays watched. A slot is left alone while a restart owns it or
+thread of its own, so the rest stays watched. A thread keeps the blocking waits and reports
+typed outcomes (outcomes.py); the loop alone applies them, and alone changes its watches and
+slots, which follow the record at every sweep. A day-two change is made by the loop one step
+per sweep (change_runner.py). A slot is left alone while a restart owns it or
 what it depends on (an MPS fault on a GPU restarts every replica of that GPU, and no other).
 SIGTERM/SIGINT: orderly teardown.
 
@@ -395,6 +398,8 @@ class Supervisor:
         if act is not None:  # every replica depending on this daemon goes with it, no other
             slot = Slot.mps(gpu)
             group = [s.index for s in self.busy.deps.dependents(slot) if s.kind == "replica"]
+            for i in group:  # written here, the thread only waits: the loop writes the record
+                self.state.update_replica(i, state=ReplicaState.RESTARTING, last_error=act.fault)
             self.busy.start(slot, self.restart_group, record, act.fault, group, act.delay,
                             name=f"mps-restart-{gpu}")
 
