@@ -507,3 +507,95 @@ def _supervise_once(state, sup) -> None:
     while (change := take(state.directory)) is None:
         threading.Event().wait(0.05)
     sup.change(change)
+
+
+# --- a change planned from an older run ---------------------------------------------------
+
+
+def test_a_change_planned_before_another_one_reshaped_the_run_fails_before_any_step(
+        tmp_path, capsys):
+    """Planned from 3 replicas, taken once another change left 2: it touches nothing (the
+    step list would remove the wrong replica), fails, and the command exits 3 saying so."""
+    from omni_dp.launcher.changes.request import basis_of
+
+    run = a_run(tmp_path)
+    state, sup, timeline = run.state, run.sup, run.timeline
+    planned = dataclasses.replace(scale_down(state, 2), basis=basis_of(state.record))
+    state.set_scale(state.replicas[:2], dataclasses.replace(state.plan, replicas=2),
+                    state.record.gpus)  # what another change did meanwhile
+    state.update(supervisor=SupervisorRecord(identify(_pid()), detached=True))
+    done = threading.Thread(target=_supervise_once, args=(state, sup), daemon=True)
+    done.start()
+    with pytest.raises(SystemExit) as exited:
+        _ask("scale", state, planned, as_json=False)
+    done.join(10)
+    assert exited.value.code == ExitCode.RUNTIME == 3
+    last = capsys.readouterr().out.strip()
+    assert "changed after this change was planned" in last and "ask again" in last, last
+    assert timeline == []  # nothing taken out, drained, stopped or removed
+    assert len(state.replicas) == 2
+    assert [e["event"] for e in state.events()].count("change_step_done") == 0
+
+
+# --- the loop makes the change ------------------------------------------------------------
+
+
+def step_events(state) -> list[tuple]:
+    return [(e["event"], e.get("step")) for e in state.events()
+            if e["event"].startswith("change_") and e["event"] not in
+            ("change_drained", "change_waiting", "change_waited")]
+
+
+def test_the_loop_makes_a_change_one_step_per_sweep_applying_each_steps_outcome(tmp_path):
+    """Step n's thread reports how it ended; the loop writes it (change_step_done) and only
+    then begins step n + 1, checked against the record as it is at that sweep."""
+    from omni_dp.launcher.changes.request import submit
+
+    run = a_run(tmp_path, replicas=2)
+    state, sup = run.state, run.sup
+    submit(state.directory, restart(0, 1))
+    sup.sweep()  # taken, step 1 handed to its thread
+    sup.busy.join(10)
+    assert step_events(state) == [("change_started", None), ("change_step", 1)]
+    assert order(run.timeline, 0)[-1] == "in" and order(run.timeline, 1) == []
+    sup.sweep()  # step 1's outcome applied, step 2 handed out
+    sup.busy.join(10)
+    assert step_events(state)[2:] == [("change_step_done", 1), ("change_step", 2)]
+    sup.sweep()
+    assert step_events(state)[4:] == [("change_step_done", 2), ("change_done", None)]
+    assert read_change(state.directory).state == "done" and sup.changing is None
+
+
+def test_a_step_the_record_outgrew_between_two_sweeps_fails_the_change_untouched(tmp_path):
+    from omni_dp.launcher.changes.request import submit
+
+    run = a_run(tmp_path, replicas=3)
+    state, sup = run.state, run.sup
+    submit(state.directory, restart(0, 2))
+    sup.sweep()
+    sup.busy.join(10)
+    # meanwhile the record loses replica 2 (what another writer did, were there one)
+    state.set_scale(state.replicas[:2], dataclasses.replace(state.plan, replicas=2),
+                    state.record.gpus)
+    sup.sweep()
+    ended = read_change(state.directory)
+    assert ended.state == "failed" and ended.error == (
+        "replica 2 cannot be restarted: the run has 2 replicas now, not the ones this change "
+        "was planned from")
+    assert order(run.timeline, 2) == [] and sup.busy.holder(Slot("change")) is None
+    assert [e for e, _ in step_events(state)][-2:] == ["change_step_done", "change_failed"]
+
+
+def test_a_remove_is_dropped_from_the_record_by_the_loop_once_its_thread_stopped_it(tmp_path):
+    from omni_dp.launcher.changes.request import submit
+
+    run = a_run(tmp_path, replicas=3)
+    state, sup = run.state, run.sup
+    submit(state.directory, scale_down(state, 2))
+    sup.sweep()
+    sup.busy.join(10)
+    assert state.replica(2).state is ReplicaState.STOPPED and len(state.replicas) == 3
+    sup.sweep()  # outcome in → record out
+    assert len(state.replicas) == 2 and state.plan.replicas == 2
+    assert read_change(state.directory).state == "done"
+    assert sorted(sup.watches) == [0, 1]

@@ -29,7 +29,9 @@ from omni_dp.launcher.changes.request import (
     ChangeRequest,
     Relaunch,
     Step,
+    basis_of,
     finish,
+    out_of_date,
     read_change,
     submit,
     take,
@@ -380,3 +382,44 @@ def test_no_event_name_is_dead():
                     node.value.id == "Event":
                 written.add(node.attr)
     assert written == {e.name for e in Event}  # and none named that is not one
+
+
+# --- a change acts only on the run it was planned from ----------------------------------------
+
+
+def test_a_change_carries_the_run_it_was_planned_from_as_the_supervisor_sees_it(tmp_path):
+    """The command plans from run.json; the supervisor of a foreground launch holds the record
+    bring-up made: both see the same basis, and it moves only with the run's shape."""
+    facts = cpu_facts(tmp_path)
+    state = launched(tmp_path, facts)
+    read_back = RunState.load(state.directory).record
+    assert basis_of(state.record) == basis_of(read_back)
+    assert plan_restart(read_back).basis == basis_of(state.record)
+    assert plan_scale(read_back, 2, replan=replanner(facts)).basis == basis_of(state.record)
+    state.update_replica(1, state=ReplicaState.DOWN, last_error="gone",
+                         identity=ProcessIdentity(77, 2.0))
+    assert basis_of(state.record) == basis_of(read_back)  # health and pids are not its shape
+    state.set_scale(state.replicas[:1], dataclasses.replace(state.plan, replicas=1),
+                    state.record.gpus)
+    assert basis_of(state.record) != basis_of(read_back)
+
+
+def test_a_step_planned_from_another_run_shape_does_not_act(tmp_path):
+    facts = cpu_facts(tmp_path, cores=4)
+    state = launched(tmp_path, facts, replicas=1)
+    up = plan_scale(state.record, 3, replan=replanner(facts))
+    add_1, add_2 = up.steps[:2]
+    assert out_of_date(up, add_1, state.record, first=True) is None
+    assert out_of_date(up, add_2, state.record, first=False) == (
+        "replica 2 cannot be added: the run has 1 replicas now, not the ones this change was "
+        "planned from")
+    grown = plan_scale(state.record, 2, replan=replanner(facts))
+    state.set_scale((*state.replicas, grown.steps[0].added), grown.plan, grown.gpus)
+    why = out_of_date(up, add_1, state.record, first=True)  # another scale ended meanwhile
+    assert why.startswith(f"run {state.run_id} changed after this change was planned") and \
+        "it has 2 replicas now): nothing was done; ask again" in why
+    unchecked = dataclasses.replace(up, basis=None)  # a request of an omni-dp before it
+    assert out_of_date(unchecked, add_2, state.record, first=True) is None
+    assert out_of_date(unchecked, Step("restart", 2), state.record, first=False) is not None
+    assert out_of_date(unchecked, Step("remove", 0), state.record, first=False) == (
+        "replica 0 is not the highest-numbered one of the 2: scale removes from the top")

@@ -182,6 +182,8 @@ def test_past_the_budget_a_replica_is_failed_and_stays_out_of_the_router(tmp_pat
     sup, _, said = supervisor(state, router=router)
     state.update_replica(0, state=R)
     sup.restart_replica.through_gates(0, "its process is gone")
+    assert state.replica(0).state is not F and not said  # reported; the loop writes it
+    sup.apply_outcomes()
     record = state.replica(0)
     why = "restart budget exhausted (2 restarts within 600 s); last: its process is gone"
     assert record.state is ReplicaState.FAILED and record.last_error == why
@@ -210,7 +212,9 @@ def test_a_restart_backs_off_passes_the_gates_and_is_back_in_the_router(tmp_path
     assert said == [f"replica 0: restarted (pid {record.pid}), passed its gates (health, "
                     "processes, KV), back in the router"]
     assert events(state)[-1]["gates"] == ["health", "processes", "KV"]
-    assert sup.watches[0].failures == 0
+    assert sup.watches[0].failures == 2  # the loop's own: the thread reported the pass...
+    sup.apply_outcomes()
+    assert sup.watches[0].failures == 0  # ...which the loop applied
 
 
 def test_a_replica_failing_its_gates_is_down_and_stopped_again(tmp_path):
@@ -460,6 +464,7 @@ def test_past_the_budget_a_leader_fails_with_its_whole_group(tmp_path):
     state = make_state(tmp_path, replicas=3, share=True, budget=1, restarts=(NOW - 10,))
     sup, _, said = supervisor(state)
     sup.restart_replica.through_gates(0, "its process is gone", [0, 1, 2])
+    sup.apply_outcomes()
     assert [r.state for r in state.replicas] == [ReplicaState.FAILED] * 3
     assert sup.replicas.calls == [("stop", 0, 1, 2)]
     assert state.replica(2).last_error == (
@@ -778,6 +783,7 @@ def test_the_share_proof_is_gone_once_the_leaders_restart_begins_or_it_fails(tmp
     share_proof(over)
     sup, _, _ = supervisor(over)
     sup.restart_replica.through_gates(0, "its process is gone", [0, 1, 2])
+    sup.apply_outcomes()
     assert over.record.share is None and over.replica(0).state is F
     assert collect(over, probe=False)["share"]["leader_state"] == "failed"
     text = format_status(collect(over, probe=False))
@@ -840,6 +846,8 @@ def test_an_mps_fault_restarts_every_dependent_replica_and_no_sweep_touches_them
         groups.append((record.identity.pid, fault, indices, delay))
         began.set()
         release.wait(10)
+        for i in indices:  # it ends, as a restart whose start failed: down, watched again
+            state.update_replica(i, state=ReplicaState.DOWN, last_error="start failed")
 
     replica_restarts: list[int] = []
     sup.restart_group = group_restart
@@ -856,7 +864,9 @@ def test_an_mps_fault_restarts_every_dependent_replica_and_no_sweep_touches_them
         for _ in range(3):  # meanwhile: no sweep looks at the replicas or the daemon
             sup.sweep()
         assert replica_restarts == [] and world.daemon_checks == 1
-        assert [r.state for r in state.replicas] == [H, H] and sup.watches[1].failures == 0
+        # restarting, written by the loop as it handed them over (the thread only waits)
+        assert [r.state for r in state.replicas] == [R, R] and sup.watches[1].failures == 0
+        assert {r.last_error for r in state.replicas} == {"the MPS daemon is gone"}
         assert sup._watched() == [state.record.router.identity]
         [fault] = [e for e in events(state) if e["event"] == "mps_fault"]
         assert (fault["action"], fault["restarts_in_window"]) == ("restart", 0)
@@ -966,6 +976,7 @@ def test_the_group_restart_brings_every_client_back_through_the_gates(tmp_path, 
     assert [r.state for r in state.replicas] == [H, H]
     assert [r.last_error for r in state.replicas] == [None, None]
     assert not old_log.exists() and list(state.logs.glob("replica_0.log.*"))
+    sup.apply_outcomes()
     assert names(state)[-1] == "mps_restarted" and sup.watches[1].failures == 0
     assert said == ["MPS daemon and every replica restarted and verified; all back in the "
                     "router"]
@@ -1182,3 +1193,108 @@ def test_a_restarted_replica_is_verified_against_its_own_gpus_daemon(tmp_path):
     assert verified == [("verify_attachment", 1)]
     assert said[-1] == (f"replica 3: restarted (pid {state.replica(3).pid}), passed its gates "
                         "(health, processes, KV, MPS attachment), back in the router")
+
+
+def test_two_threads_telling_the_same_follower_to_wait_say_it_once(tmp_path):
+    """The followers told to wait are one set shared by every restart thread: "which are
+    new?" and "now they are told" are one step, so a thread that comes between them (here:
+    while the first writes the follower down) finds it told already."""
+    state = make_state(tmp_path, replicas=3, share=True)
+    sup, world, said = supervisor(state)
+    world.live.discard(1000)  # the leader is gone
+    write, second = state.update_replica, []
+
+    def update_replica(index, **fields):
+        if threading.current_thread().name == "first" and not second:
+            other = threading.Thread(target=sup.restart_replica._leader_gone, args=([1],),
+                                     name="second")
+            second.append(other)
+            other.start()
+            other.join(5)
+        write(index, **fields)
+
+    state.update_replica = update_replica
+    first = threading.Thread(target=sup.restart_replica._leader_gone, args=([1],),
+                             name="first")
+    first.start()
+    first.join(5)
+    assert second and not second[0].is_alive()
+    assert [e["replica"] for e in events(state) if e["event"] == "restart_deferred"] == [1]
+    assert len([s for s in said if "not restarted alone" in s]) == 1
+
+
+def test_shared_indices_add_new_reports_each_index_new_to_one_caller_only():
+    from omni_dp.launcher.supervision.indices import SharedIndices
+
+    shared, told = SharedIndices(), []
+    start = threading.Barrier(8)
+
+    def claim():
+        start.wait(5)
+        for i in range(2000):
+            told.extend(shared.add_new([i]))
+
+    threads = [threading.Thread(target=claim) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(told) == list(range(2000)) and shared == set(range(2000))
+
+
+# --- outcomes: what a thread reports, the loop applies -----------------------------------
+
+
+def test_outcomes_are_applied_by_the_loop_in_order_and_nothing_before(tmp_path):
+    """Outcome in → record out, no thread: a spent budget reported is written (failed, the
+    event, said) only when the loop applies it; a pass resets the loop's own watch."""
+    from omni_dp.launcher.supervision.outcomes import GatesPassed, GaveUp
+
+    state = make_state(tmp_path, replicas=3, share=True)
+    sup, _, said = supervisor(state)
+    sup.watches[2].failures = 2
+    for i in (0, 1):
+        state.update_replica(i, state=R)
+    sup.outcomes.report(GaveUp(0, (0, 1), "restart budget exhausted"))
+    sup.outcomes.report(GatesPassed(2))
+    assert [r.state for r in state.replicas] == [R, R, H] and sup.watches[2].failures == 2
+    sup.apply_outcomes()
+    assert [r.state for r in state.replicas] == [F, F, H]
+    assert state.replica(1).last_error == ("restart budget exhausted (of replica 0, which it "
+                                           "depends on)")
+    assert [e["replica"] for e in events(state) if e["event"] == "replica_failed"] == [0, 1]
+    assert said == ["replica 0: restart budget exhausted; it stays out of the router",
+                    "replica 1: restart budget exhausted (of replica 0, which it depends on); "
+                    "it stays out of the router"]
+    assert sup.watches[2].failures == 0
+    sup.apply_outcomes()  # taken once
+    assert len(said) == 2
+
+
+def test_a_spent_budget_reported_after_teardown_began_is_left_to_teardown(tmp_path):
+    from omni_dp.launcher.supervision.outcomes import GaveUp
+
+    state = make_state(tmp_path)
+    sup, _, said = supervisor(state)
+    state.update_replica(0, state=R)
+    sup.outcomes.report(GaveUp(0, (0,), "restart budget exhausted"))
+    sup.crew.gate.close()
+    sup.apply_outcomes()
+    assert state.replica(0).state is R and not said
+
+
+def test_the_sweep_follows_a_record_a_scale_reshaped_without_being_told(tmp_path):
+    """A change adds or removes replicas in the record; the loop's slots and watches follow
+    at its next sweep (nothing calls into the loop from the change's thread)."""
+    state = make_state(tmp_path, replicas=3)
+    sup, world, _ = supervisor(state)
+    state.set_scale(state.replicas[:2], replace(state.plan, replicas=2), state.record.gpus)
+    sup.sweep()
+    assert sorted(sup.watches) == [0, 1]
+    assert Slot.replica(2) not in sup.busy.deps.slots
+    state.set_scale((*state.replicas, replace(state.replicas[1], index=2, port=41002,
+                                              url="http://replica-2.test")),
+                    replace(state.plan, replicas=3), state.record.gpus)
+    world.live.add(1001)
+    sup.sweep()
+    assert sorted(sup.watches) == [0, 1, 2] and Slot.replica(2) in sup.busy.deps.slots

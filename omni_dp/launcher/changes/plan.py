@@ -18,7 +18,7 @@ from collections.abc import Callable
 from omni_dp.contract import Problems
 from omni_dp.cpulist import format_cpu_list
 from omni_dp.gpus import GpuFacts
-from omni_dp.launcher.changes.request import ChangeRequest, Relaunch, Step
+from omni_dp.launcher.changes.request import ChangeRequest, Relaunch, Step, basis_of
 from omni_dp.launcher.planning.checks import check_options
 from omni_dp.launcher.planning.facts import LaunchFacts, gather_facts
 from omni_dp.launcher.planning.memory import memory_formula
@@ -132,19 +132,8 @@ def plan_restart(record: RunRecord, *, replicas: list[int] | None = None,
     problems = _restart_problems(record, replicas, engine_args)
     if problems:
         raise ChangePlanError(problems)
-    wanted = list(dict.fromkeys(replicas)) if replicas else [r.index for r in record.replicas]
-    # The replicas that do not serve first, as Kubernetes replaces its broken pods first: each
-    # later step waits for every other replica to be healthy (--wait-healthy), and a failed
-    # one that the change restarts last would fail the change at its first step.
-    state = {r.index: r.state for r in record.replicas}
-    wanted.sort(key=lambda i: state[i] in SERVING)
-    group = _group(record, LEADER)
-    order = wanted
-    if LEADER in wanted and len(group) > 1:  # the leader's restart takes its followers: last
-        order = [i for i in wanted if i not in group] + [LEADER]
-    problems = [] if allow_downtime else [
-        p for n, i in enumerate(order)
-        for p in _downtime(record, i, frozenset(j for k in order[:n] for j in _group(record, k)))]
+    order = _restart_order(record, replicas)
+    problems = [] if allow_downtime else _downtime_of(record, order)
     plan, launches = None, {}
     if engine_args is not None:  # planned whatever else is wrong: every problem at once
         try:
@@ -156,13 +145,44 @@ def plan_restart(record: RunRecord, *, replicas: list[int] | None = None,
     if problems:
         raise ChangePlanError(problems)
     steps = tuple(Step("restart", i, relaunch=launches.get(i)) for i in order)
+    return ChangeRequest("restart", steps, _restart_summary(record, order, engine_args),
+                         _drain(record, drain_timeout), plan=plan,
+                         wait_healthy=wait_bound(record, wait_healthy),
+                         basis=basis_of(record))
+
+
+def _restart_order(record: RunRecord, replicas: list[int] | None) -> list[int]:
+    """The replicas to restart, in the order they go. The ones that do not serve first, as
+    Kubernetes replaces its broken pods first: each later step waits for every other replica
+    to be healthy (--wait-healthy), and a failed one that the change restarts last would fail
+    the change at its first step. A weight-share leader last: its restart takes its
+    followers."""
+    wanted = list(dict.fromkeys(replicas)) if replicas else [r.index for r in record.replicas]
+    state = {r.index: r.state for r in record.replicas}
+    wanted.sort(key=lambda i: state[i] in SERVING)
+    group = _group(record, LEADER)
+    if LEADER in wanted and len(group) > 1:
+        return [i for i in wanted if i not in group] + [LEADER]
+    return wanted
+
+
+def _downtime_of(record: RunRecord, order: list[int]) -> list[str]:
+    """Each step of `order` that would leave nothing serving (what earlier steps restarted
+    counts as serving: the change fails there if one does not pass its gates)."""
+    problems = []
+    for n, index in enumerate(order):
+        back = frozenset(j for k in order[:n] for j in _group(record, k))
+        problems += _downtime(record, index, back)
+    return problems
+
+
+def _restart_summary(record: RunRecord, order: list[int],
+                     engine_args: tuple[str, ...] | None) -> str:
     what = (f"model update of replicas {_names(order)} to `{shlex.join(engine_args)}`"
             if engine_args is not None else f"rolling restart of replicas {_names(order)}")
-    grouped = [i for i in order if len(_group(record, i)) > 1]
-    if grouped:
+    if any(len(_group(record, i)) > 1 for i in order):
         what += f" (replica {LEADER} leads the weight share: its followers restart with it)"
-    return ChangeRequest("restart", steps, what, _drain(record, drain_timeout), plan=plan,
-                         wait_healthy=wait_bound(record, wait_healthy))
+    return what
 
 
 def _restart_problems(record: RunRecord, replicas: list[int] | None,
@@ -208,7 +228,8 @@ def plan_scale(record: RunRecord, target: int, *, per_gpu: bool = False,
     if total == now:
         return ChangeRequest("scale", (), f"already {now} replicas: nothing to change",
                              _drain(record, drain_timeout),
-                             wait_healthy=wait_bound(record, wait_healthy))
+                             wait_healthy=wait_bound(record, wait_healthy),
+                             basis=basis_of(record))
     changes = {"replicas_per_gpu": target, "replicas": total} if per_gpu else \
         {"replicas": total, "replicas_per_gpu": None}
     new = _replanned(record, changes, replan)
@@ -236,7 +257,8 @@ def plan_scale(record: RunRecord, target: int, *, per_gpu: bool = False,
         if kept_as_is else "")
     return ChangeRequest("scale", tuple(steps), what, _drain(record, drain_timeout),
                          plan=plan, gpus=new.gpus,
-                         wait_healthy=wait_bound(record, wait_healthy))
+                         wait_healthy=wait_bound(record, wait_healthy),
+                         basis=basis_of(record))
 
 
 # --- shared ----------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ step in events.jsonl (`change_*` events carrying the change's id), and records h
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -23,7 +24,7 @@ from typing import Literal
 
 from omni_dp.files import atomic_write
 from omni_dp.records import Record, Shape
-from omni_dp.runfile import GpuRecord, PlanRecord, ReplicaRecord
+from omni_dp.runfile import GpuRecord, PlanRecord, ReplicaRecord, RunRecord
 
 REQUEST_FILE = "change_request.json"  # written by the command, taken by the supervisor
 CHANGE_FILE = "change.json"  # the change the supervisor took: running, then done or failed
@@ -105,6 +106,43 @@ class ChangeRequest(Record):
     # before a step takes its replica out, every other replica must be healthy: waited for at
     # most this long, then the step fails (0: not waited for)
     wait_healthy: float = OLD_REQUEST_WAIT_S
+    # the run as the change was planned from it (basis_of); the supervisor makes no step of a
+    # change whose run has since changed (None: a request of an omni-dp before it, unchecked)
+    basis: str | None = None
+
+
+def basis_of(record: RunRecord) -> str:
+    """What a change is planned from, in one word: the run's plan, GPU slots and each replica's
+    launch (index, port, argv, env, CPU block, GPU). Only a change alters these, so another
+    change that ended between a command's planning and the supervisor's taking shows here;
+    health, pids and restarts do not."""
+    # as run.json reads back: the command plans from the file, the supervisor may hold the
+    # record bring-up made (a 2 there is a 2.0 read back)
+    record = RunRecord.from_json(json.loads(json.dumps(record.to_json())))
+    shape = {"plan": record.plan.to_json(), "gpus": [g.to_json() for g in record.gpus],
+             "replicas": [[r.index, r.port, list(r.argv), dict(r.env), r.cpus, r.gpu]
+                          for r in record.replicas]}
+    return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def out_of_date(change: ChangeRequest, step: Step, record: RunRecord, first: bool) -> str | None:
+    """Why this step must not act on the run as `record` now is (None: it may): the run is no
+    longer the one the change was planned from (checked before its first step), or the step's
+    replica is not where the steps before it left the run (an add makes the next replica, a
+    remove takes the highest-numbered one, a restart needs its replica)."""
+    count = len(record.replicas)
+    if first and change.basis is not None and change.basis != basis_of(record):
+        return (f"run {record.run_id} changed after this change was planned (another change "
+                f"ended meanwhile; it has {count} replicas now): nothing was done; ask again")
+    fits = {"add": step.replica == count, "remove": step.replica == count - 1,
+            "restart": step.replica < count}[step.action]
+    if fits:
+        return None
+    if step.action == "remove":
+        return (f"replica {step.replica} is not the highest-numbered one of the {count}: "
+                "scale removes from the top")
+    return (f"replica {step.replica} cannot be {'added' if step.action == 'add' else 'restarted'}"
+            f": the run has {count} replicas now, not the ones this change was planned from")
 
 
 def read_change(directory: Path, name: str = CHANGE_FILE) -> ChangeRequest | None:

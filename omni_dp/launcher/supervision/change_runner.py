@@ -1,6 +1,10 @@
 """The supervisor makes a day-two change (omni_dp/launcher/changes): the steps in order, each on
-one replica (or a weight-share leader's group), in a thread of its own so the rest of the run
-stays watched. While a step works on a replica it holds that replica's slot: the sweep leaves it
+one replica (or a weight-share leader's group). The loop makes the change, one step per sweep
+(begin, dispatch, apply, end: it alone writes what a change records around its steps), checking
+each step against the record as it is when the step begins (changes.request.out_of_date: a
+change planned from another run acts on nothing); the step's blocking part runs in a thread of
+its own (run_step) so the rest of the run stays watched, and reports a StepEnded the loop
+applies. While a step works on a replica it holds that replica's slot: the sweep leaves it
 alone, and the step waits for a restart the sweep began to end first.
 
 - restart: out of the router → drained (the router's in-flight count for it reaches 0, or the
@@ -21,17 +25,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
-from omni_dp.launcher.changes.request import ChangeRequest, Step, finish
+from omni_dp.launcher.changes.request import ChangeRequest, Step, finish, out_of_date
 from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.others_healthy import NotHealthy, not_healthy
+from omni_dp.launcher.supervision.outcomes import StepEnded
 from omni_dp.launcher.supervision.replica_restart import Progress, ReplicaRestart
 from omni_dp.launcher.supervision.router_link import RouterLink
-from omni_dp.launcher.supervision.slots import Busy, Slot
+from omni_dp.launcher.supervision.slots import Busy, Slot, replica_group, run_slots
 from omni_dp.runfile import GpuRecord, PlanRecord, ReplicaState
 
 SLOT_WAIT_S = 600.0  # for a restart the sweep began on the same replica to end
@@ -51,29 +55,95 @@ class StepFailed(Exception):
 
 
 class ChangeRunner:
-    def __init__(self, crew: Crew, router: RouterLink, restart: ReplicaRestart, busy: Busy,
-                 refresh: Callable[[], None]) -> None:
+    def __init__(self, crew: Crew, router: RouterLink, restart: ReplicaRestart,
+                 busy: Busy) -> None:
         self.crew = crew
         self.router = router
         self.restart = restart
-        self.busy = busy
-        self.refresh = refresh  # the supervisor's slots and watches follow a changed record
+        self.busy = busy  # the loop's slots follow a reshaped record at its next sweep
+
+    # --- the change, as the loop makes it: one step per thread, the rest its own -----------
 
     def __call__(self, change: ChangeRequest) -> None:
-        """The change thread's body: whatever goes wrong is recorded, never raised."""
-        state = self.crew.state
-        state.event(Event.CHANGE_STARTED, change=change.id, kind=change.kind,
-                    summary=change.summary, steps=[s.to_json() for s in change.steps])
-        self.crew.say(f"change {change.id}: {change.summary}")
+        """The whole change in the calling thread, as the loop makes it (one step after the
+        other, each checked against the run as it is then); what goes wrong is recorded."""
+        self.begin(change)
         error = None
+        for n in range(1, len(change.steps) + 1):
+            error = self.dispatch(change, n) or self.apply(change, self.run_step(change, n))
+            if error is not None:
+                break
+        self.end(change, error)
+
+    def begin(self, change: ChangeRequest) -> None:
+        """The loop: the change taken, said."""
+        self.crew.state.event(Event.CHANGE_STARTED, change=change.id, kind=change.kind,
+                              summary=change.summary,
+                              steps=[s.to_json() for s in change.steps])
+        self.crew.say(f"change {change.id}: {change.summary}")
+
+    def dispatch(self, change: ChangeRequest, n: int) -> str | None:
+        """The loop, before step n's thread: the step checked against the run as it is now
+        (never the one it was planned from), said, and what it records first (an added
+        replica); why the change ends here instead, else None."""
+        step = change.steps[n - 1]
+        if self.crew.stop.is_set() or self.crew.gate.closed:
+            return "the run is being torn down"
+        stale = out_of_date(change, step, self.crew.state.record, first=n == 1)
+        if stale is not None:
+            return stale
         try:
-            for n, step in enumerate(change.steps, 1):
-                self._step(change, step, n)
-            self._record_plan(change)
+            self.crew.state.event(Event.CHANGE_STEP, change=change.id, step=n,
+                                  action=step.action, replica=step.replica)
+            if step.action == "add":
+                self._record_added(change, step)
+        except Exception as exc:  # an unwritable run.json: said, never fatal
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def run_step(self, change: ChangeRequest, n: int) -> StepEnded:
+        """The step's thread: its blocking waits (the others healthy, the drain, the stop, the
+        gates); how it ended, for the loop to apply. Never raises."""
+        step = change.steps[n - 1]
+        started = time.monotonic()
+        error, removed = None, None
+        try:
+            if step.action == "remove":
+                removed, error = self._remove(change, step)
+            else:
+                {"restart": self._restart, "add": self._add}[step.action](change, step)
         except StepFailed as exc:
             error = str(exc)
         except Exception as exc:  # a bug or an unwritable run.json: said, never fatal
             error = f"{type(exc).__name__}: {exc}"
+        return StepEnded(change.id, n, round(time.monotonic() - started, 2), error, removed)
+
+    def apply(self, change: ChangeRequest, ended: StepEnded) -> str | None:
+        """The loop: what the step's thread reported, in the record (a removed replica gone
+        from it) and the events; why the change ends here, else None."""
+        step = change.steps[ended.step - 1]
+        try:
+            if ended.removed is not None:
+                state = self.crew.state
+                state.set_scale(state.replicas[:ended.removed],
+                                self._plan_with(ended.removed, change), self._gpus(change))
+            if ended.error is not None:
+                return ended.error
+            self.crew.state.event(Event.CHANGE_STEP_DONE, change=change.id, step=ended.step,
+                                  action=step.action, replica=step.replica,
+                                  seconds=ended.seconds)
+        except Exception as exc:  # an unwritable run.json: said, never fatal
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def end(self, change: ChangeRequest, error: str | None) -> None:
+        """The loop: the plan the run now follows, and how the change ended, recorded, said."""
+        state = self.crew.state
+        if error is None:
+            try:
+                self._record_plan(change)
+            except Exception as exc:  # an unwritable run.json: said, never fatal
+                error = f"{type(exc).__name__}: {exc}"
         if self.crew.gate.closed and error is None and change.steps:
             error = "the run is being torn down"
         finish(state.directory, change, error)
@@ -83,18 +153,6 @@ class ChangeRunner:
         else:
             state.event(Event.CHANGE_DONE, change=change.id)
             self.crew.say(f"change {change.id} done: {change.summary}")
-
-    def _step(self, change: ChangeRequest, step: Step, n: int) -> None:
-        if self.crew.stop.is_set() or self.crew.gate.closed:
-            raise StepFailed("the run is being torn down")
-        started = time.monotonic()
-        self.crew.state.event(Event.CHANGE_STEP, change=change.id, step=n, action=step.action,
-                              replica=step.replica)
-        {"restart": self._restart, "add": self._add, "remove": self._remove}[step.action](
-            change, step)
-        self.crew.state.event(Event.CHANGE_STEP_DONE, change=change.id, step=n,
-                              action=step.action, replica=step.replica,
-                              seconds=round(time.monotonic() - started, 2))
 
     # --- the steps --------------------------------------------------------------------------
 
@@ -114,14 +172,18 @@ class ChangeRunner:
             raise StepFailed(f"replica {', '.join(map(str, failed))} did not pass its gates "
                              f"after the restart: {self._last_error(failed[0])}")
 
-    def _add(self, change: ChangeRequest, step: Step) -> None:
+    def _record_added(self, change: ChangeRequest, step: Step) -> None:
+        """The loop, before an add step's thread: the new replica in the record."""
         state = self.crew.state
+        assert step.added is not None  # an add step carries it (Step.__post_init__)
+        state.set_scale((*state.replicas, step.added),
+                        self._plan_with(len(state.replicas) + 1, change), self._gpus(change))
+
+    def _add(self, change: ChangeRequest, step: Step) -> None:
+        """Into the router (out of rotation), started through the gates (recorded already:
+        dispatch)."""
         record = step.added
-        assert record is not None  # an add step carries it (Step.__post_init__)
-        state.set_scale((*state.replicas, record),
-                        self._plan_with(len(state.replicas) + 1, change),
-                        self._gpus(change))
-        self.refresh()
+        assert record is not None
         refused = self.router.add(record.index, record.url)
         if refused is not None:
             raise StepFailed(refused)
@@ -135,30 +197,26 @@ class ChangeRunner:
         except Exception as exc:  # it passed: a figure missing is no failure
             self.crew.state.event(Event.MEMORY_MEASURE_FAILED, replicas=passed, error=repr(exc))
 
-    def _remove(self, change: ChangeRequest, step: Step) -> None:
-        state = self.crew.state
-        index = step.replica
-        if index != len(state.replicas) - 1:
-            raise StepFailed(f"replica {index} is not the highest-numbered one: scale removes "
-                             "from the top")
+    def _remove(self, change: ChangeRequest, step: Step) -> tuple[int, str | None]:
+        """Out, drained, stopped, gone from the router: the replica stopped, for the loop to
+        drop from the record (apply), and why the step still failed (the router kept it)."""
+        index = step.replica  # the highest-numbered one: out_of_date checked it
         with self._taking_out(change, index, [index]):
             self._out_and_drained(change, index)
             self.crew.replicas.stop([index], change.drain_timeout)
             refused = self.router.remove(index)
             self.router.not_in_router.discard(index)
-            state.set_scale(state.replicas[:index], self._plan_with(index, change),
-                            self._gpus(change))
-        self.refresh()
-        if refused is not None:  # the run is smaller, but the router still lists it
-            raise StepFailed(f"replica {index} is stopped and gone from the run, but {refused}"
-                             " (its health checks keep it out of rotation)")
+        if refused is None:
+            return index, None
+        # the run is smaller, but the router still lists it
+        return index, (f"replica {index} is stopped and gone from the run, but {refused} "
+                       "(its health checks keep it out of rotation)")
 
     # --- helpers ----------------------------------------------------------------------------
 
     def restart_group(self, index: int) -> list[int]:
         """The replica and its dependents (a weight-share leader's followers)."""
-        return [index, *(s.index for s in self.busy.deps.dependents(Slot.replica(index))
-                         if s.kind == "replica" and s.index is not None)]
+        return replica_group(run_slots(self.crew.state.record), index)
 
     @contextmanager
     def _taking_out(self, change: ChangeRequest, index: int, members: list[int]):

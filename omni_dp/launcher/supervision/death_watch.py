@@ -6,6 +6,7 @@ import contextlib
 import os
 import select
 import signal
+import threading
 
 from omni_dp.procs import ProcessIdentity, pidfd_of
 
@@ -21,6 +22,8 @@ class DeathWatch:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         signal.set_wakeup_fd(self._wake_w)  # the signal handlers run in the main thread
+        self._closing = threading.Lock()  # a wake from a thread never writes a closed fd
+        self._closed = False
 
     def wait(self, identities: list[ProcessIdentity], timeout_s: float) -> None:
         poller = select.poll()
@@ -44,7 +47,15 @@ class DeathWatch:
                 while os.read(self._wake_r, 64):
                     pass
 
+    def wake(self) -> None:
+        """Wake the loop now (from any thread): a thread reported an outcome."""
+        with self._closing, contextlib.suppress(BlockingIOError):  # full: it wakes anyway
+            if not self._closed:
+                os.write(self._wake_w, b"!")
+
     def close(self) -> None:
+        with self._closing:
+            self._closed = True
         signal.set_wakeup_fd(-1)
         os.close(self._wake_r)
         os.close(self._wake_w)

@@ -9,7 +9,7 @@ to fall back on.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 from omni_dp.launcher.bringup.steps import BringUpFailed, start_daemon, start_replicas
@@ -17,28 +17,27 @@ from omni_dp.launcher.engines.replica_api import GateFailed
 from omni_dp.launcher.processes.ours import stop_processes
 from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.supervision.crew import Crew
+from omni_dp.launcher.supervision.outcomes import GatesPassed, Outcomes
 from omni_dp.launcher.supervision.router_link import RouterLink
 from omni_dp.mps.daemon import CONTROL_LOG, DaemonRecord, MpsDaemon, MpsDaemonError
 from omni_dp.mps.faults import FaultScanner
-from omni_dp.runfile import ReplicaState
 
 
 class GroupRestart:
     def __init__(self, crew: Crew, router: RouterLink, scanners: Mapping[int, FaultScanner],
-                 passed: Callable[[int], None] = lambda index: None) -> None:
+                 outcomes: Outcomes) -> None:
         self.crew = crew
         self.router = router
         self.scanners = scanners  # by GPU slot: each daemon's watch reads its own logs
-        self.passed = passed  # told for each replica that passed every gate
+        self.outcomes = outcomes  # each replica that passed every gate, for the loop
 
     def __call__(self, record: DaemonRecord, fault: str, indices: list[int],
                  delay: float = 0.0) -> None:
         """The restart thread's body: the daemon of record (GPU slot record.gpu) and these
         replicas, its clients."""
         try:
-            for i in indices:
+            for i in indices:  # restarting, recorded by the loop when it handed them over
                 self.router.set_disabled(i, True)
-                self.crew.state.update_replica(i, state=ReplicaState.RESTARTING, last_error=fault)
             if self.crew.stop.wait(delay) or not self._replace_daemon(record, indices):
                 return
             self._bring_back(record.gpu, indices)
@@ -76,7 +75,7 @@ class GroupRestart:
             raise BringUpFailed("MPS attachment FAILED after the daemon restart"
                                 + (f" on {named}" if named else ""))
         for i in indices:  # the fault is resolved for every replica
-            self.passed(i)
+            self.outcomes.report(GatesPassed(i))
             crew.state.update_replica(i, last_error=None)
         out = [i for i in indices if not self.router.set_disabled(i, False)]
         self.router.not_in_router.update(out)

@@ -29,6 +29,8 @@ from omni_dp.launcher.engines.replica_api import GateFailed
 from omni_dp.launcher.planning.share_group import LEADER, start_waves
 from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.supervision.crew import Crew
+from omni_dp.launcher.supervision.indices import SharedIndices
+from omni_dp.launcher.supervision.outcomes import GatesPassed, GaveUp, Outcomes
 from omni_dp.launcher.supervision.restart_policy import GiveUp
 from omni_dp.launcher.supervision.router_link import RouterLink
 from omni_dp.runfile import ReplicaState, can_transition
@@ -45,12 +47,12 @@ class Progress:
 
 
 class ReplicaRestart:
-    def __init__(self, crew: Crew, router: RouterLink,
-                 passed: Callable[[int], None] = lambda index: None) -> None:
+    def __init__(self, crew: Crew, router: RouterLink, outcomes: Outcomes) -> None:
         self.crew = crew
         self.router = router
-        self.passed = passed  # told when a restarted replica passed every gate
-        self._waiting: set[int] = set()  # followers said to wait for their gone leader
+        self.outcomes = outcomes  # what the loop applies: a pass, a restart given up
+        # followers said to wait for their gone leader; shared by every restart thread
+        self._waiting = SharedIndices()
 
     def __call__(self, index: int, reason: str, group: list[int] | None = None) -> None:
         """The restart thread's body: whatever goes wrong leaves the group down (the next
@@ -175,10 +177,9 @@ class ReplicaRestart:
         if self.crew.probe.alive(state.replica(LEADER).identity):
             return False
         why = f"waiting for its leader (replica {LEADER}), which is gone"
-        new = [i for i in members if i not in self._waiting]
+        new = self._waiting.add_new(members)  # one step: no two threads say the same wait
         for i in members:
             self._down(i, why)
-        self._waiting.update(members)
         # down, out of the router: put back should it answer healthy after all
         self.router.not_in_router.update(members)
         if new and not self.crew.gate.closed:
@@ -236,7 +237,7 @@ class ReplicaRestart:
 
     def _back(self, index: int, gates: list[str]) -> None:
         state = self.crew.state
-        self.passed(index)
+        self.outcomes.report(GatesPassed(index))
         # The reason for the restart is resolved (it stays in events.jsonl, restart_started).
         state.update_replica(index, state=ReplicaState.HEALTHY, last_error=None)
         back = self.router.enable(index)
@@ -253,12 +254,8 @@ class ReplicaRestart:
             self.crew.replicas.stop(members, self.crew.drain_timeout)
         except GateFailed as exc:  # it stays recorded; teardown names it
             why += f"; {exc}"
-        for i in members:
-            said = why if i == index else f"{why} (of replica {index}, which it depends on)"
-            # failed, the leader no longer publishes: run.json's share is null (with_replica)
-            self.crew.state.update_replica(i, state=ReplicaState.FAILED, last_error=said)
-            self.crew.state.event(Event.REPLICA_FAILED, replica=i, reason=said)
-            self.crew.say(f"replica {i}: {said}; it stays out of the router")
+        self.outcomes.report(GaveUp(index, tuple(members), why))  # the loop records it
+
 
     def _failed(self, index: int, error: str) -> None:
         if self.crew.gate.closed:  # teardown began: failing midway is expected, not news
@@ -284,3 +281,14 @@ class ReplicaRestart:
                 return False
             time.sleep(0.1)
         return True
+
+
+def give_up(crew: Crew, outcome: GaveUp) -> None:
+    """The loop's side of a spent budget: every member failed, said, out of the router."""
+    for i in outcome.members:
+        said = (outcome.why if i == outcome.index else
+                f"{outcome.why} (of replica {outcome.index}, which it depends on)")
+        # failed, the leader no longer publishes: run.json's share is null (with_replica)
+        crew.state.update_replica(i, state=ReplicaState.FAILED, last_error=said)
+        crew.state.event(Event.REPLICA_FAILED, replica=i, reason=said)
+        crew.say(f"replica {i}: {said}; it stays out of the router")

@@ -18,6 +18,7 @@ from omni_dp.launcher.bringup.steps import BringUpFailed, start_router
 from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.hang_watch import replica_index
+from omni_dp.launcher.supervision.indices import SharedIndices
 from omni_dp.launcher.supervision.restart_policy import GiveUp
 from omni_dp.runfile import ReplicaState
 
@@ -58,7 +59,8 @@ class RouterLink:
                  ) -> None:
         self.crew = crew
         self.http = http
-        self.not_in_router: set[int] = set()  # healthy, but the router did not take it back
+        # healthy, but the router did not take it back: restart threads add, the sweep reads
+        self.not_in_router = SharedIndices()
         self.gateway: GatewayLink | None = None  # --register: made when first needed
         self.restarts: tuple[float, ...] = ()  # when each router restart began
 
@@ -198,7 +200,7 @@ class RouterLink:
         """Put back the healthy replicas the router did not take back (skip: a restart owns
         that replica now)."""
         state = self.crew.state
-        for index in sorted(self.not_in_router):
+        for index in self.not_in_router:  # a copy, in order: threads may add meanwhile
             if skip(index) or state.replica(index).state is not ReplicaState.HEALTHY:
                 continue
             # a short wait for the gateway: the sweep must not stall on it; one failure ends

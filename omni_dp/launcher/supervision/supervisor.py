@@ -3,7 +3,10 @@ what it decides and does is in small parts, omni_dp/launcher/supervision/.
 
 Every sweep it checks each slot — each GPU's MPS daemon (with --mps) before its clients, each
 replica (process alive by pid + create time, GET /health), the router — and hands a restart to a
-thread of its own, so the rest stays watched. A slot is left alone while a restart owns it or
+thread of its own, so the rest stays watched. A thread keeps the blocking waits and reports
+typed outcomes (outcomes.py); the loop alone applies them, and alone changes its watches and
+slots, which follow the record at every sweep. A day-two change is made by the loop one step
+per sweep (change_runner.py). A slot is left alone while a restart owns it or
 what it depends on (an MPS fault on a GPU restarts every replica of that GPU, and no other).
 SIGTERM/SIGINT: orderly teardown.
 
@@ -21,12 +24,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from omni_dp.contract import API_KEY_ENV, ExitCode
 from omni_dp.launcher.bringup.replicas import ReplicaControl
-from omni_dp.launcher.changes.request import take
+from omni_dp.launcher.changes.request import ChangeRequest, take
 from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.record.state import RunState
 from omni_dp.launcher.supervision.change_runner import ChangeRunner
@@ -35,7 +38,8 @@ from omni_dp.launcher.supervision.death_watch import DeathWatch
 from omni_dp.launcher.supervision.hang_watch import HangReports
 from omni_dp.launcher.supervision.mps_restart import GroupRestart
 from omni_dp.launcher.supervision.mps_watch import MpsWatch
-from omni_dp.launcher.supervision.replica_restart import ReplicaRestart
+from omni_dp.launcher.supervision.outcomes import GatesPassed, Outcomes, StepEnded
+from omni_dp.launcher.supervision.replica_restart import ReplicaRestart, give_up
 from omni_dp.launcher.supervision.replica_watch import ReplicaWatch, Seen
 from omni_dp.launcher.supervision.restart_policy import RestartPolicy
 from omni_dp.launcher.supervision.router_link import RouterLink
@@ -60,6 +64,14 @@ from omni_dp.runfile import (
 )
 
 __all__ = ["DeathWatch", "Supervisor", "main"]
+
+
+@dataclass
+class Changing:
+    """The change the loop is making: the next of its steps to begin (from 1)."""
+
+    change: ChangeRequest
+    next: int = 1
 
 
 def _stamped(line: str) -> None:
@@ -88,13 +100,13 @@ class Supervisor:
         # one watch per GPU's daemon, by GPU slot: its own budget, its own clients' logs
         self.mps = {slot.index: MpsWatch(self.crew.policy, s.on_mps_fault, slot.index)
                     for slot in self.busy.deps.slots if slot.kind == "mps"}
-        self.restart_replica = ReplicaRestart(self.crew, self.router, self._passed)
+        self.outcomes = Outcomes()  # what the threads report; the loop alone applies it
+        self.restart_replica = ReplicaRestart(self.crew, self.router, self.outcomes)
         self.restart_group = GroupRestart(self.crew, self.router,
                                           {gpu: w.scanner for gpu, w in self.mps.items()},
-                                          self._passed)
-        self.change = ChangeRunner(self.crew, self.router, self.restart_replica, self.busy,
-                                   self.refresh)
-        self.sweep_lock = threading.RLock()  # a sweep, or a change reshaping the run's slots
+                                          self.outcomes)
+        self.change = ChangeRunner(self.crew, self.router, self.restart_replica, self.busy)
+        self.changing: Changing | None = None  # the change being made, the loop's alone
         self.cut_off: set[int] = set()  # replicas whose restart a dead supervisor left undone
 
     # --- the loop -------------------------------------------------------------------------
@@ -115,6 +127,7 @@ class Supervisor:
         if previous is not None and previous.identity != me:
             self._take_over(previous)
         watch = DeathWatch()
+        self.outcomes.wake = watch.wake  # a thread's report wakes the loop to apply it
         try:
             self._loop(watch)
         except Exception as exc:  # the loop itself: never leave the run unsupervised silently
@@ -122,6 +135,7 @@ class Supervisor:
             self.state.event(Event.SUPERVISOR_FAILED, error=repr(exc))
             self.say(f"the supervision loop failed ({exc!r}); tearing the run down")
         finally:
+            self.outcomes.wake = None
             watch.close()
         return self.shutdown()
 
@@ -163,6 +177,9 @@ class Supervisor:
                 if i is not None and not self.busy.skipped(slot) and self.crew.probe.alive(i)]
 
     def shutdown(self) -> int:
+        self.apply_outcomes()  # what a thread reported as the loop ended
+        if self.changing is not None:  # its step, if one runs, fails against the teardown
+            self._end_change("the run is being torn down")
         self.say("tearing the run down")
         self.crew.gate.close()
         failed = self.exit_code != 0  # stopped by a fault: keep the state for diagnosis
@@ -189,23 +206,34 @@ class Supervisor:
 
     # --- one sweep: check every slot nobody restarts, dispatch what is due ------------------
 
-    def sweep(self) -> None:
-        with self.sweep_lock:
-            self._sweep()
+    def apply_outcomes(self) -> None:
+        """Apply what the threads reported, in order: the loop is the only one to change its
+        watches, and the records a thread's end leaves."""
+        for outcome in self.outcomes.take():
+            if isinstance(outcome, GatesPassed):
+                if outcome.index in self.watches:  # gone already: a scale removed it
+                    self.watches[outcome.index].reset()
+            elif isinstance(outcome, StepEnded):
+                self._step_ended(outcome)
+            elif not self.crew.gate.closed:  # GaveUp; once teardown began, teardown owns it
+                give_up(self.crew, outcome)
 
-    def refresh(self) -> None:
+    def follow_record(self) -> None:
         """The slots and watches of the run as its record now is (a scale added or removed a
-        replica); between sweeps."""
-        with self.sweep_lock:
-            record = self.state.record
-            for r in record.replicas:
-                self.watches.setdefault(r.index, ReplicaWatch(self.state.supervision
-                                                              .restart_after_failures))
-            for gone in set(self.watches) - {r.index for r in record.replicas}:
-                del self.watches[gone]
-            self.busy.deps = run_slots(record)
+        replica): compared at every sweep, so the change that reshaped the record never
+        touches the loop's own state."""
+        record = self.state.record
+        indices = [r.index for r in record.replicas]
+        if sorted(self.watches) == indices:
+            return
+        for index in indices:
+            self.watches.setdefault(index, ReplicaWatch(self.state.supervision
+                                                        .restart_after_failures))
+        for gone in set(self.watches) - set(indices):
+            del self.watches[gone]
+        self.busy.deps = run_slots(record)
 
-    def _sweep(self) -> None:
+    def sweep(self) -> None:
         if self.state.removed:
             self.say(f"the run directory {self.state.directory} was removed; tearing the run "
                      "down from memory")
@@ -214,11 +242,16 @@ class Supervisor:
         check = {"replica": lambda slot: self._check_replica(slot.index),
                  "router": lambda _: self._check_router(),
                  "mps": lambda slot: self._check_mps(slot.index)}
+        self.apply_outcomes()
+        self.follow_record()
         for slot in self.busy.deps.order():
             if self.stop_requested.is_set():
                 return
             if not self.busy.skipped(slot):
+                # after the look at the slot: a thread that let it go reported before it did
+                self.apply_outcomes()
                 check[slot.kind](slot)
+        self.apply_outcomes()
         self.router.retry_enable(skip=self._replica_skipped)
         self._check_hangs()
         self._check_change()
@@ -229,6 +262,8 @@ class Supervisor:
         return self.busy.skipped(Slot.replica(index))
 
     def _check_replica(self, index: int) -> None:
+        if index >= len(self.state.replicas):  # a scale removed it during this sweep
+            return
         record = self.state.replica(index)
         if index in self.cut_off:  # taken over half-restarted: through the gates again
             self.cut_off.discard(index)
@@ -279,9 +314,6 @@ class Supervisor:
         popen = self.replicas.popens.get(index)
         return Seen(alive=False, exit_code=popen.poll() if popen else None)
 
-    def _passed(self, index: int) -> None:
-        self.watches[index].reset()
-
     def _check_router(self) -> None:
         router = self.state.record.router
         if router is None or self.crew.probe.alive(router.identity):
@@ -291,13 +323,51 @@ class Supervisor:
             self.busy.start(ROUTER, self.router.restart, delay, self.reap, name="router-restart")
 
     def _check_change(self) -> None:
-        """A day-two change asked for (omni-dp restart, omni-dp scale): taken and made in a
-        thread of its own, one at a time (the next waits, asked, until this one ended)."""
-        if self.busy.holder(CHANGE) is not None or self.stop_requested.is_set():
+        """A day-two change (omni-dp restart, omni-dp scale), made by the loop one step per
+        sweep: each step checked against the record as it is when it begins, its blocking part
+        in a thread of its own (the run stays watched), its outcome applied here. One change
+        at a time (the next waits, asked, until this one ended)."""
+        if self.busy.holder(CHANGE) is not None:
+            return  # a step runs
+        self.apply_outcomes()  # the step that just ended reported before it let go
+        if self.changing is None:
+            if self.stop_requested.is_set():
+                return
+            change = take(self.state.directory, self._change_refused)
+            if change is None:
+                return
+            self.change.begin(change)
+            self.changing = Changing(change)
+        changing = self.changing
+        if changing.next > len(changing.change.steps):
+            self._end_change(None)
             return
-        change = take(self.state.directory, self._change_refused)
-        if change is not None:
-            self.busy.start(CHANGE, self.change, change, name=f"change-{change.id}")
+        error = self.change.dispatch(changing.change, changing.next)
+        if error is not None:
+            self._end_change(error)
+            return
+        self.busy.start(CHANGE, self._run_step, changing.change, changing.next,
+                        name=f"change-{changing.change.id}-{changing.next}")
+
+    def _run_step(self, change: ChangeRequest, n: int) -> None:
+        """A step's thread: its blocking part, reported."""
+        self.outcomes.report(self.change.run_step(change, n))
+
+    def _step_ended(self, ended: StepEnded) -> None:
+        changing = self.changing
+        if changing is None or changing.change.id != ended.change or \
+                changing.next != ended.step:
+            return  # not the step the loop handed out (the change ended meanwhile)
+        error = self.change.apply(changing.change, ended)
+        if error is not None:
+            self._end_change(error)
+        else:
+            changing.next += 1
+
+    def _end_change(self, error: str | None) -> None:
+        assert self.changing is not None
+        change, self.changing = self.changing.change, None
+        self.change.end(change, error)
 
     def _change_refused(self, why: str) -> None:
         """A request that does not parse: refused whole, before any step, and said."""
@@ -328,6 +398,8 @@ class Supervisor:
         if act is not None:  # every replica depending on this daemon goes with it, no other
             slot = Slot.mps(gpu)
             group = [s.index for s in self.busy.deps.dependents(slot) if s.kind == "replica"]
+            for i in group:  # written here, the thread only waits: the loop writes the record
+                self.state.update_replica(i, state=ReplicaState.RESTARTING, last_error=act.fault)
             self.busy.start(slot, self.restart_group, record, act.fault, group, act.delay,
                             name=f"mps-restart-{gpu}")
 
