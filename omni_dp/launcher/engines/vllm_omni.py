@@ -33,6 +33,7 @@ from omni_dp.launcher.engines.base import (
     socket_safe_tmpdir,
     split_model,
 )
+from omni_dp.launcher.engines.builtin import absolute_paths as _absolute_paths
 from omni_dp.launcher.engines.readback import COUNT, read_tail, since_last_start
 from omni_dp.launcher.engines.vllm import VllmEngine
 from omni_dp.launcher.engines.vllm_omni_deploy import (
@@ -164,7 +165,8 @@ class VllmOmniEngine:
         if any(arg == "--stage-overrides" for arg in launch.kv_args):
             rest = without_flag(rest, "--stage-overrides")  # merged into the plan's
         return [launch.python or "python3", "-m", self.module, "serve", model or "", "--omni",
-                "--host", "127.0.0.1", "--port", str(launch.port), *launch.kv_args, *rest]
+                "--host", "127.0.0.1", "--port", str(launch.port), *launch.kv_args,
+                *absolute_paths(rest)]
 
     def environment(self, launch: ReplicaLaunch) -> dict[str, str]:
         env = VllmEngine().environment(launch)  # its stages are vLLM engines
@@ -180,6 +182,15 @@ class VllmOmniEngine:
 
     def reported_processes(self, url: str) -> list[DeclaredProcess] | None:
         return None  # the stage processes are found by session
+
+
+# vllm-omni's flags whose value is a file: the replica runs in a working directory of its own,
+# so they are made absolute (the preflight read them where the launch was given).
+PATH_FLAGS = ("--deploy-config", "--strategy-config", "--forced-aligner-config")
+
+
+def absolute_paths(args: tuple[str, ...]) -> list[str]:
+    return _absolute_paths(args, PATH_FLAGS)
 
 
 def kv_stage_id(given: str | None) -> tuple[int | None, list[str]]:

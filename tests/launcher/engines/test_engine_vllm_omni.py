@@ -258,3 +258,15 @@ def test_deploy_fractions_that_hold_too_much_are_refused_and_lowering_them_fits(
 
 def test_the_engine_is_known_to_the_launcher():
     assert isinstance(ENGINES["vllm-omni"], VllmOmniEngine)
+
+
+def test_a_relative_deploy_config_reaches_the_replica_absolute(tmp_path, monkeypatch, deploy):
+    """A replica runs in a working directory of its own: the file the plan read must be the
+    one it reads."""
+    monkeypatch.chdir(tmp_path)
+    launch = ReplicaLaunch(port=1, device="cuda", threads=None, kv_cache_bytes=None,
+                           max_total_tokens=None)
+    argv = VllmOmniEngine().argv(launch, ("/m", "--deploy-config", deploy.name))
+    assert argv[argv.index("--deploy-config") + 1] == str(deploy)
+    argv = VllmOmniEngine().argv(launch, ("/m", f"--deploy-config={deploy.name}"))
+    assert f"--deploy-config={deploy}" in argv
