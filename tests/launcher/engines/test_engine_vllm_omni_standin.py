@@ -1,5 +1,5 @@
 """The vllm-omni adapter's live-process parts, which on the real engine need CUDA, against a
-STAND-IN replica (tests/support/vllm_omni_standin: one API process and a child per stage of
+STAND-IN replica (tests/support/vllm_omni_standin.py: one API process and a child per stage of
 the deploy file, each logging vLLM's KV line): the argv the plan builds starts it, the stage
 workers are found in the replica's session, the KV read back from its log is the pin's, and
 the launcher's group stop leaves none of them. vllm-omni's own contract is checked in
@@ -30,8 +30,9 @@ from omni_dp.launcher.processes.groups import (
 from omni_dp.procs import identify, is_alive
 
 from support.ports import free_port
+from support.vllm_omni_standin import install_shim
 
-STANDIN = Path(__file__).resolve().parents[2] / "support" / "vllm_omni_standin"
+SUPPORT = Path(__file__).resolve().parents[2] / "support"
 pytestmark = [pytest.mark.timeout(120)]
 
 
@@ -57,7 +58,8 @@ def test_a_replica_started_by_the_plans_argv_is_found_read_back_and_stopped_whol
     argv = engine.argv(launch, (str(model.path), "--deploy-config", str(deploy)))
     log = tmp_path / "replica-0.log"
     log.write_text(start_banner(0, "text") + "\n")
-    env = {**os.environ, **engine.environment(launch), "PYTHONPATH": str(STANDIN),
+    shim = install_shim(tmp_path / "shim")
+    env = {**os.environ, **engine.environment(launch), "PYTHONPATH": f"{shim}:{SUPPORT}",
            "STANDIN_KV_BYTES_PER_TOKEN": str(PER_TOKEN)}
     (tmp_path / "replica-0" / "tmp").mkdir(parents=True)
     with log.open("a") as out:

@@ -1,4 +1,5 @@
-"""A STAND-IN for vllm-omni's `python -m vllm_omni.entrypoints.cli.main serve MODEL --omni`,
+"""A STAND-IN for vllm-omni's `python -m vllm_omni.entrypoints.cli.main serve MODEL --omni`
+(`install_shim` writes that module name, in a test's directory, to run this one),
 for the parts of the adapter that need a running replica and no CUDA: one API process that
 starts one child process per stage of the deploy file, each logging vLLM's per-stage KV line
 (`GPU KV cache size: N tokens`, vLLM 0.30's text) to the replica's stdout, and that serves
@@ -18,8 +19,11 @@ import os
 import subprocess
 import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import yaml
+
+SHIM = "from vllm_omni_standin import main\nraise SystemExit(main())\n"
 
 UNPINNED_TOKENS = 2048
 STAGE = r"""
@@ -54,6 +58,17 @@ class Handler(BaseHTTPRequestHandler):
 
     def log_message(self, *args: object) -> None:
         pass
+
+
+def install_shim(root: Path) -> Path:
+    """`vllm_omni/entrypoints/cli/main.py` under root, running this stand-in: root and this
+    folder on PYTHONPATH make the adapter's `-m vllm_omni.entrypoints.cli.main` start it."""
+    cli = root / "vllm_omni" / "entrypoints" / "cli"
+    cli.mkdir(parents=True)
+    for folder in (cli, cli.parent, cli.parent.parent):
+        (folder / "__init__.py").write_text("")
+    (cli / "main.py").write_text(SHIM)
+    return root
 
 
 def main() -> int:
