@@ -298,7 +298,7 @@ def vllm_omni_plan(s: Settings) -> list[str]:
     """The launch's plan on this GPU (`--dry-run --json`): what it pins and whether N fit.
     Not a live run: that needs its model's weights on the machine and more than this budget."""
     return [s.python, "-m", "omni_dp", "launch", "--engine", "vllm-omni", "--dry-run",
-            "--json", "--replicas", "2", "--max-total-tokens", "4096", "--gpu", s.gpu,
+            "--json", "--replicas", "2", "--max-total-tokens", "8192", "--gpu", s.gpu,
             "--engine-python", s.vllm_omni_python or s.python, "--",
             s.vllm_omni_model, "--deploy-config", s.vllm_omni_deploy]
 

@@ -140,6 +140,13 @@ class VllmOmniEngine:
             kv_bytes = tokens * model.kv_bytes_per_token
             how = (f"{tokens} tokens × {model.kv_bytes_per_token} bytes = "
                    f"{format_size(kv_bytes)}, pinned by bytes")
+        length = next(s.max_model_len for s in stages if s.stage_id == kv_stage)
+        if length is not None and kv_bytes // model.kv_bytes_per_token <= length:
+            return None, [f"the KV pin holds {kv_bytes // model.kv_bytes_per_token} tokens, "
+                          f"not more than one request of stage {kv_stage}'s max_model_len "
+                          f"({length}): vLLM would refuse to start (it keeps one block of the "
+                          f"pool as its null block); pin more than {length} tokens or lower "
+                          "max_model_len by --stage-overrides after --"]
         own = model.weights_bytes + kv_bytes + overhead
         fraction = math.ceil(1000 * own / total) / 1000
         if fraction > 1:
@@ -155,9 +162,9 @@ class VllmOmniEngine:
                  "overhead); vLLM derives the token count, read from each replica's log and "
                  "compared"]
         if others:
-            notes.append(f"not pinned: {others_words} as the deploy config says: each is "
-                         "counted whole in the replica's footprint (lower them by "
-                         "--stage-overrides after --)")
+            notes.append(f"not pinned: {others_words}, as the deploy config and any "
+                         "--stage-overrides say: each is counted whole in the replica's "
+                         "footprint (lower them by --stage-overrides after --)")
         return KvPlan(overrides_args(pinned), sizing, None, notes=tuple(notes)), []
 
     def argv(self, launch: ReplicaLaunch, engine_args: tuple[str, ...]) -> list[str]:

@@ -31,6 +31,7 @@ class StageMemory:
     fraction: float | None  # gpu_memory_utilization; None: unset (vLLM's default)
     devices: str | None
     tensor_parallel_size: int
+    max_model_len: int | None = None  # vLLM refuses a KV pool that cannot hold one request
 
 
 def read_deploy_stages(path: str, overrides: dict[str, dict] | None = None
@@ -120,6 +121,8 @@ def _stage(entry: object, overrides: dict[str, dict], path: str
                       f"{fraction!r} is not a fraction in (0, 1]")
     tp = fields.get("tensor_parallel_size") or 1
     devices = fields.get("devices")
+    length = fields.get("max_model_len")
     return StageMemory(stage_id, None if fraction is None else float(fraction),
                        None if devices is None else str(devices),
-                       tp if isinstance(tp, int) else 1), None
+                       tp if isinstance(tp, int) else 1,
+                       length if isinstance(length, int) and length > 0 else None), None

@@ -77,7 +77,7 @@ def deploy(tmp_path) -> Path:
 
 
 def request(model, deploy, *args: str, **changes) -> KvRequest:
-    base = KvRequest(kv_cache_bytes=None, max_total_tokens=4096, replicas=2, device="cuda",
+    base = KvRequest(kv_cache_bytes=None, max_total_tokens=8192, replicas=2, device="cuda",
                      gpu=h200(), model=model, engine_stage="tts_engine",
                      engine_args=(str(model.path), "--deploy-config", str(deploy), *args))
     return dataclasses.replace(base, **changes)
@@ -91,7 +91,7 @@ def test_a_token_pin_is_the_kv_stages_bytes_and_its_fraction_lowered_to_its_own_
         model, deploy):
     pin, problems = VllmOmniEngine().plan_kv(request(model, deploy))
     assert problems == []
-    kv_bytes = 4096 * PER_TOKEN
+    kv_bytes = 8192 * PER_TOKEN
     fraction = -(-1000 * (WEIGHT_BYTES + kv_bytes + OVERHEAD_BYTES) // (141 * GiB)) / 1000
     assert overrides_of(pin.args) == {"0": {"kv_cache_memory_bytes": kv_bytes,
                                             "gpu_memory_utilization": fraction}}
@@ -228,7 +228,7 @@ def test_the_read_back_sums_the_stages_kv_lines_of_the_latest_start(tmp_path):
 def opts(model, deploy, *args, **changes):
     return base_opts(engine="vllm-omni", cpu_blocks="none",
                      engine_args=(str(model.path), "--deploy-config", str(deploy), *args),
-                     **{"max_total_tokens": 4096, **changes})
+                     **{"max_total_tokens": 8192, **changes})
 
 
 def test_the_dry_run_plan_sizes_each_replica_from_the_model_and_the_deploy_config(
@@ -236,7 +236,7 @@ def test_the_dry_run_plan_sizes_each_replica_from_the_model_and_the_deploy_confi
     facts = dataclasses.replace(healthy_facts(tmp_path), model=model)
     p = plan(opts(model, deploy, replicas=2), facts)
     described = "\n".join(p.describe())
-    assert "vllm-omni KV: stage 0 holds 4096 tokens × 8192 bytes" in described
+    assert "vllm-omni KV: stage 0 holds 8192 tokens × 8192 bytes" in described
     for r in p.replicas:
         argv = list(r.argv)
         assert argv[argv.index("--deploy-config") + 1] == str(deploy)
@@ -270,3 +270,19 @@ def test_a_relative_deploy_config_reaches_the_replica_absolute(tmp_path, monkeyp
     assert argv[argv.index("--deploy-config") + 1] == str(deploy)
     argv = VllmOmniEngine().argv(launch, ("/m", f"--deploy-config={deploy.name}"))
     assert f"--deploy-config={deploy}" in argv
+
+
+def test_a_pin_smaller_than_one_request_of_the_kv_stages_length_is_refused(model, deploy):
+    """vLLM refuses to start when its pool cannot hold one request of max_model_len (stage 0's
+    4096 in Qwen3-TTS's deploy file)."""
+    for tokens in (1024, 4096):  # 4096: one block short, vLLM's null block
+        _, problems = VllmOmniEngine().plan_kv(request(model, deploy, max_total_tokens=tokens))
+        assert problems == [
+            f"the KV pin holds {tokens} tokens, not more than one request of stage 0's "
+            "max_model_len (4096): vLLM would refuse to start (it keeps one block of the pool "
+            "as its null block); pin more than 4096 tokens or lower max_model_len by "
+            "--stage-overrides after --"]
+    pin, problems = VllmOmniEngine().plan_kv(request(
+        model, deploy, "--stage-overrides", '{"0": {"max_model_len": 512}}',
+        max_total_tokens=1024))
+    assert problems == [] and overrides_of(pin.args)["0"]["max_model_len"] == 512

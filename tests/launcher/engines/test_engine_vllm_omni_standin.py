@@ -53,7 +53,7 @@ def test_a_replica_started_by_the_plans_argv_is_found_read_back_and_stopped_whol
     assert problems == []
     port = free_port()
     launch = ReplicaLaunch(port=port, device="cuda", threads=None, kv_cache_bytes=None,
-                           max_total_tokens=4096, python=sys.executable, kv_args=pin.args,
+                           max_total_tokens=8192, python=sys.executable, kv_args=pin.args,
                            work_dir=tmp_path / "replica-0")
     argv = engine.argv(launch, (str(model.path), "--deploy-config", str(deploy)))
     log = tmp_path / "replica-0.log"
@@ -77,8 +77,8 @@ def test_a_replica_started_by_the_plans_argv_is_found_read_back_and_stopped_whol
         assert len(found) == 3, found  # the API process and one worker per stage
         while log.read_text().count("GPU KV cache size") < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
-        # stage 0 pinned to 4096 tokens' bytes, stage 1 unpinned (the stand-in's 2048)
-        assert engine.read_capacity(f"http://127.0.0.1:{port}", log) == 4096 + 2048
+        # stage 0 pinned to 8192 tokens' bytes, stage 1 unpinned (the stand-in's 2048)
+        assert engine.read_capacity(f"http://127.0.0.1:{port}", log) == 8192 + 2048
     finally:
         survivors = stop_groups([ReplicaGroup(leader)], None, 5.0) if leader else []
         if proc.poll() is None:
