@@ -228,6 +228,22 @@ def voice_problems(on_gpu: bool) -> list[str]:
     return problems
 
 
+def engine_package(dist: str, module: str, python: str | None = None) -> dict:
+    """An external engine in the engine's python (VLLM_OMNI_PYTHON, else this one): its
+    version and where it lies, found not imported (importing vllm-omni takes a minute)."""
+    python = python or os.environ.get("VLLM_OMNI_PYTHON") or sys.executable
+    code = ("import importlib.util as u, importlib.metadata as m, json; "
+            f"s = u.find_spec({module!r}); "
+            f"print(json.dumps({{'version': m.version({dist!r}), 'at': s.origin}} if s else "
+            f"{{'error': 'no module {module} in ' + {python!r}}}))")
+    try:
+        done = subprocess.run([python, "-c", code], capture_output=True, text=True,
+                              timeout=20, check=False)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as exc:
+        return {"error": f"{python} could not say ({exc.__class__.__name__})"}
+
+
 def main() -> int:
     results = print_imports()
     missing = [r for r in results if "error" in r and not r.get("optional")]
@@ -242,6 +258,8 @@ def main() -> int:
     # the machine's facts either way: they need none of those packages
     facts["system"] = system()
     facts["mps"] = mps_programs()
+    facts["engines"] = {"vllm-omni": engine_package("vllm-omni", "vllm_omni")}
+    print(f"vllm-omni: {facts['engines']['vllm-omni']}", flush=True)
     facts["voice_problems"] = voice_problems(os.environ.get("GPU", "0") != "none")
     print("voice: " + ("; ".join(facts["voice_problems"]) or "measurable"), flush=True)
     print("@@json " + json.dumps(facts), flush=True)

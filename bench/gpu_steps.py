@@ -14,6 +14,9 @@ printed, and the headline lines they make.
 7. overlap: `verify-mps --overlap` with and without MPS, recorded;
 8. while time is left: DP2 and DP5 under MPS, placement form ③ under MPS, TP2's refusal on
    one GPU, one run over two GPUs where there are two;
+9. vllm-omni: the plan of 2 replicas on this GPU (`launch --engine vllm-omni --dry-run`), where
+   the image has vllm-omni (the probe says) and a model directory and deploy file are given
+   (VLLM_OMNI_MODEL, VLLM_OMNI_DEPLOY); skipped and said otherwise;
 then the teardown.
 """
 
@@ -60,6 +63,11 @@ class Settings:
     kernel_seconds: float = 1.0
     overlap_duration_s: float = 6.0
     overlap_concurrency: int = 32
+    # the vllm-omni step: a model directory and deploy file on the machine (nothing can be
+    # downloaded there), and the python that has vllm-omni (default: PYTHON)
+    vllm_omni_model: str = ""
+    vllm_omni_deploy: str = ""
+    vllm_omni_python: str = ""
     limits: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -109,6 +117,7 @@ class Step:
     needs: tuple[str, ...] = ()  # "serving" (omni-dp's imports), "torch", "gpus2", "voice"
     exports: Callable[[dict], dict[str, str]] = lambda figures: {}  # into later steps' env
     not_here: str | None = None  # why it cannot run on this machine at all
+    unready: str | None = None  # why not, once what the probe found allows it
 
     def skip(self, done: list) -> str | None:
         """Why this step cannot run here, or None."""
@@ -124,9 +133,13 @@ class Step:
         if "voice" in self.needs and voice != []:
             return "the voice cannot run here: " + ("; ".join(voice or ["the probe did not say"]))
         gpus = (probe.get("system") or {}).get("gpus")
+        engines = probe.get("engines") or {}
+        if "vllm-omni" in self.needs and "version" not in (engines.get("vllm-omni") or {}):
+            return ("vllm-omni is not in this image: "
+                    + str((engines.get("vllm-omni") or {}).get("error", "the probe did not say")))
         if "gpus2" in self.needs and (not isinstance(gpus, list) or len(gpus) < 2):
             return f"{len(gpus) if isinstance(gpus, list) else 0} GPU(s) here; needs two"
-        return None
+        return self.unready
 
 
 # --- readers: figures from what a step printed -------------------------------------------------
@@ -266,9 +279,37 @@ def steps(s: Settings) -> list[Step]:
              cwd=BENCH, env=with_state, needs=("serving", "gpus2"), not_here=no_gpu),
         Step("caps", [*runs, "caps", *run_args], limit("caps", 90), 40, marked_json,
              cwd=BENCH, env=with_state, needs=("serving",), not_here=no_gpu),
+        Step("vllm-omni", vllm_omni_plan(s), limit("vllm_omni", 60), 20, marked_plan,
+             needs=("vllm-omni",), not_here=no_gpu, unready=vllm_omni_missing(s)),
         Step("teardown", ["sh", "-c", TEARDOWN, "teardown", py, str(s.work), state],
              s.teardown_reserve_s, 0, teardown_facts, cwd=BENCH),
     ]
+
+
+def vllm_omni_missing(s: Settings) -> str | None:
+    """Why the vllm-omni step has nothing to size: no model directory or deploy file here."""
+    if not s.vllm_omni_model or not s.vllm_omni_deploy:
+        return ("no vllm-omni model on this machine (VLLM_OMNI_MODEL and VLLM_OMNI_DEPLOY "
+                "unset: a model directory and its deploy file)")
+    return None
+
+
+def vllm_omni_plan(s: Settings) -> list[str]:
+    """The launch's plan on this GPU (`--dry-run --json`): what it pins and whether N fit.
+    Not a live run: that needs its model's weights on the machine and more than this budget."""
+    return [s.python, "-m", "omni_dp", "launch", "--engine", "vllm-omni", "--dry-run",
+            "--json", "--replicas", "2", "--max-total-tokens", "8192", "--gpu", s.gpu,
+            "--engine-python", s.vllm_omni_python or s.python, "--",
+            s.vllm_omni_model, "--deploy-config", s.vllm_omni_deploy]
+
+
+def marked_plan(output: str, work: Path | None = None) -> dict:
+    """The dry run's JSON plan (the last JSON object it printed)."""
+    start = output.find("{")
+    try:
+        return json.loads(output[start:]) if start >= 0 else {}
+    except ValueError:
+        return {}
 
 
 # The smoke test's daemon, then every run left in the state directory (artifacts kept, `down`),

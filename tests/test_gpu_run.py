@@ -10,6 +10,7 @@ against the real control daemon.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -443,3 +444,31 @@ def test_a_misspelled_configuration_is_refused_before_anything_runs():
             parse_config(bad)
     with pytest.raises(ValueError):
         parse_args(["--configs", "1,2mps,3pms", "--state-dir", "/nonexistent"])
+
+
+def test_the_vllm_omni_step_runs_only_where_the_image_has_it_and_a_model_is_given(tmp_path):
+    """Skipped and said: no vllm-omni in the image (the probe's word), then no model on the
+    machine; with both, the plan of two replicas on the GPU through the launcher's dry run."""
+    import gpu_probe
+    from gpu_steps import Settings, steps
+
+    def step(**env):
+        settings = Settings.from_env({"GPU": "0", "WORK": str(tmp_path), **env})
+        return next(s for s in steps(settings) if s.name == "vllm-omni")
+
+    @dataclasses.dataclass
+    class Probe:
+        figures: dict
+        name: str = "probe"
+
+    absent = Probe({"engines": {"vllm-omni": {"error": "no module vllm_omni in /usr/bin/python3"}}})
+    present = Probe({"engines": {"vllm-omni": {"version": "0.30.0", "at": "/x"}}})
+    assert step().skip([absent]) == ("vllm-omni is not in this image: no module vllm_omni in "
+                                    "/usr/bin/python3")
+    assert step().skip([present]).startswith("no vllm-omni model on this machine")
+    given = step(VLLM_OMNI_MODEL="/m", VLLM_OMNI_DEPLOY="/d.yaml")
+    assert given.skip([present]) is None
+    assert given.argv[-4:] == ["--", "/m", "--deploy-config", "/d.yaml"]
+    assert given.argv[4:7] == ["--engine", "vllm-omni", "--dry-run"]
+    missing = gpu_probe.engine_package("vllm-omni", "vllm_omni", sys.executable)
+    assert missing == {"error": f"no module vllm_omni in {sys.executable}"}

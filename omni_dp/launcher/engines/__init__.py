@@ -22,12 +22,14 @@ from omni_dp.launcher.engines.builtin import BuiltinEngine
 from omni_dp.launcher.engines.sglang import SglangEngine
 from omni_dp.launcher.engines.sglang_omni import SglangOmniEngine
 from omni_dp.launcher.engines.vllm import VllmEngine
+from omni_dp.launcher.engines.vllm_omni import VllmOmniEngine
 
 ENGINES: dict[str, EngineAdapter] = {
     "builtin": BuiltinEngine(),
     "vllm": VllmEngine(),
     "sglang": SglangEngine(),
     "sglang-omni": SglangOmniEngine(),
+    "vllm-omni": VllmOmniEngine(),
 }
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "SglangEngine",
     "SglangOmniEngine",
     "VllmEngine",
+    "VllmOmniEngine",
     "flag_problems",
     "flag_value",
     "reserved_flag_problems",

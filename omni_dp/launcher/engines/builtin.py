@@ -144,7 +144,8 @@ class BuiltinEngine:
 PATH_FLAGS = ("--placement-config",)  # serve's flags whose value is a file path
 
 
-def absolute_paths(engine_args: tuple[str, ...]) -> list[str]:
+def absolute_paths(engine_args: tuple[str, ...],
+                   path_flags: tuple[str, ...] = PATH_FLAGS) -> list[str]:
     """The engine arguments with the value of each path flag made absolute: a replica (and a
     restart by the detached supervisor) must read the file the preflight read, whatever its
     working directory. (`--model` is left as given: its value is a preset name before it is
@@ -152,9 +153,9 @@ def absolute_paths(engine_args: tuple[str, ...]) -> list[str]:
     args, out = list(engine_args), []
     for i, arg in enumerate(args):
         flag, eq, value = arg.partition("=")
-        if eq and flag in PATH_FLAGS:
+        if eq and flag in path_flags:
             out.append(f"{flag}={_absolute(value)}")
-        elif i > 0 and args[i - 1] in PATH_FLAGS:
+        elif i > 0 and args[i - 1] in path_flags:
             out.append(_absolute(arg))
         else:
             out.append(arg)

@@ -23,7 +23,7 @@ from omni_dp.yamlconfig import StrictLoader
 START_MODES = ("sequential", "parallel")
 # The engine adapters' names (omni_dp/launcher/engines holds them; a test keeps the two equal):
 # written here so that the flags are made without importing the adapters.
-ENGINE_NAMES = ("builtin", "vllm", "sglang", "sglang-omni")
+ENGINE_NAMES = ("builtin", "vllm", "sglang", "sglang-omni", "vllm-omni")
 MPS_FAULT_ACTIONS = ("restart", "fail")
 REGISTER_AS = ("replicas", "router")
 GATEWAY_KEY_ENV = "OMNI_DP_GATEWAY_API_KEY"  # the gateway's key: by environment, never on disk
@@ -158,7 +158,7 @@ class LaunchOptions:
     engine_python: str | None = field(default=None, metadata={
         "section": ENGINE, "metavar": "PATH",
         "help": "The Python interpreter that has the engine installed (vllm, sglang, "
-                "sglang_omni).  [default: this omni-dp's interpreter]"})
+                "sglang_omni, vllm_omni).  [default: this omni-dp's interpreter]"})
     engine_overhead: int | None = field(default=None, metadata={
         "section": ENGINE, "size": True, "metavar": "SIZE",
         "help": "Memory one replica holds beyond weights and KV (external engines), for the "
@@ -166,7 +166,8 @@ class LaunchOptions:
     engine_stage: str = field(default=DEFAULT_ENGINE_STAGE, metadata={
         "section": ENGINE,
         "help": "sglang-omni: the pipeline stage whose engine holds the KV cache (the stage "
-                "name is model-specific; tts_engine is Higgs TTS's)."})
+                "name is model-specific; tts_engine is Higgs TTS's). vllm-omni: its stage_id "
+                "(the default means stage 0, Qwen3-TTS's talker)."})
     # what follows `--` on the command line
     engine_args: tuple[str, ...] = field(default=(), metadata={"flag": None})
     mps_control: str | None = field(default=None, metadata={
@@ -195,7 +196,7 @@ class LaunchOptions:
         "section": SUPERVISION, "deprecated": ("--health-timeout",),
         "help": "Seconds a replica may take to become healthy (formerly --health-timeout).  "
                 "[default: the engine's: builtin 300, vllm 600, sglang 900, sglang-omni "
-                "1200]"})
+                "1200, vllm-omni 1200]"})
     drain_timeout: float = field(default=30.0, metadata={
         "section": SUPERVISION,
         "help": "Seconds in-flight requests get when a replica or the router stops."})
