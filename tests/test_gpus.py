@@ -155,7 +155,7 @@ def test_a_launch_under_mps_asks_nvml_once(control_binary, tmp_path, monkeypatch
     facts = gather_facts(options, option_problems=["skip the engine's dry run"])
     assert nvml.calls.count("nvmlInit") == 1, nvml.calls
     assert nvml.calls.count("nvmlShutdown") == 1
-    assert facts.gpu is not None and facts.gpu.uuid == H100_UUID
+    assert facts.first_gpu is not None and facts.first_gpu.uuid == H100_UUID
     assert facts.mps_binaries is not None and facts.mps_binaries.driver_version == DRIVER
     assert [p for p in facts.mps_problems if "compute mode PROHIBITED" in p] == [
         "--mps: GPU 0 (NVIDIA H100 80GB HBM3) is in compute mode PROHIBITED: no process may "

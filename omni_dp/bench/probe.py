@@ -17,7 +17,7 @@ from omni_dp.cpulist import format_cpu_list
 from omni_dp.gpus import GpuFacts
 from omni_dp.launcher.engines import ENGINES, EngineSizing
 from omni_dp.launcher.planning.checks import check_options
-from omni_dp.launcher.planning.devices import plan_gpu, plan_gpus
+from omni_dp.launcher.planning.devices import plan_gpus
 from omni_dp.launcher.planning.facts import gather_facts
 from omni_dp.launcher.planning.gpus import with_gpu_replicas
 from omni_dp.launcher.planning.memory import plan_kv
@@ -147,9 +147,9 @@ def probe_capacity(options: LaunchOptions, *, cores_per_replica: int = 1) -> Cap
     CapacityPlanError with every problem (the launcher's) when it cannot."""
     options = dataclasses.replace(options, replicas=1, mps=False, replicas_per_gpu=None)
     facts = gather_facts(options, option_problems=check_options(options))
-    o, problems = with_gpu_replicas(options, len(facts.gpus) or len(facts.unchecked_gpus))
+    o, problems = with_gpu_replicas(options, len(facts.slots))
     problems = [*check_options(o), *problems]
-    gpu_part, found = plan_gpu(o, facts) if o.gpus is None else plan_gpus(o, facts)
+    gpu_part, found = plan_gpus(o, facts)
     problems += found
     kv, found = plan_kv(o, facts, gpu_part)
     problems += found

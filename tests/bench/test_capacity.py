@@ -13,11 +13,12 @@ import pytest
 from omni_dp.bench.capacity import client_cap, config_names, plan_capacity
 from omni_dp.bench.probe import probe_capacity
 from omni_dp.launcher.engines import EngineSizing
+from omni_dp.launcher.planning.gpus import CPU_SLOT
 from omni_dp.launcher.planning.options import LaunchOptions
 from omni_dp.launcher.planning.topology import Core, CpuTopology
 from omni_dp.mps.preflight import CLIENT_CAP_PRE_VOLTA, CLIENT_CAP_VOLTA
 
-from support.plans import GiB, MiB, h200, healthy_facts, opts, plan, problems_of
+from support.plans import GiB, MiB, gpu_slots, h200, healthy_facts, opts, plan, problems_of
 
 
 def cores(count: int, smt: bool = False, nodes: int = 1) -> CpuTopology:
@@ -170,8 +171,9 @@ def test_probe_plans_an_8_gpu_node_with_the_launchers_gpu_planner(tmp_path, monk
     gpus = tuple(h200(index=i, uuid=f"GPU-{i:08d}-0000-0000-0000-000000000000")
                  for i in range(8))
     facts = dataclasses.replace(
-        healthy_facts(tmp_path), topology=cores(64, smt=True, nodes=2), gpus=gpus,
-        gpu_nodes=(0,) * 4 + (1,) * 4, sizing=model(kv_tokens=1024), command="omni-dp")
+        healthy_facts(tmp_path), topology=cores(64, smt=True, nodes=2),
+        slots=gpu_slots(*gpus, nodes=(0,) * 4 + (1,) * 4), sizing=model(kv_tokens=1024),
+        command="omni-dp")
     seen = []
 
     def gather(options, *, option_problems):
@@ -217,7 +219,7 @@ def test_probe_plans_one_h200_as_launch_would(tmp_path, monkeypatch):
 def test_probe_says_the_launchers_problems(tmp_path, monkeypatch):
     from omni_dp.bench.probe import CapacityPlanError
 
-    facts = dataclasses.replace(healthy_facts(tmp_path), gpu=None,
+    facts = dataclasses.replace(healthy_facts(tmp_path), slots=(CPU_SLOT,),
                                 gpu_problems=("--gpu 3: no such GPU (GPUs: 0)",))
     monkeypatch.setattr("omni_dp.bench.probe.gather_facts", lambda options, **_: facts)
     with pytest.raises(CapacityPlanError) as info:

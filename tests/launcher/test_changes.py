@@ -46,7 +46,7 @@ from omni_dp.launcher.record.state import RunState
 from omni_dp.procs import ProcessIdentity
 from omni_dp.runfile import ReplicaState
 
-from support.plans import GiB, h200
+from support.plans import GiB, gpu_slots, h200
 
 H = ReplicaState.HEALTHY
 
@@ -56,7 +56,7 @@ def cpu_facts(tmp_path, cores: int = 2) -> LaunchFacts:
         state_root=tmp_path / "state", new_run_id="run-d2",
         topology=CpuTopology(tuple(Core((i,), 0) for i in range(cores)),
                              frozenset(range(cores))),
-        gpu=None, gpu_problems=(), gpu_numa_node=None, mps_binary=None, mps_problems=(),
+        gpu_problems=(), mps_binary=None, mps_problems=(),
         taken_ports=frozenset(), runs=(),
         sizing=EngineSizing(weights_bytes=1, kv_cache_bytes=8192 * 1024, kv_tokens=1024,
                             overhead_bytes=1, device="cpu"),
@@ -229,13 +229,14 @@ def test_the_machine_without_the_run_has_its_ports_id_and_memory_free(tmp_path):
     record = state.record
     own = {r.port for r in record.replicas}
     facts = dataclasses.replace(
-        facts, gpu=h200(memory_used_bytes=10 * GiB), taken_ports=frozenset({*own, 9999}),
+        facts, slots=gpu_slots(h200(memory_used_bytes=10 * GiB)),
+        taken_ports=frozenset({*own, 9999}),
         runs=(KnownRun(record.run_id, state.directory, "cpu", True),
               KnownRun("other", state.directory, "cpu", True)))
     freed = without_run(facts, record)
     assert freed.taken_ports == frozenset({9999})
     assert [r.run_id for r in freed.runs] == ["other"]
-    assert freed.gpu.memory_used_bytes == 4 * GiB  # its two replicas' 3 GiB each, as measured
+    assert freed.first_gpu.memory_used_bytes == 4 * GiB  # its two replicas' 3 GiB each, as measured
 
 
 # --- the request handed to the supervisor ----------------------------------------------------

@@ -19,6 +19,7 @@ from omni_dp.launcher.engines import (
 )
 from omni_dp.launcher.engines.base import ReplicaLaunch, split_model
 from omni_dp.launcher.engines.vllm import BLOCK_SIZE, VllmEngine, cache_config_tokens
+from omni_dp.launcher.planning.gpus import CPU_SLOT
 from omni_dp.launcher.planning.options import ENGINE_NAMES
 
 from support.plans import GiB, MiB, h200, healthy_facts, plan, problems_of
@@ -199,7 +200,7 @@ def test_metrics_without_the_cache_info_say_so():
 
 
 def vllm_facts(tmp_path, **changes):
-    facts = dataclasses.replace(healthy_facts(tmp_path), gpu=None, gpu_numa_node=None,
+    facts = dataclasses.replace(healthy_facts(tmp_path), slots=(CPU_SLOT,),
                                 sizing=None, model=TINY, engine_python="/venv/bin/python")
     return dataclasses.replace(facts, **changes)
 

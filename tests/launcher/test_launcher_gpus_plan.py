@@ -10,12 +10,21 @@ import pytest
 
 from omni_dp.gpus import GpuFacts, query_gpus
 from omni_dp.launcher.planning import facts as facts_module
-from omni_dp.launcher.planning.facts import LaunchFacts, _look_up_gpus, _mps_preflight_per_gpu
-from omni_dp.launcher.planning.gpus import parse_gpu_list, spread, with_gpu_replicas
+from omni_dp.launcher.planning.facts import LaunchFacts, _mps_preflight, look_up_gpus
+from omni_dp.launcher.planning.gpus import CPU_SLOT, parse_gpu_list, spread, with_gpu_replicas
 from omni_dp.launcher.planning.topology import Core, CpuTopology, plan_auto_gpus
 
 from support.nvml import FakeGpu, FakeNvml
-from support.plans import GiB, h200, healthy_facts, opts, plan, problems_of
+from support.plans import (
+    GiB,
+    gpu_slots,
+    h200,
+    healthy_facts,
+    opts,
+    plan,
+    problems_of,
+    unchecked_slots,
+)
 
 UUIDS = [f"GPU-{k:08x}-0000-4000-8000-00000000000{k:x}" for k in range(8)]
 
@@ -36,7 +45,7 @@ def host(tmp_path: Path, gpus: int, nodes: list[int], cores_per_node: int) -> La
     listed = tuple(gpu(k) for k in range(gpus))
     return dataclasses.replace(
         healthy_facts(tmp_path), topology=numa_topology(cores_per_node, max(nodes) + 1),
-        gpu=listed[0], gpu_numa_node=nodes[0], gpus=listed, gpu_nodes=tuple(nodes))
+        slots=gpu_slots(*listed, nodes=tuple(nodes)))
 
 
 def node_of(facts: LaunchFacts, cpus: tuple[int, ...]) -> set[int]:
@@ -74,8 +83,8 @@ def test_replicas_spread_evenly_and_gpus_alone_put_one_on_each(tmp_path):
     facts = host(tmp_path, 2, [0, 1], cores_per_node=4)
     assert [r.gpu for r in plan(opts(gpus="0,1", replicas=3), facts).replicas] == [0, 0, 1]
     assert [r.gpu for r in plan(opts(gpus="1,0", replicas=1), facts).replicas] == [0, 1]
-    # _look_up_gpus keeps the order given (tested below): slot 0 is GPU 1 here
-    given = dataclasses.replace(facts, gpus=(gpu(1), gpu(0)), gpu_nodes=(1, 0))
+    # look_up_gpus keeps the order given (tested below): slot 0 is GPU 1 here
+    given = dataclasses.replace(facts, slots=gpu_slots(gpu(1), gpu(0), nodes=(1, 0)))
     swapped = plan(opts(gpus="1,0", replicas=1), given)
     assert [g.index for g in swapped.gpus] == [1, 0]  # slots in the order given
     assert swapped.replicas[0].env["CUDA_VISIBLE_DEVICES"] == UUIDS[1]
@@ -115,7 +124,7 @@ def test_a_malformed_gpu_list_is_refused(text, words):
 def test_the_memory_fit_is_per_gpu_and_names_the_gpu(tmp_path):
     facts = host(tmp_path, 2, [0, 1], cores_per_node=4)
     busy = gpu(1, memory_used_bytes=138 * GiB)
-    facts = dataclasses.replace(facts, gpus=(facts.gpus[0], busy))
+    facts = dataclasses.replace(facts, slots=gpu_slots(gpu(0), busy, nodes=(0, 1)))
     [problem] = problems_of(opts(gpus="all", replicas=1, replicas_per_gpu=2), facts)
     assert problem.startswith("GPU memory of GPU 1 (NVIDIA H200): 2 × (weights")
     assert "138.00 GiB already in use" in problem
@@ -160,31 +169,44 @@ def _fake_inventory(monkeypatch, gpus: list[FakeGpu]) -> None:
 
 def test_gpus_are_looked_up_by_index_uuid_or_all(monkeypatch):
     _fake_inventory(monkeypatch, [FakeGpu(uuid=UUIDS[0]), FakeGpu(uuid=UUIDS[1])])
-    found, unchecked, problems = _look_up_gpus(opts(gpus="all"))
-    assert [g.uuid for g in found] == UUIDS[:2] and not unchecked and not problems
-    found, _, problems = _look_up_gpus(opts(gpus=f"{UUIDS[1]},0"))
-    assert [g.index for g in found] == [1, 0] and not problems
-    found, _, problems = _look_up_gpus(opts(gpus=f"0,{UUIDS[0]}"))
-    assert [g.index for g in found] == [0]
+    found, problems = look_up_gpus(opts(gpus="all"))
+    assert [s.gpu.uuid for s in found] == UUIDS[:2] and not problems
+    assert [s.slot for s in found] == [0, 1]
+    found, problems = look_up_gpus(opts(gpus=f"{UUIDS[1]},0"))
+    assert [s.index for s in found] == [1, 0] and not problems
+    found, problems = look_up_gpus(opts(gpus=f"0,{UUIDS[0]}"))
+    assert [s.index for s in found] == [0]
     assert problems == [f"--gpus 0,{UUIDS[0]} names GPU 0 (NVIDIA H100 80GB HBM3) twice "
                         f"({UUIDS[0]} is GPU 0, listed before)"]
-    _, _, problems = _look_up_gpus(opts(gpus="0,5"))
+    _, problems = look_up_gpus(opts(gpus="0,5"))
     assert problems[0].startswith("no GPU with index 5")
+
+
+def test_one_gpu_is_the_one_slot_case_of_the_same_lookup(monkeypatch):
+    """--gpu X reads one slot through the lookup --gpus uses; --gpu none and a GPU that is not
+    there leave the one CPU slot (the plan says why with the lookup's words)."""
+    _fake_inventory(monkeypatch, [FakeGpu(uuid=UUIDS[0]), FakeGpu(uuid=UUIDS[1])])
+    [slot], problems = look_up_gpus(opts(gpu="1"))
+    assert (slot.slot, slot.index, slot.label, problems) == (0, 1, UUIDS[1], [])
+    [slot], _ = look_up_gpus(opts())  # auto: the first GPU
+    assert slot.index == 0
+    assert look_up_gpus(opts(gpu="none")) == ((CPU_SLOT,), [])
+    slots, problems = look_up_gpus(opts(gpu="5"))
+    assert slots == (CPU_SLOT,) and problems[0].startswith("no GPU with index 5")
 
 
 def test_without_nvml_gpus_is_refused_unless_mps_no_gpu_check_takes_indices(monkeypatch):
     _fake_inventory(monkeypatch, [])
-    _, _, problems = _look_up_gpus(opts(gpus="0,1"))
+    _, problems = look_up_gpus(opts(gpus="0,1"))
     assert problems == ["--gpus 0,1: NVML sees no GPUs; run without --gpus to use the CPU"]
-    found, unchecked, problems = _look_up_gpus(opts(gpus="0,1", mps=True, no_gpu_check=True))
-    assert (found, unchecked, problems) == ((), (0, 1), [])
-    _, _, problems = _look_up_gpus(opts(gpus="all", mps=True, no_gpu_check=True))
+    found, problems = look_up_gpus(opts(gpus="0,1", mps=True, no_gpu_check=True))
+    assert (found, problems) == (unchecked_slots(0, 1), [])
+    _, problems = look_up_gpus(opts(gpus="all", mps=True, no_gpu_check=True))
     assert "with --no-gpu-check, --gpus takes GPU indices (not UUIDs or all)" in problems[0]
 
 
 def test_unchecked_gpus_plan_a_daemon_each_and_cpu_replicas(tmp_path):
-    facts = dataclasses.replace(healthy_facts(tmp_path), gpu=None, gpu_numa_node=None,
-                                unchecked_gpus=(0, 1))
+    facts = dataclasses.replace(healthy_facts(tmp_path), slots=unchecked_slots(0, 1))
     p = plan(opts(gpus="0,1", replicas=1, mps=True, no_gpu_check=True), facts)
     assert p.device == "cpu" and [g.label for g in p.gpus] == ["0", "1"]
     pipes = {r.env["CUDA_MPS_PIPE_DIRECTORY"] for r in p.replicas}
@@ -194,8 +216,8 @@ def test_unchecked_gpus_plan_a_daemon_each_and_cpu_replicas(tmp_path):
 
 
 def test_unchecked_gpus_still_fit_the_replicas_in_host_memory(tmp_path):
-    facts = dataclasses.replace(healthy_facts(tmp_path), gpu=None, gpu_numa_node=None,
-                                unchecked_gpus=(0, 1), host_memory_available=1 * GiB)
+    facts = dataclasses.replace(healthy_facts(tmp_path), slots=unchecked_slots(0, 1),
+                                host_memory_available=1 * GiB)
     [problem] = problems_of(opts(gpus="0,1", replicas=1, mps=True, no_gpu_check=True), facts)
     assert problem.startswith("host memory: 2 × (weights") and "1.00 GiB available" in problem
 
@@ -205,8 +227,8 @@ def test_mps_preflight_names_each_gpu_that_cannot_serve(tmp_path):
     exclusive = gpu(1, compute_mode="EXCLUSIVE_PROCESS")
     fine = gpu(2)
     options = opts(gpus="all", replicas=3, mps=True, mps_control="/nonexistent/control")
-    _, problems = _mps_preflight_per_gpu(options, [mig, exclusive, fine], tmp_path / "run",
-                                         None)
+    _, problems = _mps_preflight(options, gpu_slots(mig, exclusive, fine), tmp_path / "run",
+                                 None)
     mig_problems = [p for p in problems if "MIG" in p]
     mode_problems = [p for p in problems if "EXCLUSIVE_PROCESS" in p]
     assert mig_problems and all("GPU 0 (NVIDIA H200)" in p for p in mig_problems)

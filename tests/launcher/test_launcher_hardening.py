@@ -215,10 +215,11 @@ def test_bad_launch_input_exits_2_naming_it_and_creates_nothing(tmp_path, fuzz_e
 
 def test_gpu_index_without_a_gpu_and_without_mps_does_not_speak_of_mps(fuzz_env,
                                                                        monkeypatch):
+    from omni_dp.gpus import GpuInventory
     from omni_dp.mps import preflight
 
-    monkeypatch.setattr("omni_dp.launcher.planning.facts.query_gpu", lambda gpu, nvml=None: (
-        None, [preflight.Problem("nvml", preflight.NO_DRIVER_MESSAGE)], False))
+    monkeypatch.setattr("omni_dp.launcher.planning.facts.query_gpus", lambda nvml=None: (
+        GpuInventory(nvml_problem=preflight.Problem("nvml", preflight.NO_DRIVER_MESSAGE))))
     base = free_port_block(3)
     result = CliRunner().invoke(cli, ["launch", "--gpu", "0", "--base-port", str(base),
                                       "--router-port", str(base + 2)], prog_name="omni-dp")

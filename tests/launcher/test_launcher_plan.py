@@ -25,8 +25,9 @@ from omni_dp.contract import Problems
 from omni_dp.launcher.engines import ENGINES, BuiltinEngine, ReplicaLaunch
 from omni_dp.launcher.planning.checks import OPTION_CHECKS, check_options
 from omni_dp.launcher.planning.cpus import plan_cpus
-from omni_dp.launcher.planning.devices import plan_gpu, plan_mps
+from omni_dp.launcher.planning.devices import plan_gpus, plan_mps
 from omni_dp.launcher.planning.facts import KnownRun, LaunchFacts, known_runs
+from omni_dp.launcher.planning.gpus import CPU_SLOT
 from omni_dp.launcher.planning.memory import plan_kv, plan_memory
 from omni_dp.launcher.planning.options import FIELDS, LaunchOptions, load_config_file, merge_options
 from omni_dp.launcher.planning.plan import THREAD_VARIABLES, LaunchPlanError
@@ -38,6 +39,7 @@ from support.plans import (
     GPU_UUID,
     GiB,
     MiB,
+    gpu_slots,
     h200,
     healthy_facts,
     opts,
@@ -63,7 +65,7 @@ def facts(tmp_path) -> LaunchFacts:
 def cpu_facts(facts) -> LaunchFacts:
     """The same machine with no GPU (NVML has no driver): the replicas run on CPU."""
     return dataclasses.replace(
-        facts, gpu=None, gpu_numa_node=None,
+        facts, slots=(CPU_SLOT,),
         gpu_problems=("no NVIDIA driver on this machine (libnvidia-ml not found)",),
         sizing=sizing(device="cpu"),
     )
@@ -179,7 +181,7 @@ def test_numactl_binds_memory_only_for_a_block_on_the_gpus_node(facts):
 
 
 def test_a_gpu_without_a_uuid_is_still_visible_to_the_replicas(facts):
-    p = plan(opts(), dataclasses.replace(facts, gpu=h200(uuid=None, index=2)))
+    p = plan(opts(), dataclasses.replace(facts, slots=gpu_slots(h200(uuid=None, index=2))))
     assert p.device == "cuda" and p.gpu_label == "2"
     assert all(r.env["CUDA_VISIBLE_DEVICES"] == "2" for r in p.replicas)
 
@@ -249,7 +251,7 @@ def test_auto_blocks_are_disjoint_whole_cores_gpu_node_first(facts):
 
 
 def test_auto_blocks_prefer_node_0_when_the_gpu_is_there(facts):
-    p = plan(opts(), dataclasses.replace(facts, gpu_numa_node=0))
+    p = plan(opts(), dataclasses.replace(facts, slots=gpu_slots(h200(), nodes=(0,))))
     assert [r.cpus for r in p.replicas] == [(0, 1, 4, 5), (2, 3, 6, 7)]
     assert p.warnings == ("block 1 is on NUMA node 1, the GPU on 0",)
 
@@ -400,7 +402,8 @@ def test_mps_without_a_gpu_but_no_gpu_check_plans_on_cpu_with_a_warning(cpu_fact
 
 
 def test_mps_needs_the_gpus_uuid(facts):
-    facts = dataclasses.replace(facts, gpu=h200(uuid=None, index=2), mps_binary="/x/mps")
+    facts = dataclasses.replace(facts, slots=gpu_slots(h200(uuid=None, index=2)),
+                                mps_binary="/x/mps")
     problem = only_problem(opts(mps=True), facts)
     assert problem.startswith("--mps: NVML could not read the UUID of GPU 2")
     assert "run without --mps" in problem
@@ -422,7 +425,7 @@ def test_an_explicit_gpu_that_is_not_there_is_a_problem(cpu_facts):
 
 def test_replicas_that_do_not_fit_in_gpu_memory_are_a_problem_with_the_numbers(facts):
     facts = dataclasses.replace(
-        facts, gpu=h200(memory_total_bytes=16 * GiB, memory_used_bytes=2 * GiB),
+        facts, slots=gpu_slots(h200(memory_total_bytes=16 * GiB, memory_used_bytes=2 * GiB)),
         sizing=sizing(weights_bytes=2 * GiB, kv_cache_bytes=2 * GiB, overhead_bytes=1 * GiB))
     problem = only_problem(opts(replicas=3, cpu_blocks="none"), facts)
     assert problem.startswith("GPU memory: 3 × (weights 2.00 GiB + KV 2.00 GiB + overhead "
@@ -436,8 +439,8 @@ def test_replicas_that_do_not_fit_in_gpu_memory_are_a_problem_with_the_numbers(f
 
 def test_gpu_fit_counts_headroom_and_used_memory_to_the_byte(facts):
     def fits(used: int, headroom: float) -> bool:
-        f = dataclasses.replace(facts, gpu=h200(memory_total_bytes=20 * GiB,
-                                                memory_used_bytes=used))
+        f = dataclasses.replace(facts, slots=gpu_slots(h200(memory_total_bytes=20 * GiB,
+                                                memory_used_bytes=used)))
         try:
             plan(opts(memory_headroom=headroom, kv_cache_bytes=None), f)
         except LaunchPlanError as exc:
@@ -649,7 +652,7 @@ def test_a_refused_replica_count_is_not_planned_with(facts):
 
 
 def _parts(facts):
-    gpu, _ = plan_gpu(opts(), facts)
+    gpu, _ = plan_gpus(opts(), facts)
     kv, _ = plan_kv(opts(), facts)
     assert gpu is not None and kv is not None
     return gpu, kv
@@ -665,7 +668,7 @@ def test_the_memory_fit_waits_for_the_gpu_and_the_engine(cpu_facts):
     mismatch = dataclasses.replace(small, sizing=sizing(device="cpu", kv_tokens=992))
     problems = problems_of(opts(), mismatch)
     assert len(problems) == 1 and problems[0].startswith("--max-total-tokens 1024")
-    gpu, _ = plan_gpu(opts(mps=True), small)
+    gpu, _ = plan_gpus(opts(mps=True), small)
     assert gpu is None
     assert plan_memory(opts(), small, gpu, plan_kv(opts(), small)[0]) == (None, [])
 
@@ -699,7 +702,7 @@ def test_each_sub_planner_hands_a_part_to_the_plan(facts):
     """The parts of a good plan are what the plan is built from."""
     o = opts(mps=True, run_id="mine")
     facts = dataclasses.replace(facts, mps_binary="/x/mps")
-    gpu, _ = plan_gpu(o, facts)
+    gpu, _ = plan_gpus(o, facts)
     run, _ = plan_run(o, facts)
     cpus, _ = plan_cpus(o, facts)
     router, _ = plan_router(o, facts)
@@ -1012,7 +1015,7 @@ def test_an_address_the_router_cannot_listen_on_is_named():
 def share_facts(facts, **gpu):
     """The H200 machine, its engine sharing 3.5 of 4 GiB of weights (KV 1 GiB, overhead ½)."""
     return dataclasses.replace(
-        facts, gpu=h200(**gpu),
+        facts, slots=gpu_slots(h200(**gpu)),
         sizing=sizing(weights_bytes=4 * GiB, shared_weights_bytes=int(3.5 * GiB),
                       kv_cache_bytes=1 * GiB, overhead_bytes=512 * MiB))
 

@@ -322,7 +322,7 @@ def test_facts_and_plan_carry_the_located_pair(machine, tmp_path, monkeypatch):
     assert facts.mps_binary == str(control)
     assert facts.mps_binaries is not None and facts.mps_binaries.server == str(server)
     machine_facts = dataclasses.replace(  # a GPU machine, as support/plans.py's
-        facts, gpu=plans.h200(), gpu_problems=(), sizing=plans.sizing(),
+        facts, slots=plans.gpu_slots(plans.h200()), gpu_problems=(), sizing=plans.sizing(),
         engine_problems=(), mps_problems=(), topology=plans.smt_topology(),
         taken_ports=frozenset(), runs=(), host_problem=None)
     assert isinstance(machine_facts, LaunchFacts)

@@ -13,6 +13,7 @@ import pytest
 from omni_dp.gpus import GpuFacts
 from omni_dp.launcher.engines import EngineSizing
 from omni_dp.launcher.planning.facts import LaunchFacts
+from omni_dp.launcher.planning.gpus import GpuSlot
 from omni_dp.launcher.planning.options import LaunchOptions
 from omni_dp.launcher.planning.plan import LaunchPlanError, plan_launch
 from omni_dp.launcher.planning.topology import Core, CpuTopology
@@ -45,15 +46,28 @@ def sizing(**changes) -> EngineSizing:
     return dataclasses.replace(base, **changes)
 
 
+def gpu_slots(*gpus: GpuFacts, nodes: tuple[int | None, ...] | None = None
+              ) -> tuple[GpuSlot, ...]:
+    """A machine's GPU slots as the lookup reads them: one per GPU, each on NUMA node 1 (the
+    H200's in healthy_facts) unless told."""
+    nodes = nodes if nodes is not None else (1,) * len(gpus)
+    return tuple(GpuSlot(k, g, g.index, node)
+                 for k, (g, node) in enumerate(zip(gpus, nodes, strict=True)))
+
+
+def unchecked_slots(*indices: int) -> tuple[GpuSlot, ...]:
+    """GPUs taken as given (--mps --no-gpu-check where NVML sees none)."""
+    return tuple(GpuSlot(k, None, index, None) for k, index in enumerate(indices))
+
+
 def healthy_facts(tmp_path: Path) -> LaunchFacts:
     """A healthy machine: one H200 on NUMA node 1, free ports, no earlier runs."""
     return LaunchFacts(
         state_root=tmp_path / "state",
         new_run_id="run-test-0001",
         topology=smt_topology(),
-        gpu=h200(),
+        slots=gpu_slots(h200()),
         gpu_problems=(),
-        gpu_numa_node=1,
         mps_binary=None,
         mps_problems=(),
         taken_ports=frozenset(),
@@ -102,7 +116,7 @@ def two_replica_plan(tmp_path, **options):
     facts = LaunchFacts(
         state_root=tmp_path / "state", new_run_id="run-test", topology=CpuTopology(
             (Core((0,), 0), Core((1,), 0)), frozenset({0, 1})),
-        gpu=None, gpu_problems=(), gpu_numa_node=None, mps_binary=None,
+        gpu_problems=(), mps_binary=None,
         mps_problems=(), taken_ports=frozenset(), runs=(),
         sizing=EngineSizing(weights_bytes=1, kv_cache_bytes=8192 * 1024, kv_tokens=1024,
                             overhead_bytes=1, device="cpu"),
@@ -118,7 +132,7 @@ def one_replica_plan(tmp_path: Path, **options):
     facts = LaunchFacts(
         state_root=tmp_path / "state", new_run_id="run-hardening", topology=CpuTopology(
             (Core((0,), 0),), frozenset({0})),
-        gpu=None, gpu_problems=(), gpu_numa_node=None, mps_binary=None, mps_problems=(),
+        gpu_problems=(), mps_binary=None, mps_problems=(),
         taken_ports=frozenset(), runs=(), sizing=EngineSizing(
             weights_bytes=1, kv_cache_bytes=8192 * 1024, kv_tokens=1024, overhead_bytes=1,
             device="cpu"),

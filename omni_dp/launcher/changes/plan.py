@@ -71,13 +71,13 @@ def without_run(facts: LaunchFacts, record: RunRecord) -> LaunchFacts:
         ports.add(int(record.router.url.rsplit(":", 1)[1]))
     held = {slot: _held(facts, [r for r in record.replicas if r.gpu == slot], record)
             for slot in {r.gpu for r in record.replicas}}
-    gpus = tuple(_freed(g, held.get(i, 0)) for i, g in enumerate(facts.gpus))
-    gpu = _freed(facts.gpu, held.get(0, 0)) if facts.gpu is not None else None
-    host = facts.host_memory_available + (sum(held.values()) if gpu is None else 0)
+    slots = tuple(dataclasses.replace(s, gpu=_freed(s.gpu, held.get(s.slot, 0)))
+                  for s in facts.slots)
+    host = facts.host_memory_available + (sum(held.values()) if facts.first_gpu is None else 0)
     return dataclasses.replace(
         facts, taken_ports=frozenset(facts.taken_ports - ports),
         runs=tuple(r for r in facts.runs if r.run_id != record.run_id),
-        gpu=gpu, gpus=gpus, host_memory_available=host)
+        slots=slots, host_memory_available=host)
 
 
 def _held(facts: LaunchFacts, replicas: list[ReplicaRecord], record: RunRecord) -> int:

@@ -34,9 +34,9 @@ def plan_cpus(o: LaunchOptions, facts: LaunchFacts,
         cpu_plan = plan_auto_gpus(facts.topology, [(len(g.replicas), g.numa_node)
                                                    for g in groups])
     elif o.cpu_blocks == "auto":
-        cpu_plan = plan_auto(facts.topology, o.replicas, facts.gpu_numa_node)
+        cpu_plan = plan_auto(facts.topology, o.replicas, facts.numa_node)
     else:
-        cpu_plan = plan_explicit(facts.topology, o.replicas, o.cpu_blocks, facts.gpu_numa_node,
+        cpu_plan = plan_explicit(facts.topology, o.replicas, o.cpu_blocks, facts.numa_node,
                                  nodes)
     if cpu_plan.problems:
         return None, cpu_plan.problems

@@ -22,11 +22,17 @@ from pathlib import Path
 import psutil
 
 from omni_dp.gateway import GatewayError, SglangGateway
-from omni_dp.gpus import NO_DRIVER, GpuFacts, Problem, pick_gpu, query_gpu, query_gpus
+from omni_dp.gpus import NO_DRIVER, GpuFacts, GpuInventory, Problem, pick_gpu, query_gpus
 from omni_dp.launcher.engines import ENGINES
 from omni_dp.launcher.engines.base import EngineSizing, ModelFacts, ReplicaLaunch, split_model
 from omni_dp.launcher.engines.model_dir import read_model
-from omni_dp.launcher.planning.gpus import parse_gpu_list, spread, with_gpu_replicas
+from omni_dp.launcher.planning.gpus import (
+    CPU_SLOT,
+    GpuSlot,
+    parse_gpu_list,
+    replica_total,
+    spread_counts,
+)
 from omni_dp.launcher.planning.options import GATEWAY_KEY_ENV, LaunchOptions, replica_ports
 from omni_dp.launcher.planning.share_group import LEADER_ROLE
 from omni_dp.launcher.planning.topology import CpuTopology, gpu_numa_node, read_topology
@@ -52,9 +58,7 @@ class LaunchFacts:
     state_root: Path
     new_run_id: str  # used when --run-id is not given
     topology: CpuTopology
-    gpu: GpuFacts | None
-    gpu_problems: tuple[str, ...]
-    gpu_numa_node: int | None
+    gpu_problems: tuple[str, ...]  # why a GPU asked for cannot be used
     mps_binary: str | None
     mps_problems: tuple[str, ...]
     taken_ports: frozenset[int]
@@ -71,12 +75,20 @@ class LaunchFacts:
     # Free bytes of the state root's filesystem (of its nearest existing ancestor while it
     # does not exist): a CPU weight-share segment is written there; None when unreadable
     state_root_free: int | None = None
-    # --gpus: every GPU of the run as NVML read it (`gpu` is the first: the dry run's), and
-    # their NUMA nodes; or, with --mps --no-gpu-check where NVML sees none, the indices given
-    gpus: tuple[GpuFacts, ...] = ()
-    gpu_nodes: tuple[int | None, ...] = ()
-    unchecked_gpus: tuple[int, ...] = ()
+    # The run's GPU slots as read: `--gpu X` one, `--gpus` one per GPU found (or, with --mps
+    # --no-gpu-check where NVML sees none, per index given), no GPU one CPU slot
+    slots: tuple[GpuSlot, ...] = (CPU_SLOT,)
     gateway_problem: str | None = None  # --register: why the gateway cannot be used
+
+    @property
+    def first_gpu(self) -> GpuFacts | None:
+        """The first slot's GPU: the engine's dry run sizes the replicas on it."""
+        return self.slots[0].gpu if self.slots else None
+
+    @property
+    def numa_node(self) -> int | None:
+        """The first slot's NUMA node."""
+        return self.slots[0].numa_node if self.slots else None
 
 
 def visible_id(gpu: GpuFacts | None) -> str:
@@ -141,18 +153,13 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
     (its complaints would only repeat them)."""
     root = state_dir()
     run_id = options.run_id or new_run_id()
-    gpus: tuple[GpuFacts, ...] = ()
-    unchecked: tuple[int, ...] = ()
-    if options.gpus is None:
-        gpu, gpu_problems = _look_up_gpu(options)
-    else:
-        gpus, unchecked, gpu_problems = _look_up_gpus(options)
-        gpu = gpus[0] if gpus else None
-        # --replicas as the run's total: what the ports and the MPS client limits count
-        options, _ = with_gpu_replicas(options, len(gpus) or len(unchecked))
+    slots, gpu_problems = look_up_gpus(options)
+    # --replicas as the run's total: what the ports and the MPS client limits count
+    options = replace(options, replicas=replica_total(options, len(slots))[0])
     python = resolve_python(options.engine_python)
     model = None
     engine = ENGINES.get(options.engine)
+    gpu = slots[0].gpu if slots else None
     if engine is None or not engine.external:  # it sizes itself: a dry run
         sizing, engine_problems = _dry_run(options, gpu, option_problems,
                                            run_dir(root, run_id))
@@ -160,18 +167,12 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
         sizing = None
         model, engine_problems = _external_engine(options, python, option_problems)
     # After the dry run: its placement says how many CUDA processes each replica starts.
-    if options.gpus is None:
-        mps_binaries, mps_problems = _mps_preflight(options, gpu, run_dir(root, run_id), sizing)
-    else:
-        mps_binaries, mps_problems = _mps_preflight_per_gpu(
-            options, [*gpus] or [None] * len(unchecked), run_dir(root, run_id), sizing)
+    mps_binaries, mps_problems = _mps_preflight(options, slots, run_dir(root, run_id), sizing)
     return LaunchFacts(
         state_root=root,
         new_run_id=run_id,
         topology=read_topology(),
-        gpu=gpu,
         gpu_problems=tuple(gpu_problems),
-        gpu_numa_node=gpu_numa_node(gpu.pci_bus_id) if gpu and gpu.pci_bus_id else None,
         mps_binary=mps_binaries.control if mps_binaries else None,
         mps_problems=tuple(mps_problems),
         taken_ports=_taken_ports(options),
@@ -186,9 +187,7 @@ def gather_facts(options: LaunchOptions, *, option_problems: list[str]) -> Launc
         model=model,
         engine_python=python,
         state_root_free=free_bytes(root),
-        gpus=gpus,
-        gpu_nodes=tuple(gpu_numa_node(g.pci_bus_id) if g.pci_bus_id else None for g in gpus),
-        unchecked_gpus=unchecked,
+        slots=slots,
         gateway_problem=_gateway_problem(options, option_problems),
     )
 
@@ -206,85 +205,96 @@ def _gateway_problem(options: LaunchOptions, option_problems: list[str]) -> str 
     return None
 
 
-def _look_up_gpu(options: LaunchOptions) -> tuple[GpuFacts | None, list[str]]:
-    """The GPU the replicas use (none for --gpu none), and why there is none. Only "is there
-    such a GPU": what MPS needs of it is the MPS preflight's."""
-    if options.gpu == "none":
-        return None, []
-    wanted = "0" if options.gpu == "auto" else options.gpu
-    gpu, problems, _ = query_gpu(wanted)
-    return gpu, [_gpu_problem(p, options, wanted) for p in problems]
-
-
-def _look_up_gpus(options: LaunchOptions
-                  ) -> tuple[tuple[GpuFacts, ...], tuple[int, ...], list[str]]:
-    """--gpus: every GPU it names (all: every one NVML sees), read in one NVML session; or,
-    with --mps --no-gpu-check where NVML sees no GPU, the indices as given (unchecked: the
-    daemons run, the replicas on the CPU); and why a GPU cannot be used."""
-    entries, problems = parse_gpu_list(options.gpus or "")
-    if problems:  # check_options says what is wrong with the list
-        return (), (), []
+def look_up_gpus(options: LaunchOptions) -> tuple[tuple[GpuSlot, ...], list[str]]:
+    """The run's GPU slots, read in one NVML session: `--gpu X` one (the CPU slot for --gpu
+    none, or when there is no such GPU), `--gpus` every GPU it names (all: every one NVML
+    sees); and why a GPU cannot be used. Only "is there such a GPU": what MPS needs of it is
+    the MPS preflight's."""
+    wanted, problems = _wanted_gpus(options)
+    if problems:  # check_options says what is wrong with the --gpus list
+        return (), []
+    if not wanted:
+        return (CPU_SLOT,), []
     inventory = query_gpus()
-    if inventory.nvml_problem is not None or (inventory.count_error is None
-                                              and not inventory.gpus):
-        unchecked = options.mps and options.no_gpu_check
-        if unchecked and entries != ["all"] and all(e.isdigit() for e in entries):
-            return (), tuple(int(e) for e in entries), []
-        why = (inventory.nvml_problem.message if inventory.nvml_problem is not None
-               else "NVML sees no GPUs")
-        hint = ("; with --no-gpu-check, --gpus takes GPU indices (not UUIDs or all) unchecked"
-                if unchecked else "; run without --gpus to use the CPU")
-        return (), (), [f"--gpus {options.gpus}: {why}{hint}"]
-    wanted = [str(g.index) for g in inventory.gpus] if entries == ["all"] else entries
+    if options.gpus is not None and _sees_none(inventory):
+        return _unchecked_gpus(options, wanted, inventory)
+    if wanted == ["all"]:
+        wanted = [str(g.index) for g in inventory.gpus]
+    found, problems = _pick_each(options, inventory, wanted)
+    slots = tuple(GpuSlot(k, g, g.index, gpu_numa_node(g.pci_bus_id) if g.pci_bus_id else None)
+                  for k, g in enumerate(found))
+    return (slots or ((CPU_SLOT,) if options.gpus is None else ())), problems
+
+
+def _pick_each(options: LaunchOptions, inventory: GpuInventory, wanted: list[str]
+               ) -> tuple[list[GpuFacts], list[str]]:
+    """Each GPU asked for, in the order given, and why one is not there (or named twice)."""
     found: list[GpuFacts] = []
+    problems: list[str] = []
     for entry in wanted:
         gpu, lookup = pick_gpu(inventory, entry)
-        problems += [p.message.replace("--gpu ", "--gpus entry ", 1) for p in lookup]
-        if gpu is None:
-            continue
-        if any(g.index == gpu.index for g in found):
-            problems.append(f"--gpus {options.gpus} names {gpu.label} twice ({entry} is GPU "
-                            f"{gpu.index}, listed before)")
-            continue
-        found.append(gpu)
-    return tuple(found), (), problems
+        problems += [_gpu_problem(p, options, entry) for p in lookup]
+        twice = next((g for g in found if gpu is not None and g.index == gpu.index), None)
+        if twice is not None:
+            problems.append(f"--gpus {options.gpus} names {twice.label} twice ({entry} is GPU "
+                            f"{twice.index}, listed before)")
+        elif gpu is not None:
+            found.append(gpu)
+    return found, problems
 
 
-def _mps_preflight_per_gpu(options: LaunchOptions, gpus: list[GpuFacts | None],
-                           directory: Path, sizing: EngineSizing | None
-                           ) -> tuple[MpsBinaries | None, list[str]]:
-    """_mps_preflight for each GPU of a --gpus run: its own pipe directory and the clients
-    its share of the replicas brings; each problem names its GPU, and one with the binaries
-    (the same for every GPU) is said once."""
-    if not options.mps or not gpus:
+def _wanted_gpus(options: LaunchOptions) -> tuple[list[str], list[str]]:
+    """The GPUs asked for as entries to look up (["all"] for all, [] for none)."""
+    if options.gpus is not None:
+        return parse_gpu_list(options.gpus)
+    if options.gpu == "none":
+        return [], []
+    return ["0" if options.gpu == "auto" else options.gpu], []
+
+
+def _sees_none(inventory: GpuInventory) -> bool:
+    return inventory.nvml_problem is not None or (inventory.count_error is None
+                                                  and not inventory.gpus)
+
+
+def _unchecked_gpus(options: LaunchOptions, wanted: list[str], inventory: GpuInventory
+                    ) -> tuple[tuple[GpuSlot, ...], list[str]]:
+    """--gpus where NVML sees no GPU: with --mps --no-gpu-check the indices as given
+    (unchecked: the daemons run, the replicas on the CPU), else why not."""
+    unchecked = options.mps and options.no_gpu_check
+    if unchecked and wanted != ["all"] and all(e.isdigit() for e in wanted):
+        return tuple(GpuSlot(k, None, int(e), None) for k, e in enumerate(wanted)), []
+    why = (inventory.nvml_problem.message if inventory.nvml_problem is not None
+           else "NVML sees no GPUs")
+    hint = ("; with --no-gpu-check, --gpus takes GPU indices (not UUIDs or all) unchecked"
+            if unchecked else "; run without --gpus to use the CPU")
+    return (), [f"--gpus {options.gpus}: {why}{hint}"]
+
+
+def _mps_preflight(options: LaunchOptions, slots: tuple[GpuSlot, ...], directory: Path,
+                   sizing: EngineSizing | None) -> tuple[MpsBinaries | None, list[str]]:
+    """With --mps, for each GPU slot: its own pipe directory and the clients its share of the
+    replicas brings, checked on the GPU facts already read. The binaries found (the one search;
+    a refused pair comes with a problem) and the problems: over several GPUs each names its
+    GPU, and one with the binaries (the same for every GPU) is said once."""
+    if not options.mps or not slots:
         return None, []
     binaries, problems = None, []
     per_replica = _cuda_processes(replace(options, replicas=1), sizing)
-    for slot, (gpu, replicas) in enumerate(zip(gpus, spread(options.replicas, len(gpus)),
-                                               strict=True)):
-        index = gpu.index if gpu is not None else int((options.gpus or "").split(",")[slot])
-        found, said = _preflight(options, gpu, mps_pipe_dir(directory,
-                                                            gpu_key(len(gpus), index, slot)),
-                                 per_replica * len(replicas))
+    counts = spread_counts(max(options.replicas, 1), len(slots))
+    for slot, count in zip(slots, counts, strict=True):
+        key = gpu_key(len(slots), slot.index, slot.slot)
+        found, said = _preflight(options, slot.gpu, mps_pipe_dir(directory, key),
+                                 per_replica * count)
         binaries = binaries or found
-        label = gpu.label if gpu is not None else f"GPU {index} (unchecked)"
         for problem in said:
-            named = (problem.message if problem.check == "control_binary"
-                     or label in problem.message else f"{label}: {problem.message}")
+            named = problem.message
+            if len(slots) > 1 and problem.check != "control_binary" \
+                    and slot.title not in named:
+                named = f"{slot.title}: {named}"
             if f"--mps: {named}" not in problems:
                 problems.append(f"--mps: {named}")
     return binaries, problems
-
-
-def _mps_preflight(options: LaunchOptions, gpu: GpuFacts | None, directory: Path,
-                   sizing: EngineSizing | None = None) -> tuple[MpsBinaries | None, list[str]]:
-    """With --mps: the binaries found (the one search; a refused pair comes with a problem)
-    and the preflight's problems, checked on the GPU facts already read."""
-    if not options.mps:
-        return None, []
-    binaries, problems = _preflight(options, gpu, mps_pipe_dir(directory),
-                                    _cuda_processes(options, sizing))
-    return binaries, [f"--mps: {p.message}" for p in problems]
 
 
 def _preflight(options: LaunchOptions, gpu: GpuFacts | None, pipe_dir: Path,
@@ -422,7 +432,10 @@ def _dry_run(options: LaunchOptions, gpu: GpuFacts | None, option_problems: list
 
 
 def _gpu_problem(problem: Problem, options: LaunchOptions, wanted: str) -> str:
-    """The GPU lookup's words: an MPS run's where it asked for MPS, else without MPS."""
+    """The GPU lookup's words: --gpus names the entry; --gpu an MPS run's where it asked for
+    MPS, else without MPS."""
+    if options.gpus is not None:
+        return problem.message.replace("--gpu ", "--gpus entry ", 1)
     if options.mps:
         return in_mps_words(problem, wanted).message
     if problem.message.startswith(NO_DRIVER):

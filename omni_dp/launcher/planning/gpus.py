@@ -20,14 +20,14 @@ MAX_PORTS = 65535
 
 
 @dataclass(frozen=True)
-class GpuGroup:
-    """One GPU slot of the plan and the replicas placed on it."""
+class GpuSlot:
+    """One GPU of the run as the machine was read: `--gpu X` makes one, `--gpus` one per GPU,
+    no GPU one CPU slot (gpu and index None)."""
 
     slot: int
     gpu: GpuFacts | None  # None: the CPU, or a GPU taken unchecked (--no-gpu-check)
     index: int | None  # as NVML numbers it (as given, unchecked); None on the CPU
     numa_node: int | None
-    replicas: tuple[int, ...]
 
     @property
     def label(self) -> str:
@@ -42,6 +42,21 @@ class GpuGroup:
         if self.gpu is not None:
             return self.gpu.label
         return "cpu" if self.index is None else f"GPU {self.index} (unchecked)"
+
+    @property
+    def unchecked(self) -> bool:
+        """A GPU index taken as given (--mps --no-gpu-check, NVML sees none)."""
+        return self.gpu is None and self.index is not None
+
+
+CPU_SLOT = GpuSlot(0, None, None, None)
+
+
+@dataclass(frozen=True)
+class GpuGroup(GpuSlot):
+    """One GPU slot of the plan and the replicas placed on it."""
+
+    replicas: tuple[int, ...] = ()
 
     def record(self) -> GpuRecord:
         return GpuRecord(self.slot, self.label, self.index, self.numa_node,
@@ -87,42 +102,49 @@ def gpu_option_problems(o: LaunchOptions) -> list[str]:
     return problems
 
 
+def spread_counts(total: int, gpu_count: int) -> list[int]:
+    """How many of `total` replicas each GPU takes, as evenly as they go: 5 over 2 → 3, 2."""
+    base, extra = divmod(total, gpu_count)
+    return [base + (1 if k < extra else 0) for k in range(gpu_count)]
+
+
 def spread(total: int, gpu_count: int) -> list[tuple[int, ...]]:
     """Replica indices 0..total-1 in GPU order, as evenly as they go: 5 over 2 → (0,1,2),(3,4)."""
-    base, extra = divmod(total, gpu_count)
     groups, start = [], 0
-    for k in range(gpu_count):
-        size = base + (1 if k < extra else 0)
+    for size in spread_counts(total, gpu_count):
         groups.append(tuple(range(start, start + size)))
         start += size
     return groups
 
 
-def with_gpu_replicas(o: LaunchOptions, gpu_count: int) -> tuple[LaunchOptions, list[str]]:
-    """The options with --replicas the run's total once the GPUs are known (`--gpus` counted),
-    or the problem that says why the count does not fit the GPUs."""
+def replica_total(o: LaunchOptions, gpu_count: int) -> tuple[int, list[str]]:
+    """The run's replica count once its GPUs are known (`--gpus` counted; else --replicas),
+    and the problem that says why the count does not fit the GPUs."""
     if o.gpus is None or gpu_count < 1 or gpu_option_problems(o):
-        return o, []
+        return o.replicas, []
     if o.replicas_per_gpu is not None:
         total = o.replicas_per_gpu * gpu_count
         if o.replicas not in (1, total):
-            return o, [f"--replicas {o.replicas} and --replicas-per-gpu {o.replicas_per_gpu} "
-                       f"disagree over {gpu_count} GPU(s) ({total} replicas); give one of them"]
-        return dataclasses.replace(o, replicas=total), []
+            return o.replicas, [
+                f"--replicas {o.replicas} and --replicas-per-gpu {o.replicas_per_gpu} disagree "
+                f"over {gpu_count} GPU(s) ({total} replicas); give one of them"]
+        return total, []
     if o.replicas == 1:  # --gpus alone: one replica on each GPU
-        return dataclasses.replace(o, replicas=gpu_count), []
+        return gpu_count, []
     if o.replicas < gpu_count:
-        return o, [f"--replicas {o.replicas} over {gpu_count} GPUs would leave "
-                   f"{gpu_count - o.replicas} GPU(s) idle; list fewer GPUs in --gpus, or give "
-                   "--replicas-per-gpu N"]
-    return o, []
+        return o.replicas, [f"--replicas {o.replicas} over {gpu_count} GPUs would leave "
+                            f"{gpu_count - o.replicas} GPU(s) idle; list fewer GPUs in --gpus, "
+                            "or give --replicas-per-gpu N"]
+    return o.replicas, []
 
 
-def gpu_groups(gpus: list[tuple[GpuFacts | None, int | None, int | None]],
-               total: int) -> tuple[GpuGroup, ...]:
-    """One group per (facts, index, NUMA node), the replicas spread over them."""
-    return tuple(GpuGroup(slot, facts, index, node, replicas)
-                 for slot, ((facts, index, node), replicas)
-                 in enumerate(zip(gpus, spread(total, len(gpus)), strict=True)))
+def with_gpu_replicas(o: LaunchOptions, gpu_count: int) -> tuple[LaunchOptions, list[str]]:
+    """The options with --replicas the run's total (replica_total), and why it does not fit."""
+    total, problems = replica_total(o, gpu_count)
+    return (o if total == o.replicas else dataclasses.replace(o, replicas=total)), problems
 
 
+def gpu_groups(slots: tuple[GpuSlot, ...], total: int) -> tuple[GpuGroup, ...]:
+    """The slots, the replicas spread over them."""
+    return tuple(GpuGroup(s.slot, s.gpu, s.index, s.numa_node, replicas)
+                 for s, replicas in zip(slots, spread(total, len(slots)), strict=True))

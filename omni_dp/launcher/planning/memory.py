@@ -26,7 +26,7 @@ SEGMENT_SLACK_BYTES = 16 * 1024**2
 @dataclass(frozen=True)
 class KvPart:
     pin: KvPlan  # the engine adapter's: its arguments, what every replica holds and reports
-    per_gpu: tuple[KvPlan, ...] = ()  # each GPU slot's pin (its own size); () with one GPU
+    per_gpu: tuple[KvPlan, ...] = ()  # each GPU slot's pin (its own size)
 
     @property
     def sizing(self) -> EngineSizing:
@@ -40,38 +40,45 @@ class KvPart:
 def plan_kv(o: LaunchOptions, facts: LaunchFacts,
             gpu: GpuPart | None = None) -> tuple[KvPart | None, list[str]]:
     """The KV pin in the engine's own knobs, from the engine's word on its sizes (the builtin
-    engine's dry run, an external engine's model directory)."""
+    engine's dry run, an external engine's model directory): one per GPU slot (its knobs may
+    depend on the GPU's size), one token count for all."""
     engine = ENGINES.get(o.engine)
     if engine is None or kv_pin_problems(o) or kv_size_problems(o):
         return None, list(facts.engine_problems)
-    if engine.needs_gpu and gpu is None:  # plan_gpu said why; a pin needs the GPU's size
+    if engine.needs_gpu and gpu is None:  # plan_gpus said why; a pin needs the GPU's size
         return None, list(facts.engine_problems)
-    device = gpu.device if gpu is not None else ("cuda" if facts.gpu is not None else "cpu")
-    groups = gpu.groups if gpu is not None and len(gpu.groups) > 1 else ()
-    if not groups:
-        request = _kv_request(o, facts, device, gpu.gpu if gpu is not None else facts.gpu,
-                              o.replicas)
-        pin, problems = engine.plan_kv(request)
-        problems = [*facts.engine_problems, *problems]
-        if pin is None or problems:
-            return None, problems
-        return KvPart(pin), []
-    # One pin per GPU (its knobs may depend on the GPU's size), one token count for all.
+    device = gpu.device if gpu is not None else ("cuda" if facts.first_gpu else "cpu")
+    targets = _kv_targets(o, facts, gpu)
     pins, problems = [], list(facts.engine_problems)
-    for group in groups:
-        pin, found = engine.plan_kv(_kv_request(o, facts, device, group.gpu,
-                                                len(group.replicas)))
-        problems += [p if group.title in p else f"{group.title}: {p}" for p in found]
+    for title, on, replicas in targets:
+        pin, found = engine.plan_kv(_kv_request(o, facts, device, on, replicas))
+        problems += [p if title is None or title in p else f"{title}: {p}" for p in found]
         pins.append(pin)
     if problems or any(pin is None for pin in pins):
         return None, problems
-    tokens = {group.title: pin.expected_tokens for group, pin in zip(groups, pins, strict=True)}
+    return _same_tokens(targets, pins)
+
+
+def _same_tokens(targets: list[tuple[str | None, GpuFacts | None, int]], pins: list[KvPlan]
+                 ) -> tuple[KvPart | None, list[str]]:
+    """Every replica holds the same KV: the GPUs' pins must agree on its tokens."""
+    tokens = {title: pin.expected_tokens
+              for (title, _, _), pin in zip(targets, pins, strict=True)}
     if len(set(tokens.values())) > 1:
         return None, ["the GPUs' KV pins differ: " + ", ".join(
             f"{title} {count} tokens" for title, count in tokens.items())
             + "; every replica must hold the same KV: pin it by --max-total-tokens, or list "
             "GPUs of one model in --gpus"]
     return KvPart(pins[0], tuple(pins)), []
+
+
+def _kv_targets(o: LaunchOptions, facts: LaunchFacts, gpu: GpuPart | None
+                ) -> list[tuple[str | None, GpuFacts | None, int]]:
+    """What each pin is planned for: (its GPU's title where there are several, the GPU, its
+    replicas); without a GPU part (refused elsewhere) the first GPU, all the replicas."""
+    if gpu is None or len(gpu.groups) == 1:
+        return [(None, gpu.groups[0].gpu if gpu is not None else facts.first_gpu, o.replicas)]
+    return [(g.title, g.gpu, len(g.replicas)) for g in gpu.groups]
 
 
 def _kv_request(o: LaunchOptions, facts: LaunchFacts, device: str, gpu: GpuFacts | None,
@@ -85,32 +92,24 @@ def _kv_request(o: LaunchOptions, facts: LaunchFacts, device: str, gpu: GpuFacts
 
 def plan_memory(o: LaunchOptions, facts: LaunchFacts, gpu: GpuPart | None,
                 kv: KvPart | None) -> tuple[int | None, list[str]]:
-    """Whether N replicas fit in the device's memory; the part is the bytes they need."""
+    """Whether each GPU slot's replicas fit in its memory (the host's for replicas on the
+    CPU); the part is the bytes they need."""
     if gpu is None or kv is None or replica_count_problems(o) or memory_headroom_problems(o):
         return None, []
-    need, each = memory_formula(kv.sizing, o.replicas, o.share_weights)
-    if len(gpu.groups) > 1:  # each GPU holds its own replicas
-        problems, total = [], 0
-        for group in gpu.groups:
-            mine, words = memory_formula(kv.of(group.slot).sizing, len(group.replicas),
-                                         o.share_weights)
-            total += mine
-            if group.gpu is not None:
-                problems += _gpu_memory_problems(o, group.gpu, mine, words, named=True)
-        if gpu.device == "cpu" and total > facts.host_memory_available:  # GPUs unchecked
-            problems.append(f"host memory: {each} does not fit in the "
-                            f"{format_size(facts.host_memory_available)} available; lower the "
-                            "KV size or the replica count")
-        return (None, problems) if problems else (total, [])
-    if gpu.gpu is not None:
-        problems = _gpu_memory_problems(o, gpu.gpu, need, each)
-    elif need > facts.host_memory_available:
-        problems = [f"host memory: {each} does not fit in the "
-                    f"{format_size(facts.host_memory_available)} available; lower the KV size or "
-                    "the replica count"]
-    else:
-        problems = []
-    return (None, problems) if problems else (need, [])
+    several = len(gpu.groups) > 1
+    problems, total = [], 0
+    for group in gpu.groups:
+        count = len(group.replicas) if several else o.replicas
+        mine, words = memory_formula(kv.of(group.slot).sizing, count, o.share_weights)
+        total += mine
+        if group.gpu is not None:
+            problems += _gpu_memory_problems(o, group.gpu, mine, words, named=several)
+    if gpu.device == "cpu" and total > facts.host_memory_available:  # on the CPU, unchecked
+        each = memory_formula(kv.sizing, o.replicas, o.share_weights)[1]
+        problems.append(f"host memory: {each} does not fit in the "
+                        f"{format_size(facts.host_memory_available)} available; lower the KV "
+                        "size or the replica count")
+    return (None, problems) if problems else (total, [])
 
 
 def plan_mps_memory_limit(o: LaunchOptions, kv: KvPart | None) -> tuple[None, list[str]]:

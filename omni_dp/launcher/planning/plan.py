@@ -26,7 +26,7 @@ from omni_dp.launcher.planning.checks import (
     is_loopback_url,
 )
 from omni_dp.launcher.planning.cpus import CpuPart, plan_cpus
-from omni_dp.launcher.planning.devices import GpuPart, plan_gpu, plan_gpus, plan_mps
+from omni_dp.launcher.planning.devices import GpuPart, plan_gpus, plan_mps
 from omni_dp.launcher.planning.facts import LaunchFacts, visible_id
 from omni_dp.launcher.planning.gpus import GpuGroup, with_gpu_replicas
 from omni_dp.launcher.planning.memory import (
@@ -93,8 +93,6 @@ class LaunchPlan:
     run_id: str
     run_dir: Path
     device: str  # "cpu" or "cuda"
-    gpu_label: str  # "GPU-<uuid>" or "cpu" (comma-separated over GPUs): run.json's "gpu"
-    gpu_numa_node: int | None  # the first GPU's
     start: str
     replicas: tuple[ReplicaPlan, ...]
     router_argv: tuple[str, ...]
@@ -108,6 +106,16 @@ class LaunchPlan:
     start_timeout: float = 300.0  # --start-timeout, or the engine's default
     kv_notes: tuple[str, ...] = ()  # how the engine adapter wrote the KV pin
     gpus: tuple[GpuRecord, ...] = ()  # the run's GPUs by slot (one "cpu" slot without one)
+
+    @property
+    def gpu_label(self) -> str:
+        """Its slots' labels, comma-separated ("GPU-<uuid>", or "cpu"): run.json's "gpu"."""
+        return ",".join(g.label for g in self.gpus)
+
+    @property
+    def gpu_numa_node(self) -> int | None:
+        """The first slot's NUMA node: run.json's plan keeps it."""
+        return self.gpus[0].numa_node if self.gpus else None
 
     def describe(self) -> list[str]:
         """The resolved plan, as printed before anything starts."""
@@ -248,9 +256,9 @@ def plan_launch(o: LaunchOptions, facts: LaunchFacts, *,
                 earlier_problems: tuple[str, ...] | list[str] = ()) -> LaunchPlan:
     """earlier_problems: found before planning (the --config file's); reported with the
     plan's. The engine's dry run is skipped while any exist, so no plan can be made then."""
-    o, spread_problems = with_gpu_replicas(o, len(facts.gpus) or len(facts.unchecked_gpus))
+    o, spread_problems = with_gpu_replicas(o, len(facts.slots))  # the run's total, fixed here
     problems = [*earlier_problems, *check_options(o), *spread_problems]
-    gpu = _take(plan_gpu(o, facts) if o.gpus is None else plan_gpus(o, facts), problems)
+    gpu = _take(plan_gpus(o, facts), problems)
     mps = _take(plan_mps(o, facts), problems)
     run = _take(plan_run(o, facts), problems)
     _take(plan_state_root(facts), problems)
@@ -280,8 +288,7 @@ def plan_launch(o: LaunchOptions, facts: LaunchFacts, *,
     # only once they are up: one after another. A fixed size can start together.
     start = o.start or ("sequential" if engine.kv_profiled else "parallel")
     return LaunchPlan(
-        options=o, run_id=run.run_id, run_dir=run.directory, device=gpu.device,
-        gpu_label=gpu.label, gpu_numa_node=facts.gpu_numa_node, start=start,
+        options=o, run_id=run.run_id, run_dir=run.directory, device=gpu.device, start=start,
         replicas=replicas, router_argv=tuple(router_argv), router_url=router.url,
         expected_kv_tokens=kv.pin.expected_tokens, sizing=kv.sizing, mps_binary=mps.binary,
         mps_binaries=mps.binaries,
@@ -385,7 +392,7 @@ def _neighbour_warnings(run: RunPart, gpu: GpuPart, facts: LaunchFacts) -> list[
             warnings.append(f"stale state of run {other.run_id} (same GPU) is kept at "
                             f"{other.directory}; `{facts.command} down {other.run_id}` "
                             "removes it")
-        elif gpu.gpu is not None:
+        elif gpu.device == "cuda":
             warnings.append(f"run {other.run_id} is live on the same GPU; both runs will "
                             "share it")
     return warnings
