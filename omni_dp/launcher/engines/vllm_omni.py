@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
@@ -87,85 +88,13 @@ class VllmOmniEngine:
     def plan_kv(self, request: KvRequest) -> tuple[KvPlan | None, list[str]]:
         """The KV stage pinned by bytes in --stage-overrides; every stage sized from the
         deploy config as the launcher's fit check needs it."""
-        problems: list[str] = []
-        if request.device != "cuda" or request.gpu is None:
-            problems.append(NO_GPU.format(engine=self.name))
-        overrides, found = stage_overrides(request.engine_args)
-        problems += found
-        kv_stage, found = kv_stage_id(request.engine_stage)
-        problems += found
-        deploy = flag_value(request.engine_args, "--deploy-config")
-        if deploy is None:
-            problems.append("engine vllm-omni: give the deploy config after --: "
-                            "--deploy-config FILE (vllm-omni's own are in its package, "
-                            "vllm_omni/deploy/<model>.yaml); omni-dp sizes each replica from "
-                            "its stages' gpu_memory_utilization")
-            return None, problems
-        stages, found = read_deploy_stages(deploy, overrides)
-        problems += found
-        if stages and kv_stage is not None:
-            problems += stage_problems(stages, kv_stage, overrides)
+        read, problems = _read_stages(request)
         model = request.model
-        if problems or model is None or request.gpu is None or kv_stage is None:
+        if read is None or problems or model is None or request.gpu is None:
             return None, problems
-        total = request.gpu.memory_total_bytes
-        others = [s for s in stages if s.stage_id != kv_stage]
-        others_bytes = sum(fraction_bytes(s, total) for s in others)
-        overhead = (request.overhead_bytes if request.overhead_bytes is not None
-                    else OVERHEAD_BYTES)
-        others_words = ", ".join(f"stage {s.stage_id} {s.fraction:g} of the GPU "
-                                 f"({format_size(fraction_bytes(s, total))})" for s in others)
         if request.kv_cache_bytes is None and request.max_total_tokens is None:
-            if request.replicas > 1:
-                return None, [f"--replicas {request.replicas} needs a pinned KV size for "
-                              "vllm-omni: give --kv-cache-bytes SIZE or --max-total-tokens N "
-                              f"(unpinned, stage {kv_stage} takes its whole fraction)"]
-            unset = [s.stage_id for s in stages if s.fraction is None]
-            if unset:
-                return None, [f"stage(s) {unset} have no gpu_memory_utilization: vLLM's "
-                              "default would take 90 % of the GPU; set it in the deploy "
-                              "config, or pin the KV stage by --kv-cache-bytes"]
-            stage_bytes = sum(fraction_bytes(s, total) for s in stages)
-            sizing = EngineSizing(model.weights_bytes, 0, None,
-                                  max(stage_bytes - model.weights_bytes, 0), "cuda",
-                                  processes=stage_processes(stages))
-            args = overrides_args(overrides)
-            return KvPlan(args, sizing, None, notes=(
-                "vllm-omni unpinned: every stage takes its gpu_memory_utilization of the GPU, "
-                f"{format_size(stage_bytes)} in all; the KV counts are read back",)), []
-        if request.kv_cache_bytes is not None:
-            kv_bytes, how = request.kv_cache_bytes, format_size(request.kv_cache_bytes)
-        else:
-            tokens = request.max_total_tokens or 0
-            kv_bytes = tokens * model.kv_bytes_per_token
-            how = (f"{tokens} tokens × {model.kv_bytes_per_token} bytes = "
-                   f"{format_size(kv_bytes)}, pinned by bytes")
-        length = next(s.max_model_len for s in stages if s.stage_id == kv_stage)
-        if length is not None and kv_bytes // model.kv_bytes_per_token <= length:
-            return None, [f"the KV pin holds {kv_bytes // model.kv_bytes_per_token} tokens, "
-                          f"not more than one request of stage {kv_stage}'s max_model_len "
-                          f"({length}): vLLM would refuse to start (it keeps one block of the "
-                          f"pool as its null block); pin more than {length} tokens or lower "
-                          "max_model_len by --stage-overrides after --"]
-        own = model.weights_bytes + kv_bytes + overhead
-        fraction = math.ceil(1000 * own / total) / 1000
-        if fraction > 1:
-            return None, [f"stage {kv_stage} of one vllm-omni replica needs "
-                          f"{format_size(own)}, more than the GPU has"]
-        pinned = {**overrides, str(kv_stage): {**overrides.get(str(kv_stage), {}),
-                                               "kv_cache_memory_bytes": kv_bytes,
-                                               "gpu_memory_utilization": fraction}}
-        sizing = EngineSizing(model.weights_bytes, kv_bytes, None, overhead + others_bytes,
-                              "cuda", processes=stage_processes(stages))
-        notes = [f"vllm-omni KV: stage {kv_stage} holds {how} (kv_cache_memory_bytes), its "
-                 f"gpu_memory_utilization lowered to {fraction:.3f} (its own weights, KV and "
-                 "overhead); vLLM derives the token count, read from each replica's log and "
-                 "compared"]
-        if others:
-            notes.append(f"not pinned: {others_words}, as the deploy config and any "
-                         "--stage-overrides say: each is counted whole in the replica's "
-                         "footprint (lower them by --stage-overrides after --)")
-        return KvPlan(overrides_args(pinned), sizing, None, notes=tuple(notes)), []
+            return _unpinned(request, read)
+        return _pinned(request, read)
 
     def argv(self, launch: ReplicaLaunch, engine_args: tuple[str, ...]) -> list[str]:
         model, rest = split_model(engine_args)
@@ -275,3 +204,109 @@ def stage_kv_tokens(log: Path) -> int:
     if not counts:
         raise EngineUnreadable(f"{log}: no {KV_LINE} line since the replica's latest start")
     return sum(counts)
+
+
+@dataclass(frozen=True)
+class _Stages:
+    """What a request's deploy config and flags say, read before any sizing."""
+
+    stages: list[StageMemory]
+    overrides: dict[str, dict]
+    kv_stage: int
+
+
+def _read_stages(request: KvRequest) -> tuple[_Stages | None, list[str]]:
+    """The deploy config's stages with --stage-overrides over them, and the KV stage; every
+    problem with them (or None and the problems)."""
+    problems: list[str] = []
+    if request.device != "cuda" or request.gpu is None:
+        problems.append(NO_GPU.format(engine=VllmOmniEngine.name))
+    overrides, found = stage_overrides(request.engine_args)
+    problems += found
+    kv_stage, found = kv_stage_id(request.engine_stage)
+    problems += found
+    deploy = flag_value(request.engine_args, "--deploy-config")
+    if deploy is None:
+        problems.append("engine vllm-omni: give the deploy config after --: "
+                        "--deploy-config FILE (vllm-omni's own are in its package, "
+                        "vllm_omni/deploy/<model>.yaml); omni-dp sizes each replica from "
+                        "its stages' gpu_memory_utilization")
+        return None, problems
+    stages, found = read_deploy_stages(deploy, overrides)
+    problems += found
+    if stages and kv_stage is not None:
+        problems += stage_problems(stages, kv_stage, overrides)
+    if kv_stage is None:
+        return None, problems
+    return _Stages(stages, overrides, kv_stage), problems
+
+
+def _unpinned(request: KvRequest, read: _Stages) -> tuple[KvPlan | None, list[str]]:
+    """One replica with every stage at its own fraction of the GPU (no pin asked for)."""
+    model, total = request.model, request.gpu.memory_total_bytes
+    if request.replicas > 1:
+        return None, [f"--replicas {request.replicas} needs a pinned KV size for "
+                      "vllm-omni: give --kv-cache-bytes SIZE or --max-total-tokens N "
+                      f"(unpinned, stage {read.kv_stage} takes its whole fraction)"]
+    unset = [s.stage_id for s in read.stages if s.fraction is None]
+    if unset:
+        return None, [f"stage(s) {unset} have no gpu_memory_utilization: vLLM's "
+                      "default would take 90 % of the GPU; set it in the deploy "
+                      "config, or pin the KV stage by --kv-cache-bytes"]
+    stage_bytes = sum(fraction_bytes(s, total) for s in read.stages)
+    sizing = EngineSizing(model.weights_bytes, 0, None,
+                          max(stage_bytes - model.weights_bytes, 0), "cuda",
+                          processes=stage_processes(read.stages))
+    return KvPlan(overrides_args(read.overrides), sizing, None, notes=(
+        "vllm-omni unpinned: every stage takes its gpu_memory_utilization of the GPU, "
+        f"{format_size(stage_bytes)} in all; the KV counts are read back",)), []
+
+
+def _kv_pin(request: KvRequest) -> tuple[int, str]:
+    """The KV stage's bytes, and how they were given (for the plan's note)."""
+    model = request.model
+    if request.kv_cache_bytes is not None:
+        return request.kv_cache_bytes, format_size(request.kv_cache_bytes)
+    tokens = request.max_total_tokens or 0
+    kv_bytes = tokens * model.kv_bytes_per_token
+    return kv_bytes, (f"{tokens} tokens × {model.kv_bytes_per_token} bytes = "
+                      f"{format_size(kv_bytes)}, pinned by bytes")
+
+
+def _pinned(request: KvRequest, read: _Stages) -> tuple[KvPlan | None, list[str]]:
+    """The KV stage pinned by bytes, its fraction lowered to its own footprint; the other
+    stages counted whole, as the deploy config and any --stage-overrides say."""
+    model, total, kv_stage = request.model, request.gpu.memory_total_bytes, read.kv_stage
+    kv_bytes, how = _kv_pin(request)
+    length = next(s.max_model_len for s in read.stages if s.stage_id == kv_stage)
+    if length is not None and kv_bytes // model.kv_bytes_per_token <= length:
+        return None, [f"the KV pin holds {kv_bytes // model.kv_bytes_per_token} tokens, "
+                      f"not more than one request of stage {kv_stage}'s max_model_len "
+                      f"({length}): vLLM would refuse to start (it keeps one block of the "
+                      f"pool as its null block); pin more than {length} tokens or lower "
+                      "max_model_len by --stage-overrides after --"]
+    overhead = request.overhead_bytes if request.overhead_bytes is not None else OVERHEAD_BYTES
+    own = model.weights_bytes + kv_bytes + overhead
+    fraction = math.ceil(1000 * own / total) / 1000
+    if fraction > 1:
+        return None, [f"stage {kv_stage} of one vllm-omni replica needs "
+                      f"{format_size(own)}, more than the GPU has"]
+    overrides = read.overrides
+    pinned = {**overrides, str(kv_stage): {**overrides.get(str(kv_stage), {}),
+                                           "kv_cache_memory_bytes": kv_bytes,
+                                           "gpu_memory_utilization": fraction}}
+    others = [s for s in read.stages if s.stage_id != kv_stage]
+    sizing = EngineSizing(model.weights_bytes, kv_bytes, None,
+                          overhead + sum(fraction_bytes(s, total) for s in others), "cuda",
+                          processes=stage_processes(read.stages))
+    notes = [f"vllm-omni KV: stage {kv_stage} holds {how} (kv_cache_memory_bytes), its "
+             f"gpu_memory_utilization lowered to {fraction:.3f} (its own weights, KV and "
+             "overhead); vLLM derives the token count, read from each replica's log and "
+             "compared"]
+    if others:
+        others_words = ", ".join(f"stage {s.stage_id} {s.fraction:g} of the GPU "
+                                 f"({format_size(fraction_bytes(s, total))})" for s in others)
+        notes.append(f"not pinned: {others_words}, as the deploy config and any "
+                     "--stage-overrides say: each is counted whole in the replica's "
+                     "footprint (lower them by --stage-overrides after --)")
+    return KvPlan(overrides_args(pinned), sizing, None, notes=tuple(notes)), []
