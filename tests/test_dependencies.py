@@ -5,6 +5,7 @@ package's dependency breaks when that package changes)."""
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import sys
 from pathlib import Path
@@ -62,9 +63,15 @@ def third_party(modules: dict[str, str]) -> dict[str, str]:
             if m not in sys.stdlib_module_names and m not in ("omni_dp", "__future__")}
 
 
+@functools.cache
+def _packages_distributions() -> dict[str, list[str]]:
+    """Read once: it walks every installed distribution's file list (seconds a call)."""
+    return importlib.metadata.packages_distributions()
+
+
 def distributions(module: str) -> set[str]:
     """The installed distributions that provide a top-level module, by canonical name."""
-    provided = importlib.metadata.packages_distributions().get(module, [])
+    provided = _packages_distributions().get(module, [])
     names = {canonicalize_name(d) for d in provided}
     return {SAME_AS_DECLARED.get(name, name) for name in names}
 

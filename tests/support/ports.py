@@ -2,17 +2,42 @@
 
 "Free" means what the launcher and the servers mean (omni_dp.net): bindable with SO_REUSEADDR,
 so a port in TIME_WAIT counts as free, and nothing accepts connections on it.
+
+Under pytest-xdist each worker takes its ports from a band of its own, below the kernel's
+ephemeral range: a port one worker found free is then never handed to another worker's test
+between the check and the bind (bind to port 0 gives both workers the same range to race in).
 """
 
 from __future__ import annotations
 
+import collections
+import os
+import random
 import socket
 
 LOOPBACK = "127.0.0.1"
+# The workers' bands: gw0 from 12000, gw1 from 16000, ... — below Linux's default ephemeral range
+# (32768-60999), where the kernel puts outgoing connections and every bind to port 0.
+BAND_START = 12000
+BAND_WIDTH = 4000
+# Ports this process handed out lately: a test may take several before anything binds them.
+_handed: collections.deque[int] = collections.deque(maxlen=512)
+
+
+def worker_band() -> range | None:
+    """This pytest-xdist worker's own ports, or None outside xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ...
+    if not worker.removeprefix("gw").isdigit():
+        return None
+    start = BAND_START + int(worker.removeprefix("gw")) * BAND_WIDTH
+    return range(start, start + BAND_WIDTH)
 
 
 def free_ports(n: int) -> list[int]:
-    """n distinct loopback ports that were free a moment ago (bound to port 0 together)."""
+    """n distinct loopback ports that were free a moment ago."""
+    band = worker_band()
+    if band is not None:
+        return _free_in(band, n)
     sockets = []
     try:
         for _ in range(n):
@@ -25,6 +50,17 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def _free_in(band: range, n: int) -> list[int]:
+    picked: list[int] = []
+    for port in random.sample(band, len(band)):
+        if port not in _handed and port_free(port):
+            picked.append(port)
+            if len(picked) == n:
+                _handed.extend(picked)
+                return picked
+    raise RuntimeError(f"no {n} free loopback ports in {band.start}-{band.stop - 1}")
+
+
 def free_port() -> int:
     """One loopback port that was free a moment ago."""
     return free_ports(1)[0]
@@ -32,14 +68,17 @@ def free_port() -> int:
 
 def free_port_block(n: int, avoid: tuple[int, ...] = (), attempts: int = 200) -> int:
     """A base port such that base .. base+n-1 are all free on loopback (and not in avoid)."""
+    band = worker_band()
     for _ in range(attempts):
-        base = free_port()
+        base = random.randrange(band.start, band.stop - n) if band is not None else free_port()
         if base + n - 1 > 65535:
             continue
         block = range(base, base + n)
-        if any(p in avoid for p in block):
+        if any(p in avoid or (band is not None and p in _handed) for p in block):
             continue
         if all(port_free(p) for p in block):
+            if band is not None:
+                _handed.extend(block)
             return base
     raise RuntimeError(f"no block of {n} free loopback ports found")
 
