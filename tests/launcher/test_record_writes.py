@@ -27,7 +27,15 @@ from omni_dp.launcher.supervision.outcomes import GatesPassed, Outcomes
 from omni_dp.procs import ProcessIdentity
 from omni_dp.runfile import IllegalTransition, ReplicaState, RunPhase, ShareRecord
 
-from support.supervision import NOW, FakeStop, events, make_state, names, supervisor
+from support.supervision import (
+    NOW,
+    FakeRouter,
+    FakeStop,
+    events,
+    make_state,
+    names,
+    supervisor,
+)
 
 H, R, D = ReplicaState.HEALTHY, ReplicaState.RESTARTING, ReplicaState.DOWN
 
@@ -264,3 +272,49 @@ def test_the_loop_applies_a_write_between_sweeps_without_an_extra_health_check(t
         watch.close()
         worker.join(5)
 
+
+
+def test_the_replicas_left_out_of_the_router_change_only_as_the_loop_applies_it(tmp_path):
+    """A restart whose replica the router refuses to take back: the thread says so (an
+    outcome), and the loop's own list of replicas to ask again changes when the loop applies
+    it — in order with the record writes around it."""
+    state = make_state(tmp_path)
+    sup, _, said = supervisor(state, router=FakeRouter(status=503))
+    sup.crew.stop = FakeStop()
+    state.update_replica(0, state=R)
+    sup.outcomes.own(state)
+    changes: list = []
+    apply_left_out = sup.router.apply_left_out
+    sup.router.apply_left_out = lambda change: (
+        changes.append((threading.current_thread().name, change.indices, change.out)),
+        apply_left_out(change))[1]
+    worker = threading.Thread(target=sup.restart_replica, args=(0, "its process is gone"),
+                              name="restart-0")
+    worker.start()
+    while worker.is_alive():
+        sup.apply_outcomes()
+        worker.join(0.01)
+    sup.apply_outcomes()
+    assert changes == [(threading.current_thread().name, (0,), True)]
+    assert sup.router.not_in_router == {0}
+    assert "NOT back in the router" in said[-1]
+
+
+def test_a_new_router_starts_the_left_out_list_anew_when_the_loop_applies_it(tmp_path,
+                                                                            monkeypatch):
+    from types import SimpleNamespace
+
+    from omni_dp.launcher.supervision import router_link
+
+    monkeypatch.setattr(router_link, "start_router",
+                        lambda state: SimpleNamespace(pid=901, popen=None))
+    state = make_state(tmp_path)
+    sup, _, _ = supervisor(state)
+    sup.router.not_in_router.add(1)
+    sup.outcomes.own(state)
+    worker = threading.Thread(target=sup.router.restart, args=(0.0, []))
+    worker.start()
+    worker.join(5)
+    assert not worker.is_alive() and sup.router.not_in_router == {1}  # not the thread's
+    sup.apply_outcomes()
+    assert sup.router.not_in_router == set()

@@ -50,6 +50,16 @@ class StepEnded:
     removed: int | None = None
 
 
+@dataclass(frozen=True)
+class RouterLeftOut:
+    """Replicas the router did not take back (out; asked again at every sweep), or that no
+    longer need asking (not out); `every`: the list starts anew (a new router took all in)."""
+
+    indices: tuple[int, ...]
+    out: bool = True
+    every: bool = False
+
+
 class Posted:
     """A thread's record write (record/writes.py), handed to the loop: the thread waits until
     the loop applied it, so it reads its own write back and its writes land in its order."""
@@ -76,7 +86,7 @@ class Posted:
         return self._answer
 
 
-Outcome = GatesPassed | GaveUp | StepEnded | Posted
+Outcome = GatesPassed | GaveUp | StepEnded | RouterLeftOut | Posted
 
 
 class Outcomes:
@@ -124,6 +134,19 @@ class Outcomes:
         if wake is not None:
             wake(False)
         return posted.wait()
+
+    def handed(self, outcome: Outcome) -> bool:
+        """Queue an outcome for the loop when a thread other than the loop's makes it while
+        the loop owns (True: the loop applies it, woken without a sweep); False: the caller
+        applies it itself (it is the loop, or no loop runs)."""
+        with self._lock:
+            if self._owner is None or threading.current_thread() is self._owner:
+                return False
+            self._queue.put(outcome)
+        wake = self.wake
+        if wake is not None:
+            wake(False)
+        return True
 
     def report(self, outcome: Outcome) -> None:
         self._queue.put(outcome)

@@ -89,7 +89,7 @@ class ReplicaRestart:
         for i in down:
             self._down(i, f"restart failed: {error}")
         if stop_error is not None:
-            self.router.not_in_router.update(down)
+            self.router.left_out(down)
         crew.state.event(Event.RESTART_FAILED, replica=index, group=members, error=error,
                          passed=sorted(progress.passed), stopped=down, ungated=ungated,
                          **({"stop_error": stop_error} if stop_error else {}))
@@ -181,7 +181,7 @@ class ReplicaRestart:
         for i in members:
             self._down(i, why)
         # down, out of the router: put back should it answer healthy after all
-        self.router.not_in_router.update(members)
+        self.router.left_out(members)
         if new and not self.crew.gate.closed:
             for i in new:
                 state.event(Event.RESTART_DEFERRED, replica=i, reason=why)

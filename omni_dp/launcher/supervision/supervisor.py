@@ -39,7 +39,13 @@ from omni_dp.launcher.supervision.death_watch import DeathWatch
 from omni_dp.launcher.supervision.hang_watch import HangReports
 from omni_dp.launcher.supervision.mps_restart import GroupRestart
 from omni_dp.launcher.supervision.mps_watch import MpsWatch
-from omni_dp.launcher.supervision.outcomes import GatesPassed, Outcomes, Posted, StepEnded
+from omni_dp.launcher.supervision.outcomes import (
+    GatesPassed,
+    Outcomes,
+    Posted,
+    RouterLeftOut,
+    StepEnded,
+)
 from omni_dp.launcher.supervision.replica_restart import ReplicaRestart, give_up
 from omni_dp.launcher.supervision.replica_watch import ReplicaWatch, Seen
 from omni_dp.launcher.supervision.restart_policy import RestartPolicy
@@ -102,6 +108,7 @@ class Supervisor:
         self.mps = {slot.index: MpsWatch(self.crew.policy, s.on_mps_fault, slot.index)
                     for slot in self.busy.deps.slots if slot.kind == "mps"}
         self.outcomes = Outcomes()  # what the threads report; the loop alone applies it
+        self.router.outcomes = self.outcomes
         self.restart_replica = ReplicaRestart(self.crew, self.router, self.outcomes)
         self.restart_group = GroupRestart(self.crew, self.router,
                                           {gpu: w.scanner for gpu, w in self.mps.items()},
@@ -230,6 +237,8 @@ class Supervisor:
             elif isinstance(outcome, GatesPassed):
                 if outcome.index in self.watches:  # gone already: a scale removed it
                     self.watches[outcome.index].reset()
+            elif isinstance(outcome, RouterLeftOut):
+                self.router.apply_left_out(outcome)
             elif isinstance(outcome, StepEnded):
                 self._step_ended(outcome)
             elif not self.crew.gate.closed:  # GaveUp; once teardown began, teardown owns it
