@@ -1202,18 +1202,18 @@ def test_two_threads_telling_the_same_follower_to_wait_say_it_once(tmp_path):
     state = make_state(tmp_path, replicas=3, share=True)
     sup, world, said = supervisor(state)
     world.live.discard(1000)  # the leader is gone
-    write, second = state.update_replica, []
+    write, second = state.write, []
 
-    def update_replica(index, **fields):
+    def hooked(change):
         if threading.current_thread().name == "first" and not second:
             other = threading.Thread(target=sup.restart_replica._leader_gone, args=([1],),
                                      name="second")
             second.append(other)
             other.start()
             other.join(5)
-        write(index, **fields)
+        return write(change)
 
-    state.update_replica = update_replica
+    state.write = hooked
     first = threading.Thread(target=sup.restart_replica._leader_gone, args=([1],),
                              name="first")
     first.start()

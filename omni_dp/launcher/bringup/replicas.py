@@ -1,7 +1,9 @@
 """Start, gate and stop one replica of a run, from its record in run.json.
 
 Bring-up and the supervisor's restarts both go through `ReplicaControl`, so a restarted replica
-gets the same argv, environment, CPU block and port, and passes the same gates.
+gets the same argv, environment, CPU block and port, and passes the same gates. What it records
+are writes (record/writes.py): applied at once during `launch`, by the supervisor's loop when a
+restart's thread makes them (the thread waits for each).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from omni_dp.launcher.processes.groups import (
 from omni_dp.launcher.processes.ours import child_env, spawn
 from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.record.state import RunState, append_private
+from omni_dp.launcher.record.writes import ReplicaStarted
 from omni_dp.mps.attach import AttachReport, DeclaredProcess
 from omni_dp.mps.runs import verify_and_record
 from omni_dp.procs import ProcessIdentity, is_alive
@@ -104,11 +107,7 @@ class ReplicaControl:
             numeric_check_file(self.state.directory, index).unlink(missing_ok=True)
         started = spawn(record.argv, child_env(record.env, self.state.token), log, cwd=work)
         self.popens[index] = started.popen
-        self.state.update_replica(index, identity=started.identity, pgid=started.pid,
-                                  processes=(), state=ReplicaState.STARTING, kv_tokens=None,
-                                  mps_attached=None, memory_bytes=None)
-        self.state.event(Event.REPLICA_STARTED, replica=index, pid=started.pid,
-                         cpus=record.cpus, port=record.port)
+        self.state.write(ReplicaStarted(index, started.identity, started.pid))
 
     def wait_healthy(self, index: int, timeout_s: float) -> dict | None:
         """Healthy, and under an SM cap its numeric check passed: that check's facts."""

@@ -29,7 +29,9 @@ run.json:
                    "last_error", "gpu"}]}  # gpu: the slot in "gpus"
 
 Exactly one process writes run.json at a time: `omni-dp launch` until the supervisor is up, then
-the supervisor; `omni-dp down` only once the supervisor is gone.
+the supervisor; `omni-dp down` only once the supervisor is gone. Within the supervisor one thread
+does, its loop: every change is a write (record/writes.py) that a supervision thread hands the
+loop and waits for (self.writer).
 """
 
 from __future__ import annotations
@@ -49,6 +51,19 @@ from omni_dp.cpulist import format_cpu_list
 from omni_dp.files import atomic_write, make_private_dir
 from omni_dp.launcher.planning.plan import LaunchPlan, ReplicaPlan
 from omni_dp.launcher.record.events import Event
+from omni_dp.launcher.record.writes import (
+    DaemonStarted,
+    EventWritten,
+    FollowerAdded,
+    GatewayChanged,
+    PhaseSet,
+    PlanSet,
+    RecordsReplaced,
+    ReplicaChanged,
+    ScaleSet,
+    Write,
+    apply,
+)
 from omni_dp.mps.daemon import DaemonRecord
 from omni_dp.procs import identify
 from omni_dp.rundir import RUN_FILE, TOKEN_FILE, logs_dir
@@ -80,8 +95,9 @@ def replica_record(r: ReplicaPlan) -> ReplicaRecord:
 
 
 class RunState:
-    """One run's directory and its record. Thread-safe: the supervisor's threads share one
-    instance; every change replaces the frozen record and rewrites run.json."""
+    """One run's directory and its record. Every change is a write (record/writes.py) that
+    replaces the frozen record and rewrites run.json; the supervisor's threads share one
+    instance, and while its loop runs only the loop applies writes."""
 
     def __init__(self, directory: Path, record: RunRecord, token: str) -> None:
         self.directory = directory
@@ -91,6 +107,9 @@ class RunState:
         # supervisor) its environment. Never in run.json.
         self.api_key: str | None = None
         self._lock = threading.RLock()
+        # Who applies a write made here: None, the calling thread; while a supervision loop
+        # runs, the loop (every thread's write is handed to it: supervision/outcomes.py)
+        self.writer: Callable[[Write], object] | None = None
 
     # --- creating and loading -------------------------------------------------------------
 
@@ -164,74 +183,75 @@ class RunState:
             atomic_write(self.directory / RUN_FILE,
                          json.dumps(self._record.to_json(), indent=1) + "\n")
 
+    def write(self, change: Write) -> object:
+        """Make one write (record/writes.py): applied here and now, or, while a supervision
+        loop owns the record, handed to it and waited for (self.writer). What apply answers."""
+        writer = self.writer
+        return self.apply(change) if writer is None else writer(change)
+
+    def apply(self, change: Write) -> object:
+        """Apply one write in this thread: the writer's own path (launch, the loop)."""
+        with self._lock:
+            return apply(change, self)
+
+    def commit(self, record: RunRecord) -> None:
+        """The record after a write (apply's alone), in run.json at once."""
+        with self._lock:
+            self._record = record
+            self.save()
+
+    def append_event(self, line: str) -> None:
+        """One line of events.jsonl (apply's alone); nothing once the directory is gone."""
+        with self._lock:
+            if self.removed:
+                return
+            with append_private(self.directory / EVENTS_FILE) as f:
+                f.write(line.encode() + b"\n")
+
     def update(self, **fields: Any) -> None:
         """Replace top-level records (router, supervisor, launcher), typed: a RouterRecord, …;
         the run's phase goes through set_phase, a daemon through set_daemon."""
         assert "state" not in fields, "set_phase() changes the run's phase"
-        with self._lock:
-            self._record = self._record.with_records(**fields)
-            self.save()
+        self.write(RecordsReplaced(fields))
 
     def set_daemon(self, record: DaemonRecord) -> None:
         """Record the MPS daemon now serving record.gpu's slot (it replaces the one before)."""
-        with self._lock:
-            self._record = self._record.with_daemon(record)
-            self.save()
+        self.write(DaemonStarted(record))
 
     def change_gateway(self, change: Callable[[GatewayRecord | None], GatewayRecord]) -> None:
-        """Replace the gateway record by change(current) under the lock: two restart threads
+        """Replace the gateway record by change(current), in one write: two restart threads
         registering at once must not drop each other's entry."""
-        with self._lock:
-            self.update(gateway=change(self._record.gateway))
+        self.write(GatewayChanged(change))
 
     def set_phase(self, phase: RunPhase) -> None:
-        with self._lock:
-            if phase is not self._record.state:
-                self._record = self._record.with_phase(phase)
-                self.save()
+        self.write(PhaseSet(phase))
 
     def update_replica(self, index: int, **fields: Any) -> None:
         """Change one replica's fields, typed (state=ReplicaState.HEALTHY); a `state` change
         is checked against the lifecycle."""
-        with self._lock:
-            self._record = self._record.with_replica(index, **fields)
-            self.save()
+        self.write(ReplicaChanged(index, fields))
 
     def set_scale(self, replicas: tuple[ReplicaRecord, ...], plan: PlanRecord,
                   gpus: tuple[GpuRecord, ...]) -> None:
         """The replica list after a scale (omni-dp scale), with the plan it follows."""
-        with self._lock:
-            self._record = self._record.with_scale(replicas, plan, gpus)
-            self.save()
+        self.write(ScaleSet(replicas, plan, gpus))
 
     def set_plan(self, plan: PlanRecord) -> None:
         """The plan after a change that keeps the replicas (a model update)."""
-        with self._lock:
-            self._record = self._record.with_plan(plan)
-            self.save()
+        self.write(PlanSet(plan))
 
     def add_follower(self, index: int, leader_pid: int) -> bool:
-        """Record a follower proven attached to the share the leader leader_pid published (at
-        once: two followers' gates may pass together); False when that share is not the
+        """Record a follower proven attached to the share the leader leader_pid published (in
+        one write: two followers' gates may pass together); False when that share is not the
         recorded one (none is, or another leader's)."""
-        with self._lock:
-            share = self._record.share
-            if share is None or share.leader_pid != leader_pid:
-                return False
-            self.update(share=share.with_follower(index))
-            return True
+        return bool(self.write(FollowerAdded(index, leader_pid)))
 
     def event(self, name: Event, **fields) -> None:
         """One line of events.jsonl; `name` an Event (TypeError for a plain string: a name no
         reader knows is a bug where it is written)."""
         if not isinstance(name, Event):
             raise TypeError(f"an event is named by an Event, not {name!r}")
-        line = json.dumps({"ts": round(time.time(), 3), "event": name.value, **fields})
-        with self._lock:
-            if self.removed:
-                return
-            with append_private(self.directory / EVENTS_FILE) as f:
-                f.write(line.encode() + b"\n")
+        self.write(EventWritten(name, fields))
 
     def request_stop(self, drain_timeout: float) -> None:
         """Tell the process in charge with which drain bound to tear down (read on SIGTERM)."""

@@ -205,7 +205,7 @@ class ChangeRunner:
             self._out_and_drained(change, index)
             self.crew.replicas.stop([index], change.drain_timeout)
             refused = self.router.remove(index)
-            self.router.not_in_router.discard(index)
+            self.router.left_out([index], out=False)
         if refused is None:
             return index, None
         # the run is smaller, but the router still lists it

@@ -1,5 +1,7 @@
-"""A set of replica indices that several supervision threads change and the loop reads (the
-replicas the router did not take back; the followers told to wait for their gone leader).
+"""A set of replica indices that several supervision threads may change (the followers told to
+wait for their gone leader, shared by every restart thread; the replicas the router did not take
+back, which only the loop changes while it runs — a thread hands it a RouterLeftOut — but a
+thread may change where no loop runs: a unit test, teardown).
 
 Every operation holds one lock, and reading gives a copy: the loop iterates what it read while a
 restart thread adds to the set, and "add these, which were new?" is one step, so two threads

@@ -78,7 +78,7 @@ class GroupRestart:
             self.outcomes.report(GatesPassed(i))
             crew.state.update_replica(i, last_error=None)
         out = [i for i in indices if not self.router.set_disabled(i, False)]
-        self.router.not_in_router.update(out)
+        self.router.left_out(out)
         crew.state.event(Event.MPS_RESTARTED, gpu=gpu, replicas=indices, not_in_router=out)
         done = ("MPS daemon and every replica restarted and verified" if named is None else
                 f"MPS daemon of {named} and its replica(s) {', '.join(map(str, indices))} "

@@ -16,7 +16,8 @@ that fails its gates is stopped and left down (the next sweep tries again); a la
 depends on it, is not started. Past the budget the whole group is marked failed and stays out
 of the router. An error no gate names leaves what passed up, stops what was started and not
 gated, and leaves the rest down. Once teardown began nothing more is written or said:
-teardown owns the run.
+teardown owns the run. The thread writes nothing itself: each record change it makes (the
+decision, the start, down, back: record/writes.py) is applied by the loop, which it waits for.
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ from dataclasses import dataclass, field
 from omni_dp.launcher.engines.replica_api import GateFailed
 from omni_dp.launcher.planning.share_group import LEADER, start_waves
 from omni_dp.launcher.record.events import Event
+from omni_dp.launcher.record.writes import ReplicaBack, ReplicaDown, RestartDecided
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.indices import SharedIndices
 from omni_dp.launcher.supervision.outcomes import GatesPassed, GaveUp, Outcomes
 from omni_dp.launcher.supervision.restart_policy import GiveUp
 from omni_dp.launcher.supervision.router_link import RouterLink
-from omni_dp.runfile import ReplicaState, can_transition
+from omni_dp.runfile import ReplicaState
 
 PORT_FREE_TIMEOUT_S = 60.0
 
@@ -87,7 +89,7 @@ class ReplicaRestart:
         for i in down:
             self._down(i, f"restart failed: {error}")
         if stop_error is not None:
-            self.router.not_in_router.update(down)
+            self.router.left_out(down)
         crew.state.event(Event.RESTART_FAILED, replica=index, group=members, error=error,
                          passed=sorted(progress.passed), stopped=down, ungated=ungated,
                          **({"stop_error": stop_error} if stop_error else {}))
@@ -116,10 +118,8 @@ class ReplicaRestart:
             return
         # Only the failed replica's history is charged: a dependent restarted with it did not
         # fail on its own (its own crashes are charged when it restarts alone).
-        state.update_replica(index, restarts=decision.history)
-        state.event(Event.RESTART_STARTED, replica=index, reason=reason, attempt=decision.attempt,
-                    backoff_s=decision.delay,
-                    **({"group": members} if len(members) > 1 else {}))
+        state.write(RestartDecided(index, decision.history, reason, decision.attempt,
+                                   decision.delay, tuple(members)))
         if crew.stop.wait(decision.delay):
             return
         self.cycle(members, progress)
@@ -181,7 +181,7 @@ class ReplicaRestart:
         for i in members:
             self._down(i, why)
         # down, out of the router: put back should it answer healthy after all
-        self.router.not_in_router.update(members)
+        self.router.left_out(members)
         if new and not self.crew.gate.closed:
             for i in new:
                 state.event(Event.RESTART_DEFERRED, replica=i, reason=why)
@@ -242,7 +242,7 @@ class ReplicaRestart:
         state.update_replica(index, state=ReplicaState.HEALTHY, last_error=None)
         back = self.router.enable(index)
         pid = state.replica(index).pid
-        state.event(Event.RESTART_COMPLETED, replica=index, pid=pid, in_router=back, gates=gates)
+        state.write(ReplicaBack(index, back, tuple(gates)))
         done = f"replica {index}: restarted (pid {pid}), passed its gates ({', '.join(gates)}), "
         self.crew.say(done + ("back in the router" if back else
                               "but NOT back in the router (above); retrying at every sweep"))
@@ -268,11 +268,8 @@ class ReplicaRestart:
     def _down(self, index: int, error: str) -> None:
         """Down (the next sweep tries again), unless the lifecycle says it cannot be or
         teardown began (teardown owns the state then)."""
-        if self.crew.gate.closed:
-            return
-        state = self.crew.state
-        if can_transition(state.replica(index).state, ReplicaState.DOWN):
-            state.update_replica(index, state=ReplicaState.DOWN, last_error=error)
+        if not self.crew.gate.closed:  # the lifecycle is checked as the loop applies it
+            self.crew.state.write(ReplicaDown(index, error))
 
     def _wait_port_free(self, port: int) -> bool:
         deadline = time.monotonic() + PORT_FREE_TIMEOUT_S

@@ -19,6 +19,7 @@ from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.hang_watch import replica_index
 from omni_dp.launcher.supervision.indices import SharedIndices
+from omni_dp.launcher.supervision.outcomes import Outcomes, RouterLeftOut
 from omni_dp.launcher.supervision.restart_policy import GiveUp
 from omni_dp.runfile import ReplicaState
 
@@ -59,8 +60,10 @@ class RouterLink:
                  ) -> None:
         self.crew = crew
         self.http = http
-        # healthy, but the router did not take it back: restart threads add, the sweep reads
+        # healthy, but the router did not take it back: the loop's (a thread's change is an
+        # outcome the loop applies: left_out), the sweep reads it
         self.not_in_router = SharedIndices()
+        self.outcomes: Outcomes | None = None  # the loop's queue, where a supervisor runs one
         self.gateway: GatewayLink | None = None  # --register: made when first needed
         self.restarts: tuple[float, ...] = ()  # when each router restart began
 
@@ -190,17 +193,30 @@ class RouterLink:
     def enable(self, index: int) -> bool:
         """Back in the router, or remembered as not (retried by retry_enable)."""
         back = self.set_disabled(index, False)
-        if back:
-            self.not_in_router.discard(index)
-        else:
-            self.not_in_router.add(index)
+        self.left_out([index], out=not back)
         return back
+
+    def left_out(self, indices: list[int], *, out: bool = True, every: bool = False) -> None:
+        """Change which replicas are asked back at every sweep: from a thread, handed to the
+        loop; from the loop (or with no loop), here."""
+        change = RouterLeftOut(tuple(indices), out, every)
+        if self.outcomes is None or not self.outcomes.handed(change):
+            self.apply_left_out(change)
+
+    def apply_left_out(self, change: RouterLeftOut) -> None:
+        """The loop's side of left_out."""
+        if change.every:
+            self.not_in_router.clear()
+        if change.out:
+            self.not_in_router.update(change.indices)
+        else:
+            self.not_in_router.difference_update(change.indices)
 
     def retry_enable(self, skip: Callable[[int], bool]) -> None:
         """Put back the healthy replicas the router did not take back (skip: a restart owns
         that replica now)."""
         state = self.crew.state
-        for index in self.not_in_router:  # a copy, in order: threads may add meanwhile
+        for index in self.not_in_router:  # a copy, in order
             if skip(index) or state.replica(index).state is not ReplicaState.HEALTHY:
                 continue
             # a short wait for the gateway: the sweep must not stall on it; one failure ends
@@ -254,7 +270,7 @@ class RouterLink:
         if self.gateway is None:
             self.gateway = GatewayLink(self.crew.state)
         if not self.gateway.per_replica:
-            self.not_in_router.clear()
+            self.left_out([], every=True)
         for record in self.crew.state.replicas:
             if record.state is not ReplicaState.HEALTHY:
                 self.set_disabled(record.index, True)

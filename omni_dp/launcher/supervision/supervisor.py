@@ -4,9 +4,10 @@ what it decides and does is in small parts, omni_dp/launcher/supervision/.
 Every sweep it checks each slot — each GPU's MPS daemon (with --mps) before its clients, each
 replica (process alive by pid + create time, GET /health), the router — and hands a restart to a
 thread of its own, so the rest stays watched. A thread keeps the blocking waits and reports
-typed outcomes (outcomes.py); the loop alone applies them, and alone changes its watches and
-slots, which follow the record at every sweep. A day-two change is made by the loop one step
-per sweep (change_runner.py). A slot is left alone while a restart owns it or
+typed outcomes (outcomes.py); the loop alone applies them — and every record write a thread
+makes (record/writes.py): the loop is the run record's single writer —, and alone changes its
+watches and slots, which follow the record at every sweep. A day-two change is made by the
+loop one step per sweep (change_runner.py). A slot is left alone while a restart owns it or
 what it depends on (an MPS fault on a GPU restarts every replica of that GPU, and no other).
 SIGTERM/SIGINT: orderly teardown.
 
@@ -38,7 +39,13 @@ from omni_dp.launcher.supervision.death_watch import DeathWatch
 from omni_dp.launcher.supervision.hang_watch import HangReports
 from omni_dp.launcher.supervision.mps_restart import GroupRestart
 from omni_dp.launcher.supervision.mps_watch import MpsWatch
-from omni_dp.launcher.supervision.outcomes import GatesPassed, Outcomes, StepEnded
+from omni_dp.launcher.supervision.outcomes import (
+    GatesPassed,
+    Outcomes,
+    Posted,
+    RouterLeftOut,
+    StepEnded,
+)
 from omni_dp.launcher.supervision.replica_restart import ReplicaRestart, give_up
 from omni_dp.launcher.supervision.replica_watch import ReplicaWatch, Seen
 from omni_dp.launcher.supervision.restart_policy import RestartPolicy
@@ -101,6 +108,7 @@ class Supervisor:
         self.mps = {slot.index: MpsWatch(self.crew.policy, s.on_mps_fault, slot.index)
                     for slot in self.busy.deps.slots if slot.kind == "mps"}
         self.outcomes = Outcomes()  # what the threads report; the loop alone applies it
+        self.router.outcomes = self.outcomes
         self.restart_replica = ReplicaRestart(self.crew, self.router, self.outcomes)
         self.restart_group = GroupRestart(self.crew, self.router,
                                           {gpu: w.scanner for gpu, w in self.mps.items()},
@@ -128,6 +136,7 @@ class Supervisor:
             self._take_over(previous)
         watch = DeathWatch()
         self.outcomes.wake = watch.wake  # a thread's report wakes the loop to apply it
+        self.outcomes.own(self.state)  # from now on only this thread writes the record
         try:
             self._loop(watch)
         except Exception as exc:  # the loop itself: never leave the run unsupervised silently
@@ -165,7 +174,17 @@ class Supervisor:
                 # the event first: whoever sees the heartbeat in run.json finds the event
                 self.state.event(Event.SUPERVISOR_SUPERVISING, pid=os.getpid())
                 self.state.update(supervisor=replace(record, supervising_since=time.time()))
-            watch.wait(self._watched(), self.interval)
+            self._wait(watch)
+
+    def _wait(self, watch: DeathWatch) -> None:
+        """Until the next sweep is due (the interval, a watched process's exit, a signal, a
+        thread's outcome), applying the threads' record writes meanwhile."""
+        deadline = time.monotonic() + self.interval
+        while not self.stop_requested.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or watch.wait(self._watched(), left):
+                return
+            self.apply_outcomes()
 
     def _watched(self) -> list[ProcessIdentity]:
         """The live processes whose exit should wake the loop at once (none a restart owns)."""
@@ -177,6 +196,9 @@ class Supervisor:
                 if i is not None and not self.busy.skipped(slot) and self.crew.probe.alive(i)]
 
     def shutdown(self) -> int:
+        # Teardown owns the run now: a thread's later writes are its own (few: the spawn gate
+        # closes below); what it handed the loop before is applied here.
+        self.outcomes.release()
         self.apply_outcomes()  # what a thread reported as the loop ended
         if self.changing is not None:  # its step, if one runs, fails against the teardown
             self._end_change("the run is being torn down")
@@ -210,9 +232,13 @@ class Supervisor:
         """Apply what the threads reported, in order: the loop is the only one to change its
         watches, and the records a thread's end leaves."""
         for outcome in self.outcomes.take():
-            if isinstance(outcome, GatesPassed):
+            if isinstance(outcome, Posted):  # a thread's record write: it waits for it
+                outcome.settle(self.state)
+            elif isinstance(outcome, GatesPassed):
                 if outcome.index in self.watches:  # gone already: a scale removed it
                     self.watches[outcome.index].reset()
+            elif isinstance(outcome, RouterLeftOut):
+                self.router.apply_left_out(outcome)
             elif isinstance(outcome, StepEnded):
                 self._step_ended(outcome)
             elif not self.crew.gate.closed:  # GaveUp; once teardown began, teardown owns it
