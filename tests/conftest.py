@@ -43,8 +43,14 @@ LIBRARY_FILES = {
 _suite_tmp: dict = {}
 
 
+# The machine's own temporary directory, as the first pytest process found it: the workers of
+# pytest-xdist inherit the controller's TMPDIR (its suite directory), and must make theirs beside
+# it, not in it (a deeper path leaves less of a Unix socket's 108 bytes to the tests).
+_SYSTEM_TMP_ENV = "OMNI_DP_TEST_SYSTEM_TMP"
+
+
 def pytest_configure(config):
-    system = tempfile.gettempdir()
+    system = os.environ.setdefault(_SYSTEM_TMP_ENV, tempfile.gettempdir())
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", system)  # tmp_path: where it always was
     sweep_dead_sessions(Path(system))
     suite = tempfile.mkdtemp(prefix=f"{SUITE_TMP_PREFIX}{os.getpid()}-", dir=system)

@@ -52,7 +52,7 @@ def processes_under(directory: str) -> list[int]:
 
 def knobs(out: Path, **more: str) -> dict[str, str]:
     return {**os.environ, "OUT": str(out), "GPU": "none", "PYTHON": sys.executable,
-            "BUDGET": "300", **more}
+            "BUDGET": "420", **more}
 
 
 def returned_files(out: Path) -> list[Path]:

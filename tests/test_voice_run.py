@@ -15,10 +15,13 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import psutil
 import pytest
@@ -240,15 +243,18 @@ def test_a_placed_voice_whose_graph_cannot_load_exits_3_and_leaves_nothing(tmp_p
     (voice / "v.onnx.json").write_text(json.dumps({
         "audio": {"sample_rate": 22050}, "espeak": {"voice": "en-us"},
         "phoneme_id_map": {"_": [0], "^": [1], "$": [2]}, "num_speakers": 1}))
-    sockets = tmp_path / "tmp"
-    sockets.mkdir()
-    done = subprocess.run([*OMNI_DP, "serve", "--model", str(voice), "--port", "0",
-                           "--preprocess.process", "pre"], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "TMPDIR": str(sockets)},
-                          stdin=subprocess.DEVNULL)
-    assert done.returncode == 3, describe(done)
-    assert "start-up failed: the voice" in done.stderr and "Traceback" not in done.stderr
-    assert list(sockets.glob("omni-dp-stages-*")) == []
+    # under the suite's short TMPDIR, not tmp_path: the stage sockets are made in it
+    sockets = Path(tempfile.mkdtemp())
+    try:
+        done = subprocess.run([*OMNI_DP, "serve", "--model", str(voice), "--port", "0",
+                               "--preprocess.process", "pre"], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "TMPDIR": str(sockets)},
+                              stdin=subprocess.DEVNULL)
+        assert done.returncode == 3, describe(done)
+        assert "start-up failed: the voice" in done.stderr and "Traceback" not in done.stderr
+        assert list(sockets.glob("omni-dp-stages-*")) == []
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 def test_both_voice_replicas_answer_behind_the_router(voice_run):

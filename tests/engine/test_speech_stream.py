@@ -186,7 +186,9 @@ def test_a_client_gone_mid_sentence_leaves_nothing_running(replica):
             await ws.close()
             gone = time.monotonic()
             while not idle():
-                assert time.monotonic() - gone < 1.5, "the sentence was not cancelled"
+                # 3 s: well inside the sentence's 4 s and more of synthesis, with room for a
+                # machine whose other cores run other tests' replicas
+                assert time.monotonic() - gone < 3.0, "the sentence was not cancelled"
                 await asyncio.sleep(0.05)
             tokens = replica.metric("omni_dp_generated_tokens_total")
             await asyncio.sleep(0.5)

@@ -369,7 +369,9 @@ def test_the_real_daemon_runs_the_recorded_server(tmp_path):
         assert state.events()[-1]["server_binary"] == str(server)
         control = record.control()
         assert control.run(f"start_server -uid {os.getuid()}") == ""
-        wait_for("the daemon to run the recorded server", marker.exists, 10, interval=0.05)
+        # the shell makes the file before echo writes to it: wait for the line, not the file
+        wait_for("the daemon to run the recorded server",
+                 lambda: marker.exists() and marker.read_text().endswith("\n"), 10, interval=0.05)
         assert marker.read_text().split()[0] == str(server)
     finally:
         MpsDaemon(record.control()).stop(record, force=True)

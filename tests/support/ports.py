@@ -16,21 +16,22 @@ import random
 import socket
 
 LOOPBACK = "127.0.0.1"
-# The workers' bands: gw0 from 12000, gw1 from 16000, ... — below Linux's default ephemeral range
-# (32768-60999), where the kernel puts outgoing connections and every bind to port 0.
-BAND_START = 12000
-BAND_WIDTH = 4000
+# The workers' bands share 12000-32767, below Linux's default ephemeral range (32768-60999) where
+# the kernel puts outgoing connections and every bind to port 0: 2 workers get 10000 ports each.
+BANDS = range(12000, 32768)
 # Ports this process handed out lately: a test may take several before anything binds them.
 _handed: collections.deque[int] = collections.deque(maxlen=512)
 
 
 def worker_band() -> range | None:
     """This pytest-xdist worker's own ports, or None outside xdist."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ...
-    if not worker.removeprefix("gw").isdigit():
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "").removeprefix("gw")  # "gw0", "gw1", ...
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.isdigit() and workers.isdigit()):
         return None
-    start = BAND_START + int(worker.removeprefix("gw")) * BAND_WIDTH
-    return range(start, start + BAND_WIDTH)
+    width = len(BANDS) // int(workers)
+    start = BANDS.start + int(worker) * width
+    return range(start, start + width)
 
 
 def free_ports(n: int) -> list[int]:
