@@ -43,6 +43,18 @@ H, R, D = ReplicaState.HEALTHY, ReplicaState.RESTARTING, ReplicaState.DOWN
 # --- write in, record and events out -------------------------------------------------------
 
 
+
+def restart_on_a_thread(sup, index: int) -> None:
+    """Replica `index` restarted on a thread of its own while this thread, as the loop does,
+    applies what it reports until it ends."""
+    worker = threading.Thread(target=sup.restart_replica, args=(index, "its process is gone"),
+                              name=f"restart-{index}")
+    worker.start()
+    while worker.is_alive():
+        sup.apply_outcomes()
+        worker.join(0.01)
+    sup.apply_outcomes()
+
 def test_a_started_replica_has_its_new_process_and_forgets_its_predecessors_facts(tmp_path):
     state = make_state(tmp_path)
     state.update_replica(0, state=R, kv_tokens=1024, memory_bytes=7, mps_attached=True)
@@ -191,13 +203,7 @@ def test_a_restart_thread_writes_nothing_itself_the_loop_applies_it_all_in_order
                                    commit(record))[1]
     state.append_event = lambda line: (writers.append(threading.current_thread().name),
                                        append(line))[1]
-    worker = threading.Thread(target=sup.restart_replica, args=(0, "its process is gone"),
-                              name="restart-0")
-    worker.start()
-    while worker.is_alive():
-        sup.apply_outcomes()
-        worker.join(0.01)
-    sup.apply_outcomes()
+    restart_on_a_thread(sup, 0)
     assert writers and set(writers) == {threading.current_thread().name}
     record = state.replica(0)
     assert record.state is H and record.restarts == (NOW - 30, NOW) and record.pid == 5001
@@ -288,13 +294,7 @@ def test_the_replicas_left_out_of_the_router_change_only_as_the_loop_applies_it(
     sup.router.apply_left_out = lambda change: (
         changes.append((threading.current_thread().name, change.indices, change.out)),
         apply_left_out(change))[1]
-    worker = threading.Thread(target=sup.restart_replica, args=(0, "its process is gone"),
-                              name="restart-0")
-    worker.start()
-    while worker.is_alive():
-        sup.apply_outcomes()
-        worker.join(0.01)
-    sup.apply_outcomes()
+    restart_on_a_thread(sup, 0)
     assert changes == [(threading.current_thread().name, (0,), True)]
     assert sup.router.not_in_router == {0}
     assert "NOT back in the router" in said[-1]
