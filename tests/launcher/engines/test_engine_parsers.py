@@ -84,6 +84,42 @@ print(json.dumps({"affinity": gpu_local_affinity([0]),
                   "launcher": str(Path(sglang_omni.__file__).parent / "serve" / "launcher.py")}))
 """
 
+# Run in the parsers' python: each case's argv through sglang-omni's own CLI, the engine
+# imported once and each case run in a child forked from it (a case gets a fresh process, as
+# `python -m sglang_omni.cli ...` would, without importing the engine again: ~10 s each).
+# The child's stdout and stderr go to one file; an error it raises is printed by the hook
+# the CLI installed, as it would be at the top of its own process.
+OMNI_CASES = r"""
+import json, os, sys, tempfile
+from sglang_omni.cli import app
+
+results = {}
+for name, argv in json.load(sys.stdin).items():
+    with tempfile.TemporaryFile("w+") as out:
+        sys.stdout.flush(); sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(out.fileno(), 1); os.dup2(out.fileno(), 2)
+            code = 0
+            try:
+                if argv[0] == "-c":
+                    exec(argv[1], {"__name__": "__main__"})
+                else:
+                    sys.argv = ["sglang_omni.cli", *argv]
+                    app(argv, prog_name="python -m sglang_omni.cli")
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (exc.code is not None)
+            except BaseException:
+                sys.excepthook(*sys.exc_info())
+                code = 1
+            sys.stdout.flush(); sys.stderr.flush()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        out.seek(0)
+        results[name] = [os.waitstatus_to_exitcode(status), out.read()]
+print(json.dumps(results))
+"""
+
 
 def run_parsers(args: list[str], env: dict[str, str] | None = None,
                 stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -181,13 +217,13 @@ def resolve_args(model: Path, pin_args: tuple[str, ...],
     for flag in ("--host", "--port"):
         i = args.index(flag)
         del args[i:i + 2]
-    return ["-m", "sglang_omni.cli", "config", "resolve", "--show", "diff", *args]
+    return ["config", "resolve", "--show", "diff", *args]
 
 
 @pytest.fixture(scope="module")
 def omni(tmp_path_factory) -> dict[str, Done]:
-    """Every sglang-omni command at once (each imports the engine, ~10 s), by case name. The
-    model directory holds only the config.json that selects Higgs TTS's pipeline."""
+    """Every sglang-omni case, by name: its exit status and output. The model directory holds
+    only the config.json that selects Higgs TTS's pipeline."""
     model = tmp_path_factory.mktemp("higgs")
     (model / "config.json").write_text(json.dumps({"architectures": [HIGGS_ARCHITECTURE]}))
     cases = {
@@ -197,26 +233,17 @@ def omni(tmp_path_factory) -> dict[str, Done]:
         "cap beside bytes": resolve_args(model, omni_pin(),
                                          ("--tts_engine.engine.max_total_tokens", "10")),
         "wrong stage": resolve_args(model, omni_pin(engine_stage="tts_engnie")),
-        "serve help": ["-m", "sglang_omni.cli", "serve", "--help"],
+        "serve help": ["serve", "--help"],
         "probe": ["-c", OMNI_PROBE],
     }
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200",
            **SglangOmniEngine().environment(replica(()))}
-    assert PARSERS is not None
-    running = {name: subprocess.Popen([PARSERS, *args], stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, env=env)
-               for name, args in cases.items()}
+    ran = run_parsers(["-c", OMNI_CASES], env=env, stdin=json.dumps(cases))
+    assert ran.returncode == 0, ran.stderr[-3000:]
     done = {}
-    try:
-        for name, process in running.items():
-            out, err = process.communicate(timeout=TIMEOUT_S)
-            text = (out + " " + err).replace("│", " ")  # the side of typer's error box
-            done[name] = Done(process.returncode, " ".join(text.split()))
-    finally:
-        for process in running.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+    for name, (returncode, output) in json.loads(ran.stdout.strip().splitlines()[-1]).items():
+        text = output.replace("│", " ")  # the side of typer's error box
+        done[name] = Done(returncode, " ".join(text.split()))
     return done
 
 
