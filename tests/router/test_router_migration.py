@@ -3,7 +3,7 @@ answer cut after its first byte goes on on another replica from the token ids th
 and the client reads one stream, the uncut one's for greedy decoding.
 
 The replicas here are stand-ins speaking vLLM 0.32's chunks over a toy model
-(support/llm_standin.py); tests/launcher/test_router_migration_live.py does it with real vLLM
+(support/llm_standin.py); tests/launcher/test_engine_vllm_live.py does it with real vLLM
 replicas and kill -9."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A stand-in LLM replica for the router's migration tests: vLLM 0.32's streamed completions
 and chat chunks (their shapes as recorded from the real server; tests/launcher/
-test_router_migration_live.py runs the real one) over a toy model.
+test_engine_vllm_live.py runs the real one) over a toy model.
 
 The toy model's next token is a function of every token before it (greedy), so a continuation
 from the prompt's ids plus the generated ones goes on exactly as the uncut request; sampled
