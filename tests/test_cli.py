@@ -424,19 +424,36 @@ BAD_OPTIONS = [
 ]
 
 
+@pytest.fixture
+def serve_in_process(monkeypatch):
+    """`omni-dp serve ARGS` run in this process (the engine imported once for every case, not
+    once per process), whose server must never start: a plan that passed is a failure."""
+    from click.testing import CliRunner
+
+    from omni_dp.cli import cli
+
+    def started(plan):
+        raise AssertionError("the options passed: the server would have started")
+
+    monkeypatch.setattr("omni_dp.engine.server.serve", started)
+    return lambda *args: CliRunner().invoke(cli, ["serve", *args], prog_name="omni-dp")
+
+
 @pytest.mark.parametrize(("args", "message"), BAD_OPTIONS)
-def test_bad_options_exit_2_with_a_message_and_no_traceback(args, message):
-    result = omni_dp("serve", "--port", "0", *args)
-    assert result.returncode == 2
+def test_bad_options_exit_2_with_a_message_and_no_traceback(serve_in_process, args, message):
+    result = serve_in_process("--port", "0", *args)
+    assert result.exit_code == 2, result.exception  # a raised error is exit 1, not 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
-    assert "listening" not in result.stderr  # nothing was started
 
 
 def test_several_problems_are_reported_together():
+    """As a process: exit 2, one line per problem, no traceback, nothing started."""
     result = omni_dp("serve", "--device", "cuda", "--max-total-tokens", "1000", "--threads", "0")
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 3
+    assert "Traceback" not in result.stderr
+    assert "listening" not in result.stderr
 
 
 def test_port_in_use_exits_2():
@@ -450,11 +467,11 @@ def test_port_in_use_exits_2():
     assert "Traceback" not in result.stderr
 
 
-def test_model_dir_with_a_broken_config_exits_2(tmp_path):
+def test_model_dir_with_a_broken_config_exits_2(tmp_path, serve_in_process):
     (tmp_path / CONFIG_FILE).write_text('{"architecture": "something-else"}')
     (tmp_path / WEIGHTS_FILE).write_bytes(b"")
-    result = omni_dp("serve", "--model", str(tmp_path))
-    assert result.returncode == 2
+    result = serve_in_process("--model", str(tmp_path))
+    assert result.exit_code == 2, result.exception
     assert "architecture" in result.stderr
 
 
