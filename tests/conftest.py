@@ -17,6 +17,7 @@ import pytest
 from omni_dp.engine.options import DEFAULT_MODEL_ENV
 
 from support.mps import daemons_under
+from support.order import longest_first
 from support.replica import Replica
 
 # `omni-dp serve`'s default model is the trained voice where it is installed; the tests of the
@@ -58,6 +59,10 @@ def pytest_configure(config):
                       tempdir=tempfile.tempdir)
     os.environ.update(dict.fromkeys(_SUITE_TMP_ENV, suite))
     tempfile.tempdir = suite
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items[:] = longest_first(items)  # the longest files start first: support/order.py
 
 
 def sweep_dead_sessions(root: Path) -> None:
