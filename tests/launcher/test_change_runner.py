@@ -648,3 +648,44 @@ def test_a_change_a_dead_supervisor_was_making_is_resumed_from_the_record(tmp_pa
     steps = [(e["step"], e["replica"]) for e in state.events()
              if e["event"] == "change_step" and e["change"] == change.id]
     assert steps == [(1, 0), (2, 1), (3, 1), (4, 2)]
+
+
+def test_a_model_update_of_a_share_group_relaunches_each_member_with_its_own_launch(tmp_path):
+    """The leader's step restarts its followers with it: each comes back on the launch the
+    change wants for it (a follower's argv is not its leader's), each a new generation, and
+    the change is one step."""
+    from omni_dp.launcher.changes.desired import expected_steps, wanted
+    from omni_dp.launcher.changes.request import submit
+    from omni_dp.runfile import Desired
+
+    run = a_run(tmp_path, replicas=3, share=True)
+    state, sup = run.state, run.sup
+    goal = tuple(dataclasses.replace(wanted(r), argv=("serve", "--model", "new", f"#{r.index}"),
+                                     generation=1) for r in state.replicas)
+    desired = Desired("upd00001", goal, state.plan, state.record.gpus)
+    steps = expected_steps(desired, state.record)
+    assert [(s.action, s.replica) for s in steps] == [("restart", 0)]
+    submit(state.directory, ChangeRequest("restart", steps, "model update", 5.0,
+                                          wait_healthy=0, id="upd00001", desired=desired))
+    sup.change(take(state.directory))
+    assert read_change(state.directory).state == "done", read_change(state.directory).error
+    assert [(r.argv, r.generation) for r in state.replicas] == [(g.argv, 1) for g in goal]
+    assert all("start" in order(run.timeline, i) for i in range(3))  # each started again
+    assert state.record.desired is None
+
+
+def test_a_step_the_run_did_not_follow_is_never_made_twice_in_a_row(tmp_path):
+    """A restart that passed but left its replica still due (its launch not written) ends the
+    change rather than restarting it again sweep after sweep."""
+    from omni_dp.launcher.changes.desired import desired_of
+
+    run = a_run(tmp_path, replicas=2)
+    state, runner = run.state, run.sup.change
+    change = restart(0)
+    state.set_desired(desired_of(change, state.record))
+    assert runner.next(change, None) == (Step("restart", 0), None)
+    step, error = runner.next(change, Step("restart", 0))
+    assert step is None and error == (f"replica 0 is still not as change {change.id} wants it "
+                                      "after its restart passed")
+    state.set_desired(None)
+    assert runner.next(change, None) == (None, "what the change wants is gone from run.json")
