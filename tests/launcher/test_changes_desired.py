@@ -147,3 +147,22 @@ def test_a_desired_that_does_not_add_up_is_refused_where_it_is_made(tmp_path):
         desired(record, as_is(record)[1:])
     with pytest.raises(ValueError, match="not the change's id"):
         ChangeRequest("restart", (), "x", 1.0, desired=desired(record, as_is(record)))
+
+
+def test_a_restart_a_change_made_changes_the_basis_and_none_keeps_it_as_before(tmp_path):
+    """A rolling restart planned before another one ended would want a generation the run
+    already has (a restart that does nothing): its basis no longer matches. A run no change
+    restarted has the basis an omni-dp before generations computed."""
+    import hashlib
+
+    from omni_dp.launcher.changes.request import basis_of
+
+    record = make_state(tmp_path, replicas=2).record
+    assert basis_of(record.with_replica(0, generation=1)) != basis_of(record)
+    assert basis_of(record) == basis_of(record.with_replica(1, state=ReplicaState.DOWN))
+    # the digest of before: plan, GPU slots, each replica's launch, no generation
+    shape = {"plan": record.plan.to_json(), "gpus": [g.to_json() for g in record.gpus],
+             "replicas": [[r.index, r.port, list(r.argv), dict(r.env), r.cpus, r.gpu]
+                          for r in record.replicas]}
+    before = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
+    assert basis_of(record) == before

@@ -237,7 +237,7 @@ class ChangeRunner:
     def _remove(self, change: ChangeRequest, step: Step) -> tuple[int, str | None]:
         """Out, drained, stopped, gone from the router: the replica stopped, for the loop to
         drop from the record (apply), and why the step still failed (the router kept it)."""
-        index = step.replica  # the highest-numbered one: out_of_date checked it
+        index = step.replica  # the highest-numbered one: next_step chose it from the record
         with self._taking_out(change, index, [index]):
             self._out_and_drained(change, index)
             self.crew.replicas.stop([index], change.drain_timeout)

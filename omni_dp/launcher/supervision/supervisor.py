@@ -6,9 +6,11 @@ replica (process alive by pid + create time, GET /health), the router — and ha
 thread of its own, so the rest stays watched. A thread keeps the blocking waits and reports
 typed outcomes (outcomes.py); the loop alone applies them — and every record write a thread
 makes (record/writes.py): the loop is the run record's single writer —, and alone changes its
-watches and slots, which follow the record at every sweep. A day-two change is made by the
-loop one step per sweep (change_runner.py). A slot is left alone while a restart owns it or
-what it depends on (an MPS fault on a GPU restarts every replica of that GPU, and no other).
+watches and slots, which follow the record at every sweep. A day-two change is desired state
+(in run.json while it runs) that the loop reconciles the run with, one step per sweep, each
+chosen from the record as it is then (change_runner.py). A slot is left alone while a restart
+owns it or what it depends on (an MPS fault on a GPU restarts every replica of that GPU, and no
+other).
 SIGTERM/SIGINT: orderly teardown.
 
 Run in the foreground by `omni-dp launch`, or detached as
