@@ -46,6 +46,9 @@ class Shape:
     # "pid", "create_time"); an optional one reads as None while any of its keys is null
     flat: tuple[str, ...] = ()
     omit_none: tuple[str, ...] = ()  # keys left out while None (absent in older files)
+    # keys left out while their field holds its default (absent in older files, read as it):
+    # a file of before is written back as it was
+    omit_default: tuple[str, ...] = ()
     absent: Mapping[str, Any] = field(default_factory=dict)  # key -> its value when absent
     null_is_absent: tuple[str, ...] = ()  # keys whose null reads as if they were absent
     # older layouts made current before the fields are read, and the layout written
@@ -159,8 +162,15 @@ def _from_fields(cls: type, data: Any) -> Any:
     for name in shape.omit_none:
         if data.get(name) is None:
             data.pop(name, None)
+    for name in shape.omit_default:
+        if name in data and data[name] == _default(cls, name):
+            data.pop(name)
     data = {shape.keys.get(name, name): value for name, value in data.items()}
     return shape.write(data) if shape.write else data
+
+
+def _default(cls: type, name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
 
 
 def _flattened(data: dict, name: str, kind: Any) -> dict:

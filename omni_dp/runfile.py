@@ -251,8 +251,10 @@ class RouterRecord(Record):
 class ReplicaRecord(Record):
     """One replica: what the plan fixed (port, block, argv, env) and what it is now."""
 
-    # its process as "pid", "create_time" (null until started); "cpus" absent: unpinned
-    JSON_SHAPE = Shape(flat=("identity",), absent={"cpus": None})
+    # its process as "pid", "create_time" (null until started); "cpus" absent: unpinned;
+    # "generation" absent: 0 (no change relaunched it)
+    JSON_SHAPE = Shape(flat=("identity",), absent={"cpus": None},
+                       omit_default=("generation",))
 
     index: int
     port: int
@@ -273,6 +275,9 @@ class ReplicaRecord(Record):
     restarts: tuple[float, ...] = ()  # when each restart began (time.time())
     last_error: str | None = None
     gpu: int = 0  # the slot of the GPU it runs on (RunRecord.gpus); fixed by the plan
+    # How many times a day-two change relaunched it (a restart a change asked for, made; a
+    # crash restart by the sweep is no new generation): what a change's Desired compares
+    generation: int = 0
 
     @property
     def pid(self) -> int | None:
@@ -329,12 +334,42 @@ class GatewayRecord(Record):
     def without(self, target: str) -> GatewayRecord:
         return replace(self, entries=tuple(e for e in self.entries if e.target != target))
 
+def _numbered(replicas: tuple[ReplicaRecord, ...]) -> None:
+    if [r.index for r in replicas] != list(range(len(replicas))):
+        raise ValueError("replicas must be numbered 0..N-1, got "
+                         f"{[r.index for r in replicas]}")
+
+
+@dataclass(frozen=True)
+class Desired(Record):
+    """What a day-two change wants the run to be, kept in run.json while the change runs: the
+    supervisor's loop compares the live record with it at each sweep and makes the one step
+    that brings them closer (omni_dp/launcher/changes/desired.py), so a change acts on the run
+    as it is, never on the snapshot it was planned from; a supervisor taking the run over finds
+    it and goes on (supervision/takeover.py). Here, not in changes/, because run.json holds it.
+
+    `replicas` are the launches wanted, numbered 0..N-1: an existing replica's argv, env, CPU
+    block and `generation` (one more than it has: a restart asked for), a new one's whole
+    planned record; none of them says how a process is now (state, pid: planned, empty)."""
+
+    change: str  # the id of the change that set it (change.json)
+    replicas: tuple[ReplicaRecord, ...]
+    plan: PlanRecord  # the run's plan once the change is made
+    gpus: tuple[GpuRecord, ...]  # the run's GPU slots once it is made
+
+    def __post_init__(self) -> None:
+        _numbered(self.replicas)
+        if self.plan.replicas != len(self.replicas):
+            raise ValueError(f".plan says {self.plan.replicas} replicas, .replicas has "
+                             f"{len(self.replicas)}")
+
+
 @dataclass(frozen=True)
 class RunRecord(Record):
     """A run.json: schema 2's layout written, schema 1's read too (`_read_run`)."""
 
     JSON_SHAPE = Shape(read=_read_run, write=_write_run, absent={"launcher": None},
-                       paths={"daemons": "mps.daemons"})
+                       paths={"daemons": "mps.daemons"}, omit_none=("desired",))
 
     run_id: str
     created_at: float
@@ -352,6 +387,8 @@ class RunRecord(Record):
     share: ShareRecord | None = None  # --share-weights: what is shared, once published
     gpus: tuple[GpuRecord, ...] = ()  # the run's GPUs by slot (one "cpu" slot without one)
     gateway: GatewayRecord | None = None  # --register: what the fleet gateway lists of us
+    # while a day-two change runs: what it wants the run to be (absent otherwise)
+    desired: Desired | None = None
 
     def identities(self) -> Iterator[ProcessIdentity]:
         """Every process this run recorded as its own."""
@@ -412,9 +449,7 @@ class RunRecord(Record):
                    gpus: tuple[GpuRecord, ...]) -> RunRecord:
         """This record with its replica list (a scale added or removed some, numbered 0..N-1
         still) and the plan and GPU slots they follow from."""
-        if [r.index for r in replicas] != list(range(len(replicas))):
-            raise ValueError("replicas must be numbered 0..N-1, got "
-                             f"{[r.index for r in replicas]}")
+        _numbered(replicas)
         if plan.replicas != len(replicas):
             raise ValueError(f"the plan says {plan.replicas} replicas, the list has "
                              f"{len(replicas)}")
@@ -427,6 +462,11 @@ class RunRecord(Record):
         """This record following a changed plan (new engine arguments: a model update)."""
         check_types("run", {"plan": plan}, {"plan": (PlanRecord,)})
         return replace(self, plan=plan)
+
+    def with_desired(self, desired: Desired | None) -> RunRecord:
+        """This record wanting what a running change wants (None: no change runs)."""
+        check_types("run", {"desired": desired}, {"desired": (Desired, _NONE)})
+        return replace(self, desired=desired)
 
     def with_phase(self, phase: RunPhase) -> RunRecord:
         check_types("run", {"state": phase}, {"state": (RunPhase,)})
@@ -455,7 +495,7 @@ REPLICA_FIELD_TYPES: Mapping[str, tuple[type, ...]] = {
     "log": (str,), "identity": (ProcessIdentity, _NONE), "pgid": (int, _NONE),
     "processes": (tuple,), "state": (ReplicaState,), "kv_tokens": (int, _NONE),
     "mps_attached": (bool, _NONE), "restarts": (tuple,), "last_error": (str, _NONE),
-    "memory_bytes": (int, _NONE),
+    "memory_bytes": (int, _NONE), "generation": (int,),
 }
 
 

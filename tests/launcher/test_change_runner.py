@@ -566,7 +566,9 @@ def test_the_loop_makes_a_change_one_step_per_sweep_applying_each_steps_outcome(
     assert read_change(state.directory).state == "done" and sup.changing is None
 
 
-def test_a_step_the_record_outgrew_between_two_sweeps_fails_the_change_untouched(tmp_path):
+def test_a_replica_gone_between_two_sweeps_is_brought_back_as_the_change_wants_it(tmp_path):
+    """The step after is chosen from the record as it is then, never the list planned: the
+    restart of replica 2 planned becomes its add (as the change wants it: already restarted)."""
     from omni_dp.launcher.changes.request import submit
 
     run = a_run(tmp_path, replicas=3)
@@ -574,16 +576,20 @@ def test_a_step_the_record_outgrew_between_two_sweeps_fails_the_change_untouched
     submit(state.directory, restart(0, 2))
     sup.sweep()
     sup.busy.join(10)
+    assert state.record.desired is not None and state.record.desired.change == \
+        read_change(state.directory).id
     # meanwhile the record loses replica 2 (what another writer did, were there one)
     state.set_scale(state.replicas[:2], dataclasses.replace(state.plan, replicas=2),
                     state.record.gpus)
     sup.sweep()
-    ended = read_change(state.directory)
-    assert ended.state == "failed" and ended.error == (
-        "replica 2 cannot be restarted: the run has 2 replicas now, not the ones this change "
-        "was planned from")
-    assert order(run.timeline, 2) == [] and sup.busy.holder(Slot("change")) is None
-    assert [e for e, _ in step_events(state)][-2:] == ["change_step_done", "change_failed"]
+    sup.busy.join(10)
+    step_2 = [e for e in state.events() if e["event"] == "change_step"][-1]
+    assert (step_2["step"], step_2["action"], step_2["replica"]) == (2, "add", 2)
+    sup.sweep()
+    assert read_change(state.directory).state == "done" and state.record.desired is None
+    assert len(state.replicas) == 3 and state.replica(2).generation == 1
+    assert "out" not in order(run.timeline, 2)  # started as new, nothing taken out
+    assert [e for e, _ in step_events(state)][-2:] == ["change_step_done", "change_done"]
 
 
 def test_a_remove_is_dropped_from_the_record_by_the_loop_once_its_thread_stopped_it(tmp_path):
@@ -599,3 +605,87 @@ def test_a_remove_is_dropped_from_the_record_by_the_loop_once_its_thread_stopped
     assert len(state.replicas) == 2 and state.plan.replicas == 2
     assert read_change(state.directory).state == "done"
     assert sorted(sup.watches) == [0, 1]
+
+
+# --- a change a dead supervisor was making ------------------------------------------------
+
+
+def test_a_change_a_dead_supervisor_was_making_is_resumed_from_the_record(tmp_path):
+    """The dead one took restart(0, 1, 2), wrote what it wants, made step 1 (replica 0, a new
+    generation) and was cut off in step 2 (replica 1 restarting). The new one resumes: replica
+    1 is restarted by its sweep, then each step chosen from the record — replica 0 is never
+    restarted again, the steps numbered on from 3 — and the change ends done."""
+    from omni_dp.launcher.changes.desired import desired_of
+    from omni_dp.launcher.changes.request import submit
+    from omni_dp.launcher.record.events import Event
+    from omni_dp.procs import ProcessIdentity
+
+    run = a_run(tmp_path, replicas=3)
+    state, sup = run.state, run.sup
+    submit(state.directory, restart(0, 1, 2))
+    change = take(state.directory)
+    state.set_desired(desired_of(change, state.record))
+    state.event(Event.CHANGE_STEP, change=change.id, step=1, action="restart", replica=0)
+    state.update_replica(0, generation=1)
+    state.event(Event.CHANGE_STEP_DONE, change=change.id, step=1, action="restart",
+                replica=0, seconds=1.0)
+    state.event(Event.CHANGE_STEP, change=change.id, step=2, action="restart", replica=1)
+    state.update_replica(1, state=ReplicaState.RESTARTING)
+    state.update(supervisor=SupervisorRecord(ProcessIdentity(4242, 1.0), True, 1.0))
+    sup._take_over(state.record.supervisor)
+    assert read_change(state.directory).state == "running" and sup.changing.made == 2
+    resumed = [e for e in state.events() if e["event"] == "supervisor_resumed"][-1]
+    assert resumed["change"] == change.id and resumed["change_resumed"] is True
+    for _ in range(8):
+        sup.sweep()
+        sup.busy.join(10)
+        if read_change(state.directory).state != "running":
+            break
+    assert read_change(state.directory).state == "done", read_change(state.directory).error
+    assert [r.generation for r in state.replicas] == [1, 1, 1]
+    assert state.record.desired is None and sup.changing is None
+    assert "stop" not in order(run.timeline, 0)  # made before the takeover: not again
+    steps = [(e["step"], e["replica"]) for e in state.events()
+             if e["event"] == "change_step" and e["change"] == change.id]
+    assert steps == [(1, 0), (2, 1), (3, 1), (4, 2)]
+
+
+def test_a_model_update_of_a_share_group_relaunches_each_member_with_its_own_launch(tmp_path):
+    """The leader's step restarts its followers with it: each comes back on the launch the
+    change wants for it (a follower's argv is not its leader's), each a new generation, and
+    the change is one step."""
+    from omni_dp.launcher.changes.desired import expected_steps, wanted
+    from omni_dp.launcher.changes.request import submit
+    from omni_dp.runfile import Desired
+
+    run = a_run(tmp_path, replicas=3, share=True)
+    state, sup = run.state, run.sup
+    goal = tuple(dataclasses.replace(wanted(r), argv=("serve", "--model", "new", f"#{r.index}"),
+                                     generation=1) for r in state.replicas)
+    desired = Desired("upd00001", goal, state.plan, state.record.gpus)
+    steps = expected_steps(desired, state.record)
+    assert [(s.action, s.replica) for s in steps] == [("restart", 0)]
+    submit(state.directory, ChangeRequest("restart", steps, "model update", 5.0,
+                                          wait_healthy=0, id="upd00001", desired=desired))
+    sup.change(take(state.directory))
+    assert read_change(state.directory).state == "done", read_change(state.directory).error
+    assert [(r.argv, r.generation) for r in state.replicas] == [(g.argv, 1) for g in goal]
+    assert all("start" in order(run.timeline, i) for i in range(3))  # each started again
+    assert state.record.desired is None
+
+
+def test_a_step_the_run_did_not_follow_is_never_made_twice_in_a_row(tmp_path):
+    """A restart that passed but left its replica still due (its launch not written) ends the
+    change rather than restarting it again sweep after sweep."""
+    from omni_dp.launcher.changes.desired import desired_of
+
+    run = a_run(tmp_path, replicas=2)
+    state, runner = run.state, run.sup.change
+    change = restart(0)
+    state.set_desired(desired_of(change, state.record))
+    assert runner.next(change, None) == (Step("restart", 0), None)
+    step, error = runner.next(change, Step("restart", 0))
+    assert step is None and error == (f"replica 0 is still not as change {change.id} wants it "
+                                      "after its restart passed")
+    state.set_desired(None)
+    assert runner.next(change, None) == (None, "what the change wants is gone from run.json")

@@ -24,6 +24,7 @@ from omni_dp.launcher.changes.request import (
     ChangeRefused,
     ChangeRequest,
     Step,
+    finish,
     read_change,
     submit,
     take,
@@ -260,7 +261,9 @@ def test_a_replica_the_dead_supervisor_left_out_of_the_router_is_put_back(tmp_pa
     assert "replica 0: back in the router" in said
 
 
-def test_a_change_the_dead_supervisor_was_making_is_recorded_failed(tmp_path):
+def test_a_change_the_dead_supervisor_left_without_what_it_wants_is_recorded_failed(tmp_path):
+    """Taken, but what it wants never written into run.json (died in between): nothing to
+    resume from, so it fails, and a change can be asked for again."""
     state = make_state(tmp_path)
     submit(state.directory, ChangeRequest("restart", (Step("restart", 0),), "restart 0", 1.0))
     running = take(state.directory)
@@ -272,7 +275,24 @@ def test_a_change_the_dead_supervisor_was_making_is_recorded_failed(tmp_path):
     assert ended.id == running.id and ended.state == "failed"
     assert ended.error.startswith("cut off: the supervisor making it (pid 4242) died")
     assert "change_failed" in names(state)
+    assert sup.changing is None
     submit(state.directory, ChangeRequest("restart", (Step("restart", 1),), "1", 1.0))
+
+
+def test_what_no_running_change_wants_is_cleared_at_a_takeover(tmp_path):
+    """A supervisor that died after recording its change ended but before clearing what it
+    wanted leaves a Desired nobody owns: cleared, nothing resumed."""
+    from omni_dp.launcher.changes.desired import desired_of
+
+    state = make_state(tmp_path)
+    submit(state.directory, ChangeRequest("restart", (Step("restart", 0),), "restart 0", 1.0))
+    running = take(state.directory)
+    state.set_desired(desired_of(running, state.record))
+    finish(state.directory, running, None)
+    sup, _, _ = supervisor(state)
+    sup._take_over(_dead_supervisor(state))
+    assert state.record.desired is None and sup.changing is None
+    assert read_change(state.directory).state == "done"
 
 
 def test_a_supervisor_never_starts_beside_a_live_one_and_never_tears_its_run_down(

@@ -3,7 +3,8 @@ in events.jsonl until it ended, saying each replica's progress as it comes.
 
 The supervisor takes a request at its next sweep; one that nobody takes (the supervisor gone, or
 stuck) is withdrawn after TAKE_TIMEOUT (never left to surprise the next supervisor), said. A
-supervisor that dies mid-change ends the following with that said.
+supervisor that dies mid-change ends the following with that said (the supervisor that takes
+the run over goes on with the change: supervision/takeover.py).
 """
 
 from __future__ import annotations
@@ -193,7 +194,8 @@ def ask_and_follow(directory: Path, request: ChangeRequest, supervisor: ProcessI
                 return Outcome(request, ended.state == "done", ended.error, outcome.steps,
                                time.monotonic() - started, outcome.stopped_in_router,
                                outcome.waits)
-            outcome.error = "the run's supervisor is gone; the change did not end"
+            outcome.error = ("the run's supervisor is gone; the change did not end (`omni-dp "
+                             "supervise` takes the run over and goes on with it)")
             return outcome
         time.sleep(POLL_S)
 

@@ -1,5 +1,8 @@
 """Planning a day-two change: a rolling restart (with the run's own plan, or new engine
-arguments: a model update) or a scale to N replicas, as the steps the supervisor will take.
+arguments: a model update) or a scale to N replicas, as what the run should be once it is made
+(runfile.Desired), which the supervisor reconciles the run with one step per sweep
+(changes/desired.py), and the steps that takes from the run as it is now (what the command
+shows).
 
 A change with new engine arguments or a new replica count is planned as `launch` plans — the
 same options (as run.json kept them), the machine read again, `plan_launch` with every check
@@ -12,27 +15,28 @@ written. Nothing here starts, stops or writes anything.
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import shlex
 from collections.abc import Callable
 
 from omni_dp.contract import Problems
 from omni_dp.cpulist import format_cpu_list
 from omni_dp.gpus import GpuFacts
-from omni_dp.launcher.changes.request import ChangeRequest, Relaunch, Step, basis_of
+from omni_dp.launcher.changes.desired import (
+    SERVING,
+    expected_steps,
+    restart_group,
+    wanted,
+)
+from omni_dp.launcher.changes.request import ChangeRequest, basis_of
 from omni_dp.launcher.planning.checks import check_options
 from omni_dp.launcher.planning.facts import LaunchFacts, gather_facts
 from omni_dp.launcher.planning.memory import memory_formula
 from omni_dp.launcher.planning.options import options_from_record
 from omni_dp.launcher.planning.plan import LaunchPlan, LaunchPlanError, plan_launch
-from omni_dp.launcher.planning.share_group import LEADER, followers
+from omni_dp.launcher.planning.share_group import LEADER
 from omni_dp.launcher.record.state import replica_record
-from omni_dp.runfile import ReplicaRecord, ReplicaState, RunRecord
-
-# Replicas in these states serve requests (or will, once their restart passed): what keeps a
-# run up while another restarts.
-SERVING = frozenset({ReplicaState.HEALTHY, ReplicaState.UNHEALTHY, ReplicaState.STARTING,
-                     ReplicaState.RESTARTING})
-
+from omni_dp.runfile import Desired, GpuRecord, PlanRecord, ReplicaRecord, RunRecord
 
 # The default bound of a step's wait for the other replicas to be healthy: one restart of
 # theirs, on top of its start (--start-timeout): the sweep sees it down (a few checks) and its
@@ -95,21 +99,17 @@ def _freed(gpu: GpuFacts | None, held: int) -> GpuFacts | None:
     return dataclasses.replace(gpu, memory_used_bytes=max(0, gpu.memory_used_bytes - held))
 
 
-def _launch(r) -> Relaunch:
-    """A planned replica's launch, as a restart step carries it."""
-    return Relaunch(tuple(r.argv), dict(r.env), format_cpu_list(r.cpus) if r.cpus else None)
+def _launched(old: ReplicaRecord, planned) -> ReplicaRecord:
+    """The replica as a change wants it: its planned launch (argv, env, CPU block)."""
+    return dataclasses.replace(wanted(old), argv=tuple(planned.argv), env=dict(planned.env),
+                               cpus=format_cpu_list(planned.cpus) if planned.cpus else None)
 
 
-def _changed(old: ReplicaRecord, launch: Relaunch) -> bool:
-    return (tuple(old.argv) != launch.argv or dict(old.env) != dict(launch.env)
-            or old.cpus != launch.cpus)
-
-
-def _group(record: RunRecord, index: int) -> list[int]:
-    """What a restart of this replica takes down with it: a weight-share leader its group."""
-    if record.plan.share_weights and index == LEADER:
-        return [LEADER, *followers(True, (r.index for r in record.replicas))]
-    return [index]
+def _desired(change: str, record: RunRecord, replicas: list[ReplicaRecord],
+             plan: PlanRecord | None = None,
+             gpus: tuple[GpuRecord, ...] | None = None) -> Desired:
+    plan = dataclasses.replace(plan or record.plan, replicas=len(replicas))
+    return Desired(change, tuple(replicas), plan, gpus if gpus is not None else record.gpus)
 
 
 def _serving_others(record: RunRecord, down: list[int],
@@ -132,38 +132,30 @@ def plan_restart(record: RunRecord, *, replicas: list[int] | None = None,
     problems = _restart_problems(record, replicas, engine_args)
     if problems:
         raise ChangePlanError(problems)
-    order = _restart_order(record, replicas)
-    problems = [] if allow_downtime else _downtime_of(record, order)
-    plan, launches = None, {}
+    change = secrets.token_hex(4)
+    asked = list(dict.fromkeys(replicas)) if replicas else [r.index for r in record.replicas]
+    restarted = {i for k in asked for i in restart_group(record, k)}
+    goal = [dataclasses.replace(wanted(r), generation=r.generation + (r.index in restarted))
+            for r in record.replicas]
+    plan, problems = None, []
     if engine_args is not None:  # planned whatever else is wrong: every problem at once
         try:
             new = _replanned(record, {"engine_args": tuple(engine_args)}, replan)
             plan = new.record()
-            launches = {r.index: _launch(r) for r in new.replicas}
+            goal = [_launched(r, p) for r, p in zip(goal, new.replicas, strict=True)]
         except ChangePlanError as exc:
             problems += exc.problems
+    desired = _desired(change, record, goal, plan)
+    steps = expected_steps(desired, record)
+    order = [s.replica for s in steps]
+    if not allow_downtime:
+        problems = _downtime_of(record, order) + problems
     if problems:
         raise ChangePlanError(problems)
-    steps = tuple(Step("restart", i, relaunch=launches.get(i)) for i in order)
     return ChangeRequest("restart", steps, _restart_summary(record, order, engine_args),
                          _drain(record, drain_timeout), plan=plan,
                          wait_healthy=wait_bound(record, wait_healthy),
-                         basis=basis_of(record))
-
-
-def _restart_order(record: RunRecord, replicas: list[int] | None) -> list[int]:
-    """The replicas to restart, in the order they go. The ones that do not serve first, as
-    Kubernetes replaces its broken pods first: each later step waits for every other replica
-    to be healthy (--wait-healthy), and a failed one that the change restarts last would fail
-    the change at its first step. A weight-share leader last: its restart takes its
-    followers."""
-    wanted = list(dict.fromkeys(replicas)) if replicas else [r.index for r in record.replicas]
-    state = {r.index: r.state for r in record.replicas}
-    wanted.sort(key=lambda i: state[i] in SERVING)
-    group = _group(record, LEADER)
-    if LEADER in wanted and len(group) > 1:
-        return [i for i in wanted if i not in group] + [LEADER]
-    return wanted
+                         basis=basis_of(record), id=change, desired=desired)
 
 
 def _downtime_of(record: RunRecord, order: list[int]) -> list[str]:
@@ -171,7 +163,7 @@ def _downtime_of(record: RunRecord, order: list[int]) -> list[str]:
     counts as serving: the change fails there if one does not pass its gates)."""
     problems = []
     for n, index in enumerate(order):
-        back = frozenset(j for k in order[:n] for j in _group(record, k))
+        back = frozenset(j for k in order[:n] for j in restart_group(record, k))
         problems += _downtime(record, index, back)
     return problems
 
@@ -180,7 +172,7 @@ def _restart_summary(record: RunRecord, order: list[int],
                      engine_args: tuple[str, ...] | None) -> str:
     what = (f"model update of replicas {_names(order)} to `{shlex.join(engine_args)}`"
             if engine_args is not None else f"rolling restart of replicas {_names(order)}")
-    if any(len(_group(record, i)) > 1 for i in order):
+    if any(len(restart_group(record, i)) > 1 for i in order):
         what += f" (replica {LEADER} leads the weight share: its followers restart with it)"
     return what
 
@@ -199,7 +191,7 @@ def _restart_problems(record: RunRecord, replicas: list[int] | None,
 
 def _downtime(record: RunRecord, index: int, back: frozenset[int] = frozenset()) -> list[str]:
     """Why restarting `index` would leave nothing serving; `back`: restarted before it."""
-    down = _group(record, index)
+    down = restart_group(record, index)
     if _serving_others(record, down, back):
         return []
     if len(record.replicas) == 1:
@@ -233,32 +225,36 @@ def plan_scale(record: RunRecord, target: int, *, per_gpu: bool = False,
     changes = {"replicas_per_gpu": target, "replicas": total} if per_gpu else \
         {"replicas": total, "replicas_per_gpu": None}
     new = _replanned(record, changes, replan)
-    kept = min(now, total)
-    restarts, kept_as_is = [], []
-    for r in new.replicas[:kept]:
-        launch = _launch(r)
-        if not _changed(record.replicas[r.index], launch):
+    goal, kept_as_is = [], []
+    for r in new.replicas:
+        if r.index >= now:
+            goal.append(replica_record(r))
             continue
-        if total == 1 and now > 1:  # the survivor restarting would leave nothing serving
+        old = record.replicas[r.index]
+        moved = _launched(old, r)
+        if moved == wanted(old):
+            goal.append(moved)
+        elif total == 1 and now > 1:
+            # the survivor restarting would leave nothing serving: kept as it was started
+            goal.append(wanted(old))
             kept_as_is.append(r.index)
-            continue
-        restarts.append(Step("restart", r.index, relaunch=launch))
-    if total > now:
-        steps = [*(Step("add", r.index, added=replica_record(r)) for r in new.replicas[now:]),
-                 *restarts]
-    else:
-        steps = [*(Step("remove", i) for i in range(now - 1, total - 1, -1)), *restarts]
+        else:  # restarted into its new block: a change's restart, a new generation
+            goal.append(dataclasses.replace(moved, generation=old.generation + 1))
+    change = secrets.token_hex(4)
     plan = new.record()
+    desired = _desired(change, record, goal, plan, new.gpus)
+    steps = expected_steps(desired, record)
+    restarts = [s.replica for s in steps if s.action == "restart"]
     what = f"scale from {now} to {total} replicas" + (
-        f"; replicas {_names([s.replica for s in restarts])} restart into their new CPU "
+        f"; replicas {_names(restarts)} restart into their new CPU "
         "blocks, one at a time" if restarts else "") + (
         f"; replica {_names(kept_as_is)} keeps running as it was started (its CPU block and "
         "threads: restarting the only one left serving would drop requests)"
         if kept_as_is else "")
-    return ChangeRequest("scale", tuple(steps), what, _drain(record, drain_timeout),
+    return ChangeRequest("scale", steps, what, _drain(record, drain_timeout),
                          plan=plan, gpus=new.gpus,
                          wait_healthy=wait_bound(record, wait_healthy),
-                         basis=basis_of(record))
+                         basis=basis_of(record), id=change, desired=desired)
 
 
 # --- shared ----------------------------------------------------------------------------------

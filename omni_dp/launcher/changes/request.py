@@ -1,10 +1,12 @@
 """A day-two change handed from a command (`omni-dp restart`, `omni-dp scale`) to the run's
 supervisor, which owns the run and makes the change; one at a time.
 
-The command plans the change (every problem before anything is written: exit 2) and writes
-`change_request.json` in the run directory — exclusively: a request already there, or a
-change still running (`change.json`), refuses a second one. The supervisor takes the request at
-its next sweep (renamed to `change.json`, state "running"), makes it step by step, saying each
+The command plans the change (every problem before anything is written: exit 2) — what the
+run should be once it is made (runfile.Desired) — and writes `change_request.json` in the run
+directory — exclusively: a request already there, or a change still running (`change.json`),
+refuses a second one. The supervisor takes the request at its next sweep (renamed to
+`change.json`, state "running"), keeps what the change wants in run.json (`desired`), makes it
+one step per sweep, each chosen from the run as it is then (changes/desired.py), saying each
 step in events.jsonl (`change_*` events carrying the change's id), and records how it ended in
 `change.json` ("done" or "failed"). The command follows those events.
 """
@@ -24,7 +26,7 @@ from typing import Literal
 
 from omni_dp.files import atomic_write
 from omni_dp.records import Record, Shape
-from omni_dp.runfile import GpuRecord, PlanRecord, ReplicaRecord, RunRecord
+from omni_dp.runfile import Desired, GpuRecord, PlanRecord, ReplicaRecord, RunRecord
 
 REQUEST_FILE = "change_request.json"  # written by the command, taken by the supervisor
 CHANGE_FILE = "change.json"  # the change the supervisor took: running, then done or failed
@@ -92,6 +94,13 @@ class Step(Record):
 
 @dataclass(frozen=True)
 class ChangeRequest(Record):
+    """A change as asked for: what the run should be once it is made (`desired`), and the
+    steps that take the run there as it was planned from (`steps`: what the command and
+    CHANGE_STARTED show; the supervisor chooses each step from the run as it is then,
+    changes/desired.py)."""
+
+    JSON_SHAPE = Shape(omit_none=("desired",))
+
     kind: ChangeKind
     steps: tuple[Step, ...]
     summary: str  # one line, said by the command and in the events
@@ -109,40 +118,41 @@ class ChangeRequest(Record):
     # the run as the change was planned from it (basis_of); the supervisor makes no step of a
     # change whose run has since changed (None: a request of an omni-dp before it, unchecked)
     basis: str | None = None
+    # what the run should be once the change is made (None: a request of an omni-dp before
+    # it, its steps alone: changes.desired.desired_of derives it)
+    desired: Desired | None = None
+
+    def __post_init__(self) -> None:
+        if self.desired is not None and self.desired.change != self.id:
+            raise ValueError(f".desired.change is {self.desired.change!r}, not the change's id "
+                             f"{self.id!r}")
 
 
 def basis_of(record: RunRecord) -> str:
     """What a change is planned from, in one word: the run's plan, GPU slots and each replica's
-    launch (index, port, argv, env, CPU block, GPU). Only a change alters these, so another
-    change that ended between a command's planning and the supervisor's taking shows here;
-    health, pids and restarts do not."""
+    launch (index, port, argv, env, CPU block, GPU, generation). Only a change alters these,
+    so another change that ended between a command's planning and the supervisor's taking
+    shows here; health, pids and restarts do not."""
     # as run.json reads back: the command plans from the file, the supervisor may hold the
     # record bring-up made (a 2 there is a 2.0 read back)
     record = RunRecord.from_json(json.loads(json.dumps(record.to_json())))
     shape = {"plan": record.plan.to_json(), "gpus": [g.to_json() for g in record.gpus],
              "replicas": [[r.index, r.port, list(r.argv), dict(r.env), r.cpus, r.gpu]
+                          # a generation only once a change made one: a run's basis reads
+                          # as an omni-dp before generations wrote it
+                          + ([r.generation] if r.generation else [])
                           for r in record.replicas]}
     return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def out_of_date(change: ChangeRequest, step: Step, record: RunRecord, first: bool) -> str | None:
-    """Why this step must not act on the run as `record` now is (None: it may): the run is no
-    longer the one the change was planned from (checked before its first step), or the step's
-    replica is not where the steps before it left the run (an add makes the next replica, a
-    remove takes the highest-numbered one, a restart needs its replica)."""
-    count = len(record.replicas)
-    if first and change.basis is not None and change.basis != basis_of(record):
-        return (f"run {record.run_id} changed after this change was planned (another change "
-                f"ended meanwhile; it has {count} replicas now): nothing was done; ask again")
-    fits = {"add": step.replica == count, "remove": step.replica == count - 1,
-            "restart": step.replica < count}[step.action]
-    if fits:
+def stale_basis(change: ChangeRequest, record: RunRecord) -> str | None:
+    """Why the change must not begin on the run as `record` now is (None: it may): the run is
+    no longer the one it was planned from (another change ended meanwhile)."""
+    if change.basis is None or change.basis == basis_of(record):
         return None
-    if step.action == "remove":
-        return (f"replica {step.replica} is not the highest-numbered one of the {count}: "
-                "scale removes from the top")
-    return (f"replica {step.replica} cannot be {'added' if step.action == 'add' else 'restarted'}"
-            f": the run has {count} replicas now, not the ones this change was planned from")
+    return (f"run {record.run_id} changed after this change was planned (another change "
+            f"ended meanwhile; it has {len(record.replicas)} replicas now): nothing was done; "
+            "ask again")
 
 
 def read_change(directory: Path, name: str = CHANGE_FILE) -> ChangeRequest | None:

@@ -26,7 +26,8 @@ run.json:
                    "pid", "create_time", "pgid",          # null until started
                    "processes": [{"pid", "role", "device"}],  # from /get_server_info
                    "state", "kv_tokens", "mps_attached", "memory_bytes", "restarts",
-                   "last_error", "gpu"}]}  # gpu: the slot in "gpus"
+                   "last_error", "gpu", "generation"}],  # gpu: the slot in "gpus"
+     "desired": {"change", "plan", "gpus", "replicas"}}  # only while a change runs
 
 Exactly one process writes run.json at a time: `omni-dp launch` until the supervisor is up, then
 the supervisor; `omni-dp down` only once the supervisor is gone. Within the supervisor one thread
@@ -53,6 +54,7 @@ from omni_dp.launcher.planning.plan import LaunchPlan, ReplicaPlan
 from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.record.writes import (
     DaemonStarted,
+    DesiredSet,
     EventWritten,
     FollowerAdded,
     GatewayChanged,
@@ -68,6 +70,7 @@ from omni_dp.mps.daemon import DaemonRecord
 from omni_dp.procs import identify
 from omni_dp.rundir import RUN_FILE, TOKEN_FILE, logs_dir
 from omni_dp.runfile import (
+    Desired,
     GatewayRecord,
     GpuRecord,
     PlanRecord,
@@ -239,6 +242,10 @@ class RunState:
     def set_plan(self, plan: PlanRecord) -> None:
         """The plan after a change that keeps the replicas (a model update)."""
         self.write(PlanSet(plan))
+
+    def set_desired(self, desired: Desired | None) -> None:
+        """What the running day-two change wants the run to be (None: no change runs)."""
+        self.write(DesiredSet(desired))
 
     def add_follower(self, index: int, leader_pid: int) -> bool:
         """Record a follower proven attached to the share the leader leader_pid published (in

@@ -20,6 +20,7 @@ from omni_dp.launcher.record.events import Event
 from omni_dp.mps.daemon import DaemonRecord
 from omni_dp.procs import ProcessIdentity
 from omni_dp.runfile import (
+    Desired,
     GatewayRecord,
     GpuRecord,
     PlanRecord,
@@ -151,9 +152,16 @@ class PlanSet:
     plan: PlanRecord
 
 
+@dataclass(frozen=True)
+class DesiredSet:
+    """What the running change wants the run to be (None: the change ended, or none runs)."""
+
+    desired: Desired | None
+
+
 Write = (EventWritten | ReplicaChanged | ReplicaStarted | RestartDecided | ReplicaBack
          | ReplicaDown | RecordsReplaced | GatewayChanged | DaemonStarted | FollowerAdded
-         | PhaseSet | ScaleSet | PlanSet)
+         | PhaseSet | ScaleSet | PlanSet | DesiredSet)
 
 
 def apply(write: Write, state: Recorded) -> object:
@@ -205,6 +213,8 @@ def next_record(write: Write, record: RunRecord) -> RunRecord:
             return record.with_scale(replicas, plan, gpus)
         case PlanSet(plan):
             return record.with_plan(plan)
+        case DesiredSet(desired):
+            return record if desired == record.desired else record.with_desired(desired)
     return record
 
 

@@ -1,11 +1,12 @@
-"""The supervisor makes a day-two change (omni_dp/launcher/changes): the steps in order, each on
-one replica (or a weight-share leader's group). The loop makes the change, one step per sweep
-(begin, dispatch, apply, end: it alone writes what a change records around its steps), checking
-each step against the record as it is when the step begins (changes.request.out_of_date: a
-change planned from another run acts on nothing); the step's blocking part runs in a thread of
-its own (run_step) so the rest of the run stays watched, and reports a StepEnded the loop
-applies. While a step works on a replica it holds that replica's slot: the sweep leaves it
-alone, and the step waits for a restart the sweep began to end first.
+"""The supervisor makes a day-two change (omni_dp/launcher/changes) as desired state: once the
+change is taken (and the run found to be the one it was planned from), what it wants is written
+into run.json (`desired`, a DesiredSet), and each sweep with no step in flight the loop asks
+changes.desired.next_step for the one step that brings the run as it is then closer to it
+(begin, next, dispatch, apply, end: the loop alone writes what a change records around its
+steps), until none is left. The step's blocking part runs in a thread of its own (run_step) so
+the rest of the run stays watched, and reports a StepEnded the loop applies. While a step works
+on a replica it holds that replica's slot: the sweep leaves it alone, and the step waits for a
+restart the sweep began to end first.
 
 - restart: out of the router → drained (the router's in-flight count for it reaches 0, or the
   drain bound) → stopped → its record changed when the step brings a new launch (a model
@@ -16,8 +17,10 @@ alone, and the step waits for a restart the sweep began to end first.
 Before a restart or a remove takes its replica (and its group) out, every other replica must be
 healthy (others_healthy.py): the step waits for that, says so (change_waiting, then
 change_waited), at most the change's wait_healthy, and fails on a failed replica at once.
-A step that fails stops the change there (what passed stays; the failed replica is down, as
-after a failed restart: the sweep tries it again); the change is recorded failed, said.
+A step that fails ends the change there, recorded failed and said, and what it wanted is
+cleared: what passed stays (as an operator's restart that failed half-way, the run keeps the
+replicas that passed and the failed one is down, which the sweep tries again); reconciling on
+would repeat the failed step against the same cause, sweep after sweep, with nobody asking.
 Operator restarts are not charged to a replica's restart budget.
 """
 
@@ -28,7 +31,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
-from omni_dp.launcher.changes.request import ChangeRequest, Step, finish, out_of_date
+from omni_dp.launcher.changes.desired import desired_of, next_step
+from omni_dp.launcher.changes.request import ChangeRequest, Step, finish, stale_basis
 from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.others_healthy import NotHealthy, not_healthy
@@ -36,7 +40,7 @@ from omni_dp.launcher.supervision.outcomes import StepEnded
 from omni_dp.launcher.supervision.replica_restart import Progress, ReplicaRestart
 from omni_dp.launcher.supervision.router_link import RouterLink
 from omni_dp.launcher.supervision.slots import Busy, Slot, replica_group, run_slots
-from omni_dp.runfile import GpuRecord, PlanRecord, ReplicaState
+from omni_dp.runfile import Desired, GpuRecord, PlanRecord, ReplicaState
 
 SLOT_WAIT_S = 600.0  # for a restart the sweep began on the same replica to end
 WAIT_POLL_S = 0.5  # how often a step waiting for the others looks again
@@ -65,33 +69,62 @@ class ChangeRunner:
     # --- the change, as the loop makes it: one step per thread, the rest its own -----------
 
     def __call__(self, change: ChangeRequest) -> None:
-        """The whole change in the calling thread, as the loop makes it (one step after the
-        other, each checked against the run as it is then); what goes wrong is recorded."""
-        self.begin(change)
-        error = None
-        for n in range(1, len(change.steps) + 1):
-            error = self.dispatch(change, n) or self.apply(change, self.run_step(change, n))
-            if error is not None:
+        """The whole change in the calling thread, as the loop makes it (each step chosen from
+        the run as it is then); what goes wrong is recorded."""
+        error, n, last = self.begin(change), 0, None
+        while error is None:
+            step, error = self.next(change, last)
+            if step is None or error is not None:
                 break
+            n += 1
+            error = self.dispatch(change, n, step) or \
+                self.apply(change, self.run_step(change, n, step), step)
+            last = step
         self.end(change, error)
 
-    def begin(self, change: ChangeRequest) -> None:
-        """The loop: the change taken, said."""
+    def begin(self, change: ChangeRequest) -> str | None:
+        """The loop: the change taken, said; checked against the run it was planned from, then
+        what it wants written into run.json. Why it ends before any step, else None."""
         self.crew.state.event(Event.CHANGE_STARTED, change=change.id, kind=change.kind,
                               summary=change.summary,
                               steps=[s.to_json() for s in change.steps])
         self.crew.say(f"change {change.id}: {change.summary}")
-
-    def dispatch(self, change: ChangeRequest, n: int) -> str | None:
-        """The loop, before step n's thread: the step checked against the run as it is now
-        (never the one it was planned from), said, and what it records first (an added
-        replica); why the change ends here instead, else None."""
-        step = change.steps[n - 1]
         if self.crew.stop.is_set() or self.crew.gate.closed:
             return "the run is being torn down"
-        stale = out_of_date(change, step, self.crew.state.record, first=n == 1)
+        record = self.crew.state.record
+        stale = stale_basis(change, record)
         if stale is not None:
             return stale
+        try:
+            self.crew.state.set_desired(desired_of(change, record))
+        except Exception as exc:  # an unwritable run.json, a request that does not fit: said
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def desired(self, change: ChangeRequest) -> Desired | None:
+        """What the change wants, as run.json keeps it (None: not this change's)."""
+        desired = self.crew.state.record.desired
+        return desired if desired is not None and desired.change == change.id else None
+
+    def next(self, change: ChangeRequest, last: Step | None) -> tuple[Step | None, str | None]:
+        """The loop, with no step in flight: the step that brings the run as it is now closer
+        to what the change wants (None: there), or why the change ends here — the same step
+        again right after it passed (the run did not follow it: never made twice)."""
+        desired = self.desired(change)
+        if desired is None:
+            return None, "what the change wants is gone from run.json"
+        step = next_step(desired, self.crew.state.record)
+        if step is not None and last is not None and \
+                (step.action, step.replica) == (last.action, last.replica):
+            return None, (f"replica {step.replica} is still not as change {change.id} wants it "
+                          f"after its {step.action} passed")
+        return step, None
+
+    def dispatch(self, change: ChangeRequest, n: int, step: Step) -> str | None:
+        """The loop, before step n's thread: said, and what it records first (an added
+        replica); why the change ends here instead, else None."""
+        if self.crew.stop.is_set() or self.crew.gate.closed:
+            return "the run is being torn down"
         try:
             self.crew.state.event(Event.CHANGE_STEP, change=change.id, step=n,
                                   action=step.action, replica=step.replica)
@@ -101,10 +134,9 @@ class ChangeRunner:
             return f"{type(exc).__name__}: {exc}"
         return None
 
-    def run_step(self, change: ChangeRequest, n: int) -> StepEnded:
+    def run_step(self, change: ChangeRequest, n: int, step: Step) -> StepEnded:
         """The step's thread: its blocking waits (the others healthy, the drain, the stop, the
         gates); how it ended, for the loop to apply. Never raises."""
-        step = change.steps[n - 1]
         started = time.monotonic()
         error, removed = None, None
         try:
@@ -118,10 +150,9 @@ class ChangeRunner:
             error = f"{type(exc).__name__}: {exc}"
         return StepEnded(change.id, n, round(time.monotonic() - started, 2), error, removed)
 
-    def apply(self, change: ChangeRequest, ended: StepEnded) -> str | None:
+    def apply(self, change: ChangeRequest, ended: StepEnded, step: Step) -> str | None:
         """The loop: what the step's thread reported, in the record (a removed replica gone
         from it) and the events; why the change ends here, else None."""
-        step = change.steps[ended.step - 1]
         try:
             if ended.removed is not None:
                 state = self.crew.state
@@ -137,13 +168,18 @@ class ChangeRunner:
         return None
 
     def end(self, change: ChangeRequest, error: str | None) -> None:
-        """The loop: the plan the run now follows, and how the change ended, recorded, said."""
+        """The loop: the plan the run now follows, what the change wanted cleared, and how it
+        ended, recorded, said (cleared first: a supervisor that dies between the two finds a
+        running change with nothing to resume, and records it failed)."""
         state = self.crew.state
-        if error is None:
-            try:
-                self._record_plan(change)
-            except Exception as exc:  # an unwritable run.json: said, never fatal
-                error = f"{type(exc).__name__}: {exc}"
+        desired = self.desired(change)
+        try:
+            if error is None and desired is not None and desired.plan != state.plan:
+                state.set_plan(desired.plan)  # a model update's engine arguments
+            if desired is not None:
+                state.set_desired(None)
+        except Exception as exc:  # an unwritable run.json: said, never fatal
+            error = error or f"{type(exc).__name__}: {exc}"
         if self.crew.gate.closed and error is None and change.steps:
             error = "the run is being torn down"
         finish(state.directory, change, error)
@@ -163,7 +199,8 @@ class ChangeRunner:
                 self._out_and_drained(change, i)
                 if self.crew.state.replica(i).state is not ReplicaState.RESTARTING:
                     self.crew.state.update_replica(i, state=ReplicaState.RESTARTING)
-            relaunch = (lambda i: self._relaunch(i, step)) if step.relaunch else None
+            desired = self.desired(change)
+            relaunch = (lambda i: self._relaunch(i, desired)) if desired is not None else None
             passed = self.restart.cycle(members, Progress(), relaunch=relaunch)
         if passed is None:
             raise StepFailed("the run is being torn down")
@@ -200,7 +237,7 @@ class ChangeRunner:
     def _remove(self, change: ChangeRequest, step: Step) -> tuple[int, str | None]:
         """Out, drained, stopped, gone from the router: the replica stopped, for the loop to
         drop from the record (apply), and why the step still failed (the router kept it)."""
-        index = step.replica  # the highest-numbered one: out_of_date checked it
+        index = step.replica  # the highest-numbered one: next_step chose it from the record
         with self._taking_out(change, index, [index]):
             self._out_and_drained(change, index)
             self.crew.replicas.stop([index], change.drain_timeout)
@@ -304,24 +341,24 @@ class ChangeRunner:
         state.event(Event.CHANGE_DRAINED, change=change.id, replica=index, out_of_router=out,
                     drained=drained, seconds=round(time.monotonic() - started, 2), **refused)
 
-    def _relaunch(self, index: int, step: Step) -> None:
-        launch = step.relaunch
-        assert launch is not None
-        self.crew.state.update_replica(index, argv=launch.argv, env=dict(launch.env),
-                                       cpus=launch.cpus)
-
-    def _record_plan(self, change: ChangeRequest) -> None:
-        """The plan the run now follows (a model update's engine arguments, a scale's count)."""
-        if change.plan is not None and change.kind == "restart":
-            self.crew.state.set_plan(change.plan)
+    def _relaunch(self, index: int, desired: Desired) -> None:
+        """Between a member's stop and its start: the launch and generation the change wants
+        for it (each member its own: a weight-share follower's argv is not its leader's)."""
+        if index >= len(desired.replicas):
+            return
+        goal = desired.replicas[index]
+        self.crew.state.update_replica(index, argv=tuple(goal.argv), env=dict(goal.env),
+                                       cpus=goal.cpus, generation=goal.generation)
 
     def _plan_with(self, replicas: int, change: ChangeRequest) -> PlanRecord:
-        """The plan as the record goes through a scale: the new one's, counting what is there
-        now (each step adds or removes one)."""
-        return replace(change.plan or self.crew.state.plan, replicas=replicas)
+        """The plan as the record goes through a scale: the wanted one's, counting what is
+        there now (each step adds or removes one)."""
+        desired = self.desired(change)
+        return replace(desired.plan if desired else self.crew.state.plan, replicas=replicas)
 
     def _gpus(self, change: ChangeRequest) -> tuple[GpuRecord, ...]:
-        return change.gpus or self.crew.state.record.gpus
+        desired = self.desired(change)
+        return desired.gpus if desired else self.crew.state.record.gpus
 
     def _last_error(self, index: int) -> str:
         state = self.crew.state

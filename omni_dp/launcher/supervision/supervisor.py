@@ -6,9 +6,11 @@ replica (process alive by pid + create time, GET /health), the router — and ha
 thread of its own, so the rest stays watched. A thread keeps the blocking waits and reports
 typed outcomes (outcomes.py); the loop alone applies them — and every record write a thread
 makes (record/writes.py): the loop is the run record's single writer —, and alone changes its
-watches and slots, which follow the record at every sweep. A day-two change is made by the
-loop one step per sweep (change_runner.py). A slot is left alone while a restart owns it or
-what it depends on (an MPS fault on a GPU restarts every replica of that GPU, and no other).
+watches and slots, which follow the record at every sweep. A day-two change is desired state
+(in run.json while it runs) that the loop reconciles the run with, one step per sweep, each
+chosen from the record as it is then (change_runner.py). A slot is left alone while a restart
+owns it or what it depends on (an MPS fault on a GPU restarts every replica of that GPU, and no
+other).
 SIGTERM/SIGINT: orderly teardown.
 
 Run in the foreground by `omni-dp launch`, or detached as
@@ -30,7 +32,7 @@ from pathlib import Path
 
 from omni_dp.contract import API_KEY_ENV, ExitCode
 from omni_dp.launcher.bringup.replicas import ReplicaControl
-from omni_dp.launcher.changes.request import ChangeRequest, take
+from omni_dp.launcher.changes.request import ChangeRequest, Step, take
 from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.record.state import RunState
 from omni_dp.launcher.supervision.change_runner import ChangeRunner
@@ -75,10 +77,13 @@ __all__ = ["DeathWatch", "Supervisor", "main"]
 
 @dataclass
 class Changing:
-    """The change the loop is making: the next of its steps to begin (from 1)."""
+    """The change the loop is making: how many steps it began, the one in flight, and the last
+    one that passed (the next is chosen from the record: changes/desired.py)."""
 
     change: ChangeRequest
-    next: int = 1
+    made: int = 0
+    step: Step | None = None
+    last: Step | None = None
 
 
 def _stamped(line: str) -> None:
@@ -160,6 +165,8 @@ class Supervisor:
             return
         self.cut_off.update(done.cut_off)
         self.router.not_in_router.update(done.taken_out)
+        if done.resumed is not None:  # its next step at the first sweep, from the record
+            self.changing = Changing(done.resumed, made=done.steps)
 
     def _loop(self, watch: DeathWatch) -> None:
         supervising = False
@@ -349,10 +356,12 @@ class Supervisor:
             self.busy.start(ROUTER, self.router.restart, delay, self.reap, name="router-restart")
 
     def _check_change(self) -> None:
-        """A day-two change (omni-dp restart, omni-dp scale), made by the loop one step per
-        sweep: each step checked against the record as it is when it begins, its blocking part
-        in a thread of its own (the run stays watched), its outcome applied here. One change
-        at a time (the next waits, asked, until this one ended)."""
+        """A day-two change (omni-dp restart, omni-dp scale) as desired state: taken, checked
+        against the run it was planned from, what it wants written into run.json; then, each
+        sweep with no step in flight, the step that brings the run as it is then closer to it
+        (change_runner.py), its blocking part in a thread of its own (the run stays watched),
+        its outcome applied here; none left: done. One change at a time (the next waits,
+        asked, until this one ended)."""
         if self.busy.holder(CHANGE) is not None:
             return  # a step runs
         self.apply_outcomes()  # the step that just ended reported before it let go
@@ -362,33 +371,43 @@ class Supervisor:
             change = take(self.state.directory, self._change_refused)
             if change is None:
                 return
-            self.change.begin(change)
             self.changing = Changing(change)
+            error = self.change.begin(change)
+            if error is not None:
+                self._end_change(error)
+                return
         changing = self.changing
-        if changing.next > len(changing.change.steps):
-            self._end_change(None)
+        if changing.step is not None:  # its thread let go without a report (never expected)
+            self._end_change(f"step {changing.made} ended without saying how")
             return
-        error = self.change.dispatch(changing.change, changing.next)
+        step, error = self.change.next(changing.change, changing.last)
+        if step is None:
+            self._end_change(error)
+            return
+        changing.made += 1
+        error = self.change.dispatch(changing.change, changing.made, step)
         if error is not None:
             self._end_change(error)
             return
-        self.busy.start(CHANGE, self._run_step, changing.change, changing.next,
-                        name=f"change-{changing.change.id}-{changing.next}")
+        changing.step = step
+        self.busy.start(CHANGE, self._run_step, changing.change, changing.made, step,
+                        name=f"change-{changing.change.id}-{changing.made}")
 
-    def _run_step(self, change: ChangeRequest, n: int) -> None:
+    def _run_step(self, change: ChangeRequest, n: int, step: Step) -> None:
         """A step's thread: its blocking part, reported."""
-        self.outcomes.report(self.change.run_step(change, n))
+        self.outcomes.report(self.change.run_step(change, n, step))
 
     def _step_ended(self, ended: StepEnded) -> None:
         changing = self.changing
-        if changing is None or changing.change.id != ended.change or \
-                changing.next != ended.step:
+        if changing is None or changing.step is None or changing.change.id != ended.change \
+                or changing.made != ended.step:
             return  # not the step the loop handed out (the change ended meanwhile)
-        error = self.change.apply(changing.change, ended)
+        step, changing.step = changing.step, None
+        error = self.change.apply(changing.change, ended, step)
         if error is not None:
             self._end_change(error)
         else:
-            changing.next += 1
+            changing.last = step
 
     def _end_change(self, error: str | None) -> None:
         assert self.changing is not None

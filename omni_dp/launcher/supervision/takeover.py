@@ -10,8 +10,14 @@ What the dead supervisor held only in memory, or in a thread that died with it, 
   through every gate (a half-started process never passes for healthy without them);
 - a replica the router lists as taken out (the dead one took it out and never put it back) is
   put back by the sweep once it is healthy, as one the router did not take back;
-- a day-two change it was making (change.json "running") is recorded as failed, said why:
-  what its steps did stays, and the next change may be asked for.
+- a day-two change it was making (change.json "running") is resumed when run.json keeps what
+  it wants (`desired`, of that change): the new loop reconciles the run with it from the record
+  as it is (changes/desired.py), a step the dead one cut off included — a replica it was
+  restarting is restarted by the first sweep, and still due when it came back on its old
+  launch. A running change without it (the dead supervisor died between taking the change and
+  writing what it wants, or was an omni-dp before it) is recorded as failed, said why: what its
+  steps did stays, and the next change may be asked for. What a change wanted that no running
+  change owns is cleared.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from omni_dp.launcher.changes.request import finish, read_change
+from omni_dp.launcher.changes.request import ChangeRequest, finish, read_change
 from omni_dp.launcher.record.events import Event
 from omni_dp.launcher.supervision.crew import Crew
 from omni_dp.launcher.supervision.hang_watch import replica_index
@@ -36,7 +42,9 @@ class TakeOver:
     previous_pid: int
     cut_off: list[int] = field(default_factory=list)  # restarted at the first sweep
     taken_out: list[int] = field(default_factory=list)  # put back in the router once healthy
-    change: str | None = None  # the id of the change recorded failed
+    change: str | None = None  # the id of the change it was making
+    resumed: ChangeRequest | None = None  # that change, when it goes on (else: failed)
+    steps: int = 0  # the steps of it begun before (the next is numbered after them)
 
 
 def take_over(crew: Crew, previous: SupervisorRecord) -> TakeOver:
@@ -61,17 +69,33 @@ def take_over(crew: Crew, previous: SupervisorRecord) -> TakeOver:
         if index is not None and index < len(state.replicas) and index not in done.cut_off \
                 and worker.get("disabled") is True and state.replica(index).state in WATCHED:
             done.taken_out.append(index)
-    change = read_change(state.directory)
-    if change is not None and change.state == "running":
-        error = f"cut off: {why}; what its steps did stays"
-        finish(state.directory, change, error)
-        state.event(Event.CHANGE_FAILED, change=change.id, error=error)
-        done.change = change.id
+    _take_change(crew, done, why)
     state.event(Event.SUPERVISOR_RESUMED, pid=os.getpid(), previous_pid=done.previous_pid,
-                cut_off=done.cut_off, taken_out=sorted(done.taken_out), change=done.change)
+                cut_off=done.cut_off, taken_out=sorted(done.taken_out), change=done.change,
+                change_resumed=done.resumed is not None)
     crew.say(f"supervising run {state.run_id} again, after supervisor pid {done.previous_pid}"
              + "".join(f"; {what}" for what in _said(done)))
     return done
+
+
+def _take_change(crew: Crew, done: TakeOver, why: str) -> None:
+    """The change the dead supervisor was making: resumed where run.json keeps what it wants,
+    else recorded failed; what it wanted is cleared where no running change owns it."""
+    state = crew.state
+    change, desired = read_change(state.directory), state.record.desired
+    running = change if change is not None and change.state == "running" else None
+    if running is not None:
+        done.change = running.id
+        if desired is not None and desired.change == running.id:
+            done.resumed = running
+            done.steps = sum(1 for e in state.events() if e.get("event") == Event.CHANGE_STEP
+                             and e.get("change") == running.id)
+            return
+        error = f"cut off: {why}; what its steps did stays"
+        finish(state.directory, running, error)
+        state.event(Event.CHANGE_FAILED, change=running.id, error=error)
+    if desired is not None:
+        state.set_desired(None)
 
 
 def _said(done: TakeOver) -> list[str]:
@@ -80,4 +104,6 @@ def _said(done: TakeOver) -> list[str]:
             if done.cut_off else []) + \
         ([f"replica(s) {listed(done.taken_out)}: out of the router, put back once healthy"]
          if done.taken_out else []) + \
-        ([f"change {done.change}: cut off, recorded as failed"] if done.change else [])
+        ([f"change {done.change}: " + ("resumed from the run as it is" if done.resumed
+                                        else "cut off, recorded as failed")]
+         if done.change else [])
