@@ -103,11 +103,12 @@ def server_checks(checks: Checks, url: str, device: str) -> None:
     checks.run("64 concurrent requests", concurrency)
 
 
-def step_checks(checks: Checks, device: str, model: str) -> None:
+def step_checks(checks: Checks, device: str, model: str, steps_n: int) -> None:
     from engine_steps import measure
 
     def steps() -> str | None:
-        result = measure(device, model, batch=32, steps=100)
+        # warmup no longer than the count measured (a CPU rehearsal measures few)
+        result = measure(device, model, batch=32, steps=steps_n, warmup=min(20, steps_n))
         print(json.dumps(result), flush=True)
         syncs = result["syncs_per_step"]
         if syncs is not None and syncs["max"] != 1:
@@ -125,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", default="small")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--steps", type=int, default=100,
+                        help="talker steps timed at batch 32 [default: 100]")
     args = parser.parse_args(argv)
     checks = Checks()
     with tempfile.TemporaryDirectory() as tmp:
@@ -145,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             print("--- replica log (tail) ---\n" + "\n".join(
                 log.read_text(errors="replace").splitlines()[-15:]) if log.exists() else "",
                 flush=True)
-    step_checks(checks, args.device, args.model)
+    step_checks(checks, args.device, args.model, args.steps)
     for failure in checks.failures:
         print("FAIL:", failure)
     print("RESULT:", "FAIL" if checks.failures else "PASS", flush=True)

@@ -56,11 +56,13 @@ class Settings:
     headline_warmup_s: float = 2.0
     kv_tokens: int = 65536
     share_replicas: int = 3
+    share_runs: str = "separate,shared"  # weight_share.py's --runs
     more_configs: str = "2mps,5mps"
     voice_model: str = "joe"  # the trained voice (docs/voice.md)
     voice_configs: str = "1,3mps"
     voice_concurrency: str = "16,48"
     kernel_seconds: float = 1.0
+    check_steps: int = 100  # gpu_check.py's --steps: talker steps timed
     overlap_duration_s: float = 6.0
     overlap_concurrency: int = 32
     # the vllm-omni step: a model directory and deploy file on the machine (nothing can be
@@ -250,7 +252,7 @@ def steps(s: Settings) -> list[Step]:
         Step("headline", bench(s.headline_configs, "headline"), limit("headline", 230), 60,
              bench_reader("headline"), env=with_state, grace_s=30, needs=("serving",)),
         Step("share", [py, "weight_share.py", "--replicas", str(s.share_replicas),
-                       "--runs", "separate,shared", "--serve-args", f"--model {s.model}",
+                       "--runs", s.share_runs, "--serve-args", f"--model {s.model}",
                        *launch_gpu, *(["--mps"] if s.on_gpu else []), "--state-dir", state,
                        "--out", str(s.work / "share"), "--run-timeout", "90",
                        "--recovery-timeout", "40", "--launch-args",
@@ -258,7 +260,7 @@ def steps(s: Settings) -> list[Step]:
              limit("share", 120), 40, share_rows, cwd=BENCH, env=with_state,
              needs=("serving",)),
         Step("gpu_check", [py, "gpu_check.py", s.model, "--device",
-                           "cuda" if s.on_gpu else "cpu"],
+                           "cuda" if s.on_gpu else "cpu", "--steps", str(s.check_steps)],
              limit("gpu_check", 90), 30, check_lines, cwd=BENCH, needs=("serving",)),
         Step("voice", bench(s.voice_configs, "voice", s.voice_model, s.voice_concurrency,
                             kv=False),

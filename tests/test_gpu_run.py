@@ -92,7 +92,10 @@ def row(summary: str, step: str) -> str:
 def test_the_device_call_runs_on_cpu_and_brings_back_at_most_eight_files(tmp_path):
     real_control_binary()  # the smoke step drives the real daemon (fails in CI if missing)
     out = tmp_path / "out"
-    rc, summary = gpu_run(out)
+    # every step through its own knobs, smaller: one concurrency level (the DP2 : DP1 ratio
+    # needs one both reach), the shared-weights run alone (the separate one is the headline's
+    # plain launch), 10 talker steps timed
+    rc, summary = gpu_run(out, HEADLINE_CONCURRENCY="4", SHARE_RUNS="shared", CHECK_STEPS="10")
     assert rc == 0, summary
     for step in ("probe", "mps smoke", "headline", "share", "gpu_check", "teardown"):
         assert row(summary, step) == "ok", summary
@@ -120,6 +123,7 @@ def test_the_device_call_runs_on_cpu_and_brings_back_at_most_eight_files(tmp_pat
     assert steps["headline"]["figures"]["bench"]["complete"] is True
     assert "Torch not compiled with CUDA" in steps["mps smoke"]["figures"]["concurrency"]["error"]
     assert steps["teardown"]["figures"] == {"cleanup_runs": [], "left_behind": []}
+    assert steps["gpu_check"]["figures"]["steps"]["steps"] == 10  # the knob reached the step
     assert (out / "headline.png").stat().st_size > 10_000
     assert "### headline: ok" in (out / "console.log").read_text()
     with tarfile.open(out / "artifacts.tar.gz") as tar:
@@ -219,10 +223,14 @@ def test_steps_that_time_out_or_fail_are_rows_and_the_next_runs(tmp_path):
 
 @pytest.mark.slow
 def test_steps_past_the_budget_are_skipped_and_said_so(tmp_path):
-    rc, summary = gpu_run(tmp_path / "out", BUDGET="70", TEARDOWN_RESERVE="40",
+    """20 s before the teardown's reserve: the probe runs, then neither the smoke test (it
+    needs 20) nor the headline (60) has room."""
+    rc, summary = gpu_run(tmp_path / "out", BUDGET="70", TEARDOWN_RESERVE="50",
                           LIMIT_PROBE="8")
     assert rc == 1
     assert row(summary, "probe") == "ok"
+    assert re.match(r"skipped: budget spent \(\d+ s left, the step needs 20\)",
+                    row(summary, "mps smoke")), summary
     assert re.match(r"skipped: budget spent \(\d+ s left, the step needs 60\)",
                     row(summary, "headline")), summary
     assert row(summary, "teardown") == "ok"
