@@ -275,9 +275,12 @@ def test_supervision_restarts_a_hung_and_a_killed_replica_then_gives_up_and_rest
     assert [r["health"] for r in run.status()["replicas"]] == ["healthy", "healthy"]
     _check_a_hung_replica_is_restarted_after_consecutive_failed_health_checks(run, 1)
     _check_a_killed_replica_is_restarted_while_traffic_continues(run, 0, other=1)
-    _check_past_the_restart_budget_the_replica_is_failed_and_out_of_the_router(run, 0, other=1)
+    failed_at = _check_past_the_restart_budget_the_replica_is_failed_and_out_of_the_router(
+        run, 0, other=1)
     _check_a_dead_router_is_restarted_and_serves_again(run)
-    # The failed replica stayed failed through all that: the supervisor does not try again.
+    # The failed replica stayed failed through all that (and at least 3 sweeps): the supervisor
+    # does not try again.
+    time.sleep(max(0.0, failed_at + 1.5 - time.monotonic()))
     assert replica_status(run, 0)["state"] == "failed"
     assert event_count(run, "replica_started", 0) == 2  # bring-up and the one restart
 
@@ -365,8 +368,9 @@ def _check_a_killed_replica_is_restarted_while_traffic_continues(run: Run, index
 
 
 def _check_past_the_restart_budget_the_replica_is_failed_and_out_of_the_router(
-        run: Run, index: int, other: int) -> None:
-    """`index` has had its one restart (--restart-budget 1): killed again, it stays failed."""
+        run: Run, index: int, other: int) -> float:
+    """`index` has had its one restart (--restart-budget 1): killed again, it stays failed.
+    Returns when it was seen failed (time.monotonic())."""
     assert event_count(run, "restart_completed", index) == 1
     kill_replica(run, index)
 
@@ -375,6 +379,7 @@ def _check_past_the_restart_budget_the_replica_is_failed_and_out_of_the_router(
         return r if r["state"] == "failed" else None
 
     r = wait_for(f"replica {index} to be marked failed", failed, timeout=RESTART_TIMEOUT_S)
+    failed_at = time.monotonic()
     assert "budget" in r["last_error"], r
     assert r["health"] == "down" and r["alive"] is False
     assert r["restarts"] == 1
@@ -395,6 +400,7 @@ def _check_past_the_restart_budget_the_replica_is_failed_and_out_of_the_router(
         code, headers, body = speech(run.router_url)
         assert code == 200 and is_wav(body)
         assert headers.get("X-Omni-DP-Replica") == str(other)
+    return failed_at
 
 
 def _check_a_dead_router_is_restarted_and_serves_again(run: Run) -> None:
