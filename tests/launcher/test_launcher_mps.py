@@ -42,7 +42,8 @@ def _assert_gone(run: MpsRun, record: dict) -> None:
 # --- the tests ------------------------------------------------------------------------------------
 
 
-def test_launch_under_real_daemon_proves_attachment_serves_and_down_cleans(mps_run):
+def test_launch_under_real_daemon_proves_attachment_serves_and_down_waits_out_a_foreign_client(
+        mps_run):
     run = mps_run
     done = run.launch()
     assert done.returncode == 0, done.stdout + done.stderr + run.logs()
@@ -96,6 +97,25 @@ def test_launch_under_real_daemon_proves_attachment_serves_and_down_cleans(mps_r
                               timeout=60)
     assert code == 200 and len(body) > 44, body[:200]
 
+    # "nothing left behind" must be able to fail: a client that is not the run's keeps the
+    # daemon from quitting; down names it, exits 3 and keeps the state, touching the client not.
+    # (The same run: a down with the supervisor alive is the daemon-fault test's.)
+    os.kill(record["supervisor"]["pid"], signal.SIGKILL)  # down does the whole teardown itself
+    foreign = subprocess.Popen(["sleep", "600"], env={"PATH": os.environ["PATH"]})
+    try:
+        run.hybrid.set_scenario(extra_clients=[foreign.pid])
+        down = run.cli("down", run.run_id)
+        assert down.returncode == 3, down.stdout + down.stderr
+        assert f"MPS client(s) {foreign.pid} are still attached" in down.stdout
+        assert "state kept" in down.stdout
+        assert foreign.poll() is None  # never signalled: not the run's
+        assert run.daemons() == [daemon_pid]  # not quit under a client
+        assert "quit" not in run.hybrid.commands()
+        assert not any(alive(r["pid"], r["create_time"]) for r in record["replicas"])
+        assert run.run_dir.exists()
+    finally:
+        foreign.kill()
+        foreign.wait()
     down = run.cli("down", run.run_id)
     assert down.returncode == 0, down.stdout + down.stderr
     _assert_gone(run, record)
@@ -141,7 +161,7 @@ def test_attachment_failure_stops_everything_and_keeps_state(mps_run, scenario):
         run.declare_cuda = False
         expected = "declares no CUDA process"
     try:
-        done = run.launch()
+        done = run.launch(replicas=1)
     finally:
         if watcher is not None:
             watcher.stop.set()
@@ -193,7 +213,8 @@ def _restart_after_killing_the_daemon(run: MpsRun) -> None:
     wait_for("the supervisor to restart the daemon and the replicas", settled, 60, interval=0.1)
 
 
-def test_daemon_fault_restarts_daemon_and_every_replica_through_the_gates(mps_run):
+def test_daemon_fault_restarts_daemon_and_every_replica_through_the_gates_and_down_quits_it(
+        mps_run):
     run = mps_run
     done = run.launch("--check-interval", "0.5")
     assert done.returncode == 0, done.stdout + done.stderr + run.logs()
@@ -206,6 +227,7 @@ def test_daemon_fault_restarts_daemon_and_every_replica_through_the_gates(mps_ru
 
     record = run.record()
     new_daemon = _daemon_pid(record)
+    carries_token = TOKEN_ENV in (environ(new_daemon) or {})
     assert new_daemon != old_daemon and alive(new_daemon)
     assert not alive(old_daemon)
     assert run.daemons() == [new_daemon]
@@ -229,47 +251,24 @@ def test_daemon_fault_restarts_daemon_and_every_replica_through_the_gates(mps_ru
                            {"input": "Again.", "max_new_tokens": 8}, timeout=60)
     assert code == 200
 
+    # The daemon the supervisor restarted (not the one launch started) is the one down quits.
     down = run.cli("down", run.run_id)
     assert down.returncode == 0, down.stdout + down.stderr
     _assert_gone(run, record)
     assert not run.run_dir.exists()
-
-
-def test_daemon_fault_with_on_mps_fault_fail_tears_the_run_down(mps_run):
-    run = mps_run
-    done = run.launch("--check-interval", "0.5", "--on-mps-fault", "fail")
-    assert done.returncode == 0, done.stdout + done.stderr + run.logs()
-    record, _ = _kill_daemon(run)
-    supervisor = record["supervisor"]["pid"]
-    wait_for("the supervisor to stop the run and exit", lambda: not alive(supervisor), 30,
-             interval=0.1)
-    _assert_gone(run, record)
-
-
-def test_daemon_restarted_by_the_supervisor_is_quit_by_down(mps_run):
-    run = mps_run
-    done = run.launch("--check-interval", "0.5")
-    assert done.returncode == 0, done.stdout + done.stderr + run.logs()
-    _kill_daemon(run)
-    _restart_after_killing_the_daemon(run)
-    record = run.record()
-    carries_token = TOKEN_ENV in (environ(_daemon_pid(record)) or {})
-
-    down = run.cli("down", run.run_id)
-    assert down.returncode == 0, down.stdout + down.stderr
-    _assert_gone(run, record)
     commands = run.hybrid.commands()
     second_start = [i for i, c in enumerate(commands) if c == "-d"][1]
     assert "quit" in commands[second_start:], commands
     assert not carries_token
 
 
-def test_run_stopped_by_an_mps_fault_keeps_its_state_for_diagnosis(mps_run):
+def test_daemon_fault_with_on_mps_fault_fail_tears_the_run_down_and_keeps_its_state(mps_run):
     run = mps_run
-    done = run.launch("--check-interval", "0.5", "--on-mps-fault", "fail")
+    done = run.launch("--check-interval", "0.5", "--on-mps-fault", "fail", replicas=1)
     assert done.returncode == 0, done.stdout + done.stderr + run.logs()
     record, _ = _kill_daemon(run)
-    wait_for("the supervisor to exit", lambda: not alive(record["supervisor"]["pid"]), 30,
+    supervisor = record["supervisor"]["pid"]
+    wait_for("the supervisor to stop the run and exit", lambda: not alive(supervisor), 30,
              interval=0.1)
     _assert_gone(run, record)
 
@@ -284,7 +283,7 @@ def test_run_stopped_by_an_mps_fault_keeps_its_state_for_diagnosis(mps_run):
 
 def test_daemon_restarts_are_budgeted_then_the_run_stops(mps_run):
     run = mps_run
-    done = run.launch("--check-interval", "0.5", "--restart-budget", "1")
+    done = run.launch("--check-interval", "0.5", "--restart-budget", "1", replicas=1)
     assert done.returncode == 0, done.stdout + done.stderr + run.logs()
     _kill_daemon(run)
     _restart_after_killing_the_daemon(run)  # the one restart the budget allows
@@ -297,31 +296,3 @@ def test_daemon_restarts_are_budgeted_then_the_run_stops(mps_run):
     faults = [json.loads(line) for line in (run.run_dir / "events.jsonl").read_text()
               .splitlines() if '"mps_fault"' in line]
     assert [f["action"] for f in faults] == ["restart", "fail"]
-
-
-def test_down_with_a_foreign_client_attached_keeps_the_daemon_and_says_so(mps_run):
-    """"nothing left behind" must be able to fail: a client that is not the run's keeps the
-    daemon from quitting; down names it, exits 3 and keeps the state, touching the client not."""
-    run = mps_run
-    done = run.launch()
-    assert done.returncode == 0, done.stdout + done.stderr + run.logs()
-    record = run.record()
-    os.kill(record["supervisor"]["pid"], signal.SIGKILL)  # down does the whole teardown itself
-    foreign = subprocess.Popen(["sleep", "600"], env={"PATH": os.environ["PATH"]})
-    try:
-        run.hybrid.set_scenario(extra_clients=[foreign.pid])
-        down = run.cli("down", run.run_id)
-        assert down.returncode == 3, down.stdout + down.stderr
-        assert f"MPS client(s) {foreign.pid} are still attached" in down.stdout
-        assert "state kept" in down.stdout
-        assert foreign.poll() is None  # never signalled: not the run's
-        assert run.daemons() == [_daemon_pid(record)]  # not quit under a client
-        assert not any(alive(r["pid"], r["create_time"]) for r in record["replicas"])
-        assert run.run_dir.exists()
-    finally:
-        foreign.kill()
-        foreign.wait()
-    down = run.cli("down", run.run_id)
-    assert down.returncode == 0, down.stdout + down.stderr
-    _assert_gone(run, record)
-    assert not run.run_dir.exists()
