@@ -8,6 +8,7 @@ it); `http_json` and `http_text` are the short forms the gates use.
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import urllib.error
@@ -59,6 +60,8 @@ def call(method: str, url: str, body: object = None, *, timeout: float,
         return Answer(0, None, "", _reason(exc.reason))
     except (OSError, ValueError) as exc:  # reset, timed out mid-answer; a malformed URL
         return Answer(0, None, "", _reason(exc))
+    except http.client.HTTPException as exc:  # something not HTTP on the port, or cut short
+        return Answer(0, None, "", f"not an HTTP answer ({type(exc).__name__}: {exc})")
     text = raw.decode("utf-8", "replace")
     try:
         parsed = json.loads(text) if text else None
