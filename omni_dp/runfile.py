@@ -334,6 +334,7 @@ class GatewayRecord(Record):
     def without(self, target: str) -> GatewayRecord:
         return replace(self, entries=tuple(e for e in self.entries if e.target != target))
 
+
 def _numbered(replicas: tuple[ReplicaRecord, ...]) -> None:
     if [r.index for r in replicas] != list(range(len(replicas))):
         raise ValueError("replicas must be numbered 0..N-1, got "
