@@ -33,7 +33,12 @@ from omni_dp.launcher.planning.checks import check_options
 from omni_dp.launcher.planning.facts import LaunchFacts, gather_facts
 from omni_dp.launcher.planning.memory import memory_formula
 from omni_dp.launcher.planning.options import options_from_record
-from omni_dp.launcher.planning.plan import LaunchPlan, LaunchPlanError, plan_launch
+from omni_dp.launcher.planning.plan import (
+    LaunchPlan,
+    LaunchPlanError,
+    ReplicaPlan,
+    plan_launch,
+)
 from omni_dp.launcher.planning.share_group import LEADER
 from omni_dp.launcher.record.state import replica_record
 from omni_dp.runfile import Desired, GpuRecord, PlanRecord, ReplicaRecord, RunRecord
@@ -99,7 +104,7 @@ def _freed(gpu: GpuFacts | None, held: int) -> GpuFacts | None:
     return dataclasses.replace(gpu, memory_used_bytes=max(0, gpu.memory_used_bytes - held))
 
 
-def _launched(old: ReplicaRecord, planned) -> ReplicaRecord:
+def _launched(old: ReplicaRecord, planned: ReplicaPlan) -> ReplicaRecord:
     """The replica as a change wants it: its planned launch (argv, env, CPU block)."""
     return dataclasses.replace(wanted(old), argv=tuple(planned.argv), env=dict(planned.env),
                                cpus=format_cpu_list(planned.cpus) if planned.cpus else None)
