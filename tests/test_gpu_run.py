@@ -224,9 +224,10 @@ def test_steps_that_time_out_or_fail_are_rows_and_the_next_runs(tmp_path):
 @pytest.mark.slow
 def test_steps_past_the_budget_are_skipped_and_said_so(tmp_path):
     """20 s before the teardown's reserve: the probe runs, then neither the smoke test (it
-    needs 20) nor the headline (60) has room."""
+    needs 20) nor the headline (60) has room, however long the probe took. The probe gets 18 s
+    of the 20: on a loaded machine it took 9-13 s (8 timed it out beside vLLM's start)."""
     rc, summary = gpu_run(tmp_path / "out", BUDGET="70", TEARDOWN_RESERVE="50",
-                          LIMIT_PROBE="8")
+                          LIMIT_PROBE="18")
     assert rc == 1
     assert row(summary, "probe") == "ok"
     assert re.match(r"skipped: budget spent \(\d+ s left, the step needs 20\)",
