@@ -195,6 +195,13 @@ async def workers(session: aiohttp.ClientSession, url: str) -> dict[str, dict]:
     return {w["id"]: w for w in json.loads(body)["workers"]}
 
 
+def admitted(served, names) -> bool:
+    """Every replica found healthy by its first check: flooded before it, a replica stays
+    unknown (failed checks eject a healthy one only) and is never decided; a loaded machine
+    flooded them before the first check ended."""
+    return all(served.replica(name).health is Health.HEALTHY for name in names)
+
+
 def decided(served, names) -> bool:
     """Every replica was found hung or failing: ejected, or kept in by the bound."""
     replicas = [served.replica(name) for name in names]
@@ -214,6 +221,7 @@ def test_a_flood_that_slows_every_replica_past_the_first_byte_timeout_ejects_at_
             config = make_config([f"{s.name}={s.url}" for s in stand_ins],
                                  policy="round_robin", failures=100, **TIMEOUTS)
             async with serve(config) as served, client() as session:
+                await until(lambda: admitted(served, names), 10.0, "every replica admitted")
                 for stand_in in stand_ins:
                     stand_in.flooded = True
                 flood = [asyncio.create_task(fetch(session, "POST", served.url + "/v1/x",
@@ -266,6 +274,7 @@ def test_with_the_bound_at_100_percent_a_flood_ejects_every_replica():
                                               policy="round_robin", failures=100,
                                               replica_wait_s=0.0, **TIMEOUTS), 100)
             async with serve(config) as served, client() as session:
+                await until(lambda: admitted(served, names), 10.0, "every replica admitted")
                 for stand_in in stand_ins:
                     stand_in.flooded = True
                 flood = [asyncio.create_task(fetch(session, "POST", served.url + "/v1/x",
@@ -294,6 +303,7 @@ def test_slow_health_checks_eject_one_of_two_and_its_readmission_frees_the_bound
             config = make_config([f"a={a.url}", f"b={b.url}"], interval=0.1, failures=2,
                                  successes=1, health_timeout=0.3)
             async with serve(config) as served, client() as session:
+                await until(lambda: admitted(served, ["a", "b"]), 10.0, "both admitted")
                 a.flooded = b.flooded = True
                 await until(lambda: decided(served, ["a", "b"]), 10.0,
                             "both failed their checks")
